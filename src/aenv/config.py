@@ -1,0 +1,119 @@
+"""Server configuration: one TOML file plus ``AENV_*`` environment overrides.
+
+Precedence (last wins): built-in defaults < TOML file (``AENV_CONFIG`` or ``<state_dir>/config.toml``) <
+``AENV_<FIELD>`` environment variables < explicit CLI flags. ``aenv serve --help`` lists the fields.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+def _is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def default_state_dir() -> Path:
+    """Where sandboxes, the database and templates live (``/var/lib/aenv`` as root)."""
+    if _is_root():
+        return Path("/var/lib/aenv")
+    return Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local/share")) / "aenv"
+
+
+def default_cache_dir() -> Path:
+    """Where rebuildable artefacts live: tools bundle, base rootfs, kernels, image layers."""
+    if _is_root():
+        return Path("/var/cache/aenv")
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "aenv"
+
+
+class Settings(BaseModel):
+    """Every knob of the server. Unknown keys are rejected so typos surface at start-up."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    state_dir: Path = Field(default_factory=default_state_dir, description="state: DB, sandboxes, templates")
+    cache_dir: Path = Field(default_factory=default_cache_dir, description="rebuildable artefacts")
+    host: str = Field("127.0.0.1", description="bind address; anything else without api_keys is loudly warned")
+    port: int = Field(8000, ge=0, le=65535)
+    runtime: Literal["ns", "vm", "auto"] = Field("auto", description="sandbox runtime")
+    default_timeout: int = Field(300, gt=0, description="sandbox TTL in seconds when the client gives none")
+    max_timeout: int = Field(86400, gt=0, description="largest TTL a client may ask for, seconds")
+    api_keys: list[str] = Field(default_factory=list, description="accepted X-API-KEY values; empty = no auth")
+    max_sandboxes: int = Field(1000, gt=0, description="admission limit on live sandboxes")
+    max_concurrent_starts: int = Field(32, gt=0, description="creates in flight before answering 429")
+    pool_size: int = Field(2, ge=0, description="pre-started sandboxes kept ready per hot template")
+    reaper_interval: float = Field(1.0, gt=0, description="seconds between TTL sweeps")
+    default_cpu_count: int = Field(2, gt=0)
+    default_memory_mb: int = Field(512, gt=0)
+    default_disk_mb: int = Field(2048, gt=0)
+    pids_limit: int = Field(4096, gt=0, description="max processes per sandbox")
+    max_metadata_bytes: int = Field(16384, gt=0, description="largest metadata map accepted at create")
+    metrics_public: bool = Field(True, description="serve /metrics without an API key")
+    registry_mirrors: dict[str, str] = Field(default_factory=dict, description='e.g. {"docker.io": "http://127.0.0.1:5000"}')
+    insecure_registries: list[str] = Field(default_factory=list)
+    layer_cache_bytes: int = Field(20 * 1024**3, gt=0, description="byte budget of the image layer cache")
+    log_level: str = Field("info")
+
+    @field_validator("state_dir", "cache_dir", mode="after")
+    @classmethod
+    def _absolute(cls, v: Path) -> Path:
+        return v.expanduser().absolute()
+
+    # Derived paths, kept here so every module agrees on the layout.
+    @property
+    def db_path(self) -> Path:
+        return self.state_dir / "aenv.db"
+
+    @property
+    def sandboxes_dir(self) -> Path:
+        return self.state_dir / "sandboxes"
+
+    @property
+    def templates_dir(self) -> Path:
+        return self.state_dir / "templates"
+
+    @property
+    def snapshots_dir(self) -> Path:
+        return self.state_dir / "snapshots"
+
+
+_LIST_FIELDS = {"api_keys", "insecure_registries"}
+_DICT_FIELDS = {"registry_mirrors"}
+
+
+def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in Settings.model_fields:
+        raw = environ.get(f"AENV_{name.upper()}")
+        if raw is None:
+            continue
+        if name in _LIST_FIELDS:
+            out[name] = [p.strip() for p in raw.split(",") if p.strip()]
+        elif name in _DICT_FIELDS:
+            # "docker.io=http://127.0.0.1:5000,ghcr.io=http://..."
+            pairs = [p.split("=", 1) for p in raw.split(",") if "=" in p]
+            out[name] = {k.strip(): v.strip() for k, v in pairs}
+        else:
+            out[name] = raw
+    return out
+
+
+def load_settings(overrides: dict[str, Any] | None = None, environ: dict[str, str] | None = None) -> Settings:
+    """Build Settings from file + environment + explicit overrides (CLI flags)."""
+    env = dict(os.environ if environ is None else environ)
+    data: dict[str, Any] = {}
+    env_data = _env_overrides(env)
+    state_dir = Path(env_data.get("state_dir") or (overrides or {}).get("state_dir") or default_state_dir())
+    config_file = Path(env["AENV_CONFIG"]) if env.get("AENV_CONFIG") else state_dir / "config.toml"
+    if config_file.is_file():
+        with config_file.open("rb") as fh:
+            data.update(tomllib.load(fh))
+    data.update(env_data)
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return Settings(**data)

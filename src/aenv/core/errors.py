@@ -1,0 +1,85 @@
+"""The one exception tree of aenv's domain. HTTP knows nothing here; ``api/errors.py`` maps it.
+
+    AenvError
+    ├── NotFound                 sandbox, template or snapshot does not exist
+    │   ├── SandboxNotFound
+    │   ├── TemplateNotFound
+    │   └── SnapshotNotFound
+    ├── InvalidRequest           input that passed schema validation but makes no sense
+    ├── StateError               action not allowed in the current lifecycle state (e.g. pause a paused sandbox)
+    ├── Conflict                 a concurrent transition owns the object (e.g. killing)
+    ├── CapacityError            admission control refused: too many sandboxes or starts at once
+    ├── RuntimeFailure           the runtime could not do what was asked (spawn, mount, QEMU, ...)
+    │   └── SandboxUnreachable   the sandbox runs but its agent/envd did not answer
+    ├── ImageError               anything from the image pipeline (see aenv.images.errors)
+    └── StoreError               metadata persistence failed
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class AenvError(Exception):
+    """Root of aenv's errors. ``context`` carries IDs and states for logs and messages."""
+
+    def __init__(self, message: str, **context: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.context = context
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class NotFound(AenvError):
+    pass
+
+
+class SandboxNotFound(NotFound):
+    def __init__(self, sandbox_id: str) -> None:
+        super().__init__(f"sandbox '{sandbox_id}' not found", sandbox_id=sandbox_id)
+
+
+class TemplateNotFound(NotFound):
+    def __init__(self, template: str) -> None:
+        super().__init__(f"template '{template}' not found", template=template)
+
+
+class SnapshotNotFound(NotFound):
+    def __init__(self, snapshot_id: str) -> None:
+        super().__init__(f"snapshot '{snapshot_id}' not found", snapshot_id=snapshot_id)
+
+
+class InvalidRequest(AenvError):
+    pass
+
+
+class StateError(AenvError):
+    pass
+
+
+class Conflict(AenvError):
+    pass
+
+
+class CapacityError(AenvError):
+    def __init__(self, message: str, retry_after: float = 1.0, **context: Any) -> None:
+        super().__init__(message, **context)
+        self.retry_after = retry_after
+
+
+class RuntimeFailure(AenvError):
+    pass
+
+
+class SandboxUnreachable(RuntimeFailure):
+    pass
+
+
+class ImageError(AenvError):
+    pass
+
+
+class StoreError(AenvError):
+    pass

@@ -1,0 +1,117 @@
+"""The Runtime protocol: what the orchestrator needs from a sandbox technology (ns or vm).
+
+A runtime knows processes, mounts, files and sockets; it knows nothing about HTTP or the E2B API.
+The orchestrator (``aenv.core``) is its only caller and owns all bookkeeping in the store; a runtime
+keeps just enough on disk (under ``SandboxSpec.workdir``) to re-adopt or clean up after a crash.
+
+Lifecycle seen by a runtime::
+
+    create(spec) ──> running ──pause()──> paused ──resume()──> running
+        │                                                      │
+        └──────────────────── kill() (any state) ──────────────┘
+
+Every method is idempotent where that makes sense: ``kill`` of a dead sandbox returns quietly,
+``close`` twice is a no-op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from aenv.mux.stream import MuxStream
+
+
+@dataclass(frozen=True)
+class TemplateImage:
+    """What a runtime needs to start a sandbox from a template."""
+
+    template_id: str
+    rootfs: Path  # unpacked root filesystem directory (ns: overlay lower; vm: source of the ext4 base)
+    lowers: tuple[Path, ...] = ()  # extra read-only lowers (image layers, top first); empty = just rootfs
+    env: dict[str, str] = field(default_factory=dict)  # image Env
+    workdir: str | None = None  # image WorkingDir
+    user: str = "user"  # default user for processes and files
+    start_cmd: str | None = None  # started in the background once at sandbox start
+    ready_cmd: str | None = None
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """Everything a runtime needs to create one sandbox. Immutable; the orchestrator builds it."""
+
+    sandbox_id: str
+    template: TemplateImage
+    workdir: Path  # the sandbox's own directory under the state dir; the runtime may put anything in it
+    cpu_count: int = 2
+    memory_mb: int = 512
+    disk_mb: int = 2048
+    pids_limit: int = 4096
+    allow_internet: bool = True
+    env_vars: dict[str, str] = field(default_factory=dict)  # sandbox-wide env (E2B envVars)
+    access_token: str | None = None  # envd X-Access-Token, None = no envd auth
+
+
+@dataclass
+class ResourceSample:
+    """One metrics sample, in the units E2B's SandboxMetric uses."""
+
+    timestamp: float
+    cpu_count: int
+    cpu_used_pct: float
+    mem_used: int
+    mem_total: int
+    mem_cache: int
+    disk_used: int
+    disk_total: int
+
+
+@dataclass
+class RuntimeState:
+    """Opaque, JSON-serialisable facts a runtime stores to re-adopt a sandbox after a restart
+    (pids, cgroup paths, socket paths). The orchestrator persists it verbatim in the store."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Runtime(Protocol):
+    """A sandbox technology. Implementations: ``aenv.runtime.ns.NsRuntime``, ``aenv.runtime.vm.VmRuntime``."""
+
+    name: str  # "ns" | "vm"
+
+    async def start(self) -> None:
+        """Prepare host resources (cgroup roots, tools bundle, pools). Called once at server start."""
+
+    async def close(self) -> None:
+        """Release host resources that are not per-sandbox (pools, background tasks). Sandboxes stay."""
+
+    async def create(self, spec: SandboxSpec) -> RuntimeState:
+        """Start a sandbox and return only when envd inside answers ``GET /health`` and has been
+        initialised (env vars, access token, identity). Raises RuntimeFailure on any failure, after
+        cleaning up everything it started."""
+
+    async def open_stream(self, sandbox_id: str, port: int) -> MuxStream:
+        """A fresh byte stream to TCP ``port`` inside the sandbox (49983 = envd).
+        Raises SandboxNotFound / SandboxUnreachable."""
+
+    async def pause(self, sandbox_id: str) -> RuntimeState:
+        """Stop all guest execution at once, keeping memory. Returns updated state."""
+
+    async def resume(self, sandbox_id: str, state: RuntimeState) -> RuntimeState:
+        """Continue a paused sandbox (possibly after a server restart)."""
+
+    async def kill(self, sandbox_id: str, state: RuntimeState | None = None) -> None:
+        """Remove the sandbox entirely: processes, mounts, cgroups, sockets, its workdir. Idempotent."""
+
+    async def adopt(self, sandbox_id: str, spec: SandboxSpec, state: RuntimeState) -> bool:
+        """After a server restart: re-attach to a sandbox left running/paused. False = it is gone
+        (the caller then calls kill() to clean leftovers)."""
+
+    async def metrics(self, sandbox_id: str) -> ResourceSample:
+        """A current resource sample (CPU since last sample, memory, disk)."""
+
+    def capabilities(self) -> dict[str, Any]:
+        """What this runtime can do here, for ``aenv doctor`` and API responses
+        (e.g. {"pause": "freezer", "snapshot": "filesystem", "fork": "filesystem+criu"})."""

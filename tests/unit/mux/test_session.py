@@ -1,0 +1,119 @@
+"""The mux over a socketpair: open/refuse, echo, flow control, half close, channel loss."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import pytest
+
+from aenv.mux import MuxSession, StreamClosed, StreamRefused
+from aenv.mux.protocol import WINDOW_SIZE, Frame, FrameType, ProtocolError, decode_header
+
+
+async def _echo_server() -> tuple[asyncio.AbstractServer, int]:
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while data := await r.read(65536):
+            w.write(data)
+            await w.drain()
+        w.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def _pair(ports: dict[int, int]) -> tuple[MuxSession, MuxSession]:
+    a, b = socket.socketpair()
+
+    async def accept(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if port not in ports:
+            raise ConnectionRefusedError(f"nothing on {port}")
+        return await asyncio.open_connection("127.0.0.1", ports[port])
+
+    hr, hw = await asyncio.open_unix_connection(sock=a)
+    ar, aw = await asyncio.open_unix_connection(sock=b)
+    agent = MuxSession(ar, aw, accept=accept, name="agent")
+    host = MuxSession(hr, hw, name="host")
+    await agent.start()
+    await host.start()
+    return host, agent
+
+
+async def test_echo_roundtrip_and_many_streams() -> None:
+    server, port = await _echo_server()
+    host, agent = await _pair({7: port})
+    try:
+        streams = [await host.open(7) for _ in range(20)]
+        for i, s in enumerate(streams):
+            await s.write(f"hello {i}".encode())
+        for i, s in enumerate(streams):
+            assert await s.read() == f"hello {i}".encode()
+        for s in streams:
+            await s.aclose()
+        await host.ping()
+    finally:
+        await host.aclose()
+        await agent.aclose()
+        server.close()
+
+
+async def test_large_transfer_respects_window() -> None:
+    server, port = await _echo_server()
+    host, agent = await _pair({7: port})
+    try:
+        s = await host.open(7)
+        payload = os.urandom(3 * WINDOW_SIZE + 123)
+
+        async def writer() -> None:
+            await s.write(payload)
+            await s.write_eof()
+
+        task = asyncio.create_task(writer())
+        received = bytearray()
+        while chunk := await s.read():
+            received += chunk
+        await task
+        assert bytes(received) == payload
+    finally:
+        await host.aclose()
+        await agent.aclose()
+        server.close()
+
+
+async def test_refused_port_raises() -> None:
+    host, agent = await _pair({})
+    try:
+        with pytest.raises(StreamRefused, match="nothing on 9"):
+            await host.open(9)
+        await host.ping()  # the session survives a refused stream
+    finally:
+        await host.aclose()
+        await agent.aclose()
+
+
+async def test_channel_loss_fails_streams() -> None:
+    server, port = await _echo_server()
+    host, agent = await _pair({7: port})
+    s = await host.open(7)
+    await agent.aclose()
+    assert await s.read() == b""
+    with pytest.raises(StreamClosed):
+        for _ in range(100):
+            await s.write(b"x" * 1024)
+            await asyncio.sleep(0.01)
+    with pytest.raises(StreamClosed):
+        await host.open(7)
+    await host.aclose()
+    server.close()
+
+
+def test_decode_rejects_garbage() -> None:
+    with pytest.raises(ProtocolError):
+        decode_header(b"\xff" * 12)
+    with pytest.raises(ProtocolError):
+        decode_header(Frame(FrameType.DATA, 1).encode()[:8])
+    big = bytearray(Frame(FrameType.DATA, 1).encode())
+    big[8:12] = (10**7).to_bytes(4, "big")
+    with pytest.raises(ProtocolError, match="exceeds"):
+        decode_header(bytes(big))
