@@ -1,0 +1,100 @@
+"""The ASGI application: control plane (FastAPI) behind the sandbox proxy, sharing one port.
+
+The lifespan owns the long-lived objects: store → runtime → orchestrator, closed in reverse order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import Depends, FastAPI
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from aenv import __version__
+from aenv.api import errors
+from aenv.api.auth import key_digests, require_api_key
+from aenv.api.proxy import SandboxProxy
+from aenv.api.routes_sandboxes import router as sandboxes_router
+from aenv.api.routes_templates import router as templates_router
+from aenv.config import Settings
+from aenv.core.orchestrator import Orchestrator
+from aenv.core.templates import TemplateCatalog
+from aenv.runtime.base import Runtime
+from aenv.store.sqlite import Store
+
+log = logging.getLogger("aenv.api")
+
+
+def ensure_base_template(settings: Settings, catalog: TemplateCatalog) -> None:
+    """Register the default ``base`` template from the cached bootstrap rootfs (building it if missing)."""
+    row = catalog.store.get_template("base")
+    if row is not None and (row.kind != "bootstrap" or Path(row.rootfs).is_dir()):
+        return
+    from aenv.images.bootstrap import ensure_base_rootfs
+
+    rootfs = ensure_base_rootfs(settings)
+    catalog.register(alias="base", kind="bootstrap", rootfs=rootfs, source="debian:bookworm", template_id="base")
+    log.info("template base registered from %s", rootfs)
+
+
+def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_base: bool = True) -> Any:
+    """Build the ASGI app. ``runtime`` may be injected (tests); otherwise chosen from settings."""
+    holder: dict[str, Orchestrator] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        import asyncio
+
+        from aenv.runtime.select import make_runtime
+
+        settings.state_dir.mkdir(parents=True, exist_ok=True)
+        store = Store(settings.db_path)
+        catalog = TemplateCatalog(settings, store)
+        if ensure_base:
+            await asyncio.to_thread(ensure_base_template, settings, catalog)
+        rt = runtime or make_runtime(settings)
+        orch = Orchestrator(settings, store, rt, catalog)
+        await orch.start()
+        holder["orch"] = orch
+        app.state.orchestrator = orch
+        app.state.catalog = catalog
+        app.state.settings = settings
+        app.state.api_key_digests = key_digests(settings.api_keys)
+        log.info("aenv %s serving with runtime=%s state=%s", __version__, rt.name, settings.state_dir)
+        try:
+            yield
+        finally:
+            await proxy.aclose()
+            await orch.close()
+            store.close()
+
+    api = FastAPI(title="aenv", version=__version__, lifespan=lifespan)
+    errors.install(api)
+    api.include_router(sandboxes_router)
+    api.include_router(templates_router)
+
+    @api.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "ok", "version": __version__})
+
+    @api.get("/metrics", response_class=PlainTextResponse)
+    async def prometheus() -> PlainTextResponse:
+        orch = holder.get("orch")
+        lines = ["# HELP aenv_sandboxes Sandboxes by state", "# TYPE aenv_sandboxes gauge"]
+        if orch is not None:
+            for state, n in orch.stats()["sandboxes"].items():
+                lines.append(f'aenv_sandboxes{{state="{state}"}} {n}')
+            lines += ["# TYPE aenv_sandboxes_starting gauge", f"aenv_sandboxes_starting {orch.stats()['starting']}"]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    @api.get("/aenv/info", dependencies=[Depends(require_api_key)])
+    async def info() -> JSONResponse:
+        orch = holder["orch"]
+        return JSONResponse({"version": __version__, **orch.stats(), "capabilities": orch.runtime.capabilities()})
+
+    proxy = SandboxProxy(api, lambda: holder["orch"])
+    return proxy

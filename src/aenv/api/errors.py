@@ -1,0 +1,76 @@
+"""Errors become E2B-shaped responses here, and only here: ``{"code": <status>, "message": <text>}``.
+
+Domain errors are mapped by walking the exception's MRO, so a subclass inherits its parent's status.
+Anything unmapped is a 500 that is logged with its traceback; the client still gets a JSON body.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from aenv.core import errors as e
+
+log = logging.getLogger("aenv.api")
+
+STATUS: dict[type[BaseException], int] = {
+    e.NotFound: 404,
+    e.InvalidRequest: 400,
+    e.StateError: 409,
+    e.Conflict: 409,
+    e.CapacityError: 429,
+    e.SandboxUnreachable: 502,
+    e.RuntimeFailure: 500,
+    e.ImageError: 400,
+    e.StoreError: 500,
+    e.AenvError: 500,
+}
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
+    return JSONResponse({"code": status, "message": message, **extra}, status_code=status, headers=headers)
+
+
+def status_for(exc: BaseException) -> int:
+    for cls in type(exc).__mro__:
+        if cls in STATUS:
+            return STATUS[cls]
+    return 500
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        parts.append(f"{loc or 'body'}: {err.get('msg', 'invalid')}")
+    return "invalid request: " + "; ".join(parts)
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(e.AenvError)
+    async def _domain(_: Request, exc: e.AenvError) -> JSONResponse:
+        status = status_for(exc)
+        headers = None
+        if isinstance(exc, e.CapacityError):
+            headers = {"Retry-After": str(max(1, round(exc.retry_after)))}
+        if status >= 500:
+            log.error("error %s: %s %s", status, exc, exc.context)
+        return error_response(status, exc.message, headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(400, _validation_message(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _crash(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return error_response(500, f"internal error: {type(exc).__name__}")

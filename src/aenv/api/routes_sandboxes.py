@@ -1,0 +1,215 @@
+"""E2B control-plane routes for sandboxes (spec §2.2.1–2.2.8): thin translation to Orchestrator calls."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+from urllib.parse import unquote_plus
+
+from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
+from fastapi.responses import JSONResponse
+
+from aenv.api import serialize
+from aenv.api.auth import require_api_key
+from aenv.api.deps import orchestrator
+from aenv.api.models import ConnectBody, NewSandbox, PauseBody, TimeoutBody
+from aenv.core.errors import InvalidRequest
+from aenv.core.models import CreateRequest, ListQuery, SandboxState
+from aenv.core.orchestrator import Orchestrator
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+MAX_LIST_LIMIT = 100
+
+
+def parse_metadata_filter(raw: str | None) -> dict[str, str]:
+    """Decode the SDKs' double-encoded ``metadata`` query value (spec §2.2.3)."""
+    if not raw:
+        return {}
+    out: dict[str, str] = {}
+    for pair in unquote_plus(raw).split("&"):
+        if not pair:
+            continue
+        parts = pair.split("=")
+        if len(parts) != 2:
+            raise InvalidRequest(f"invalid metadata filter: '{pair}' is not key=value")
+        out[unquote_plus(parts[0])] = unquote_plus(parts[1])
+    return out
+
+
+def parse_states(raw: str | None) -> frozenset[SandboxState]:
+    if not raw:
+        return frozenset({SandboxState.RUNNING, SandboxState.PAUSED})
+    states = set()
+    for item in raw.split(","):
+        item = item.strip()
+        if item not in ("running", "paused"):
+            raise InvalidRequest(f"invalid state '{item}': use running and/or paused")
+        states.add(SandboxState(item))
+    return frozenset(states)
+
+
+def _parse_time(raw: str | None, name: str) -> float | None:
+    if raw is None or raw == "":
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        pass
+    try:
+        return dt.datetime.fromisoformat(raw.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        raise InvalidRequest(f"invalid {name}: '{raw}' is neither unix seconds nor ISO 8601") from None
+
+
+def _check_metadata_size(meta: dict[str, str], limit: int) -> None:
+    size = sum(len(k.encode()) + len(v.encode()) for k, v in meta.items())
+    if size > limit:
+        raise InvalidRequest(f"metadata too large: {size} bytes, the limit is {limit}")
+
+
+async def _create(body: NewSandbox, orch: Orchestrator, idempotency_key: str | None, secure_default: bool) -> JSONResponse:
+    meta = body.metadata or {}
+    _check_metadata_size(meta, orch.settings.max_metadata_bytes)
+    env_vars = body.envVars or {}
+    _check_metadata_size(env_vars, orch.settings.max_metadata_bytes * 4)
+    if idempotency_key is not None and not (0 < len(idempotency_key) <= 255):
+        raise InvalidRequest("Idempotency-Key must be 1-255 characters")
+    req = CreateRequest(
+        template=body.templateID,
+        timeout=body.timeout,
+        metadata=meta,
+        env_vars=env_vars,
+        auto_pause=body.autoPause,
+        auto_resume=bool(body.autoResume and body.autoResume.enabled),
+        allow_internet=body.allow_internet_access is not False,
+        secure=body.secure if body.secure is not None else secure_default,
+        cpu_count=body.cpuCount,
+        memory_mb=body.memoryMB,
+        idempotency_key=idempotency_key,
+    )
+    sbx = await orch.create(req)
+    return JSONResponse(serialize.sandbox(sbx), status_code=201)
+
+
+@router.post("/v2/sandboxes", status_code=201)
+async def create_v2(
+    body: NewSandbox,
+    orch: Orchestrator = Depends(orchestrator),
+    idempotency_key: str | None = Header(default=None, alias="Idempotency-Key"),
+) -> JSONResponse:
+    # New SDKs do not send `secure`; E2B issues an access token by default, and so do we.
+    return await _create(body, orch, idempotency_key, secure_default=True)
+
+
+@router.post("/sandboxes", status_code=201)
+async def create_legacy(body: NewSandbox, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
+    return await _create(body, orch, None, secure_default=False)
+
+
+@router.get("/v2/sandboxes")
+async def list_v2(
+    request: Request,
+    orch: Orchestrator = Depends(orchestrator),
+    metadata: str | None = None,
+    state: str | None = None,
+    limit: int = Query(MAX_LIST_LIMIT, ge=1, le=MAX_LIST_LIMIT),
+    nextToken: str | None = None,
+    order: str = Query("desc", pattern="^(asc|desc)$"),
+    startedAfter: str | None = None,
+    template: str | None = None,
+) -> JSONResponse:
+    query = ListQuery(
+        states=parse_states(state),
+        metadata=parse_metadata_filter(metadata),
+        template=template,
+        started_after=_parse_time(startedAfter, "startedAfter"),
+        descending=order == "desc",
+        limit=limit,
+        after=nextToken,
+    )
+    page, token = orch.list(query)
+    headers = {"X-Next-Token": token} if token else None
+    return JSONResponse([serialize.listed(s) for s in page], headers=headers)
+
+
+@router.get("/sandboxes")
+async def list_legacy(orch: Orchestrator = Depends(orchestrator), metadata: str | None = None) -> JSONResponse:
+    query = ListQuery(
+        states=frozenset({SandboxState.RUNNING}), metadata=parse_metadata_filter(metadata), limit=10**9
+    )
+    page, _ = orch.list(query)
+    return JSONResponse([serialize.listed(s) for s in page])
+
+
+@router.get("/sandboxes/{sandbox_id}")
+async def get_sandbox(sandbox_id: str, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
+    return JSONResponse(serialize.detail(orch.get(sandbox_id)))
+
+
+@router.delete("/sandboxes/{sandbox_id}", status_code=204)
+async def kill_sandbox(sandbox_id: str, orch: Orchestrator = Depends(orchestrator)) -> Response:
+    await orch.kill(sandbox_id)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
+async def set_timeout(sandbox_id: str, body: TimeoutBody, orch: Orchestrator = Depends(orchestrator)) -> Response:
+    await orch.set_timeout(sandbox_id, body.timeout)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/refreshes", status_code=204)
+async def refresh(
+    sandbox_id: str, body: dict[str, Any] | None = Body(default=None), orch: Orchestrator = Depends(orchestrator)
+) -> Response:
+    duration = (body or {}).get("duration")
+    if duration is not None and (not isinstance(duration, int) or isinstance(duration, bool)):
+        raise InvalidRequest("duration must be an integer number of seconds")
+    await orch.connect(sandbox_id, duration)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/pause", status_code=204)
+async def pause(
+    sandbox_id: str, body: PauseBody | None = None, orch: Orchestrator = Depends(orchestrator)
+) -> Response:
+    await orch.pause(sandbox_id)
+    return Response(status_code=204)
+
+
+async def _connect(sandbox_id: str, timeout: int | None, orch: Orchestrator) -> JSONResponse:
+    sbx, resumed = await orch.connect(sandbox_id, timeout)
+    return JSONResponse(serialize.sandbox(sbx), status_code=201 if resumed else 200)
+
+
+@router.post("/v2/sandboxes/{sandbox_id}/connect")
+async def connect_v2(
+    sandbox_id: str, body: ConnectBody | None = None, orch: Orchestrator = Depends(orchestrator)
+) -> JSONResponse:
+    return await _connect(sandbox_id, body.timeout if body else None, orch)
+
+
+@router.post("/sandboxes/{sandbox_id}/connect")
+async def connect_legacy(
+    sandbox_id: str, body: ConnectBody | None = None, orch: Orchestrator = Depends(orchestrator)
+) -> JSONResponse:
+    return await _connect(sandbox_id, body.timeout if body else None, orch)
+
+
+@router.post("/sandboxes/{sandbox_id}/resume", status_code=201)
+async def resume_legacy(
+    sandbox_id: str, body: ConnectBody | None = None, orch: Orchestrator = Depends(orchestrator)
+) -> JSONResponse:
+    sbx = orch.get(sandbox_id)
+    if sbx.state is SandboxState.RUNNING:
+        return JSONResponse({"code": 409, "message": f"sandbox '{sandbox_id}' is already running"}, status_code=409)
+    return await _connect(sandbox_id, body.timeout if body else None, orch)
+
+
+@router.get("/sandboxes/{sandbox_id}/metrics")
+async def metrics(
+    sandbox_id: str, orch: Orchestrator = Depends(orchestrator), start: str | None = None, end: str | None = None
+) -> JSONResponse:
+    samples = await orch.metrics(sandbox_id, _parse_time(start, "start"), _parse_time(end, "end"))
+    return JSONResponse([serialize.metric(s) for s in samples])

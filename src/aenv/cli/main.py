@@ -1,0 +1,334 @@
+"""The ``aenv`` command. ``serve``, ``setup`` and ``doctor`` act on this machine; every other command talks
+to a running server over HTTP (``--server`` / AENV_SERVER, default http://127.0.0.1:8000)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from aenv.cli.client import ServerClient
+from aenv.cli.output import ExitStatus, Printer
+
+app = typer.Typer(
+    help="aenv: E2B-compatible agent environments (namespace sandboxes and microVMs).\n\n"
+    "Quick start: `aenv serve` in one terminal, then `aenv start base` for a shell, or point the E2B SDK at it:\n"
+    "E2B_API_URL=http://127.0.0.1:8000 E2B_SANDBOX_URL=http://127.0.0.1:8000.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+template_app = typer.Typer(help="Templates: list and remove (`aenv pull` makes them from images).", no_args_is_help=True)
+app.add_typer(template_app, name="template")
+
+ServerOpt = typer.Option(None, "--server", envvar="AENV_SERVER", help="aenv server URL [default: http://127.0.0.1:8000]")
+KeyOpt = typer.Option(None, "--api-key", help="API key (else AENV_API_KEY or E2B_API_KEY)")
+
+
+def _client(server: str | None, api_key: str | None, quiet: bool = False) -> ServerClient:
+    return ServerClient.from_env(server, api_key, Printer(quiet=quiet))
+
+
+# ---- local commands ------------------------------------------------------------------------------
+@app.command()
+def serve(
+    host: Optional[str] = typer.Option(None, help="bind address (AENV_HOST) [default: 127.0.0.1]"),
+    port: Optional[int] = typer.Option(None, help="port (AENV_PORT) [default: 8000]"),
+    runtime: Optional[str] = typer.Option(None, help="ns | vm | auto (AENV_RUNTIME) [default: auto]"),
+    state_dir: Optional[Path] = typer.Option(None, help="state directory (AENV_STATE_DIR)"),
+    pool_size: Optional[int] = typer.Option(None, help="pre-started sandboxes per hot template (AENV_POOL_SIZE)"),
+    log_level: Optional[str] = typer.Option(None, help="debug | info | warning (AENV_LOG_LEVEL)"),
+) -> None:
+    """Run the server: E2B control plane and sandbox proxy on one port.
+
+    Every setting can also come from a TOML file (AENV_CONFIG, default <state_dir>/config.toml) or an
+    AENV_<NAME> environment variable: state_dir, cache_dir, host, port, runtime, default_timeout,
+    max_timeout, api_keys (comma list), max_sandboxes, max_concurrent_starts, pool_size, pids_limit,
+    registry_mirrors ("docker.io=http://127.0.0.1:5000"), insecure_registries, layer_cache_bytes.
+    """
+    import logging
+
+    import uvicorn
+
+    from aenv.api.app import create_app
+    from aenv.config import load_settings
+
+    printer = Printer()
+    if runtime is not None and runtime not in ("ns", "vm", "auto"):
+        printer.fail(f"unknown runtime '{runtime}'", hint="use --runtime ns, vm or auto", status=ExitStatus.USAGE)
+    try:
+        settings = load_settings(
+            {"host": host, "port": port, "runtime": runtime, "state_dir": state_dir, "pool_size": pool_size, "log_level": log_level}
+        )
+    except Exception as exc:  # pydantic ValidationError, TOML errors
+        printer.fail("invalid configuration", causes=[str(exc)], status=ExitStatus.USAGE)
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr
+    )
+    if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_keys:
+        printer.err.print(
+            f"[bold yellow]WARNING:[/] binding to {settings.host} with no API keys: anyone who can reach this port "
+            "can run code here. Set AENV_API_KEYS.",
+            markup=True,
+        )
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        access_log=False,
+        timeout_keep_alive=75,
+        server_header=False,
+    )
+
+
+@app.command()
+def setup(
+    skip_base: bool = typer.Option(False, help="do not build the base template rootfs"),
+) -> None:
+    """Prepare this machine: the tools bundle mounted into sandboxes and the `base` template rootfs."""
+    from aenv.config import load_settings
+
+    printer = Printer()
+    settings = load_settings()
+    from aenv.runtime.tools import ensure_tools
+
+    t0 = time.monotonic()
+    tools = ensure_tools(settings)
+    printer.info(f"tools bundle: {tools} ({time.monotonic() - t0:.1f}s)")
+    if not skip_base:
+        from aenv.images.bootstrap import ensure_base_rootfs
+
+        t0 = time.monotonic()
+        rootfs = ensure_base_rootfs(settings)
+        printer.info(f"base rootfs: {rootfs} ({time.monotonic() - t0:.1f}s)")
+
+
+@app.command()
+def doctor(output: str = typer.Option("text", "--output", "-o", help="text | json")) -> None:
+    """What this machine can do: runtimes, accelerator, cgroups, CRIU — and why."""
+    from aenv.config import load_settings
+    from aenv.runtime.doctor import collect
+
+    report = collect(load_settings())
+    if output == "json":
+        Printer().json(report)
+        return
+    p = Printer()
+    for key, value in report.items():
+        p.data(f"{key:>18}: {value}")
+
+
+# ---- sandbox commands ----------------------------------------------------------------------------
+@app.command()
+def start(
+    template: str = typer.Argument("base", help="template name or ID"),
+    detach: bool = typer.Option(False, "-d", "--detach", help="only create it and print the ID"),
+    timeout: int = typer.Option(300, help="sandbox TTL in seconds"),
+    server: Optional[str] = ServerOpt,
+    api_key: Optional[str] = KeyOpt,
+) -> None:
+    """Create a sandbox and attach an interactive shell (or print its ID with -d)."""
+    client = _client(server, api_key)
+    resp = client.request("POST", "/v2/sandboxes", json={"templateID": template, "timeout": timeout})
+    sandbox_id = resp.json()["sandboxID"]
+    if detach:
+        client.printer.data(sandbox_id)
+        return
+    client.printer.info(f"sandbox {sandbox_id} (exit the shell to leave it running; `aenv rm {sandbox_id}` to remove)")
+    from aenv.cli.shell import attach_shell
+
+    raise SystemExit(attach_shell(client.sdk_connect(sandbox_id)))
+
+
+@app.command("exec", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def exec_(
+    sandbox_id: str = typer.Argument(..., help="sandbox ID"),
+    command: list[str] = typer.Argument(..., help="command to run (after --)"),
+    user: Optional[str] = typer.Option(None, "--user", "-u", help="run as this user (root or user)"),
+    cwd: Optional[str] = typer.Option(None, "--cwd", help="working directory"),
+    timeout: int = typer.Option(0, help="kill the command after this many seconds (0 = never)"),
+    server: Optional[str] = ServerOpt,
+    api_key: Optional[str] = KeyOpt,
+) -> None:
+    """Run a command in a sandbox, streaming its output; exits with the command's exit code."""
+    import shlex
+
+    from e2b import CommandExitException
+
+    client = _client(server, api_key)
+    sbx = client.sdk_connect(sandbox_id)
+    cmd = command[0] if len(command) == 1 else shlex.join(command)
+    try:
+        result = sbx.commands.run(
+            cmd,
+            user=user,
+            cwd=cwd,
+            timeout=timeout,
+            on_stdout=lambda s: (sys.stdout.write(s), sys.stdout.flush()),
+            on_stderr=lambda s: (sys.stderr.write(s), sys.stderr.flush()),
+        )
+        raise SystemExit(result.exit_code)
+    except CommandExitException as exc:
+        raise SystemExit(exc.exit_code if 0 <= exc.exit_code < 256 else 137)
+
+
+@app.command("ls")
+def ls(
+    output: str = typer.Option("table", "--output", "-o", help="table | json"),
+    state: str = typer.Option("running,paused", help="comma list of states"),
+    server: Optional[str] = ServerOpt,
+    api_key: Optional[str] = KeyOpt,
+) -> None:
+    """List sandboxes."""
+    client = _client(server, api_key)
+    items: list[dict[str, Any]] = []
+    token: str | None = None
+    while True:
+        params = {"state": state, "limit": 100, **({"nextToken": token} if token else {})}
+        resp = client.request("GET", "/v2/sandboxes", params=params)
+        items += resp.json()
+        token = resp.headers.get("x-next-token")
+        if not token:
+            break
+    if output == "json":
+        client.printer.json(items)
+        return
+    from rich.table import Table
+
+    table = Table(box=None)
+    for col in ("SANDBOX ID", "TEMPLATE", "STATE", "STARTED", "ENDS", "CPU", "MEM MB"):
+        table.add_column(col)
+    for s in items:
+        table.add_row(
+            s["sandboxID"], s.get("alias") or s["templateID"], s["state"], s["startedAt"][:19], s["endAt"][:19],
+            str(s["cpuCount"]), str(s["memoryMB"]),
+        )
+    client.printer.out.print(table)
+
+
+@app.command()
+def pause(sandbox_id: str, server: Optional[str] = ServerOpt, api_key: Optional[str] = KeyOpt) -> None:
+    """Pause a sandbox (processes and memory are kept)."""
+    client = _client(server, api_key)
+    client.request("POST", f"/sandboxes/{sandbox_id}/pause", json={})
+    client.printer.info(f"paused {sandbox_id}")
+
+
+@app.command()
+def resume(
+    sandbox_id: str,
+    timeout: int = typer.Option(300, help="new TTL in seconds"),
+    server: Optional[str] = ServerOpt,
+    api_key: Optional[str] = KeyOpt,
+) -> None:
+    """Resume a paused sandbox."""
+    client = _client(server, api_key)
+    client.request("POST", f"/v2/sandboxes/{sandbox_id}/connect", json={"timeout": timeout})
+    client.printer.info(f"running {sandbox_id}")
+
+
+@app.command()
+def rm(sandbox_ids: list[str], server: Optional[str] = ServerOpt, api_key: Optional[str] = KeyOpt) -> None:
+    """Kill and remove sandboxes."""
+    client = _client(server, api_key)
+    for sid in sandbox_ids:
+        client.request("DELETE", f"/sandboxes/{sid}")
+        client.printer.info(f"removed {sid}")
+
+
+@app.command("timeout")
+def set_timeout(
+    sandbox_id: str, seconds: int, server: Optional[str] = ServerOpt, api_key: Optional[str] = KeyOpt
+) -> None:
+    """Set a sandbox's TTL to SECONDS from now."""
+    client = _client(server, api_key)
+    client.request("POST", f"/sandboxes/{sandbox_id}/timeout", json={"timeout": seconds})
+
+
+@app.command()
+def upload(
+    sandbox_id: str,
+    local: Path = typer.Argument(..., exists=True, dir_okay=False, help="local file"),
+    remote: str = typer.Argument(..., help="destination path in the sandbox"),
+    server: Optional[str] = ServerOpt,
+    api_key: Optional[str] = KeyOpt,
+) -> None:
+    """Copy a local file into a sandbox."""
+    client = _client(server, api_key)
+    sbx = client.sdk_connect(sandbox_id)
+    with local.open("rb") as fh:
+        info = sbx.files.write(remote, fh)
+    client.printer.info(f"wrote {info.path}")
+
+
+@app.command()
+def download(
+    sandbox_id: str,
+    remote: str = typer.Argument(..., help="path in the sandbox"),
+    local: Path = typer.Argument(..., help="local destination ('-' for stdout)"),
+    server: Optional[str] = ServerOpt,
+    api_key: Optional[str] = KeyOpt,
+) -> None:
+    """Copy a file out of a sandbox."""
+    client = _client(server, api_key)
+    sbx = client.sdk_connect(sandbox_id)
+    from e2b import NotFoundException
+
+    try:
+        data = sbx.files.read(remote, format="bytes")
+    except NotFoundException as exc:
+        client.printer.fail(f"{remote}: no such file in {sandbox_id}", causes=[str(exc)], status=ExitStatus.NOT_FOUND)
+    if str(local) == "-":
+        sys.stdout.buffer.write(bytes(data))
+    else:
+        local.write_bytes(bytes(data))
+
+
+# ---- templates -----------------------------------------------------------------------------------
+@template_app.command("ls")
+def template_ls(
+    output: str = typer.Option("table", "--output", "-o", help="table | json"),
+    server: Optional[str] = ServerOpt,
+    api_key: Optional[str] = KeyOpt,
+) -> None:
+    """List templates."""
+    client = _client(server, api_key)
+    items = client.request("GET", "/v2/templates").json()
+    if output == "json":
+        client.printer.json(items)
+        return
+    from rich.table import Table
+
+    table = Table(box=None)
+    for col in ("TEMPLATE ID", "NAME", "KIND", "SOURCE", "SIZE MB", "CREATED"):
+        table.add_column(col)
+    for t in items:
+        table.add_row(
+            t["templateID"], ",".join(t["aliases"]), t.get("kind", ""), t.get("source") or "",
+            f"{(t.get('sizeBytes') or 0) / 1e6:.0f}", t["createdAt"][:19],
+        )
+    client.printer.out.print(table)
+
+
+@template_app.command("rm")
+def template_rm(names: list[str], server: Optional[str] = ServerOpt, api_key: Optional[str] = KeyOpt) -> None:
+    """Remove templates (refused while sandboxes use them)."""
+    from urllib.parse import quote
+
+    client = _client(server, api_key)
+    for name in names:
+        client.request("DELETE", f"/templates/{quote(name, safe='')}")
+        client.printer.info(f"removed {name}")
+
+
+def main() -> None:  # pragma: no cover - console entry
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
+

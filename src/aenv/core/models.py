@@ -1,0 +1,66 @@
+"""Domain types of the orchestrator: lifecycle states and validated requests.
+
+These are plain dataclasses; ``api/`` converts E2B-shaped JSON into them and back.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from aenv.core.errors import StateError
+
+
+class SandboxState(enum.StrEnum):
+    """Lifecycle: starting → running ⇄ paused → killing (then the row is deleted).
+
+    Only ``running`` and ``paused`` are ever shown to E2B clients.
+    """
+
+    STARTING = "starting"
+    RUNNING = "running"
+    PAUSING = "pausing"
+    PAUSED = "paused"
+    RESUMING = "resuming"
+    KILLING = "killing"
+
+    @property
+    def visible(self) -> bool:
+        return self in (SandboxState.RUNNING, SandboxState.PAUSED)
+
+
+def require_state(sandbox_id: str, current: SandboxState, *allowed: SandboxState, action: str) -> None:
+    """Guard for a transition; the error says what state the sandbox is in and what would be needed."""
+    if current not in allowed:
+        wanted = " or ".join(s.value for s in allowed)
+        raise StateError(
+            f"cannot {action} sandbox '{sandbox_id}': it is {current.value} (needs {wanted})",
+            sandbox_id=sandbox_id,
+            state=current.value,
+        )
+
+
+@dataclass(frozen=True)
+class CreateRequest:
+    template: str
+    timeout: int | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    env_vars: dict[str, str] = field(default_factory=dict)
+    auto_pause: bool = False
+    auto_resume: bool = False
+    allow_internet: bool = True
+    secure: bool = True
+    cpu_count: int | None = None
+    memory_mb: int | None = None
+    idempotency_key: str | None = None
+
+
+@dataclass(frozen=True)
+class ListQuery:
+    states: frozenset[SandboxState] = frozenset({SandboxState.RUNNING, SandboxState.PAUSED})
+    metadata: dict[str, str] = field(default_factory=dict)
+    template: str | None = None
+    started_after: float | None = None
+    descending: bool = True
+    limit: int = 100
+    after: str | None = None  # cursor: the last sandbox ID of the previous page

@@ -1,0 +1,400 @@
+"""The orchestrator: the one front door for sandbox actions, composing runtime + templates + store.
+
+Every action takes the sandbox's lock, checks the lifecycle guard, writes the store *before* the
+side effect becomes visible, then calls the runtime. A background reaper enforces TTLs (kill, or pause
+with autoPause); a sampler keeps a short history of resource samples for ``/metrics``.
+Crash recovery at start-up re-adopts or cleans every sandbox the store knows and reconciles orphans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from aenv.config import Settings
+from aenv.core.errors import (
+    AenvError,
+    CapacityError,
+    InvalidRequest,
+    SandboxNotFound,
+    SandboxUnreachable,
+)
+from aenv.core.ids import new_id, new_token
+from aenv.core.models import CreateRequest, ListQuery, SandboxState, require_state
+from aenv.core.templates import TemplateCatalog
+from aenv.mux import MuxStream
+from aenv.runtime.base import ResourceSample, Runtime, RuntimeState, SandboxSpec
+from aenv.store.sqlite import SandboxRow, Store, now
+
+log = logging.getLogger("aenv.core")
+
+METRICS_INTERVAL = 5.0
+METRICS_HISTORY = 720  # one hour at 5 s
+
+
+@dataclass
+class LiveSandbox:
+    """In-memory view of one sandbox: its row, a lock that serialises transitions, its samples."""
+
+    row: SandboxRow
+    spec: SandboxSpec
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    samples: deque[ResourceSample] = field(default_factory=lambda: deque(maxlen=METRICS_HISTORY))
+
+    @property
+    def id(self) -> str:
+        return self.row.id
+
+    @property
+    def state(self) -> SandboxState:
+        return SandboxState(self.row.state)
+
+
+class Orchestrator:
+    def __init__(self, settings: Settings, store: Store, runtime: Runtime, templates: TemplateCatalog) -> None:
+        self.settings = settings
+        self.store = store
+        self.runtime = runtime
+        self.templates = templates
+        self._live: dict[str, LiveSandbox] = {}
+        self._starts = asyncio.Semaphore(settings.max_concurrent_starts)
+        self._starting = 0
+        self._tasks: list[asyncio.Task[None]] = []
+        self._seq = 0
+        self._idempotency: dict[str, asyncio.Future[LiveSandbox]] = {}
+
+    # ---- lifecycle of the orchestrator itself ---------------------------------------------------
+    async def start(self) -> None:
+        self.settings.sandboxes_dir.mkdir(parents=True, exist_ok=True)
+        await self.runtime.start()
+        await self._recover()
+        self._tasks.append(asyncio.create_task(self._reaper(), name="aenv-reaper"))
+        self._tasks.append(asyncio.create_task(self._sampler(), name="aenv-sampler"))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        self._tasks.clear()
+        await self.runtime.close()
+
+    async def _recover(self) -> None:
+        """Re-adopt what survived a restart; clean up what did not. Nothing is left half-made."""
+        rows = self.store.list_sandboxes()
+        for row in rows:
+            self._seq = max(self._seq, row.created_seq)
+            state = SandboxState(row.state)
+            try:
+                spec = self._spec_for(row)
+            except AenvError as exc:
+                log.warning("sandbox=%s recovery: %s; removing", row.id, exc)
+                await self._forget(row, None)
+                continue
+            if state in (SandboxState.RUNNING, SandboxState.PAUSED, SandboxState.PAUSING, SandboxState.RESUMING):
+                ok = False
+                with contextlib.suppress(Exception):
+                    ok = await self.runtime.adopt(row.id, spec, RuntimeState(row.runtime_state))
+                if ok:
+                    # A half-done pause/resume is settled towards the safe side: paused.
+                    if state in (SandboxState.PAUSING, SandboxState.RESUMING):
+                        with contextlib.suppress(Exception):
+                            await self.runtime.pause(row.id)
+                        row.state = SandboxState.PAUSED.value
+                        row.paused_at = row.paused_at or now()
+                        self.store.update_sandbox(row.id, state=row.state, paused_at=row.paused_at)
+                    self._live[row.id] = LiveSandbox(row=row, spec=spec)
+                    log.info("sandbox=%s recovery: re-adopted (%s)", row.id, row.state)
+                    continue
+                log.warning("sandbox=%s recovery: gone after restart; cleaning up", row.id)
+            else:
+                log.info("sandbox=%s recovery: was %s during the crash; cleaning up", row.id, state.value)
+            await self._forget(row, spec)
+        reconcile = getattr(self.runtime, "reconcile", None)
+        if reconcile is not None:
+            await reconcile(set(self._live))
+
+    async def _forget(self, row: SandboxRow, spec: SandboxSpec | None) -> None:
+        with contextlib.suppress(Exception):
+            await self.runtime.kill(row.id, RuntimeState(row.runtime_state))
+        shutil.rmtree(self.settings.sandboxes_dir / row.id, ignore_errors=True)
+        self.store.delete_sandbox(row.id)
+
+    # ---- queries --------------------------------------------------------------------------------
+    def get(self, sandbox_id: str) -> LiveSandbox:
+        sbx = self._live.get(sandbox_id)
+        if sbx is None or not sbx.state.visible:
+            raise SandboxNotFound(sandbox_id)
+        return sbx
+
+    def list(self, query: ListQuery) -> tuple[list[LiveSandbox], str | None]:
+        items = [
+            s
+            for s in self._live.values()
+            if s.state in query.states
+            and all(s.row.metadata.get(k) == v for k, v in query.metadata.items())
+            and (query.template is None or query.template in (s.row.template_id, s.row.alias))
+            and (query.started_after is None or s.row.started_at > query.started_after)
+        ]
+        items.sort(key=lambda s: (s.row.started_at, s.row.created_seq), reverse=query.descending)
+        if query.after:
+            ids = [s.id for s in items]
+            if query.after in ids:
+                items = items[ids.index(query.after) + 1 :]
+        page = items[: query.limit]
+        next_token = page[-1].id if len(items) > query.limit and page else None
+        return page, next_token
+
+    def template_ids_in_use(self) -> set[str]:
+        return {s.row.template_id for s in self._live.values()}
+
+    # ---- actions --------------------------------------------------------------------------------
+    def _check_timeout(self, timeout: int) -> None:
+        if timeout <= 0:
+            raise InvalidRequest("Timeout must be greater than 0")
+        if timeout > self.settings.max_timeout:
+            hours = self.settings.max_timeout / 3600
+            raise InvalidRequest(f"Timeout cannot be greater than {hours:g} hours")
+
+    def _spec_for(self, row: SandboxRow) -> SandboxSpec:
+        template = self.templates.resolve(row.template_id)
+        return SandboxSpec(
+            sandbox_id=row.id,
+            template=self.templates.image(template),
+            workdir=self.settings.sandboxes_dir / row.id,
+            cpu_count=row.cpu_count,
+            memory_mb=row.memory_mb,
+            disk_mb=row.disk_mb,
+            pids_limit=self.settings.pids_limit,
+            allow_internet=row.allow_internet,
+            env_vars=dict(row.env_vars),
+            access_token=row.access_token,
+        )
+
+    async def create(self, req: CreateRequest) -> LiveSandbox:
+        if req.idempotency_key:
+            existing = self._idempotency.get(req.idempotency_key)
+            if existing is not None:
+                return await asyncio.shield(existing)
+            row = self.store.find_by_idempotency_key(req.idempotency_key)
+            if row is not None and row.id in self._live:
+                return self._live[row.id]
+            fut: asyncio.Future[LiveSandbox] = asyncio.get_running_loop().create_future()
+            self._idempotency[req.idempotency_key] = fut
+            try:
+                sbx = await self._create(req)
+                fut.set_result(sbx)
+                return sbx
+            except BaseException as exc:
+                fut.set_exception(exc)
+                fut.exception()
+                raise
+            finally:
+                self._idempotency.pop(req.idempotency_key, None)
+        return await self._create(req)
+
+    async def _create(self, req: CreateRequest) -> LiveSandbox:
+        timeout = req.timeout if req.timeout is not None else self.settings.default_timeout
+        self._check_timeout(timeout)
+        template = self.templates.resolve(req.template)
+        if len(self._live) >= self.settings.max_sandboxes:
+            raise CapacityError(f"sandbox limit of {self.settings.max_sandboxes} reached", retry_after=5)
+        if self._starting >= self.settings.max_concurrent_starts:
+            raise CapacityError("too many sandboxes starting at once", retry_after=0.5)
+        self._starting += 1
+        try:
+            sandbox_id = new_id()
+            started = now()
+            self._seq += 1
+            row = SandboxRow(
+                id=sandbox_id,
+                template_id=template.id,
+                alias=template.alias,
+                state=SandboxState.STARTING.value,
+                runtime=self.runtime.name,
+                started_at=started,
+                end_at=started + timeout,
+                cpu_count=req.cpu_count or template.cpu_count,
+                memory_mb=req.memory_mb or template.memory_mb,
+                disk_mb=template.disk_mb,
+                auto_pause=req.auto_pause,
+                auto_resume=req.auto_resume,
+                allow_internet=req.allow_internet,
+                metadata=dict(req.metadata),
+                env_vars=dict(req.env_vars),
+                access_token=new_token() if req.secure else None,
+                idempotency_key=req.idempotency_key,
+                created_seq=self._seq,
+            )
+            spec = self._spec_for(row)
+            sbx = LiveSandbox(row=row, spec=spec)
+            self._live[sandbox_id] = sbx
+            self.store.put_sandbox(row)
+            try:
+                state = await self.runtime.create(spec)
+            except BaseException:
+                self._live.pop(sandbox_id, None)
+                await self._forget(row, spec)
+                raise
+            # The TTL counts from when the sandbox became usable.
+            row.started_at = now()
+            row.end_at = row.started_at + timeout
+            row.state = SandboxState.RUNNING.value
+            row.runtime_state = state.data
+            self.store.update_sandbox(
+                sandbox_id, state=row.state, started_at=row.started_at, end_at=row.end_at, runtime_state=state.data
+            )
+            log.info("sandbox=%s created template=%s runtime=%s", sandbox_id, template.id, self.runtime.name)
+            return sbx
+        finally:
+            self._starting -= 1
+
+    async def kill(self, sandbox_id: str) -> None:
+        sbx = self.get(sandbox_id)
+        async with sbx.lock:
+            if sbx.id not in self._live:
+                raise SandboxNotFound(sandbox_id)
+            sbx.row.state = SandboxState.KILLING.value
+            self.store.update_sandbox(sbx.id, state=sbx.row.state)
+            self._live.pop(sbx.id, None)
+            await self._forget(sbx.row, sbx.spec)
+        log.info("sandbox=%s killed", sandbox_id)
+
+    async def set_timeout(self, sandbox_id: str, timeout: int) -> None:
+        self._check_timeout(timeout)
+        sbx = self.get(sandbox_id)
+        async with sbx.lock:
+            require_state(sbx.id, sbx.state, SandboxState.RUNNING, action="set the timeout of")
+            sbx.row.end_at = now() + timeout
+            self.store.update_sandbox(sbx.id, end_at=sbx.row.end_at)
+
+    async def pause(self, sandbox_id: str) -> None:
+        sbx = self.get(sandbox_id)
+        async with sbx.lock:
+            require_state(sbx.id, sbx.state, SandboxState.RUNNING, action="pause")
+            await self._pause_locked(sbx)
+
+    async def _pause_locked(self, sbx: LiveSandbox) -> None:
+        sbx.row.state = SandboxState.PAUSING.value
+        self.store.update_sandbox(sbx.id, state=sbx.row.state)
+        try:
+            state = await self.runtime.pause(sbx.id)
+        except BaseException:
+            sbx.row.state = SandboxState.RUNNING.value
+            self.store.update_sandbox(sbx.id, state=sbx.row.state)
+            raise
+        sbx.row.state = SandboxState.PAUSED.value
+        sbx.row.paused_at = now()
+        sbx.row.runtime_state = state.data
+        self.store.update_sandbox(
+            sbx.id, state=sbx.row.state, paused_at=sbx.row.paused_at, runtime_state=state.data
+        )
+        log.info("sandbox=%s paused", sbx.id)
+
+    async def connect(self, sandbox_id: str, timeout: int | None) -> tuple[LiveSandbox, bool]:
+        """E2B connect: extend a running sandbox's TTL, or resume a paused one. Returns (sandbox, resumed)."""
+        timeout = timeout if timeout is not None else self.settings.default_timeout
+        self._check_timeout(timeout)
+        sbx = self.get(sandbox_id)
+        async with sbx.lock:
+            if sbx.id not in self._live:
+                raise SandboxNotFound(sandbox_id)
+            if sbx.state is SandboxState.RUNNING:
+                sbx.row.end_at = max(sbx.row.end_at, now() + timeout)
+                self.store.update_sandbox(sbx.id, end_at=sbx.row.end_at)
+                return sbx, False
+            require_state(sbx.id, sbx.state, SandboxState.PAUSED, action="resume")
+            await self._resume_locked(sbx, timeout)
+            return sbx, True
+
+    async def _resume_locked(self, sbx: LiveSandbox, timeout: int) -> None:
+        sbx.row.state = SandboxState.RESUMING.value
+        self.store.update_sandbox(sbx.id, state=sbx.row.state)
+        try:
+            state = await self.runtime.resume(sbx.id, RuntimeState(sbx.row.runtime_state))
+        except BaseException:
+            sbx.row.state = SandboxState.PAUSED.value
+            self.store.update_sandbox(sbx.id, state=sbx.row.state)
+            raise
+        sbx.row.state = SandboxState.RUNNING.value
+        sbx.row.paused_at = None
+        sbx.row.end_at = now() + timeout
+        sbx.row.runtime_state = state.data
+        self.store.update_sandbox(
+            sbx.id, state=sbx.row.state, paused_at=None, end_at=sbx.row.end_at, runtime_state=state.data
+        )
+        log.info("sandbox=%s resumed", sbx.id)
+
+    async def open_stream(self, sandbox_id: str, port: int) -> MuxStream:
+        """A byte stream into the sandbox for the proxy. Paused sandboxes resume first when autoResume is on."""
+        sbx = self._live.get(sandbox_id)
+        if sbx is None or not sbx.state.visible and sbx.state is not SandboxState.RESUMING:
+            raise SandboxNotFound(sandbox_id)
+        if sbx.state is not SandboxState.RUNNING:
+            if not sbx.row.auto_resume:
+                raise SandboxNotFound(sandbox_id)
+            async with sbx.lock:
+                if sbx.state is SandboxState.PAUSED:
+                    await self._resume_locked(sbx, self.settings.default_timeout)
+        try:
+            return await self.runtime.open_stream(sandbox_id, port)
+        except SandboxNotFound:
+            raise
+        except AenvError:
+            raise
+        except Exception as exc:
+            raise SandboxUnreachable(f"sandbox '{sandbox_id}' did not answer on port {port}: {exc}") from exc
+
+    async def metrics(self, sandbox_id: str, start: float | None, end: float | None) -> list[ResourceSample]:
+        sbx = self.get(sandbox_id)
+        if sbx.state is SandboxState.RUNNING:
+            with contextlib.suppress(Exception):
+                sample = await self.runtime.metrics(sbx.id)
+                if not sbx.samples or sample.timestamp - sbx.samples[-1].timestamp >= 1.0:
+                    sbx.samples.append(sample)
+        lo = start if start is not None else 0.0
+        hi = end if end is not None else float("inf")
+        return [s for s in sbx.samples if lo <= s.timestamp <= hi]
+
+    # ---- background work ------------------------------------------------------------------------
+    async def _reaper(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.reaper_interval)
+            t = now()
+            for sbx in list(self._live.values()):
+                if sbx.state is not SandboxState.RUNNING or sbx.row.end_at > t:
+                    continue
+                try:
+                    if sbx.row.auto_pause:
+                        async with sbx.lock:
+                            if sbx.state is SandboxState.RUNNING and sbx.row.end_at <= now():
+                                await self._pause_locked(sbx)
+                    else:
+                        log.info("sandbox=%s expired; killing", sbx.id)
+                        await self.kill(sbx.id)
+                except AenvError as exc:
+                    log.warning("sandbox=%s reaper: %s", sbx.id, exc)
+                except Exception:
+                    log.exception("sandbox=%s reaper failed", sbx.id)
+
+    async def _sampler(self) -> None:
+        while True:
+            await asyncio.sleep(METRICS_INTERVAL)
+            for sbx in list(self._live.values()):
+                if sbx.state is not SandboxState.RUNNING:
+                    continue
+                with contextlib.suppress(Exception):
+                    sbx.samples.append(await self.runtime.metrics(sbx.id))
+
+    def stats(self) -> dict[str, Any]:
+        by_state: dict[str, int] = {}
+        for s in self._live.values():
+            by_state[s.row.state] = by_state.get(s.row.state, 0) + 1
+        return {"sandboxes": by_state, "starting": self._starting, "runtime": self.runtime.name}
+

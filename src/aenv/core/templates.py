@@ -1,0 +1,90 @@
+"""The template catalog: names → runnable images. Filled by bootstrap (``base``), OCI pulls and snapshots.
+
+Templates are rows in the store pointing at read-only root filesystems in the cache or state dir.
+Whatever fills the catalog (``aenv.images``) only calls ``register``; the orchestrator only calls ``resolve``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from aenv.config import Settings
+from aenv.core.errors import Conflict, TemplateNotFound
+from aenv.core.ids import new_id
+from aenv.runtime.base import TemplateImage
+from aenv.store.sqlite import Store, TemplateRow, now
+
+
+class TemplateCatalog:
+    def __init__(self, settings: Settings, store: Store) -> None:
+        self.settings = settings
+        self.store = store
+
+    def resolve(self, name: str) -> TemplateRow:
+        row = self.store.get_template(name)
+        if row is None:
+            raise TemplateNotFound(name)
+        return row
+
+    def image(self, row: TemplateRow) -> TemplateImage:
+        cfg = row.config
+        return TemplateImage(
+            template_id=row.id,
+            rootfs=Path(row.rootfs),
+            lowers=tuple(Path(p) for p in row.lowers),
+            env=dict(cfg.get("env", {})),
+            workdir=cfg.get("workdir"),
+            user=cfg.get("user") or "user",
+            start_cmd=cfg.get("start_cmd"),
+            ready_cmd=cfg.get("ready_cmd"),
+        )
+
+    def register(
+        self,
+        *,
+        alias: str | None,
+        kind: str,
+        rootfs: Path,
+        lowers: list[Path] | None = None,
+        config: dict[str, Any] | None = None,
+        source: str | None = None,
+        cpu_count: int | None = None,
+        memory_mb: int | None = None,
+        size_bytes: int = 0,
+        pinned_layers: list[str] | None = None,
+        template_id: str | None = None,
+    ) -> TemplateRow:
+        row = TemplateRow(
+            id=template_id or new_id(),
+            alias=alias,
+            kind=kind,
+            source=source,
+            rootfs=str(rootfs),
+            lowers=[str(p) for p in lowers or []],
+            config=config or {},
+            cpu_count=cpu_count or self.settings.default_cpu_count,
+            memory_mb=memory_mb or self.settings.default_memory_mb,
+            disk_mb=self.settings.default_disk_mb,
+            size_bytes=size_bytes,
+            created_at=now(),
+            pinned_layers=pinned_layers or [],
+        )
+        self.store.put_template(row)
+        return row
+
+    def list(self) -> list[TemplateRow]:
+        return self.store.list_templates()
+
+    def delete(self, name: str, *, in_use: set[str]) -> TemplateRow:
+        """Remove a template. Refused while a sandbox uses it; files owned by the state dir are removed,
+        shared cache content (layers, the bootstrap rootfs) is left to the cache's own eviction."""
+        row = self.resolve(name)
+        if row.id in in_use:
+            raise Conflict(f"template '{name}' is used by running sandboxes", template=name)
+        self.store.delete_template(row.id)
+        owned = self.settings.templates_dir / row.id
+        if owned.exists():
+            shutil.rmtree(owned, ignore_errors=True)
+        return row

@@ -1,0 +1,62 @@
+"""``aenv doctor``: what this host can do, and why — runtimes, accelerator, cgroups, CRIU."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from aenv.config import Settings
+
+
+def _cgroup_mode() -> str:
+    if Path("/sys/fs/cgroup/cgroup.controllers").exists():
+        return "v2 (unified)"
+    if Path("/sys/fs/cgroup/memory").is_dir():
+        return "v1 (hybrid)" if Path("/sys/fs/cgroup/unified").is_dir() else "v1"
+    return "none found"
+
+
+def _criu() -> str:
+    exe = shutil.which("criu")
+    if exe is None:
+        return "absent: ns pause keeps processes frozen in memory only; snapshots are filesystem-only"
+    try:
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unusable ({exc})"
+    m = re.search(r"Version:\s*(\d+)\.(\d+)", out)
+    if not m or (int(m.group(1)), int(m.group(2))) < (4, 2):
+        return f"{out.strip().splitlines()[0] if out.strip() else 'unknown version'}: too old (needs >= 4.2 on this kernel)"
+    return f"{out.strip().splitlines()[0]} (process snapshots possible)"
+
+
+def collect(settings: Settings) -> dict[str, Any]:
+    from aenv.runtime.select import vm_unavailable_reason
+
+    vm_reason = vm_unavailable_reason(settings)
+    report: dict[str, Any] = {
+        "kernel": os.uname().release,
+        "root": os.geteuid() == 0,
+        "cgroups": _cgroup_mode(),
+        "overlayfs": "yes" if "overlay" in Path("/proc/filesystems").read_text() else "no",
+        "ns runtime": "usable" if os.geteuid() == 0 else "needs root",
+        "vm runtime": "usable" if vm_reason is None else f"unavailable: {vm_reason}",
+        "auto picks": "vm" if vm_reason is None else "ns",
+        "qemu": shutil.which("qemu-system-x86_64") or "absent",
+        "criu": _criu(),
+        "isolation note": "ns sandboxes share the host kernel (weaker isolation than vm); see README SECURITY",
+        "state dir": str(settings.state_dir),
+        "cache dir": str(settings.cache_dir),
+    }
+    try:
+        from aenv.runtime.vm.accel import probe  # type: ignore[attr-defined]
+
+        choice = probe()
+        report["accelerator"] = f"{choice.name}: {choice.reason}"
+    except Exception as exc:  # the VM package may not exist yet or the probe may fail
+        report["accelerator"] = f"unknown ({type(exc).__name__})"
+    return report

@@ -1,0 +1,244 @@
+"""Metadata persistence in SQLite (WAL): sandboxes, templates, snapshots.
+
+Small typed functions over one connection. Writes happen *before* side effects become visible
+(a sandbox row exists in state ``starting`` before its processes do), so a restart can reconcile.
+Calls are synchronous: with WAL and ``synchronous=NORMAL`` a commit is a page write to the log with no
+fsync, well under a millisecond, cheaper than a thread hop. Driver errors become ``StoreError`` here.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from aenv.core.errors import StoreError
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS sandboxes (
+    id TEXT PRIMARY KEY,
+    template_id TEXT NOT NULL,
+    alias TEXT,
+    state TEXT NOT NULL,
+    runtime TEXT NOT NULL,
+    started_at REAL NOT NULL,
+    end_at REAL NOT NULL,
+    paused_at REAL,
+    auto_pause INTEGER NOT NULL DEFAULT 0,
+    auto_resume INTEGER NOT NULL DEFAULT 0,
+    cpu_count INTEGER NOT NULL,
+    memory_mb INTEGER NOT NULL,
+    disk_mb INTEGER NOT NULL,
+    allow_internet INTEGER NOT NULL DEFAULT 1,
+    metadata TEXT NOT NULL DEFAULT '{}',
+    env_vars TEXT NOT NULL DEFAULT '{}',
+    access_token TEXT,
+    runtime_state TEXT NOT NULL DEFAULT '{}',
+    idempotency_key TEXT,
+    created_seq INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS sandboxes_started ON sandboxes(started_at);
+CREATE TABLE IF NOT EXISTS templates (
+    id TEXT PRIMARY KEY,
+    alias TEXT UNIQUE,
+    kind TEXT NOT NULL,
+    source TEXT,
+    rootfs TEXT NOT NULL,
+    lowers TEXT NOT NULL DEFAULT '[]',
+    config TEXT NOT NULL DEFAULT '{}',
+    cpu_count INTEGER NOT NULL,
+    memory_mb INTEGER NOT NULL,
+    disk_mb INTEGER NOT NULL,
+    size_bytes INTEGER NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL,
+    pinned_layers TEXT NOT NULL DEFAULT '[]'
+);
+"""
+
+
+@dataclass
+class SandboxRow:
+    id: str
+    template_id: str
+    state: str
+    runtime: str
+    started_at: float
+    end_at: float
+    cpu_count: int
+    memory_mb: int
+    disk_mb: int
+    alias: str | None = None
+    paused_at: float | None = None
+    auto_pause: bool = False
+    auto_resume: bool = False
+    allow_internet: bool = True
+    metadata: dict[str, str] = field(default_factory=dict)
+    env_vars: dict[str, str] = field(default_factory=dict)
+    access_token: str | None = None
+    runtime_state: dict[str, Any] = field(default_factory=dict)
+    idempotency_key: str | None = None
+    created_seq: int = 0
+
+
+@dataclass
+class TemplateRow:
+    id: str
+    kind: str  # "bootstrap" | "image" | "snapshot"
+    rootfs: str
+    cpu_count: int
+    memory_mb: int
+    disk_mb: int
+    created_at: float
+    alias: str | None = None
+    source: str | None = None  # image reference or snapshot parent
+    lowers: list[str] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+    size_bytes: int = 0
+    pinned_layers: list[str] = field(default_factory=list)
+
+
+_JSON_FIELDS = {"metadata", "env_vars", "runtime_state", "lowers", "config", "pinned_layers"}
+_BOOL_FIELDS = {"auto_pause", "auto_resume", "allow_internet"}
+
+
+def _to_db(row: Any) -> dict[str, Any]:
+    out = asdict(row)
+    for k in list(out):
+        if k in _JSON_FIELDS:
+            out[k] = json.dumps(out[k], separators=(",", ":"))
+        elif k in _BOOL_FIELDS:
+            out[k] = int(out[k])
+    return out
+
+
+def _from_db(cls: type[Any], rec: sqlite3.Row) -> Any:
+    data = {}
+    names = {f.name for f in fields(cls)}
+    for k in rec.keys():
+        if k not in names:
+            continue
+        v = rec[k]
+        if k in _JSON_FIELDS:
+            v = json.loads(v) if v else ({} if k not in {"lowers", "pinned_layers"} else [])
+        elif k in _BOOL_FIELDS:
+            v = bool(v)
+        data[k] = v
+    return cls(**data)
+
+
+class Store:
+    """The metadata database. One instance per server process; thread-safe via a lock."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        try:
+            self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+            self._db.row_factory = sqlite3.Row
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA busy_timeout=5000")
+            self._db.executescript(_SCHEMA)
+            self._db.execute(
+                "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
+            )
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open metadata database {path}: {exc}") from exc
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                yield self._db
+                self._db.execute("COMMIT")
+            except sqlite3.Error as exc:
+                self._db.execute("ROLLBACK")
+                raise StoreError(f"metadata database error: {exc}") from exc
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def _query(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            try:
+                return list(self._db.execute(sql, args))
+            except sqlite3.Error as exc:
+                raise StoreError(f"metadata database error: {exc}") from exc
+
+    # ---- sandboxes ------------------------------------------------------------------------------
+    def put_sandbox(self, row: SandboxRow) -> None:
+        data = _to_db(row)
+        cols = ",".join(data)
+        marks = ",".join("?" for _ in data)
+        with self._tx() as db:
+            db.execute(f"INSERT OR REPLACE INTO sandboxes({cols}) VALUES ({marks})", tuple(data.values()))
+
+    def update_sandbox(self, sandbox_id: str, **changes: Any) -> None:
+        if not changes:
+            return
+        data = {}
+        for k, v in changes.items():
+            if k in _JSON_FIELDS:
+                v = json.dumps(v, separators=(",", ":"))
+            elif k in _BOOL_FIELDS:
+                v = int(v)
+            data[k] = v
+        sets = ",".join(f"{k}=?" for k in data)
+        with self._tx() as db:
+            db.execute(f"UPDATE sandboxes SET {sets} WHERE id=?", (*data.values(), sandbox_id))
+
+    def delete_sandbox(self, sandbox_id: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM sandboxes WHERE id=?", (sandbox_id,))
+
+    def get_sandbox(self, sandbox_id: str) -> SandboxRow | None:
+        rows = self._query("SELECT * FROM sandboxes WHERE id=?", (sandbox_id,))
+        return _from_db(SandboxRow, rows[0]) if rows else None
+
+    def list_sandboxes(self) -> list[SandboxRow]:
+        return [_from_db(SandboxRow, r) for r in self._query("SELECT * FROM sandboxes ORDER BY started_at")]
+
+    def find_by_idempotency_key(self, key: str) -> SandboxRow | None:
+        rows = self._query("SELECT * FROM sandboxes WHERE idempotency_key=?", (key,))
+        return _from_db(SandboxRow, rows[0]) if rows else None
+
+    # ---- templates ------------------------------------------------------------------------------
+    def put_template(self, row: TemplateRow) -> None:
+        data = _to_db(row)
+        cols = ",".join(data)
+        marks = ",".join("?" for _ in data)
+        with self._tx() as db:
+            if row.alias:
+                # An alias moves to the newest template that claims it (like a docker tag).
+                db.execute("UPDATE templates SET alias=NULL WHERE alias=? AND id<>?", (row.alias, row.id))
+            db.execute(f"INSERT OR REPLACE INTO templates({cols}) VALUES ({marks})", tuple(data.values()))
+
+    def get_template(self, id_or_alias: str) -> TemplateRow | None:
+        rows = self._query("SELECT * FROM templates WHERE id=? OR alias=? ORDER BY id=? DESC", (id_or_alias,) * 3)
+        return _from_db(TemplateRow, rows[0]) if rows else None
+
+    def list_templates(self) -> list[TemplateRow]:
+        return [_from_db(TemplateRow, r) for r in self._query("SELECT * FROM templates ORDER BY created_at")]
+
+    def delete_template(self, template_id: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM templates WHERE id=?", (template_id,))
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,88 @@
+"""Control-plane tests against a fake runtime: lifecycle and HTTP shapes without real sandboxes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from aenv.api.app import create_app
+from aenv.config import Settings
+from aenv.core.errors import SandboxNotFound
+from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec
+
+
+class FakeRuntime:
+    """Records calls; sandboxes are dict entries. Lets API tests run anywhere, in milliseconds."""
+
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.sandboxes: dict[str, str] = {}
+        self.calls: list[tuple[str, str]] = []
+        self.fail_create = False
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def create(self, spec: SandboxSpec) -> RuntimeState:
+        self.calls.append(("create", spec.sandbox_id))
+        if self.fail_create:
+            from aenv.core.errors import RuntimeFailure
+
+            raise RuntimeFailure("boom")
+        self.sandboxes[spec.sandbox_id] = "running"
+        return RuntimeState({"fake": True})
+
+    async def open_stream(self, sandbox_id: str, port: int) -> Any:
+        raise SandboxNotFound(sandbox_id)
+
+    async def pause(self, sandbox_id: str) -> RuntimeState:
+        self.calls.append(("pause", sandbox_id))
+        self.sandboxes[sandbox_id] = "paused"
+        return RuntimeState({})
+
+    async def resume(self, sandbox_id: str, state: RuntimeState) -> RuntimeState:
+        self.calls.append(("resume", sandbox_id))
+        self.sandboxes[sandbox_id] = "running"
+        return RuntimeState({})
+
+    async def kill(self, sandbox_id: str, state: RuntimeState | None = None) -> None:
+        self.calls.append(("kill", sandbox_id))
+        self.sandboxes.pop(sandbox_id, None)
+
+    async def adopt(self, sandbox_id: str, spec: SandboxSpec, state: RuntimeState) -> bool:
+        return sandbox_id in self.sandboxes
+
+    async def metrics(self, sandbox_id: str) -> ResourceSample:
+        return ResourceSample(time.time(), 2, 12.5, 100 << 20, 512 << 20, 10 << 20, 5 << 20, 2 << 30)
+
+    def capabilities(self) -> dict[str, Any]:
+        return {"pause": "fake"}
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    s = Settings(state_dir=tmp_path / "state", cache_dir=tmp_path / "cache", reaper_interval=0.05, max_timeout=3600)
+    rootfs = tmp_path / "rootfs"
+    rootfs.mkdir()
+    return s
+
+
+@pytest.fixture
+def runtime() -> FakeRuntime:
+    return FakeRuntime()
+
+
+@pytest.fixture
+def client(settings: Settings, runtime: FakeRuntime, tmp_path: Path) -> Iterator[TestClient]:
+    app = create_app(settings, runtime=runtime, ensure_base=False)  # type: ignore[arg-type]
+    with TestClient(app) as c:
+        c.app_state = app.app.state  # type: ignore[attr-defined]
+        app.app.state.catalog.register(alias="base", kind="bootstrap", rootfs=tmp_path / "rootfs", template_id="base")
+        yield c
