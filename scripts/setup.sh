@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# One entry point for a fresh Debian/Ubuntu machine. Idempotent: every step checks before it acts.
+#
+#   scripts/setup.sh serve [aenv serve options]   set up, then run the server on 127.0.0.1:8000
+#   scripts/setup.sh test  [pytest options]       set up, then run the test suite (default: fast selection)
+#   scripts/setup.sh deps                         set up only
+#
+# Steps: system packages (apt, as root; otherwise prints the exact apt line) → .venv in the repo root →
+# the project and its test extras → the tools bundle and the `base` template rootfs (cached outside the
+# repo, in /var/cache/aenv as root or ~/.cache/aenv).
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$here"
+mode="${1:-deps}"
+[ $# -gt 0 ] && shift
+
+say() { printf '\033[1;34m==>\033[0m %s\n' "$*" >&2; }
+
+APT_PACKAGES=(
+  python3-venv ca-certificates
+  # ns runtime and sandbox networking
+  util-linux iproute2 iptables slirp4netns uidmap procps psmisc e2fsprogs
+  # images: base template, local registry for tests, cross-checks
+  mmdebstrap docker-registry skopeo umoci busybox-static zstd
+  # vm runtime: QEMU, disk tools, guest kernel build
+  qemu-system-x86 qemu-utils cpio lz4 kmod socat
+  linux-source-6.1 build-essential bc bison flex libelf-dev libssl-dev
+)
+
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if ! command -v node >/dev/null 2>&1; then
+  missing+=(nodejs npm)
+fi
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" -eq 0 ]; then
+    say "installing system packages: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -q >/dev/null
+    apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+  else
+    echo "error: missing system packages: ${missing[*]}" >&2
+    echo "hint: run as root, or: sudo apt-get update && sudo apt-get install -y --no-install-recommends ${missing[*]}" >&2
+    exit 1
+  fi
+fi
+
+python_bin="${AENV_PYTHON:-}"
+if [ -z "$python_bin" ]; then
+  for cand in python3.11 python3.12 python3.13 python3; do
+    if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+      python_bin="$(command -v "$cand")"; break
+    fi
+  done
+fi
+[ -n "$python_bin" ] || { echo "error: Python >= 3.11 not found" >&2; exit 1; }
+
+if [ ! -x .venv/bin/python ]; then
+  say "creating .venv with $python_bin"
+  "$python_bin" -m venv .venv
+fi
+
+stamp=.venv/.aenv-installed
+want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  say "installing aenv and its dependencies into .venv"
+  .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+  .venv/bin/python -m pip install -q -e '.[test]'
+  echo "$want" > "$stamp"
+fi
+
+if [ "$(id -u)" -eq 0 ]; then
+  say "preparing the tools bundle and the base template (first run: about a minute)"
+  .venv/bin/aenv setup
+else
+  say "not root: skipping sandbox set-up (the ns and vm runtimes need root)"
+fi
+
+case "$mode" in
+  serve)
+    say "starting the server on ${AENV_HOST:-127.0.0.1}:${AENV_PORT:-8000}"
+    exec .venv/bin/aenv serve "$@"
+    ;;
+  test)
+    say "running the test suite"
+    if [ $# -eq 0 ]; then set -- -m "not slow"; fi
+    exec .venv/bin/python -m pytest "$@"
+    ;;
+  deps) ;;
+  *) echo "usage: scripts/setup.sh serve|test|deps [args]" >&2; exit 2 ;;
+esac
