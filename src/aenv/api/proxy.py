@@ -13,12 +13,13 @@ import contextlib
 import json
 import logging
 import re
+from urllib.parse import parse_qs
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpcore
 
-from aenv.core.errors import NotFound, SandboxNotFound
+from aenv.core.errors import NotFound, PortNotOpen, SandboxNotFound
 from aenv.core.orchestrator import Orchestrator
 from aenv.mux import MuxError, MuxStream, StreamRefused
 
@@ -149,11 +150,31 @@ class SandboxProxy:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            target = route(scope)
+            target = route(scope) or self._route_signed_files_url(scope)
             if target is not None:
                 await self._proxy_http(scope, receive, send, *target)
                 return
+            if scope["path"] == "/files":
+                # No routing header and no sandbox signed this URL: envd's answer for a bad signature.
+                await self._respond(send, *_json_error(401, {"code": 401, "message": "invalid or missing file URL signature"}))
+                return
         await self.app(scope, receive, send)
+
+    def _route_signed_files_url(self, scope: Scope) -> tuple[str, int] | None:
+        """``download_url()``/``upload_url()`` carry no sandbox ID when E2B_SANDBOX_URL is set: find the
+        sandbox whose access token produced the URL's signature (spec §1.5 workaround)."""
+        if scope["path"] != "/files" or scope["method"] not in ("GET", "POST"):
+            return None
+        params = parse_qs((scope.get("query_string") or b"").decode("latin-1"))
+        signature = (params.get("signature") or [""])[0]
+        path = (params.get("path") or [""])[0]
+        if not signature.startswith("v1_") or not path:
+            return None
+        user = (params.get("username") or [""])[0]
+        expiration = (params.get("signature_expiration") or [None])[0]
+        op = "read" if scope["method"] == "GET" else "write"
+        sandbox_id = self._get().find_by_file_signature(path, op, user, signature, expiration)
+        return (sandbox_id, ENVD_PORT) if sandbox_id else None
 
     async def _respond(self, send: Send, status: int, body: bytes) -> None:
         await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
@@ -244,7 +265,7 @@ class SandboxProxy:
                     send,
                     *_json_error(502, {"sandboxId": sandbox_id, "message": "The sandbox was not found", "code": 502}),
                 )
-        except StreamRefused:
+        except (StreamRefused, PortNotOpen):
             if not started:
                 await self._respond(
                     send,

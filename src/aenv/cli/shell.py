@@ -24,13 +24,13 @@ def attach_shell(sbx: Any) -> int:
         out.write(data)
         out.flush()
 
-    handle = sbx.pty.create(PtySize(rows=rows, cols=cols), on_data=on_data, timeout=0)
+    handle = sbx.pty.create(PtySize(rows=rows, cols=cols), timeout=0)
     done = threading.Event()
     result: dict[str, int] = {}
 
     def waiter() -> None:
         try:
-            result["code"] = handle.wait().exit_code
+            result["code"] = handle.wait(on_pty=on_data).exit_code
         except Exception as exc:  # CommandExitException carries the code
             result["code"] = getattr(exc, "exit_code", 1)
         finally:

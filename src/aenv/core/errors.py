@@ -11,6 +11,7 @@
     ├── CapacityError            admission control refused: too many sandboxes or starts at once
     ├── RuntimeFailure           the runtime could not do what was asked (spawn, mount, QEMU, ...)
     │   └── SandboxUnreachable   the sandbox runs but its agent/envd did not answer
+    │       └── PortNotOpen      the sandbox runs but nothing listens on the requested port
     ├── ImageError               anything from the image pipeline (see aenv.images.errors)
     └── StoreError               metadata persistence failed
 """
@@ -74,6 +75,10 @@ class RuntimeFailure(AenvError):
 
 
 class SandboxUnreachable(RuntimeFailure):
+    pass
+
+
+class PortNotOpen(SandboxUnreachable):
     pass
 
 

@@ -9,6 +9,9 @@ Crash recovery at start-up re-adopts or cleans every sandbox the store knows and
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
+import hmac
 import contextlib
 import logging
 import shutil
@@ -21,13 +24,14 @@ from aenv.core.errors import (
     AenvError,
     CapacityError,
     InvalidRequest,
+    PortNotOpen,
     SandboxNotFound,
     SandboxUnreachable,
 )
 from aenv.core.ids import new_id, new_token
 from aenv.core.models import CreateRequest, ListQuery, SandboxState, require_state
 from aenv.core.templates import TemplateCatalog
-from aenv.mux import MuxStream
+from aenv.mux import MuxStream, StreamRefused
 from aenv.runtime.base import ResourceSample, Runtime, RuntimeState, SandboxSpec
 from aenv.store.sqlite import SandboxRow, Store, now
 
@@ -53,6 +57,12 @@ class LiveSandbox:
     @property
     def state(self) -> SandboxState:
         return SandboxState(self.row.state)
+
+
+def file_signature(path: str, op: str, user: str, token: str, expiration: str | None) -> str:
+    """envd's v1 URL signature: ``v1_`` + unpadded base64 of sha256("path:op:user:token[:expiration]")."""
+    raw = f"{path}:{op}:{user}:{token}" + (f":{expiration}" if expiration else "")
+    return "v1_" + base64.b64encode(hashlib.sha256(raw.encode()).digest()).decode().rstrip("=")
 
 
 class Orchestrator:
@@ -150,6 +160,18 @@ class Orchestrator:
         page = items[: query.limit]
         next_token = page[-1].id if len(items) > query.limit and page else None
         return page, next_token
+
+    def find_by_file_signature(
+        self, path: str, op: str, user: str, signature: str, expiration: str | None
+    ) -> str | None:
+        """The running sandbox whose envd token signed this /files URL (spec §3.2), if any."""
+        for sbx in self._live.values():
+            token = sbx.row.access_token
+            if token and sbx.state is SandboxState.RUNNING and hmac.compare_digest(
+                file_signature(path, op, user, token, expiration), signature
+            ):
+                return sbx.id
+        return None
 
     def template_ids_in_use(self) -> set[str]:
         return {s.row.template_id for s in self._live.values()}
@@ -344,10 +366,10 @@ class Orchestrator:
                     await self._resume_locked(sbx, self.settings.default_timeout)
         try:
             return await self.runtime.open_stream(sandbox_id, port)
-        except SandboxNotFound:
-            raise
         except AenvError:
             raise
+        except StreamRefused as exc:
+            raise PortNotOpen(f"sandbox '{sandbox_id}': nothing listens on port {port}: {exc}") from exc
         except Exception as exc:
             raise SandboxUnreachable(f"sandbox '{sandbox_id}' did not answer on port {port}: {exc}") from exc
 

@@ -1,0 +1,86 @@
+"""Start and stop a real ``aenv serve`` process on a free port: shared by the integration tests and bench/."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+API_KEY = "e2b_" + "0" * 40
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    url: str
+    state_dir: Path
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    env: dict[str, str]
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def start_server(tmp: Path, runtime: str, extra_env: dict[str, str] | None = None, port: int | None = None) -> Server:
+    port = port or free_port()
+    state = tmp / "state"
+    log_path = tmp / "server.log"
+    env = {
+        **os.environ,
+        "AENV_STATE_DIR": str(state),
+        "AENV_RUNTIME": runtime,
+        "AENV_PORT": str(port),
+        "AENV_POOL_SIZE": os.environ.get("AENV_TEST_POOL_SIZE", "2"),
+        "AENV_LOG_LEVEL": "info",
+        **(extra_env or {}),
+    }
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "aenv.cli.main", "serve"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    server = Server(f"http://127.0.0.1:{port}", state, proc, log_path, env)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"aenv serve exited with {proc.returncode}:\n{server.log_tail()}")
+        try:
+            if httpx.get(server.url + "/health", timeout=1, trust_env=False).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    stop_server(server)
+    raise RuntimeError(f"aenv serve did not become healthy:\n{server.log_tail()}")
+
+
+def stop_server(server: Server, sig: int = signal.SIGTERM) -> None:
+    if server.proc.poll() is None:
+        try:
+            os.killpg(server.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            server.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.proc.pid, signal.SIGKILL)
+            server.proc.wait(timeout=10)
