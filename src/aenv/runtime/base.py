@@ -53,6 +53,21 @@ class SandboxSpec:
     access_token: str | None = None  # envd X-Access-Token, None = no envd auth
 
 
+@dataclass(frozen=True)
+class SnapshotResult:
+    """What a runtime wrote into a snapshot directory, and in which mode it really did it.
+
+    ``mode`` is "full" (processes + memory + files) or "filesystem" (files only); a runtime never
+    reports more than it did, and the orchestrator refuses a request it cannot honour.
+    ``layers`` are directories/files inside the snapshot dir that the repository stores content-addressed.
+    """
+
+    mode: str
+    layers: tuple[str, ...] = ()
+    parent_snapshot: str | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass
 class ResourceSample:
     """One metrics sample, in the units E2B's SandboxMetric uses."""
@@ -115,3 +130,28 @@ class Runtime(Protocol):
     def capabilities(self) -> dict[str, Any]:
         """What this runtime can do here, for ``aenv doctor`` and API responses
         (e.g. {"pause": "freezer", "snapshot": "filesystem", "fork": "filesystem+criu"})."""
+
+
+@runtime_checkable
+class SnapshotCapable(Protocol):
+    """Optional runtime extension for snapshots, fork and rollback (issue: snapshots/fork).
+
+    A snapshot directory is owned by the orchestrator's snapshot repository; the runtime only writes
+    into it (``snapshot``) or reads from it (``create_from_snapshot`` / ``rollback``). Snapshots of a
+    sandbox that itself came from a snapshot may reference the parent's layers instead of copying them.
+    """
+
+    async def snapshot(self, sandbox_id: str, into: Path, mode: str) -> SnapshotResult:
+        """Capture the running sandbox into ``into`` (pausing it only briefly). ``mode`` is "full" or
+        "filesystem"; raise StateError if the requested mode is impossible here."""
+
+    async def create_from_snapshot(self, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
+        """Start a new sandbox (new ID, token, identity) from a snapshot; ready like ``create``."""
+
+    async def fork(
+        self, sandbox_id: str, children: list[SandboxSpec], scratch: Path
+    ) -> tuple[SnapshotResult, list[RuntimeState | BaseException]]:
+        """Copy a running sandbox into N children; the source keeps running. One entry per child."""
+
+    async def rollback(self, sandbox_id: str, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
+        """Put the same sandbox (same ID and token) back to the snapshot's state."""
