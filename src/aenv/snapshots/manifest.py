@@ -1,0 +1,76 @@
+"""The snapshot manifest format, kept apart from what is saved.
+
+A manifest is small JSON with a magic, a version and the digests of its layers; reads are capped and
+validated so a corrupt or hostile object cannot blow up the server.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+MAGIC = "aenv-snapshot"
+VERSION = 1
+MAX_MANIFEST_BYTES = 1 << 20
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+class ManifestError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class LayerRef:
+    """One content-addressed blob: ``name`` is the runtime's label (e.g. "upper", "memory", "disk")."""
+
+    name: str
+    digest: str
+    size: int
+
+
+@dataclass
+class Manifest:
+    snapshot_id: str
+    mode: str  # "full" | "filesystem"
+    runtime: str
+    template_id: str
+    layers: list[LayerRef] = field(default_factory=list)
+    parent: str | None = None
+    runtime_data: dict[str, Any] = field(default_factory=dict)
+    created_at: float = 0.0
+
+    def to_bytes(self) -> bytes:
+        body = {"magic": MAGIC, "version": VERSION, **asdict(self)}
+        return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> Manifest:
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"manifest of {len(raw)} bytes exceeds {MAX_MANIFEST_BYTES}")
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise ManifestError(f"manifest is not JSON: {exc}") from None
+        if not isinstance(body, dict) or body.get("magic") != MAGIC:
+            raise ManifestError("not an aenv snapshot manifest")
+        if body.get("version") != VERSION:
+            raise ManifestError(f"unsupported manifest version {body.get('version')!r}")
+        try:
+            layers = [LayerRef(**layer) for layer in body["layers"]]
+            for layer in layers:
+                if not _DIGEST.match(layer.digest):
+                    raise ManifestError(f"bad layer digest {layer.digest!r}")
+            return cls(
+                snapshot_id=str(body["snapshot_id"]),
+                mode=str(body["mode"]),
+                runtime=str(body["runtime"]),
+                template_id=str(body["template_id"]),
+                layers=layers,
+                parent=body.get("parent"),
+                runtime_data=dict(body.get("runtime_data") or {}),
+                created_at=float(body.get("created_at") or 0.0),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ManifestError(f"malformed manifest: {exc}") from None
