@@ -20,6 +20,11 @@ from typing import Any
 from aenv.snapshots.manifest import LayerRef, Manifest
 
 _CHUNK = 8 << 20
+# Same tree, same bytes: sorted entries, pax headers without atime/ctime (reading a file changes them).
+_TAR_DETERMINISTIC = (
+    "tar", "--sort=name", "--format=posix", "--pax-option=exthdr.name=%d/PaxHeaders/%f,delete=atime,delete=ctime",
+    "--numeric-owner", "--xattrs", "--xattrs-include=*", "--sparse",
+)
 
 
 def make_store(url: str, **options: Any) -> Any:
@@ -59,7 +64,7 @@ def pack_dir(src: Path, dest: Path) -> None:
     """tar+zstd a directory (numeric owners, xattrs, sparse files) into ``dest``."""
     with dest.open("wb") as out:
         tar = subprocess.Popen(
-            ["tar", "--sort=name", "--numeric-owner", "--xattrs", "--xattrs-include=*", "--sparse", "-C", str(src), "-cf", "-", "."],
+            [*_TAR_DETERMINISTIC, "-C", str(src), "-cf", "-", "."],
             stdout=subprocess.PIPE,
         )
         assert tar.stdout is not None
