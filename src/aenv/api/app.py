@@ -19,6 +19,7 @@ from aenv.api import errors
 from aenv.api.auth import key_digests, require_api_key
 from aenv.api.proxy import SandboxProxy
 from aenv.api.routes_sandboxes import router as sandboxes_router
+from aenv.api.routes_snapshots import router as snapshots_router
 from aenv.api.routes_templates import router as templates_router
 from aenv.config import Settings
 from aenv.core.orchestrator import Orchestrator
@@ -76,6 +77,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
     errors.install(api)
     api.include_router(sandboxes_router)
     api.include_router(templates_router)
+    api.include_router(snapshots_router)
 
     @api.get("/health")
     async def health() -> JSONResponse:

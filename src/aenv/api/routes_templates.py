@@ -67,5 +67,9 @@ async def get_template(template_id: str, cat: TemplateCatalog = Depends(catalog)
 async def delete_template(
     template_id: str, cat: TemplateCatalog = Depends(catalog), orch: Orchestrator = Depends(orchestrator)
 ) -> Response:
-    cat.delete(template_id, in_use=orch.template_ids_in_use())
+    row = cat.resolve(template_id)
+    if row.kind == "snapshot":
+        await orch.snapshots.delete(row.id)
+    else:
+        cat.delete(template_id, in_use=orch.template_ids_in_use())
     return Response(status_code=204)

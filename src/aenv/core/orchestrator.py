@@ -15,6 +15,7 @@ import hmac
 import contextlib
 import logging
 import shutil
+from pathlib import Path
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,6 +78,10 @@ class Orchestrator:
         self._tasks: list[asyncio.Task[None]] = []
         self._seq = 0
         self._idempotency: dict[str, asyncio.Future[LiveSandbox]] = {}
+        self.repository: Any = None  # aenv.snapshots.SnapshotRepository when publishing is configured
+        from aenv.core.snapshots import SnapshotFlows
+
+        self.snapshots = SnapshotFlows(self)
 
     # ---- lifecycle of the orchestrator itself ---------------------------------------------------
     async def start(self) -> None:
@@ -254,12 +259,21 @@ class Orchestrator:
                 idempotency_key=req.idempotency_key,
                 created_seq=self._seq,
             )
+            snapshot = self.snapshots.snapshot_for_template(template.id) if template.kind == "snapshot" else None
+            if snapshot is not None:
+                row.lineage_head = snapshot.id
+                row.depends_on = [snapshot.id]
             spec = self._spec_for(row)
             sbx = LiveSandbox(row=row, spec=spec)
             self._live[sandbox_id] = sbx
             self.store.put_sandbox(row)
             try:
-                state = await self.runtime.create(spec)
+                if snapshot is not None:
+                    from aenv.core.snapshots import result_of
+
+                    state = await self.snapshots.runtime.create_from_snapshot(spec, Path(snapshot.dir), result_of(snapshot))
+                else:
+                    state = await self.runtime.create(spec)
             except BaseException:
                 self._live.pop(sandbox_id, None)
                 await self._forget(row, spec)
@@ -286,6 +300,7 @@ class Orchestrator:
             self.store.update_sandbox(sbx.id, state=sbx.row.state)
             self._live.pop(sbx.id, None)
             await self._forget(sbx.row, sbx.spec)
+        self.snapshots.collect_garbage()
         log.info("sandbox=%s killed", sandbox_id)
 
     async def set_timeout(self, sandbox_id: str, timeout: int) -> None:

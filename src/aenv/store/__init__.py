@@ -1,5 +1,5 @@
 """Metadata persistence."""
 
-from aenv.store.sqlite import SandboxRow, Store, TemplateRow
+from aenv.store.sqlite import SandboxRow, SnapshotRow, Store, TemplateRow
 
-__all__ = ["SandboxRow", "Store", "TemplateRow"]
+__all__ = ["SandboxRow", "SnapshotRow", "Store", "TemplateRow"]

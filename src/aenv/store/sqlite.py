@@ -44,7 +44,9 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     access_token TEXT,
     runtime_state TEXT NOT NULL DEFAULT '{}',
     idempotency_key TEXT,
-    created_seq INTEGER NOT NULL DEFAULT 0
+    created_seq INTEGER NOT NULL DEFAULT 0,
+    lineage_head TEXT,
+    depends_on TEXT NOT NULL DEFAULT '[]'
 );
 CREATE INDEX IF NOT EXISTS sandboxes_started ON sandboxes(started_at);
 CREATE TABLE IF NOT EXISTS templates (
@@ -62,6 +64,23 @@ CREATE TABLE IF NOT EXISTS templates (
     created_at REAL NOT NULL,
     pinned_layers TEXT NOT NULL DEFAULT '[]'
 );
+CREATE TABLE IF NOT EXISTS snapshots (
+    id TEXT PRIMARY KEY,
+    name TEXT,
+    sandbox_id TEXT,
+    parent_id TEXT,
+    template_id TEXT NOT NULL,
+    runtime TEXT NOT NULL,
+    mode TEXT NOT NULL,
+    state TEXT NOT NULL,
+    internal INTEGER NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL,
+    dir TEXT NOT NULL,
+    result TEXT NOT NULL DEFAULT '{}',
+    published INTEGER NOT NULL DEFAULT 0,
+    size_bytes INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS snapshots_sandbox ON snapshots(sandbox_id);
 """
 
 
@@ -87,6 +106,8 @@ class SandboxRow:
     runtime_state: dict[str, Any] = field(default_factory=dict)
     idempotency_key: str | None = None
     created_seq: int = 0
+    lineage_head: str | None = None  # the snapshot this sandbox's state descends from (checkpoint tree)
+    depends_on: list[str] = field(default_factory=list)  # snapshots whose files this sandbox needs while alive
 
 
 @dataclass
@@ -106,8 +127,26 @@ class TemplateRow:
     pinned_layers: list[str] = field(default_factory=list)
 
 
-_JSON_FIELDS = {"metadata", "env_vars", "runtime_state", "lowers", "config", "pinned_layers"}
-_BOOL_FIELDS = {"auto_pause", "auto_resume", "allow_internet"}
+@dataclass
+class SnapshotRow:
+    id: str
+    template_id: str
+    runtime: str
+    mode: str  # "full" | "filesystem"
+    state: str  # "creating" | "ready"
+    created_at: float
+    dir: str
+    name: str | None = None
+    sandbox_id: str | None = None
+    parent_id: str | None = None
+    internal: bool = False  # fork scratch snapshots: hidden, collected when nothing depends on them
+    result: dict[str, Any] = field(default_factory=dict)
+    published: bool = False
+    size_bytes: int = 0
+
+
+_JSON_FIELDS = {"metadata", "env_vars", "runtime_state", "lowers", "config", "pinned_layers", "depends_on", "result"}
+_BOOL_FIELDS = {"auto_pause", "auto_resume", "allow_internet", "internal", "published"}
 
 
 def _to_db(row: Any) -> dict[str, Any]:
@@ -128,7 +167,7 @@ def _from_db(cls: type[Any], rec: sqlite3.Row) -> Any:
             continue
         v = rec[k]
         if k in _JSON_FIELDS:
-            v = json.loads(v) if v else ({} if k not in {"lowers", "pinned_layers"} else [])
+            v = json.loads(v) if v else ({} if k not in {"lowers", "pinned_layers", "depends_on"} else [])
         elif k in _BOOL_FIELDS:
             v = bool(v)
         data[k] = v
@@ -182,11 +221,7 @@ class Store:
 
     # ---- sandboxes ------------------------------------------------------------------------------
     def put_sandbox(self, row: SandboxRow) -> None:
-        data = _to_db(row)
-        cols = ",".join(data)
-        marks = ",".join("?" for _ in data)
-        with self._tx() as db:
-            db.execute(f"INSERT OR REPLACE INTO sandboxes({cols}) VALUES ({marks})", tuple(data.values()))
+        _put(self, "sandboxes", row)
 
     def update_sandbox(self, sandbox_id: str, **changes: Any) -> None:
         if not changes:
@@ -238,6 +273,37 @@ class Store:
     def delete_template(self, template_id: str) -> None:
         with self._tx() as db:
             db.execute("DELETE FROM templates WHERE id=?", (template_id,))
+
+    # ---- snapshots ------------------------------------------------------------------------------
+    def put_snapshot(self, row: SnapshotRow) -> None:
+        _put(self, "snapshots", row)
+
+    def update_snapshot(self, snapshot_id: str, **changes: Any) -> None:
+        data = {k: (json.dumps(v) if k in _JSON_FIELDS else int(v) if k in _BOOL_FIELDS else v) for k, v in changes.items()}
+        sets = ",".join(f"{k}=?" for k in data)
+        with self._tx() as db:
+            db.execute(f"UPDATE snapshots SET {sets} WHERE id=?", (*data.values(), snapshot_id))
+
+    def get_snapshot(self, id_or_name: str) -> SnapshotRow | None:
+        rows = self._query(
+            "SELECT * FROM snapshots WHERE id=? OR name=? ORDER BY id=? DESC, created_at DESC", (id_or_name,) * 3
+        )
+        return _from_db(SnapshotRow, rows[0]) if rows else None
+
+    def list_snapshots(self) -> list[SnapshotRow]:
+        return [_from_db(SnapshotRow, r) for r in self._query("SELECT * FROM snapshots ORDER BY created_at")]
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM snapshots WHERE id=?", (snapshot_id,))
+
+
+def _put(store: Store, table: str, row: Any) -> None:
+    data = _to_db(row)
+    cols = ",".join(data)
+    marks = ",".join("?" for _ in data)
+    with store._tx() as db:
+        db.execute(f"INSERT OR REPLACE INTO {table}({cols}) VALUES ({marks})", tuple(data.values()))
 
 
 def now() -> float:

@@ -13,7 +13,7 @@ from starlette.testclient import TestClient
 from aenv.api.app import create_app
 from aenv.config import Settings
 from aenv.core.errors import SandboxNotFound
-from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec
+from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec, SnapshotResult
 
 
 class FakeRuntime:
@@ -64,6 +64,31 @@ class FakeRuntime:
 
     def capabilities(self) -> dict[str, Any]:
         return {"pause": "fake"}
+
+    # SnapshotCapable: a snapshot is a marker file; `modes` says what this fake can capture.
+    modes = ("full", "filesystem")
+
+    async def snapshot(self, sandbox_id: str, into: Path, mode: str) -> SnapshotResult:
+        self.calls.append(("snapshot", sandbox_id))
+        got = mode if mode in self.modes else "filesystem"
+        (into / "state").write_text(f"{sandbox_id}:{got}")
+        return SnapshotResult(mode=got, layers=("state",))
+
+    async def create_from_snapshot(self, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
+        self.calls.append(("restore", spec.sandbox_id))
+        assert (snapshot / "state").exists()
+        self.sandboxes[spec.sandbox_id] = "running"
+        return RuntimeState({"from": str(snapshot)})
+
+    async def fork(self, sandbox_id: str, children: list[SandboxSpec], scratch: Path) -> tuple[SnapshotResult, list[Any]]:
+        result = await self.snapshot(sandbox_id, scratch, "full")
+        states: list[Any] = [await self.create_from_snapshot(spec, scratch, result) for spec in children]
+        return result, states
+
+    async def rollback(self, sandbox_id: str, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
+        self.calls.append(("rollback", sandbox_id))
+        self.sandboxes[sandbox_id] = "running"
+        return RuntimeState({"rolled_to": str(snapshot)})
 
 
 @pytest.fixture

@@ -1,0 +1,109 @@
+"""Snapshots, fork (E2B spec §2.2.9–2.2.10) and aenv's rollback extension."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query
+from fastapi.responses import JSONResponse
+from pydantic import Field, StrictBool, StrictInt
+
+from aenv.api import serialize
+from aenv.api.auth import require_api_key
+from aenv.api.deps import orchestrator
+from aenv.api.errors import status_for
+from aenv.api.models import _Body
+from aenv.api.serialize import iso
+from aenv.core.errors import AenvError
+from aenv.core.orchestrator import Orchestrator
+from aenv.store.sqlite import SnapshotRow
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+class SnapshotBody(_Body):
+    name: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
+    memory: StrictBool | None = None
+    mode: str | None = Field(default=None, pattern="^(full|filesystem)$")
+
+
+class ForkBody(_Body):
+    timeout: StrictInt | None = None
+    count: StrictInt | None = Field(default=None, ge=1)
+
+
+class RollbackBody(_Body):
+    snapshotID: str = Field(min_length=1, max_length=256)
+
+
+def snapshot_json(row: SnapshotRow, orch: Orchestrator, detail: bool = False) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "snapshotID": row.id,
+        "names": [row.name] if row.name else [],
+        "mode": row.mode,
+        "sandboxID": row.sandbox_id,
+        "parentID": row.parent_id,
+        "templateID": row.template_id,
+        "createdAt": iso(row.created_at),
+        "sizeBytes": row.size_bytes,
+    }
+    if detail:
+        flows = orch.snapshots
+        out["children"] = flows.children(row.id)
+        out["lineage"] = [r.id for r in flows.lineage(row.id)]
+        out["usedBy"] = flows.dependents(row.id)
+        out["published"] = row.published
+    return out
+
+
+@router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201)
+async def create_snapshot(
+    sandbox_id: str, body: SnapshotBody | None = None, orch: Orchestrator = Depends(orchestrator)
+) -> JSONResponse:
+    body = body or SnapshotBody()
+    mode = body.mode or ("filesystem" if body.memory is False else "full")
+    row = await orch.snapshots.create(sandbox_id, body.name, mode)
+    return JSONResponse(snapshot_json(row, orch), status_code=201)
+
+
+@router.get("/snapshots")
+async def list_snapshots(
+    orch: Orchestrator = Depends(orchestrator),
+    sandboxID: str | None = None,
+    name: str | None = None,
+    limit: int = Query(100, ge=1, le=1000),
+    nextToken: str | None = None,
+) -> JSONResponse:
+    rows = orch.snapshots.list(sandbox_id=sandboxID, name=name)
+    rows.sort(key=lambda r: (r.created_at, r.id), reverse=True)
+    if nextToken:
+        ids = [r.id for r in rows]
+        rows = rows[ids.index(nextToken) + 1 :] if nextToken in ids else []
+    page = rows[:limit]
+    headers = {"X-Next-Token": page[-1].id} if len(rows) > limit and page else None
+    return JSONResponse([snapshot_json(r, orch) for r in page], headers=headers)
+
+
+@router.get("/snapshots/{snapshot_id}")
+async def get_snapshot(snapshot_id: str, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
+    return JSONResponse(snapshot_json(orch.snapshots.get(snapshot_id), orch, detail=True))
+
+
+@router.post("/sandboxes/{sandbox_id}/fork", status_code=201)
+async def fork(sandbox_id: str, body: ForkBody | None = None, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
+    body = body or ForkBody()
+    results = await orch.snapshots.fork(sandbox_id, body.count or 1, body.timeout)
+    out: list[dict[str, Any]] = []
+    for r in results:
+        if isinstance(r, AenvError):
+            out.append({"error": {"code": status_for(r), "message": r.message}})
+        else:
+            out.append({"sandbox": serialize.sandbox(r)})
+    return JSONResponse(out, status_code=201)
+
+
+@router.post("/sandboxes/{sandbox_id}/rollback")
+async def rollback(sandbox_id: str, body: RollbackBody, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
+    sbx = await orch.snapshots.rollback(sandbox_id, body.snapshotID)
+    return JSONResponse(serialize.sandbox(sbx))
+

@@ -1,0 +1,350 @@
+"""Snapshot, fork and rollback flows (the orchestrator's checkpoint tree).
+
+* A snapshot is a directory under ``<state>/snapshots/<id>`` written by the runtime, a row in the store
+  (written first, state ``creating``), and a template of kind ``snapshot`` so ``Sandbox.create(<id>)``
+  works. Publishing to the snapshot repository (content-addressed layers) runs in the background.
+* Lineage: every sandbox has a ``lineage_head`` (the snapshot its state descends from). A new snapshot's
+  parent is that head; rollback accepts any snapshot on the chain from the head to the root.
+* Dependencies: a sandbox started from a snapshot may need its files while alive (ns overlay lowers, vm
+  RAM files): ``depends_on`` lists them; such snapshots cannot be deleted until nothing depends on them,
+  and internal fork snapshots are collected as soon as nothing does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aenv.core.errors import AenvError, CapacityError, Conflict, InvalidRequest, SnapshotNotFound, StateError
+from aenv.core.ids import new_id, new_token
+from aenv.core.models import SandboxState, require_state
+from aenv.runtime.base import SnapshotCapable, SnapshotResult
+from aenv.store.sqlite import SnapshotRow, now
+
+if TYPE_CHECKING:
+    from aenv.core.orchestrator import LiveSandbox, Orchestrator
+
+log = logging.getLogger("aenv.core")
+
+MAX_FORK = 64
+MODES = ("full", "filesystem")
+
+
+def result_of(row: SnapshotRow) -> SnapshotResult:
+    r = row.result
+    return SnapshotResult(
+        mode=row.mode, layers=tuple(r.get("layers", ())), parent_snapshot=row.parent_id, data=dict(r.get("data", {}))
+    )
+
+
+class SnapshotFlows:
+    def __init__(self, orch: Orchestrator) -> None:
+        self.orch = orch
+        self.store = orch.store
+        self._publish_tasks: set[asyncio.Task[None]] = set()
+        self.publisher: Any = None  # optional: async callable(SnapshotRow) that uploads to the repository
+
+    @property
+    def runtime(self) -> SnapshotCapable:
+        rt = self.orch.runtime
+        if not isinstance(rt, SnapshotCapable):
+            raise StateError(f"the {rt.name} runtime does not support snapshots")
+        return rt
+
+    # ---- queries --------------------------------------------------------------------------------
+    def get(self, id_or_name: str) -> SnapshotRow:
+        row = self.store.get_snapshot(id_or_name)
+        if row is None or row.state != "ready":
+            raise SnapshotNotFound(id_or_name)
+        return row
+
+    def list(self, sandbox_id: str | None = None, name: str | None = None, include_internal: bool = False) -> list[SnapshotRow]:
+        return [
+            r
+            for r in self.store.list_snapshots()
+            if r.state == "ready"
+            and (include_internal or not r.internal)
+            and (sandbox_id is None or r.sandbox_id == sandbox_id)
+            and (name is None or r.name == name)
+        ]
+
+    def lineage(self, snapshot_id: str | None) -> list[SnapshotRow]:
+        """The chain from a snapshot up to the root, newest first."""
+        out: list[SnapshotRow] = []
+        seen: set[str] = set()
+        while snapshot_id and snapshot_id not in seen:
+            seen.add(snapshot_id)
+            row = self.store.get_snapshot(snapshot_id)
+            if row is None:
+                break
+            out.append(row)
+            snapshot_id = row.parent_id
+        return out
+
+    def children(self, snapshot_id: str) -> list[str]:
+        return [r.id for r in self.store.list_snapshots() if r.parent_id == snapshot_id and r.state == "ready"]
+
+    # ---- snapshot -------------------------------------------------------------------------------
+    async def create(self, sandbox_id: str, name: str | None, mode: str) -> SnapshotRow:
+        if mode not in MODES:
+            raise InvalidRequest(f"unknown snapshot mode '{mode}': use full or filesystem")
+        rt = self.runtime
+        sbx = self.orch.get(sandbox_id)
+        async with sbx.lock:
+            require_state(sbx.id, sbx.state, SandboxState.RUNNING, SandboxState.PAUSED, action="snapshot")
+            return await self._snapshot_locked(rt, sbx, name, mode, internal=False)
+
+    async def _snapshot_locked(
+        self, rt: SnapshotCapable, sbx: LiveSandbox, name: str | None, mode: str, *, internal: bool
+    ) -> SnapshotRow:
+        snap_id = new_id()
+        directory = self.orch.settings.snapshots_dir / snap_id
+        row = SnapshotRow(
+            id=snap_id,
+            name=name,
+            sandbox_id=sbx.id,
+            parent_id=sbx.row.lineage_head,
+            template_id=self._base_template(sbx.row.template_id),
+            runtime=self.orch.runtime.name,
+            mode=mode,
+            state="creating",
+            internal=internal,
+            created_at=now(),
+            dir=str(directory),
+        )
+        self.store.put_snapshot(row)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            result = await rt.snapshot(sbx.id, directory, mode)
+        except BaseException:
+            self.store.delete_snapshot(snap_id)
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        if mode == "full" and result.mode != "full":
+            # Never silently less than asked.
+            self.store.delete_snapshot(snap_id)
+            shutil.rmtree(directory, ignore_errors=True)
+            raise StateError(
+                f"the {self.orch.runtime.name} runtime can only take filesystem snapshots here "
+                "(process memory needs CRIU >= 4.2 or the vm runtime); ask for mode=filesystem"
+            )
+        row.mode = result.mode
+        row.state = "ready"
+        row.result = {"layers": list(result.layers), "data": result.data}
+        row.size_bytes = _du(directory)
+        self.store.update_snapshot(snap_id, mode=row.mode, state=row.state, result=row.result, size_bytes=row.size_bytes)
+        sbx.row.lineage_head = snap_id
+        self.store.update_sandbox(sbx.id, lineage_head=snap_id)
+        if not internal:
+            self._register_template(row, sbx)
+            self._publish(row)
+        log.info("sandbox=%s snapshot=%s mode=%s parent=%s", sbx.id, snap_id, row.mode, row.parent_id)
+        return row
+
+    def _register_template(self, row: SnapshotRow, sbx: LiveSandbox) -> None:
+        """Make the snapshot startable by ID or name: it carries its image template's rootfs and config."""
+        base = self.store.get_template(row.template_id)
+        self.orch.templates.register(
+            alias=row.name,
+            kind="snapshot",
+            rootfs=_path(base.rootfs) if base else _path(row.dir),
+            lowers=[_path(p) for p in base.lowers] if base else [],
+            config={**(base.config if base else {}), "snapshot": row.id},
+            source=f"snapshot of {sbx.id}",
+            template_id=row.id,
+            cpu_count=sbx.row.cpu_count,
+            memory_mb=sbx.row.memory_mb,
+            size_bytes=row.size_bytes,
+        )
+
+    def _base_template(self, template_id: str) -> str:
+        """Snapshots remember the image template at the root of their chain."""
+        tpl = self.store.get_template(template_id)
+        if tpl is not None and tpl.kind == "snapshot":
+            snap = self.store.get_snapshot(tpl.id)
+            if snap is not None:
+                return snap.template_id
+        return template_id
+
+    def _publish(self, row: SnapshotRow) -> None:
+        if self.publisher is None:
+            return
+
+        async def run() -> None:
+            try:
+                await self.publisher(row)
+                self.store.update_snapshot(row.id, published=True)
+            except Exception:
+                log.exception("snapshot=%s publish to the repository failed", row.id)
+
+        task = asyncio.create_task(run())
+        self._publish_tasks.add(task)
+        task.add_done_callback(self._publish_tasks.discard)
+
+    # ---- start from snapshot --------------------------------------------------------------------
+    def snapshot_for_template(self, template_id: str) -> SnapshotRow | None:
+        tpl = self.store.get_template(template_id)
+        if tpl is None or tpl.kind != "snapshot":
+            return None
+        return self.get(tpl.id)
+
+    # ---- fork -----------------------------------------------------------------------------------
+    async def fork(self, sandbox_id: str, count: int, timeout: int | None) -> list[LiveSandbox | AenvError]:
+        if not 1 <= count <= MAX_FORK:
+            raise InvalidRequest(f"count must be between 1 and {MAX_FORK}")
+        timeout = timeout if timeout is not None else self.orch.settings.default_timeout
+        self.orch._check_timeout(timeout)
+        rt = self.runtime
+        src = self.orch.get(sandbox_id)
+        if len(self.orch._live) + count > self.orch.settings.max_sandboxes:
+            raise CapacityError(f"forking {count} would exceed the sandbox limit", retry_after=5)
+        async with src.lock:
+            require_state(src.id, src.state, SandboxState.RUNNING, action="fork")
+            scratch_id = new_id()
+            scratch = self.orch.settings.snapshots_dir / scratch_id
+            scratch.mkdir(parents=True, exist_ok=True)
+            children: list[LiveSandbox] = []
+            for _ in range(count):
+                children.append(self._child_of(src, timeout, depends_on=[scratch_id]))
+            snap_row = SnapshotRow(
+                id=scratch_id, sandbox_id=src.id, parent_id=src.row.lineage_head,
+                template_id=self._base_template(src.row.template_id), runtime=self.orch.runtime.name,
+                mode="full", state="creating", internal=True, created_at=now(), dir=str(scratch),
+            )
+            self.store.put_snapshot(snap_row)
+            try:
+                result, states = await rt.fork(src.id, [c.spec for c in children], scratch)
+            except BaseException:
+                for child in children:
+                    self.orch._live.pop(child.id, None)
+                    await self.orch._forget(child.row, child.spec)
+                self.store.delete_snapshot(scratch_id)
+                shutil.rmtree(scratch, ignore_errors=True)
+                raise
+            snap_row.mode = result.mode
+            snap_row.state = "ready"
+            snap_row.result = {"layers": list(result.layers), "data": result.data}
+            self.store.update_snapshot(scratch_id, mode=result.mode, state="ready", result=snap_row.result)
+            # The source now also runs from the fork point (vm restores it from the same frozen state).
+            src.row.lineage_head = scratch_id
+            if result.data.get("source_depends"):
+                src.row.depends_on = sorted(set(src.row.depends_on) | {scratch_id})
+            self.store.update_sandbox(src.id, lineage_head=scratch_id, depends_on=src.row.depends_on)
+            out: list[LiveSandbox | AenvError] = []
+            for child, state in zip(children, states, strict=True):
+                if isinstance(state, BaseException):
+                    self.orch._live.pop(child.id, None)
+                    await self.orch._forget(child.row, child.spec)
+                    out.append(state if isinstance(state, AenvError) else AenvError(f"fork failed: {state}"))
+                    continue
+                child.row.state = SandboxState.RUNNING.value
+                child.row.started_at = now()
+                child.row.end_at = child.row.started_at + timeout
+                child.row.runtime_state = state.data
+                child.row.lineage_head = scratch_id
+                self.store.update_sandbox(
+                    child.id, state=child.row.state, started_at=child.row.started_at, end_at=child.row.end_at,
+                    runtime_state=state.data, lineage_head=scratch_id,
+                )
+                out.append(child)
+        self.collect_garbage()
+        log.info("sandbox=%s forked into %d (%d ok) mode=%s", src.id, count, sum(not isinstance(o, AenvError) for o in out), result.mode)
+        return out
+
+    def _child_of(self, src: LiveSandbox, timeout: int, depends_on: list[str]) -> LiveSandbox:
+        from aenv.core.orchestrator import LiveSandbox
+
+        self.orch._seq += 1
+        t = now()
+        row = replace(
+            src.row,
+            id=new_id(),
+            state=SandboxState.STARTING.value,
+            started_at=t,
+            end_at=t + timeout,
+            paused_at=None,
+            access_token=new_token() if src.row.access_token else None,
+            runtime_state={},
+            idempotency_key=None,
+            created_seq=self.orch._seq,
+            metadata=dict(src.row.metadata),
+            env_vars=dict(src.row.env_vars),
+            depends_on=sorted(set(src.row.depends_on) | set(depends_on)),
+        )
+        spec = replace(
+            src.spec, sandbox_id=row.id, workdir=self.orch.settings.sandboxes_dir / row.id, access_token=row.access_token
+        )
+        child = LiveSandbox(row=row, spec=spec)
+        self.orch._live[row.id] = child
+        self.store.put_sandbox(row)
+        return child
+
+    # ---- rollback -------------------------------------------------------------------------------
+    async def rollback(self, sandbox_id: str, snapshot_id: str) -> LiveSandbox:
+        rt = self.runtime
+        sbx = self.orch.get(sandbox_id)
+        target = self.get(snapshot_id)
+        async with sbx.lock:
+            require_state(sbx.id, sbx.state, SandboxState.RUNNING, SandboxState.PAUSED, action="roll back")
+            chain = {r.id for r in self.lineage(sbx.row.lineage_head)}
+            if target.id not in chain:
+                raise Conflict(
+                    f"snapshot '{snapshot_id}' is not in the lineage of sandbox '{sandbox_id}'",
+                    sandbox_id=sandbox_id, snapshot_id=snapshot_id,
+                )
+            state = await rt.rollback(sbx.id, sbx.spec, _path(target.dir), result_of(target))
+            sbx.row.state = SandboxState.RUNNING.value
+            sbx.row.paused_at = None
+            sbx.row.runtime_state = state.data
+            sbx.row.lineage_head = target.id
+            sbx.row.depends_on = sorted(set(sbx.row.depends_on) | {target.id})
+            self.store.update_sandbox(
+                sbx.id, state=sbx.row.state, paused_at=None, runtime_state=state.data,
+                lineage_head=target.id, depends_on=sbx.row.depends_on,
+            )
+        log.info("sandbox=%s rolled back to snapshot=%s", sandbox_id, target.id)
+        return sbx
+
+    # ---- delete & GC ----------------------------------------------------------------------------
+    def dependents(self, snapshot_id: str) -> list[str]:
+        return [s.id for s in self.orch._live.values() if snapshot_id in s.row.depends_on]
+
+    async def delete(self, snapshot_id: str) -> None:
+        row = self.get(snapshot_id)
+        users = self.dependents(row.id)
+        if users:
+            raise Conflict(f"snapshot '{snapshot_id}' is used by sandboxes {', '.join(users[:5])}", snapshot_id=snapshot_id)
+        self.store.delete_template(row.id)
+        self.store.delete_snapshot(row.id)
+        shutil.rmtree(row.dir, ignore_errors=True)
+        if self.orch.repository is not None and row.published:
+            with contextlib.suppress(Exception):
+                await self.orch.repository.delete(row.id)
+
+    def collect_garbage(self) -> None:
+        """Remove internal (fork) snapshots that no live sandbox needs any more."""
+        needed = {d for s in self.orch._live.values() for d in s.row.depends_on}
+        heads = {s.row.lineage_head for s in self.orch._live.values()}
+        for row in self.store.list_snapshots():
+            if row.internal and row.id not in needed and row.id not in heads and not self.children(row.id):
+                self.store.delete_snapshot(row.id)
+                shutil.rmtree(row.dir, ignore_errors=True)
+
+
+def _path(p: str) -> Path:
+    return Path(p)
+
+
+def _du(path: Path) -> int:
+    total = 0
+    for p in path.rglob("*"):
+        with contextlib.suppress(OSError):
+            st = p.lstat()
+            total += st.st_blocks * 512
+    return total
+

@@ -1,0 +1,75 @@
+"""Snapshots, fork and rollback through the REST API (orchestrator flows on a fake runtime)."""
+
+from __future__ import annotations
+
+from starlette.testclient import TestClient
+
+from tests.unit.api.conftest import FakeRuntime
+
+
+def _create(client: TestClient, template: str = "base") -> str:
+    resp = client.post("/v2/sandboxes", json={"templateID": template})
+    assert resp.status_code == 201, resp.text
+    return str(resp.json()["sandboxID"])
+
+
+def test_snapshot_lineage_and_start_from_snapshot(client: TestClient, runtime: FakeRuntime) -> None:
+    sid = _create(client)
+    s1 = client.post(f"/sandboxes/{sid}/snapshots", json={"name": "step-1"}).json()
+    assert s1["names"] == ["step-1"] and s1["mode"] == "full" and s1["parentID"] is None
+    s2 = client.post(f"/sandboxes/{sid}/snapshots", json={"memory": False}).json()
+    assert s2["mode"] == "filesystem" and s2["parentID"] == s1["snapshotID"]
+    detail = client.get(f"/snapshots/{s2['snapshotID']}").json()
+    assert detail["lineage"] == [s2["snapshotID"], s1["snapshotID"]]
+    assert client.get(f"/snapshots/{s1['snapshotID']}").json()["children"] == [s2["snapshotID"]]
+    listed = client.get("/snapshots", params={"sandboxID": sid}).json()
+    assert {s["snapshotID"] for s in listed} == {s1["snapshotID"], s2["snapshotID"]}
+    # A snapshot is a template: by ID and by name.
+    child = _create(client, s1["snapshotID"])
+    assert ("restore", child) in runtime.calls
+    by_name = _create(client, "step-1")
+    assert client.get(f"/sandboxes/{by_name}").json()["templateID"] == s1["snapshotID"]
+    # In use → cannot delete; after the users are gone → deleted.
+    assert client.delete(f"/templates/{s1['snapshotID']}").status_code == 409
+    client.delete(f"/sandboxes/{child}")
+    client.delete(f"/sandboxes/{by_name}")
+    assert client.delete(f"/templates/{s1['snapshotID']}").status_code == 204
+    assert client.get(f"/snapshots/{s1['snapshotID']}").status_code == 404
+
+
+def test_full_snapshot_refused_when_runtime_cannot(client: TestClient, runtime: FakeRuntime) -> None:
+    runtime.modes = ("filesystem",)
+    sid = _create(client)
+    resp = client.post(f"/sandboxes/{sid}/snapshots", json={})
+    assert resp.status_code == 409 and "filesystem" in resp.json()["message"]
+    assert client.post(f"/sandboxes/{sid}/snapshots", json={"mode": "filesystem"}).status_code == 201
+    assert client.post(f"/sandboxes/{sid}/snapshots", json={"mode": "weird"}).status_code == 400
+
+
+def test_fork_children_and_errors(client: TestClient, runtime: FakeRuntime) -> None:
+    sid = _create(client)
+    resp = client.post(f"/sandboxes/{sid}/fork", json={"count": 3, "timeout": 60})
+    assert resp.status_code == 201
+    kids = [r["sandbox"]["sandboxID"] for r in resp.json()]
+    assert len(set(kids)) == 3 and sid not in kids
+    tokens = {r["sandbox"]["envdAccessToken"] for r in resp.json()}
+    assert len(tokens) == 3
+    for k in kids:
+        assert client.get(f"/sandboxes/{k}").json()["state"] == "running"
+    assert client.post(f"/sandboxes/{sid}/fork", json={"count": 0}).status_code == 400
+    assert client.post(f"/sandboxes/{sid}/fork", json={"count": 1000}).status_code == 400
+    assert client.post("/sandboxes/nope/fork", json={"count": 1}).status_code == 404
+
+
+def test_rollback_only_within_lineage(client: TestClient, runtime: FakeRuntime) -> None:
+    a = _create(client)
+    b = _create(client)
+    sa = client.post(f"/sandboxes/{a}/snapshots", json={}).json()["snapshotID"]
+    sb = client.post(f"/sandboxes/{b}/snapshots", json={}).json()["snapshotID"]
+    client.post(f"/sandboxes/{a}/snapshots", json={})
+    resp = client.post(f"/sandboxes/{a}/rollback", json={"snapshotID": sa})
+    assert resp.status_code == 200 and resp.json()["sandboxID"] == a
+    assert ("rollback", a) in runtime.calls
+    resp = client.post(f"/sandboxes/{a}/rollback", json={"snapshotID": sb})
+    assert resp.status_code == 409 and "lineage" in resp.json()["message"]
+    assert client.post(f"/sandboxes/{a}/rollback", json={"snapshotID": "nope"}).status_code == 404
