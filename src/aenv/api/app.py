@@ -60,6 +60,12 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
         rt = runtime or make_runtime(settings)
         orch = Orchestrator(settings, store, rt, catalog)
         await orch.start()
+        from aenv.images import ImageBuilder, evict_periodically
+
+        builder = ImageBuilder(settings)
+        app.state.image_builder = builder
+        app.state.background = set()
+        evictor = asyncio.create_task(evict_periodically(builder.cache, 300))
         holder["orch"] = orch
         app.state.orchestrator = orch
         app.state.catalog = catalog
@@ -69,8 +75,12 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
         try:
             yield
         finally:
+            evictor.cancel()
+            for task in list(app.state.background):
+                task.cancel()
             await proxy.aclose()
             await orch.close()
+            await builder.aclose()
             store.close()
 
     api = FastAPI(title="aenv", version=__version__, lifespan=lifespan)

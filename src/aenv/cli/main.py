@@ -288,6 +288,75 @@ def download(
         local.write_bytes(bytes(data))
 
 
+# ---- images and templates ------------------------------------------------------------------------
+@app.command("pull")
+def pull_cmd(
+    image: str = typer.Argument(..., help="image reference, e.g. ubuntu:22.04 or host:5000/team/app@sha256:..."),
+    name: Optional[str] = typer.Option(None, "--name", help="template name [default: from the image]"),
+    start_cmd: Optional[str] = typer.Option(None, "--start-cmd", help="run in the background at sandbox start"),
+    ready_cmd: Optional[str] = typer.Option(None, "--ready-cmd", help="sandbox is ready when this exits 0"),
+    cpu: Optional[int] = typer.Option(None, "--cpu", help="vCPUs per sandbox"),
+    memory_mb: Optional[int] = typer.Option(None, "--memory-mb", help="memory per sandbox in MiB"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="print only the template ID"),
+    server: Optional[str] = ServerOpt,
+    api_key: Optional[str] = KeyOpt,
+) -> None:
+    """Pull an OCI image from a registry and make it a template: `aenv pull ubuntu:22.04 --name ubuntu`."""
+    from aenv.cli.pull import pull
+
+    client = _client(server, api_key, quiet=quiet)
+    body = {"image": image, "name": name, "startCmd": start_cmd, "readyCmd": ready_cmd, "cpuCount": cpu, "memoryMB": memory_mb}
+    result = pull(client, {k: v for k, v in body.items() if v is not None}, quiet)
+    tpl = result["template"]
+    if quiet:
+        client.printer.data(tpl["templateID"])
+    else:
+        client.printer.data(f"{result.get('summary', '')} → template {','.join(tpl['aliases']) or tpl['templateID']}")
+
+
+cache_app = typer.Typer(help="The image layer cache: usage and pruning.", no_args_is_help=True)
+app.add_typer(cache_app, name="cache")
+
+
+@cache_app.command("ls")
+def cache_ls(
+    output: str = typer.Option("table", "--output", "-o", help="table | json"),
+    server: Optional[str] = ServerOpt,
+    api_key: Optional[str] = KeyOpt,
+) -> None:
+    """Show the layer cache: usage against the budget and every entry."""
+    client = _client(server, api_key)
+    data = client.request("GET", "/aenv/cache").json()
+    if output == "json":
+        client.printer.json(data)
+        return
+    u = data["usage"]
+    client.printer.data(
+        f"{u['used'] / 1e6:.1f} MB used of {u['budget'] / 1e6:.0f} MB budget, {u['pinned'] / 1e6:.1f} MB pinned, "
+        f"{u['entries']} entries"
+    )
+    from rich.table import Table
+
+    table = Table(box=None)
+    for col in ("DIGEST", "KIND", "SIZE MB", "PINNED BY"):
+        table.add_column(col)
+    for e in data["entries"]:
+        table.add_row(e["digest"][7:19], e["kind"], f"{e['size'] / 1e6:.1f}", ",".join(e["pinned_by"])[:40])
+    client.printer.out.print(table)
+
+
+@cache_app.command("prune")
+def cache_prune(
+    all_unpinned: bool = typer.Option(False, "--all", help="remove every unpinned entry, not just what exceeds the budget"),
+    server: Optional[str] = ServerOpt,
+    api_key: Optional[str] = KeyOpt,
+) -> None:
+    """Evict unpinned layers (never what a template or sandbox uses)."""
+    client = _client(server, api_key)
+    data = client.request("POST", "/aenv/cache/prune", params={"all": str(all_unpinned).lower()}).json()
+    client.printer.data(f"removed {len(data['removed'])} entries, freed {data['freed'] / 1e6:.1f} MB")
+
+
 # ---- templates -----------------------------------------------------------------------------------
 @template_app.command("ls")
 def template_ls(

@@ -29,7 +29,7 @@ class TemplateImage:
 
     template_id: str
     rootfs: Path  # unpacked root filesystem directory (ns: overlay lower; vm: source of the ext4 base)
-    lowers: tuple[Path, ...] = ()  # extra read-only lowers (image layers, top first); empty = just rootfs
+    lowers: tuple[Path, ...] = ()  # the complete overlay lowerdir list, top first; empty = (rootfs,)
     env: dict[str, str] = field(default_factory=dict)  # image Env
     workdir: str | None = None  # image WorkingDir
     user: str = "user"  # default user for processes and files
