@@ -70,8 +70,17 @@ def envd() -> Iterator[subprocess.Popen[bytes]]:
     saved = {k: os.environ.get(k) for k in _ENV}
     os.environ.update(_ENV)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "aenv.envd", "--host", "127.0.0.1", "--port", str(PORT),
-         "--default-user", _default_user()],
+        [
+            sys.executable,
+            "-m",
+            "aenv.envd",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(PORT),
+            "--default-user",
+            _default_user(),
+        ],
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
@@ -126,7 +135,10 @@ def test_nonzero_exit_raises_with_status(sbx: Any) -> None:
 
 def test_envs_cwd_user_and_sandbox_env(sbx: Any, workdir: Path) -> None:
     result = sbx.commands.run(
-        'echo "$FOO|$E2B_SANDBOX|$USER|$HOME"; pwd; id -un', envs={"FOO": "bar baz"}, cwd=str(workdir), user="root"
+        'echo "$FOO|$E2B_SANDBOX|$USER|$HOME"; pwd; id -un',
+        envs={"FOO": "bar baz"},
+        cwd=str(workdir),
+        user="root",
     )
     lines = result.stdout.splitlines()
     assert lines[0] == "bar baz|true|root|/root"
@@ -308,6 +320,21 @@ def test_write_metadata_round_trip(sbx: Any, workdir: Path) -> None:
     assert sbx.files.get_info(str(target)).metadata == {"owner": "alice"}
 
 
+def test_disk_full_is_not_enough_space(sbx: Any) -> None:
+    from e2b import NotEnoughSpaceException
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    with pytest.raises(NotEnoughSpaceException):
+        sbx.files.write("/dev/full", "x" * 10000, user="root")
+
+
+def test_read_as_stream(sbx: Any, workdir: Path) -> None:
+    blob = os.urandom(300_000)
+    (workdir / "big.bin").write_bytes(blob)
+    assert b"".join(sbx.files.read(str(workdir / "big.bin"), format="stream")) == blob
+
+
 def test_read_missing_and_directory(sbx: Any, workdir: Path) -> None:
     from e2b import FileNotFoundException, InvalidArgumentException
 
@@ -325,7 +352,12 @@ def test_list_depth_exists_info(sbx: Any, workdir: Path) -> None:
     names1 = [e.name for e in sbx.files.list(str(workdir))]
     assert names1 == ["d1", "link"]
     paths2 = [e.path for e in sbx.files.list(str(workdir), depth=2)]
-    assert paths2 == [str(workdir / "d1"), str(workdir / "d1" / "d2"), str(workdir / "d1" / "f1"), str(workdir / "link")]
+    assert paths2 == [
+        str(workdir / "d1"),
+        str(workdir / "d1" / "d2"),
+        str(workdir / "d1" / "f1"),
+        str(workdir / "link"),
+    ]
     via_link = [e.path for e in sbx.files.list(str(workdir / "link"))]
     assert via_link == [str(workdir / "link" / "d2"), str(workdir / "link" / "f1")]
     assert sbx.files.exists(str(workdir / "d1" / "f1"))
@@ -358,6 +390,7 @@ def test_make_dir_rename_remove(sbx: Any, workdir: Path) -> None:
 def test_watch_dir_sync_recursive(sbx: Any, workdir: Path) -> None:
     from e2b import FilesystemEventType
 
+    seen: list[Any] = []
     handle = sbx.files.watch_dir(str(workdir), recursive=True)
     try:
         (workdir / "new.txt").write_text("hi")
@@ -375,9 +408,6 @@ def test_watch_dir_sync_recursive(sbx: Any, workdir: Path) -> None:
     assert ("sub/deep.txt", FilesystemEventType.CREATE) in kinds
 
 
-seen: list[Any] = []
-
-
 def _collect(handle: Any, into: list[Any]) -> list[Any]:
     into.extend(handle.get_new_events())
     return into
@@ -390,7 +420,9 @@ async def test_watch_dir_async_stream(envd: Any, workdir: Path) -> None:
 
     sandbox = await AsyncSandbox.create()
     events: list[Any] = []
-    handle = await sandbox.files.watch_dir(str(workdir), on_event=events.append, recursive=True, include_entry=True)
+    handle = await sandbox.files.watch_dir(
+        str(workdir), on_event=events.append, recursive=True, include_entry=True
+    )
     try:
         (workdir / "w.txt").write_text("abc")
         for _ in range(200):
@@ -436,35 +468,56 @@ def _frames(body: bytes) -> list[tuple[int, dict[str, Any]]]:
 
 def test_bad_input_gets_clean_connect_errors(envd: Any) -> None:
     with httpx.Client(base_url=BASE, trust_env=False) as client:
-        r = client.post("/process.Process/List", content=b"{not json", headers={"content-type": "application/json"})
+        r = client.post(
+            "/process.Process/List", content=b"{not json", headers={"content-type": "application/json"}
+        )
         assert r.status_code == 400 and r.json()["code"] == "invalid_argument"
-        r = client.post("/process.Process/SendSignal", json={"process": {"pid": 999999}, "signal": "SIGNAL_SIGKILL"})
+        r = client.post(
+            "/process.Process/SendSignal", json={"process": {"pid": 999999}, "signal": "SIGNAL_SIGKILL"}
+        )
         assert r.status_code == 404 and r.json()["code"] == "not_found"
-        r = client.post("/process.Process/SendSignal", json={"process": {"pid": 1}, "signal": "SIGNAL_UNSPECIFIED"})
+        r = client.post(
+            "/process.Process/SendSignal", json={"process": {"pid": 1}, "signal": "SIGNAL_UNSPECIFIED"}
+        )
         assert r.json()["code"] in ("not_found", "unimplemented")
-        r = client.post("/filesystem.Filesystem/Stat", content=b"x" * (17 * 1024 * 1024),
-                        headers={"content-type": "application/json"})
+        r = client.post(
+            "/filesystem.Filesystem/Stat",
+            content=b"x" * (17 * 1024 * 1024),
+            headers={"content-type": "application/json"},
+        )
         assert r.json()["code"] == "resource_exhausted"
         truncated = _envelope(b'{"process":{"cmd":"/bin/true"}}')[:-5]
-        r = client.post("/process.Process/Start", content=truncated,
-                        headers={"content-type": "application/connect+json"})
+        r = client.post(
+            "/process.Process/Start", content=truncated, headers={"content-type": "application/connect+json"}
+        )
         assert r.status_code == 200
         assert r.headers["content-type"] == "application/connect+json"
         frames = _frames(r.content)
         assert frames[-1][0] == 2 and frames[-1][1]["error"]["code"] == "invalid_argument"
-        r = client.post("/process.Process/Start", content=_envelope(b"[1,2]"),
-                        headers={"content-type": "application/connect+json"})
+        r = client.post(
+            "/process.Process/Start",
+            content=_envelope(b"[1,2]"),
+            headers={"content-type": "application/connect+json"},
+        )
         assert _frames(r.content)[-1][1]["error"]["code"] == "invalid_argument"
         assert client.get("/health").status_code == 204
 
 
 def test_start_stream_wire_format(envd: Any) -> None:
-    body = _envelope(json.dumps({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "printf hi"]}, "stdin": False}).encode())
+    body = _envelope(
+        json.dumps(
+            {"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "printf hi"]}, "stdin": False}
+        ).encode()
+    )
     with httpx.Client(base_url=BASE, trust_env=False) as client:
-        r = client.post("/process.Process/Start", content=body, headers={"content-type": "application/connect+json"})
+        r = client.post(
+            "/process.Process/Start", content=body, headers={"content-type": "application/connect+json"}
+        )
     frames = _frames(r.content)
     assert "start" in frames[0][1]["event"]
-    data = b"".join(base64.b64decode(f["event"]["data"]["stdout"]) for _, f in frames if "data" in f.get("event", {}))
+    data = b"".join(
+        base64.b64decode(f["event"]["data"]["stdout"]) for _, f in frames if "data" in f.get("event", {})
+    )
     assert data == b"hi"
     assert frames[-2][1]["event"]["end"] == {"exitCode": 0, "exited": True, "status": "exit status 0"}
     assert frames[-1] == (2, {})
@@ -477,7 +530,9 @@ def test_access_token_and_signatures(envd: Any, workdir: Path) -> None:
     target = workdir / "signed.txt"
     target.write_text("secret")
     with httpx.Client(base_url=BASE, trust_env=False) as client:
-        assert client.post("/init", json={"accessToken": token, "envVars": {"GLOBAL_X": "1"}}).status_code == 204
+        assert (
+            client.post("/init", json={"accessToken": token, "envVars": {"GLOBAL_X": "1"}}).status_code == 204
+        )
         try:
             r = client.post("/process.Process/List", json={})
             assert r.status_code == 401
@@ -485,7 +540,10 @@ def test_access_token_and_signatures(envd: Any, workdir: Path) -> None:
                 "code": 401,
                 "message": "unauthorized access, please provide a valid access token or method signing if supported",
             }
-            assert client.post("/process.Process/List", json={}, headers={"X-Access-Token": token}).status_code == 200
+            assert (
+                client.post("/process.Process/List", json={}, headers={"X-Access-Token": token}).status_code
+                == 200
+            )
             assert client.get("/envs", headers={"X-Access-Token": token}).json()["GLOBAL_X"] == "1"
             assert client.get("/health").status_code == 204
             assert client.get("/files", params={"path": str(target)}).status_code == 401
@@ -493,10 +551,14 @@ def test_access_token_and_signatures(envd: Any, workdir: Path) -> None:
             r = client.get("/files", params={"path": str(target), "signature": sig})
             assert r.status_code == 200 and r.text == "secret"
             expired = compute_signature(str(target), "read", "", token, 1)
-            r = client.get("/files", params={"path": str(target), "signature": expired, "signature_expiration": "1"})
+            r = client.get(
+                "/files", params={"path": str(target), "signature": expired, "signature_expiration": "1"}
+            )
             assert r.status_code == 401
             wrong_op = compute_signature(str(target), "write", "", token)
-            assert client.get("/files", params={"path": str(target), "signature": wrong_op}).status_code == 401
+            assert (
+                client.get("/files", params={"path": str(target), "signature": wrong_op}).status_code == 401
+            )
             r = client.get("/files", params={"path": str(target)}, headers={"X-Access-Token": token})
             assert r.status_code == 200
         finally:
@@ -513,18 +575,48 @@ def test_files_error_shapes(envd: Any, workdir: Path) -> None:
         assert r.status_code == 400
         r = client.post("/files", content=b"abc", headers={"content-type": "application/octet-stream"})
         assert r.status_code == 400
-        r = client.post("/files", params={"path": str(workdir / "u")}, files={"file": ("x", b"1")},
-                        headers={"X-Metadata-Bad": "\x7f"})
+        r = client.post(
+            "/files",
+            params={"path": str(workdir / "u")},
+            files={"file": ("x", b"1")},
+            headers={"X-Metadata-Bad": "\x7f"},
+        )
         assert r.status_code == 400
         r = client.get("/files", params={"path": str(workdir), "username": "no-such-user-xyz"})
         assert r.status_code == 401
 
 
+def test_runs_and_writes_as_another_user(sbx: Any, workdir: Path) -> None:
+    try:
+        nobody = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no 'nobody' account")
+    os.chmod(workdir, 0o777)
+    result = sbx.commands.run("id -un; touch mine", user="nobody", cwd=str(workdir))
+    assert result.stdout == "nobody\n"
+    assert (workdir / "mine").stat().st_uid == nobody.pw_uid
+    sbx.files.write(str(workdir / "deep" / "f.txt"), "x", user="nobody")
+    assert (workdir / "deep" / "f.txt").stat().st_uid == nobody.pw_uid
+    assert (workdir / "deep").stat().st_uid == nobody.pw_uid
+    assert sbx.files.make_dir(str(workdir / "nd"), user="nobody")
+    assert (workdir / "nd").stat().st_uid == nobody.pw_uid
+
+
 def test_metrics_shape(envd: Any) -> None:
     with httpx.Client(base_url=BASE, trust_env=False) as client:
         body = client.get("/metrics").json()
-    assert set(body) == {"ts", "cpu_count", "cpu_used_pct", "mem_total", "mem_used", "mem_cache",
-                         "mem_total_mib", "mem_used_mib", "disk_used", "disk_total"}
+    assert set(body) == {
+        "ts",
+        "cpu_count",
+        "cpu_used_pct",
+        "mem_total",
+        "mem_used",
+        "mem_cache",
+        "mem_total_mib",
+        "mem_used_mib",
+        "disk_used",
+        "disk_total",
+    }
     assert body["mem_total"] > 0 and body["disk_total"] > 0
 
 
@@ -539,3 +631,77 @@ def test_gzip_octet_stream_raw(envd: Any, workdir: Path) -> None:
     assert r.status_code == 200
     assert r.json() == [{"path": str(workdir / "raw.gz.txt"), "name": "raw.gz.txt", "type": "file"}]
     assert (workdir / "raw.gz.txt").read_bytes() == b"raw gz"
+
+
+# --------------------------------------------------------------------------- JS SDK
+
+JS_CHECK = r"""
+import { Sandbox } from 'e2b'
+const dir = process.argv[2]
+const s = await Sandbox.create()
+const out = {}
+const r = await s.commands.run('echo js-$((1+1)); echo e >&2')
+out.stdout = r.stdout; out.stderr = r.stderr
+try { await s.commands.run('exit 4') } catch (e) { out.exit = e.exitCode }
+await s.files.write(`${dir}/a/js.txt`, 'from-js')
+out.back = await s.files.read(`${dir}/a/js.txt`)
+out.list = (await s.files.list(dir, { depth: 2 })).map(e => e.path.slice(dir.length))
+const events = []
+const w = await s.files.watchDir(dir, ev => events.push(`${ev.type}:${ev.name}`), { recursive: true })
+await s.files.write(`${dir}/a/w.txt`, 'x')
+for (let i = 0; i < 100 && !events.some(e => e.includes('a/w.txt')); i++) await new Promise(r => setTimeout(r, 50))
+await w.stop()
+out.watched = events.some(e => e.includes('a/w.txt'))
+const h = await s.commands.run('sleep 30', { background: true })
+out.killed = await h.kill()
+try { await h.wait() } catch (e) { out.killExit = e.exitCode }
+out.missingKill = await s.commands.kill(999999)
+const chunks = []
+const p = await s.pty.create({ cols: 80, rows: 24, onData: d => chunks.push(Buffer.from(d).toString()), timeoutMs: 0 })
+await s.pty.sendInput(p.pid, new TextEncoder().encode('echo pty$((40+2)); exit\n'))
+await p.wait()
+out.pty = chunks.join('').includes('pty42')
+try { await s.files.read(`${dir}/nope`) } catch (e) { out.notFound = e.constructor.name }
+out.running = await s.isRunning()
+console.log(JSON.stringify(out))
+"""
+
+
+def test_js_sdk_against_envd(envd: Any, workdir: Path) -> None:
+    """The JS SDK (connect-web, WatchDir stream, pty) against envd, when node and the SDK are present."""
+    import shutil
+
+    node = shutil.which("node")
+    cache = Path(os.environ.get("AENV_JS_SDK_DIR", "/tmp/aenv-js-sdk"))
+    if not node or not (cache / "node_modules" / "e2b").is_dir():
+        pytest.skip("node or the npm e2b package is not available")
+    script = cache / f"envd_check_{uuid.uuid4().hex}.mjs"
+    script.write_text(JS_CHECK)
+    try:
+        res = subprocess.run(
+            [node, str(script), str(workdir)],
+            check=False,
+            cwd=cache,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=os.environ,
+        )
+    finally:
+        script.unlink()
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out == {
+        "stdout": "js-2\n",
+        "stderr": "e\n",
+        "exit": 4,
+        "back": "from-js",
+        "list": ["/a", "/a/js.txt"],
+        "watched": True,
+        "killed": True,
+        "killExit": -1,
+        "missingKill": False,
+        "pty": True,
+        "notFound": "FileNotFoundError",
+        "running": True,
+    }

@@ -1,0 +1,162 @@
+"""The agent's end of the host↔sandbox channel.
+
+Two transports carry the same mux protocol:
+
+* ``unix-listen:PATH`` (ns): a listening unix socket in the sandbox's run dir (``/.aenv-run``), which
+  the host sees through a bind mount. Every host connection is its own mux session; the host
+  reconnects after a server restart and simply gets a new one.
+* ``serial:PATH`` (vm): a virtio-serial character device. It is always "open"; while no host is
+  attached ``read`` returns 0, so we sleep briefly and retry instead of treating it as EOF. A host
+  that (re)attaches sends HELLO, which resets the streams of the session.
+
+Every stream the host opens is bridged to ``127.0.0.1:<port>`` inside the sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Awaitable, Callable
+
+from aenv.mux import MuxSession
+
+log = logging.getLogger("aenv.agent")
+
+Connector = Callable[[int], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
+
+ENVD_PORT = 49983
+_ENVD_WAIT = 15.0  # envd may still be starting (or restarting) when the first stream arrives
+
+
+def make_local_connector(wait_ports: frozenset[int] = frozenset({ENVD_PORT})) -> Connector:
+    """accept(port) for the mux: connect to 127.0.0.1:port. For ports in ``wait_ports`` (envd) a
+    refused connection is retried for a while, so the host needs no readiness polling of its own."""
+
+    async def accept(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        deadline = time.monotonic() + (_ENVD_WAIT if port in wait_ports else 0.0)
+        delay = 0.001
+        while True:
+            try:
+                return await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
+            except (ConnectionRefusedError, ConnectionResetError):
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.02)
+
+    return accept
+
+
+async def serve_unix(path: str, accept: Connector, ready: Callable[[], None] | None = None) -> None:
+    """Listen on ``path`` forever; one mux session per host connection."""
+
+    async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        session = MuxSession(reader, writer, accept=accept, name="agent")
+        try:
+            await session.run()
+        finally:
+            await session.aclose()
+
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    server = await asyncio.start_unix_server(on_conn, path, limit=1 << 20)
+    os.chmod(path, 0o600)
+    if ready is not None:
+        ready()
+    async with server:
+        await server.serve_forever()
+
+
+class _SerialWriter:
+    """The StreamWriter subset MuxSession uses, over a blocking fd written from a worker thread."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._buf = bytearray()
+        self._closed = False
+
+    def write(self, data: bytes) -> None:
+        self._buf += data
+
+    async def drain(self) -> None:
+        data, self._buf = bytes(self._buf), bytearray()
+        if data:
+            await asyncio.to_thread(self._write_all, data)
+
+    def _write_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            n = os.write(self._fd, view)
+            view = view[n:]
+
+    def close(self) -> None:
+        self._closed = True
+
+    def is_closing(self) -> bool:
+        return self._closed
+
+    def can_write_eof(self) -> bool:
+        return False
+
+    async def wait_closed(self) -> None:
+        return None
+
+
+async def serve_serial(path: str, accept: Connector, ready: Callable[[], None] | None = None) -> None:
+    """Run mux sessions over a virtio-serial port forever, surviving host disconnects."""
+    loop = asyncio.get_running_loop()
+    fd = os.open(path, os.O_RDWR | os.O_NOCTTY)
+    current: list[asyncio.StreamReader] = []
+    stop = threading.Event()
+
+    def pump() -> None:
+        # read() == 0 means "no host attached" on virtio-serial, not end of file.
+        while not stop.is_set():
+            try:
+                data = os.read(fd, 65536)
+            except InterruptedError:
+                continue
+            except OSError as exc:
+                log.warning("serial read: %s", exc)
+                time.sleep(0.05)
+                continue
+            if not data:
+                time.sleep(0.002)
+                continue
+            if current:
+                loop.call_soon_threadsafe(current[-1].feed_data, data)
+
+    thread = threading.Thread(target=pump, name="serial-reader", daemon=True)
+    thread.start()
+    if ready is not None:
+        ready()
+    try:
+        while True:
+            reader = asyncio.StreamReader(limit=1 << 20)
+            current.append(reader)
+            if len(current) > 1:
+                del current[0]
+            session = MuxSession(reader, _SerialWriter(fd), accept=accept, name="agent-serial")  # type: ignore[arg-type]
+            try:
+                await session.run()
+            finally:
+                await session.aclose()
+            log.warning("serial session ended; starting a new one")
+            await asyncio.sleep(0.01)
+    finally:
+        stop.set()
+        os.close(fd)
+
+
+async def serve(channel: str, accept: Connector, ready: Callable[[], None] | None = None) -> None:
+    kind, _, path = channel.partition(":")
+    if kind == "unix-listen" and path:
+        await serve_unix(path, accept, ready)
+    elif kind == "serial" and path:
+        await serve_serial(path, accept, ready)
+    else:
+        raise ValueError(f"unknown channel {channel!r} (want unix-listen:PATH or serial:PATH)")

@@ -1,0 +1,100 @@
+"""``python -m aenv.agent``: PID 1 of a sandbox.
+
+    python -m aenv.agent --channel unix-listen:/.aenv-run/mux.sock      (ns)
+    python -m aenv.agent --channel serial:/dev/vport0p1                 (vm)
+
+Starts and supervises envd, reaps zombies, optionally runs the template's start command once, and
+serves the mux channel until killed. It never exits on its own: as PID 1 its exit would end the
+sandbox.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from aenv.agent.channel import ENVD_PORT, make_local_connector, serve
+from aenv.agent.supervisor import Reaper, Supervised, spawn
+
+log = logging.getLogger("aenv.agent")
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+LOADER = "ld-linux-x86-64.so.2"
+
+
+def python_argv() -> list[str]:
+    """How to start this same interpreter again. Inside the bundle that means going through the
+    bundled loader (the image may have no libc at all); elsewhere (tests on the host) plain
+    ``sys.executable``."""
+    prefix = Path(sys.prefix)
+    loader = prefix / "lib" / LOADER
+    if loader.exists():
+        return [str(loader), "--inhibit-cache", "--library-path", str(prefix / "lib"), sys.executable, "-I"]
+    return [sys.executable, "-I"]
+
+
+def envd_module() -> str:
+    """The real envd when the bundle has it, else the health/init-only stand-in."""
+    import aenv
+
+    if (Path(aenv.__file__).parent / "envd" / "__main__.py").exists():
+        return "aenv.envd"
+    return "aenv.agent.fallback_envd"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="aenv.agent", description=__doc__)
+    ap.add_argument("--channel", required=True, help="unix-listen:PATH or serial:PATH")
+    ap.add_argument("--envd-port", type=int, default=ENVD_PORT)
+    ap.add_argument("--default-user", default="user")
+    ap.add_argument("--env-json", default="{}", help="template environment (JSON object) for envd")
+    ap.add_argument("--start-cmd", default=None, help="run once with /bin/sh -c after envd starts")
+    ap.add_argument("--log", default="/dev/null", help="file for agent and envd logs")
+    ap.add_argument("--no-envd", action="store_true", help="do not start envd (tests)")
+    return ap.parse_args(argv)
+
+
+def child_env(template_env: dict[str, str]) -> dict[str, str]:
+    env = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8"}
+    env.update({str(k): str(v) for k, v in template_env.items()})
+    return env
+
+
+async def amain(args: argparse.Namespace) -> None:
+    loop = asyncio.get_running_loop()
+    reaper = Reaper(loop)
+    reaper.install()
+    env = child_env(json.loads(args.env_json))
+    if not args.no_envd:
+        argv = [
+            *python_argv(), "-m", envd_module(),
+            "--host", "127.0.0.1", "--port", str(args.envd_port), "--default-user", args.default_user,
+        ]
+        reaper.supervise(Supervised("envd", argv, env, stdout=args.log))
+    if args.start_cmd:
+        shell = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
+        try:
+            spawn([shell, "-c", args.start_cmd], env, stdout=args.log)
+        except OSError as exc:
+            log.error("start command failed to spawn: %s", exc)
+    accept = make_local_connector(frozenset({args.envd_port}))
+    await serve(args.channel, accept)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s agent %(levelname)s %(message)s",
+        stream=open(args.log, "a", buffering=1) if args.log != "/dev/null" else sys.stderr,  # noqa: SIM115
+    )
+    try:
+        asyncio.run(amain(args))
+    except KeyboardInterrupt:
+        return 130
+    return 0

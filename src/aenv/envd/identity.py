@@ -1,0 +1,119 @@
+"""Who envd acts as: sandbox identity, users, and path resolution (spec §3.1).
+
+``SandboxState`` holds what ``POST /init`` sets (sandbox-wide env vars, access
+token, default user and workdir, sandbox and template ids). ``User`` is read
+from the sandbox's own ``/etc/passwd`` and ``/etc/group`` via ``pwd``/``grp``:
+envd runs after pivot_root, so those modules see the sandbox's files.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+from dataclasses import dataclass, field
+
+from aenv.envd.errors import InvalidArgument, Unauthenticated
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    uid: int
+    gid: int
+    home: str
+    groups: tuple[int, ...] = ()
+
+    @classmethod
+    def lookup(cls, name: str) -> User:
+        """Find ``name`` in the sandbox's passwd; raises ``KeyError`` if absent."""
+        entry = pwd.getpwnam(name)
+        try:
+            groups = tuple(os.getgrouplist(name, entry.pw_gid))
+        except OSError:
+            groups = (entry.pw_gid,)
+        return cls(entry.pw_name, entry.pw_uid, entry.pw_gid, entry.pw_dir or "/", groups)
+
+    @classmethod
+    def root(cls) -> User:
+        try:
+            return cls.lookup("root")
+        except KeyError:
+            return cls("root", 0, 0, "/root", (0,))
+
+    def owns_files(self) -> bool:
+        """True when files we create must be chowned to this user (we are root, they are not)."""
+        return os.geteuid() == 0 and self.uid != 0
+
+
+@dataclass
+class SandboxState:
+    """Mutable sandbox identity, replaced field by field by ``POST /init``."""
+
+    env_vars: dict[str, str] = field(default_factory=dict)
+    access_token: str | None = None
+    default_user: str = "user"
+    default_workdir: str | None = None
+    sandbox_id: str = ""
+    template_id: str = ""
+
+    def resolve_user(self, name: str | None) -> User:
+        """The explicit user ``name`` (unknown ⇒ ``Unauthenticated``) or the default user.
+
+        A missing default user falls back to root, so bare images without a
+        ``user`` account still work.
+        """
+        if name:
+            try:
+                return User.lookup(name)
+            except KeyError:
+                raise Unauthenticated(f"invalid username: '{name}'") from None
+        try:
+            return User.lookup(self.default_user)
+        except KeyError:
+            return User.root()
+
+    def sandbox_env(self) -> dict[str, str]:
+        env = {"E2B_SANDBOX": "true", "E2B_SANDBOX_ID": self.sandbox_id, "E2B_TEMPLATE_ID": self.template_id}
+        env.update(self.env_vars)
+        return env
+
+    def process_env(self, user: User, extra: dict[str, str]) -> dict[str, str]:
+        """Environment in override order: user basics, sandbox-wide vars, per-request vars."""
+        env = {
+            "PATH": os.environ.get("PATH") or DEFAULT_PATH,
+            "HOME": user.home,
+            "USER": user.name,
+            "LOGNAME": user.name,
+        }
+        env.update(self.sandbox_env())
+        env.update(extra)
+        return env
+
+    def resolve_path(self, path: str, user: User) -> str:
+        return resolve_path(path, user.home, self.default_workdir)
+
+
+def resolve_path(path: str, home: str, workdir: str | None = None) -> str:
+    """Resolve an SDK path to an absolute, cleaned path inside the sandbox.
+
+    Empty ⇒ the default workdir (else home); ``~``/``~/x`` ⇒ home; relative ⇒
+    joined to home. ``..`` is resolved lexically, which can only land somewhere
+    else inside the sandbox root: there is nothing above it after pivot_root.
+    """
+    if path == "":
+        path = workdir or home
+    elif path.startswith("~"):
+        if path == "~" or path.startswith("~/"):
+            path = home + path[1:]
+        else:
+            raise InvalidArgument(f"path '{path}': '~user' expansion is not supported")
+    if "\x00" in path:
+        raise InvalidArgument("path contains a NUL byte")
+    if not path.startswith("/"):
+        path = os.path.join(home, path)
+    cleaned = os.path.normpath(path)
+    if cleaned.startswith("//"):
+        cleaned = "/" + cleaned.lstrip("/")
+    return cleaned

@@ -1,0 +1,11 @@
+"""The ``ns`` runtime: namespace sandboxes on overlayfs with cgroup limits (no VM).
+
+Modules, one job each: ``cgroups`` (v1/v2 limits, freezer, usage), ``launcher`` (stage 2 inside the
+new namespaces: mounts, pivot_root, exec the agent), ``process`` (pids we own, reaping), ``network``
+(loopback-only or slirp4netns), ``sandbox`` (one sandbox and what it owns), ``pool`` (warm pool),
+``reconcile`` (crash clean-up), ``envd_client`` (health/init over the mux), ``runtime`` (the front door).
+"""
+
+from aenv.runtime.ns.runtime import NsRuntime
+
+__all__ = ["NsRuntime"]

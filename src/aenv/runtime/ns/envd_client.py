@@ -1,0 +1,75 @@
+"""Just enough HTTP/1.1 to talk to envd over a mux stream during start-up (``/health``, ``/init``).
+
+The runtime must not depend on the server's HTTP stack (it knows nothing about HTTP by design), and
+these two requests are tiny: one request per stream with ``Connection: close``, read to EOF, parse the
+status line. Reads are bounded.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Protocol
+
+ENVD_PORT = 49983
+_MAX_RESPONSE = 1 << 20
+
+
+class _Stream(Protocol):
+    async def read(self, n: int = ...) -> bytes: ...
+    async def write(self, data: bytes) -> None: ...
+    async def write_eof(self) -> None: ...
+    async def aclose(self) -> None: ...
+
+
+class EnvdError(RuntimeError):
+    def __init__(self, message: str, status: int | None = None, body: bytes = b"") -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body[:512]
+
+
+def build_request(method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", "Host: localhost", "Connection: close"]
+    for k, v in (headers or {}).items():
+        lines.append(f"{k}: {v}")
+    if body is not None:
+        lines.append("Content-Type: application/json")
+        lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + (body or b"")
+
+
+def parse_status(raw: bytes) -> tuple[int, bytes]:
+    head, sep, body = raw.partition(b"\r\n\r\n")
+    if not sep:
+        raise EnvdError("incomplete HTTP response", body=raw)
+    status_line = head.split(b"\r\n", 1)[0].split()
+    if len(status_line) < 2 or not status_line[0].startswith(b"HTTP/"):
+        raise EnvdError("malformed HTTP status line", body=raw)
+    return int(status_line[1]), body
+
+
+async def request(stream: _Stream, method: str, path: str, payload: Any = None,
+                  headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    body = None if payload is None else json.dumps(payload).encode()
+    try:
+        await stream.write(build_request(method, path, body, headers))
+        raw = b""
+        while chunk := await stream.read(65536):
+            raw += chunk
+            if len(raw) > _MAX_RESPONSE:
+                raise EnvdError("response too large")
+    finally:
+        await stream.aclose()
+    return parse_status(raw)
+
+
+def init_payload(*, sandbox_id: str, template_id: str, env_vars: dict[str, str], access_token: str | None,
+                 default_user: str | None, default_workdir: str | None) -> dict[str, Any]:
+    return {
+        "envVars": env_vars,
+        "accessToken": access_token,
+        "defaultUser": default_user,
+        "defaultWorkdir": default_workdir,
+        "sandboxId": sandbox_id,
+        "templateId": template_id,
+    }

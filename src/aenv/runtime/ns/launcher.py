@@ -1,0 +1,211 @@
+"""Stage 2 of starting a sandbox: runs as PID 1 of the fresh namespaces, builds the root, execs the agent.
+
+Stage 1 is util-linux ``unshare --fork --pid --mount --uts --ipc --net --propagation private``: a tiny
+C parent that stays behind only to reap us, so the server never has to. This file is executed as a
+*script* by the host interpreter in isolated mode (``python -I -S launcher.py CONFIG_JSON``), so it
+must import nothing but the stdlib. Steps, in the order CRIU and isolation need them:
+
+1. report our host PID and start time (read through the host's /proc before we mount our own);
+2. join the sandbox cgroups, so every descendant is accounted and limited from the first instant;
+3. overlay root (shared read-only lowers + per-sandbox upper), /proc, a minimal /dev (bind-mounted
+   host nodes, private devpts, /dev/shm), ``/.aenv`` (tools, read-only), ``/.aenv-run`` (channel);
+4. hostname, loopback up;
+5. ``pivot_root`` (not chroot) and detach the old root, so no host path is reachable;
+6. drop dangerous capabilities from the bounding set, ``setsid``, stdio from inside the sandbox;
+7. exec the agent from ``/.aenv`` with an empty environment and no inherited fds.
+
+Everything is mounted inside the private mount namespace: nothing appears on the host, so a crash
+leaves no mount behind. Any failure is reported as one JSON line ``{"error": ...}`` on stdout.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import json
+import os
+import socket
+import struct
+import sys
+
+MS_RDONLY = 0x1
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_NOEXEC = 0x8
+MS_REMOUNT = 0x20
+MS_BIND = 0x1000
+MS_REC = 0x4000
+MS_PRIVATE = 1 << 18
+MNT_DETACH = 0x2
+SYS_PIVOT_ROOT = 155  # x86_64
+PR_CAPBSET_DROP = 24
+SIOCGIFFLAGS = 0x8913
+SIOCSIFFLAGS = 0x8914
+IFF_UP = 0x1
+
+# Capabilities kept in the sandbox (Docker's default set). Everything else (SYS_ADMIN, MKNOD,
+# DAC_READ_SEARCH, NET_ADMIN, SYS_PTRACE, SYS_MODULE, ...) is dropped from the bounding set, so
+# sandbox root cannot mount, create device nodes, open files by handle or change its firewall.
+KEEP_CAPS = frozenset({0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 29, 31})
+DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+_libc.sethostname.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def mount(src: str, target: str, fstype: str | None, flags: int = 0, data: str | None = None) -> None:
+    _check(
+        _libc.mount(src.encode(), target.encode(), fstype.encode() if fstype else None, flags,
+                    data.encode() if data else None),
+        f"mount {fstype or 'bind'} {src} -> {target}",
+    )
+
+
+def bind(src: str, target: str, *, readonly: bool = False, extra: int = 0) -> None:
+    mount(src, target, None, MS_BIND | MS_REC)
+    flags = MS_BIND | MS_REMOUNT | extra | (MS_RDONLY if readonly else 0)
+    if flags != MS_BIND | MS_REMOUNT:
+        mount("none", target, None, flags)
+
+
+def overlay_options(lowers: list[str], upper: str, work: str) -> str:
+    """Mount data for overlayfs. ``:`` and ``,`` in paths would break it; the runtime never makes such paths."""
+    for p in (*lowers, upper, work):
+        if ":" in p or "," in p:
+            raise ValueError(f"overlay path may not contain ':' or ',': {p!r}")
+    return f"lowerdir={':'.join(lowers)},upperdir={upper},workdir={work}"
+
+
+def host_identity() -> tuple[int, int]:
+    """Our PID and start time as the host sees them (host /proc is still mounted at this point)."""
+    pid = int(os.readlink("/proc/self"))
+    with open(f"/proc/{pid}/stat") as fh:
+        stat = fh.read()
+    start = int(stat.rsplit(")", 1)[1].split()[19])
+    return pid, start
+
+
+def join_cgroups(procs_files: list[str]) -> None:
+    """Write "0" (= the writer itself): cgroupfs resolves pids in the *writer's* pid namespace, where
+    our host pid means nothing."""
+    for path in procs_files:
+        with open(path, "w") as fh:
+            fh.write("0")
+
+
+def _mkdir(path: str, mode: int = 0o755) -> None:
+    os.makedirs(path, mode=mode, exist_ok=True)
+
+
+def _touch(path: str) -> None:
+    if not os.path.lexists(path):
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o644))
+
+
+def setup_dev(root: str) -> None:
+    dev = f"{root}/dev"
+    _mkdir(dev)
+    mount("tmpfs", dev, "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=755,size=65536k")
+    for name in DEV_NODES:
+        _touch(f"{dev}/{name}")
+        mount(f"/dev/{name}", f"{dev}/{name}", None, MS_BIND)
+    _mkdir(f"{dev}/pts")
+    mount("devpts", f"{dev}/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620")
+    os.symlink("pts/ptmx", f"{dev}/ptmx")
+    _mkdir(f"{dev}/shm", 0o1777)
+    mount("shm", f"{dev}/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=65536k")
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"{dev}/{name}")
+
+
+def build_root(cfg: dict) -> str:  # type: ignore[type-arg]
+    root = cfg["merged"]
+    mount("none", "/", None, MS_REC | MS_PRIVATE)
+    _mkdir(root)
+    mount("overlay", root, "overlay", 0, overlay_options(cfg["lowers"], cfg["upper"], cfg["work"]))
+    _mkdir(f"{root}/proc")
+    mount("proc", f"{root}/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    setup_dev(root)
+    _mkdir(f"{root}/tmp", 0o1777)
+    _mkdir(f"{root}/.aenv")
+    bind(cfg["tools"], f"{root}/.aenv", readonly=True, extra=MS_NOSUID | MS_NODEV)
+    _mkdir(f"{root}/.aenv-run", 0o700)
+    bind(cfg["run"], f"{root}/.aenv-run", extra=MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    if cfg.get("resolv_conf"):
+        _mkdir(f"{root}/etc")
+        path = f"{root}/etc/resolv.conf"
+        if os.path.islink(path):
+            os.unlink(path)
+        with open(path, "w") as fh:
+            fh.write(cfg["resolv_conf"])
+    return root
+
+
+def loopback_up() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        ifreq = struct.pack("16sH14s", b"lo", 0, b"")
+        flags = struct.unpack("16sH14s", fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, ifreq))[1]
+        fcntl.ioctl(s.fileno(), SIOCSIFFLAGS, struct.pack("16sH14s", b"lo", flags | IFF_UP, b""))
+
+
+def pivot(root: str) -> None:
+    os.chdir(root)
+    # pivot_root(".", ".") stacks the old root on top of the new one; detaching it leaves only ours.
+    _check(_libc.syscall(SYS_PIVOT_ROOT, b".", b"."), "pivot_root")
+    _check(_libc.umount2(b".", MNT_DETACH), "umount old root")
+    os.chdir("/")
+
+
+def drop_capabilities() -> None:
+    with open("/proc/sys/kernel/cap_last_cap") as fh:
+        last = int(fh.read())
+    for cap in range(last + 1):
+        if cap not in KEEP_CAPS:
+            _check(_libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"drop capability {cap}")
+
+
+def report(obj: dict) -> None:  # type: ignore[type-arg]
+    os.write(1, (json.dumps(obj) + "\n").encode())
+
+
+def run(cfg: dict) -> None:  # type: ignore[type-arg]
+    pid, start = host_identity()
+    join_cgroups(cfg["cgroup_procs"])
+    root = build_root(cfg)
+    hostname = cfg.get("hostname", "aenv").encode()
+    _check(_libc.sethostname(hostname, len(hostname)), "sethostname")
+    loopback_up()
+    pivot(root)
+    drop_capabilities()
+    os.setsid()
+    report({"pid": pid, "start": start})
+    # stdio from inside the sandbox only: CRIU refuses fds that point at host files.
+    null = os.open("/dev/null", os.O_RDWR)
+    log = os.open(cfg["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) if cfg.get("log") else null
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    argv = cfg["argv"]
+    os.execve(argv[0], argv, cfg.get("env", {}))
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    try:
+        run(cfg)
+    except BaseException as exc:  # noqa: BLE001 - everything is reported to the host
+        report({"error": f"{type(exc).__name__}: {exc}"})
+        os._exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Sandbox networking.
+
+Two modes, chosen per sandbox by ``allow_internet``:
+
+* **loopback only** (``False``): the sandbox has its own empty network namespace; the launcher brings
+  ``lo`` up and that is all. Nothing outside is reachable, including the host's 127.0.0.1.
+* **outbound via slirp4netns** (``True``): a user-mode TCP/IP stack (Debian's ``slirp4netns``) attached
+  to the sandbox's netns through a tap device. Chosen over a NAT'd veth because it needs no host
+  network changes at all (no bridge, no iptables on the host, no ip_forward, nothing to leak after a
+  crash except one process), and traffic leaves through ordinary host sockets. ``--disable-host-loopback``
+  stops its gateway address from mapping to the host's 127.0.0.1; because slirp *would* still reach the
+  host's own addresses and private ranges through ordinary sockets, an iptables ``OUTPUT`` filter is
+  installed *inside* the sandbox's netns (by the host, via nsenter) that rejects them. The sandbox
+  cannot remove it: its root has no CAP_NET_ADMIN (dropped from the bounding set by the launcher).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import shutil
+import socket
+import subprocess
+from dataclasses import dataclass
+
+from aenv.runtime.ns.process import ProcRef, Reaped
+
+SLIRP_GATEWAY = "10.0.2.2"
+SLIRP_DNS = "10.0.2.3"
+RESOLV_CONF = f"nameserver {SLIRP_DNS}\n"
+BLOCKED_RANGES = (
+    "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
+    "192.0.0.0/24", "192.0.2.0/24", "192.168.0.0/16", "198.18.0.0/15", "224.0.0.0/4", "240.0.0.0/4",
+)
+
+
+class NetworkError(RuntimeError):
+    pass
+
+
+def slirp_available() -> bool:
+    return shutil.which("slirp4netns") is not None and shutil.which("iptables-restore") is not None
+
+
+def host_ipv4_addresses() -> list[str]:
+    """Every IPv4 address configured on the host (so the filter can reject them explicitly)."""
+    out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, check=False)
+    addrs: list[str] = []
+    for line in out.stdout.splitlines():
+        parts = line.split()
+        if "inet" in parts:
+            addrs.append(parts[parts.index("inet") + 1].split("/")[0])
+    return addrs
+
+
+def firewall_rules(host_addrs: list[str]) -> str:
+    """iptables-restore input for the sandbox netns: loopback and slirp's DNS allowed, the host and
+    every private/special range rejected, the rest (the internet) allowed."""
+    lines = ["*filter", ":INPUT ACCEPT [0:0]", ":FORWARD DROP [0:0]", ":OUTPUT ACCEPT [0:0]",
+             "-A OUTPUT -o lo -j ACCEPT"]
+    for proto in ("udp", "tcp"):
+        lines.append(f"-A OUTPUT -d {SLIRP_DNS}/32 -p {proto} --dport 53 -j ACCEPT")
+    for addr in sorted(set(host_addrs)):
+        if ipaddress.ip_address(addr).version == 4:
+            lines.append(f"-A OUTPUT -d {addr}/32 -j REJECT")
+    for cidr in BLOCKED_RANGES:
+        lines.append(f"-A OUTPUT -d {cidr} -j REJECT")
+    lines.append("COMMIT")
+    return "\n".join(lines) + "\n"
+
+
+async def install_firewall(pid: int, host_addrs: list[str]) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        "nsenter", f"--net=/proc/{pid}/ns/net", "iptables-restore",
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    _, err = await proc.communicate(firewall_rules(host_addrs).encode())
+    if proc.returncode != 0:
+        raise NetworkError(f"iptables-restore in sandbox netns failed: {err.decode(errors='replace').strip()}")
+
+
+@dataclass
+class Slirp:
+    """One slirp4netns process serving one sandbox. Owned by the sandbox; ``aclose`` is idempotent."""
+
+    ref: ProcRef
+    child: Reaped | None = None  # None after a server restart (not our child any more)
+
+    @classmethod
+    async def start(cls, pid: int, timeout: float = 5.0) -> Slirp:
+        rfd, wfd = os.pipe()
+        try:
+            child = Reaped.spawn(
+                ["slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback",
+                 "--ready-fd", str(wfd), str(pid), "tap0"],
+                pass_fds=(wfd,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        finally:
+            os.close(wfd)
+        try:
+            loop = asyncio.get_running_loop()
+            ready = loop.create_future()
+
+            def on_ready() -> None:
+                if not ready.done():
+                    ready.set_result(os.read(rfd, 16))
+
+            loop.add_reader(rfd, on_ready)
+            try:
+                async with asyncio.timeout(timeout):
+                    data = await ready
+            finally:
+                loop.remove_reader(rfd)
+            if data != b"1":
+                raise NetworkError("slirp4netns exited before it was ready")
+        except BaseException:
+            await child.aclose()
+            raise
+        finally:
+            os.close(rfd)
+        ref = ProcRef.of(child.pid)
+        if ref is None:
+            await child.aclose()
+            raise NetworkError("slirp4netns vanished")
+        return cls(ref, child)
+
+    async def aclose(self) -> None:
+        self.ref.kill()
+        if self.child is not None:
+            await self.child.aclose()
+        else:
+            await asyncio.to_thread(self.ref.wait_gone, 5.0)
+
+
+def port_reachable(host: str, port: int, timeout: float = 0.5) -> bool:
+    """Small helper for diagnostics and tests."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False

@@ -1,0 +1,138 @@
+"""Host processes the ns runtime owns: the sandbox's namespace init (via ``unshare``) and helpers
+such as slirp4netns.
+
+* ``Reaped`` - a child of the server, reaped as soon as it exits through a pidfd on the event loop
+  (no thread per child, no global SIGCHLD handler that could steal other code's children).
+* ``ProcRef`` - a pid *plus its start time*, so a recycled pid is never mistaken for our process,
+  e.g. after a server restart when only the numbers in the state file are left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import select
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+def proc_start_time(pid: int) -> int | None:
+    """Field 22 of /proc/PID/stat (clock ticks since boot), None if the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    try:
+        rest = stat.rsplit(")", 1)[1].split()
+        if rest[0] == "Z":
+            return None  # a zombie is as good as gone
+        return int(rest[19])
+    except (IndexError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class ProcRef:
+    pid: int
+    start: int
+
+    def alive(self) -> bool:
+        return proc_start_time(self.pid) == self.start
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal it only if it is still the same process (pidfd makes the check race-free)."""
+        try:
+            fd = os.pidfd_open(self.pid)
+        except (ProcessLookupError, OSError):
+            return
+        try:
+            if proc_start_time(self.pid) == self.start:
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(fd, sig)
+        finally:
+            os.close(fd)
+
+    def wait_gone(self, timeout: float) -> bool:
+        """Block until the process has exited (works for non-children via pidfd poll)."""
+        try:
+            fd = os.pidfd_open(self.pid)
+        except (ProcessLookupError, OSError):
+            return True
+        try:
+            if proc_start_time(self.pid) != self.start:
+                return True
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            deadline = time.monotonic() + timeout
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return not self.alive()
+                if poller.poll(left * 1000):
+                    return True
+        finally:
+            os.close(fd)
+
+    @classmethod
+    def of(cls, pid: int) -> ProcRef | None:
+        start = proc_start_time(pid)
+        return None if start is None else cls(pid, start)
+
+
+class Reaped:
+    """A child process of the server that is waited for the moment it exits."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+        self.exited = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()
+        self._pidfd: int | None = os.pidfd_open(proc.pid)
+        self._loop.add_reader(self._pidfd, self._on_exit)
+
+    @classmethod
+    def spawn(cls, argv: Sequence[str], **kw: object) -> Reaped:
+        proc = subprocess.Popen(list(argv), close_fds=True, start_new_session=True, **kw)  # type: ignore[call-overload]
+        return cls(proc)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _on_exit(self) -> None:
+        code = self.proc.poll()
+        if code is None:
+            return
+        self._close_fd()
+        if not self.exited.done():
+            self.exited.set_result(code)
+
+    def _close_fd(self) -> None:
+        if self._pidfd is not None:
+            self._loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    def kill(self) -> None:
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+
+    async def aclose(self, timeout: float = 5.0) -> None:
+        """SIGKILL and reap; safe to call twice and when cancelled (the reap is shielded)."""
+        self.kill()
+        if not self.exited.done():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await asyncio.shield(self.exited)
+        if self.proc.returncode is None:
+            self.proc.poll()
+        self._close_fd()
+        for stream in (self.proc.stdout, self.proc.stderr, self.proc.stdin):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()

@@ -1,0 +1,85 @@
+"""Start-up reconciliation: remove whatever the ns runtime left behind that nobody knows about.
+
+Sources of truth, all findable without the store:
+
+* ``<sandboxes_dir>/<id>/ns/ns.json`` - one per sandbox handed out (pid + start time, cgroup, slirp);
+* ``<pool_dir>/<pool-id>/ns.json``    - pooled sandboxes of a previous server run (always orphans);
+* ``<hierarchy>/aenv/<name>``         - cgroups; their members are the sandbox's processes.
+
+Anything whose name is not in ``known`` is killed (init + slirp by pid *and* start time, then every
+member of its cgroup) and its cgroup and directory are removed. There are no host-side mounts or
+veths to clean: mounts live in the sandbox's own mount namespace and slirp4netns uses a tap inside
+the sandbox's netns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aenv.runtime.ns.cgroups import Cgroup, Layout, list_names
+from aenv.runtime.ns.sandbox import STATE_FILE, NsSandbox
+
+log = logging.getLogger("aenv.runtime.ns")
+
+
+@dataclass
+class ReconcileReport:
+    killed: list[str] = field(default_factory=list)
+    cgroups_removed: list[str] = field(default_factory=list)
+    dirs_removed: list[str] = field(default_factory=list)
+
+
+def _load(path: Path) -> dict[str, object] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+async def reconcile(layout: Layout, sandboxes_dir: Path, pool_dir: Path, known: set[str],
+                    keep: set[str] | None = None) -> ReconcileReport:
+    """Kill and remove every ns sandbox not in ``known`` (nor in ``keep``, e.g. the live pool)."""
+    keep = set(keep or ()) | set(known)
+    report = ReconcileReport()
+    handled: set[str] = set()
+
+    candidates: list[tuple[Path, Path]] = []  # (state file, dir to remove)
+    if sandboxes_dir.is_dir():
+        for d in sandboxes_dir.iterdir():
+            # only directories the ns runtime made (another runtime's sandboxes are left alone)
+            if d.is_dir() and d.name not in keep and (d / "ns").is_dir():
+                candidates.append((d / "ns" / STATE_FILE, d))
+    if pool_dir.is_dir():
+        for d in pool_dir.iterdir():
+            if d.is_dir() and d.name not in keep:
+                candidates.append((d / STATE_FILE, d))
+
+    for state_file, top in candidates:
+        data = _load(state_file)
+        if data is not None and "cgroup" in data and "dir" in data:
+            sbx = NsSandbox.from_state(layout, data)  # type: ignore[arg-type]
+            if sbx.name in keep:
+                continue
+            await sbx.aclose(remove_dir=top)
+            handled.add(sbx.cgroup.name)
+            report.killed.append(sbx.name)
+        await asyncio.to_thread(shutil.rmtree, top, True)
+        report.dirs_removed.append(str(top))
+
+    for name in sorted(list_names(layout) - keep - handled):
+        cg = Cgroup(layout, name)
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(cg.kill_all)
+            await asyncio.to_thread(cg.remove)
+            report.cgroups_removed.append(name)
+    if report.killed or report.cgroups_removed or report.dirs_removed:
+        log.info("ns reconcile: killed=%s cgroups=%s dirs=%d", report.killed, report.cgroups_removed,
+                 len(report.dirs_removed))
+    return report

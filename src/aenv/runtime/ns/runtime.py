@@ -1,0 +1,307 @@
+"""``NsRuntime``: the Runtime protocol on namespaces + overlayfs + cgroups (no VM).
+
+Front door for the orchestrator. A sandbox here is an ``NsSandbox`` (see ``sandbox.py`` for what it
+owns); this class only keeps the table of live ones, the warm pool and the host-wide facts (cgroup
+layout, tools bundle, host addresses).
+
+Create path:
+    pool hit  -> rename cgroup + dir to the real ID, apply limits, ``POST /init``     (~ms)
+    pool miss -> launch under the real ID (unshare, overlay, agent, envd), ``GET /health``,
+                 ``POST /init``                                                        (~0.3 s)
+Either way the key becomes hot and the pool refills in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from aenv.config import Settings
+from aenv.core.errors import RuntimeFailure, SandboxNotFound, SandboxUnreachable, StateError
+from aenv.mux import MuxError, MuxStream
+from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec, TemplateImage
+from aenv.runtime.ns import cgroups
+from aenv.runtime.ns.envd_client import EnvdError, init_payload
+from aenv.runtime.ns.network import Slirp, host_ipv4_addresses, slirp_available
+from aenv.runtime.ns.pool import WarmPool
+from aenv.runtime.ns.process import ProcRef
+from aenv.runtime.ns.reconcile import ReconcileReport, reconcile
+from aenv.runtime.ns.sandbox import LaunchOptions, NsSandbox
+from aenv.runtime.tools import ensure_tools
+
+log = logging.getLogger("aenv.runtime.ns")
+
+POOL_DIR = "ns-pool"
+POOL_NICE = 19  # pooled sandboxes start at the lowest priority; reset to 0 at hand-out
+
+
+def _disk_usage(path: Path) -> int:
+    """Bytes allocated under ``path`` (like ``du``), not following symlinks."""
+    total = 0
+    stack = [str(path)]
+    while stack:
+        d = stack.pop()
+        try:
+            with os.scandir(d) as it:
+                for e in it:
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    total += st.st_blocks * 512
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append(e.path)
+        except OSError:
+            continue
+    return total
+
+
+class NsRuntime:
+    name = "ns"
+
+    def __init__(self, settings: Settings, pool_size: int | None = None, *, tools_dir: Path | None = None,
+                 debug_log: bool | None = None, launch_timeout: float = 30.0) -> None:
+        self.settings = settings
+        self.pool_size = settings.pool_size if pool_size is None else pool_size
+        self.debug_log = (settings.log_level.lower() == "debug" or os.environ.get("AENV_NS_DEBUG") == "1") \
+            if debug_log is None else debug_log
+        self.launch_timeout = launch_timeout
+        self._tools_dir = tools_dir
+        self.tools: Path | None = tools_dir
+        self.layout: cgroups.Layout | None = None
+        self.host_addrs: list[str] = []
+        self.pool_dir = settings.state_dir / POOL_DIR
+        self._sandboxes: dict[str, NsSandbox] = {}
+        self._specs: dict[str, SandboxSpec] = {}
+        self.pool = WarmPool(self.pool_size, self._launch_pooled)
+        self._started = False
+
+    # ---- host-wide lifecycle --------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._started:
+            return
+        self.layout = await asyncio.to_thread(cgroups.detect)
+        await asyncio.to_thread(cgroups.ensure_parents, self.layout)
+        if self.tools is None:
+            self.tools = await asyncio.to_thread(ensure_tools, self.settings)
+        self.host_addrs = await asyncio.to_thread(host_ipv4_addresses)
+        self.settings.sandboxes_dir.mkdir(parents=True, exist_ok=True)
+        self.pool_dir.mkdir(parents=True, exist_ok=True)
+        self._started = True
+
+    async def close(self) -> None:
+        """Kill pooled sandboxes and drop channels; handed-out sandboxes keep running."""
+        await self.pool.aclose()
+        for sbx in list(self._sandboxes.values()):
+            if sbx._session is not None:
+                with contextlib.suppress(Exception):
+                    await sbx._session.aclose()
+        self._sandboxes.clear()
+
+    async def reconcile(self, known_ids: set[str] | list[str]) -> ReconcileReport:
+        """Kill and remove every ns sandbox, cgroup and directory not in ``known_ids`` (plus our own
+        live pool). Call after ``start`` and before adopting."""
+        await self.start()
+        assert self.layout is not None
+        keep = self.pool.names() | set(self._sandboxes)
+        return await reconcile(self.layout, self.settings.sandboxes_dir, self.pool_dir, set(known_ids), keep)
+
+    def warm(self, template: TemplateImage, allow_internet: bool = True) -> None:
+        """Mark a template hot: the pool starts filling for it now (non-blocking)."""
+        self.pool.want(template, allow_internet)
+
+    async def wait_warm(self, template: TemplateImage, allow_internet: bool = True, n: int | None = None) -> None:
+        self.pool.want(template, allow_internet)
+        await self.pool.wait_ready(template, allow_internet, n)
+
+    # ---- launching ------------------------------------------------------------------------------
+    def _opts(self, template: TemplateImage, allow_internet: bool, limits: tuple[int, int, int],
+              nice: int = 0) -> LaunchOptions:
+        assert self.tools is not None
+        if allow_internet and not slirp_available():
+            raise RuntimeFailure("internet access needs slirp4netns and iptables on the host (apt-get install slirp4netns iptables)")
+        return LaunchOptions(template=template, tools=self.tools, allow_internet=allow_internet,
+                             default_limits=limits, debug_log=self.debug_log, nice=nice)
+
+    async def _launch_pooled(self, template: TemplateImage, allow_internet: bool) -> NsSandbox:
+        assert self.layout is not None
+        name = f"pool-{secrets.token_hex(6)}"
+        s = self.settings
+        opts = self._opts(template, allow_internet, (s.default_cpu_count, s.default_memory_mb, s.pids_limit),
+                          nice=POOL_NICE)
+        return await NsSandbox.launch(name, self.pool_dir / name, self.layout, opts, self.host_addrs,
+                                      timeout=self.launch_timeout)
+
+    # ---- Runtime protocol -----------------------------------------------------------------------
+    async def create(self, spec: SandboxSpec) -> RuntimeState:
+        await self.start()
+        assert self.layout is not None
+        sid = spec.sandbox_id
+        if sid in self._sandboxes:
+            raise StateError(f"sandbox {sid} already exists", sandbox_id=sid)
+        limits = (spec.cpu_count, spec.memory_mb, spec.pids_limit)
+        root = spec.workdir / "ns"
+        sbx = self.pool.take(spec.template, spec.allow_internet)
+        try:
+            if sbx is not None:
+                await asyncio.to_thread(self._hand_out, sbx, sid, root, limits)
+            else:
+                opts = self._opts(spec.template, spec.allow_internet, limits)
+                sbx = await NsSandbox.launch(sid, root, self.layout, opts, self.host_addrs,
+                                             timeout=self.launch_timeout)
+            await sbx.init_envd(init_payload(
+                sandbox_id=sid, template_id=spec.template.template_id, env_vars=dict(spec.env_vars),
+                access_token=spec.access_token, default_user=spec.template.user or None,
+                default_workdir=spec.template.workdir))
+        except BaseException as exc:
+            if sbx is not None:
+                await sbx.aclose(remove_dir=spec.workdir)
+            if isinstance(exc, (EnvdError, MuxError)):
+                raise SandboxUnreachable(f"sandbox {sid}: envd did not come up: {exc}", sandbox_id=sid) from exc
+            if isinstance(exc, Exception) and not isinstance(exc, RuntimeFailure | StateError):
+                raise RuntimeFailure(f"sandbox {sid}: start failed: {exc}", sandbox_id=sid) from exc
+            raise
+        sbx.last_cpu = None
+        self._sandboxes[sid] = sbx
+        self._specs[sid] = spec
+        return self._state(sbx, spec.workdir)
+
+    def _hand_out(self, sbx: NsSandbox, sid: str, root: Path, limits: tuple[int, int, int]) -> None:
+        sbx.cgroup.set_limits(*limits)
+        sbx.reprioritize(0)
+        sbx.rename(sid, root)
+
+    def _state(self, sbx: NsSandbox, workdir: Path | None) -> RuntimeState:
+        data = sbx.state()
+        data["workdir"] = str(workdir) if workdir else None
+        return RuntimeState(data=data)
+
+    def _get(self, sandbox_id: str) -> NsSandbox:
+        sbx = self._sandboxes.get(sandbox_id)
+        if sbx is None:
+            raise SandboxNotFound(sandbox_id)
+        return sbx
+
+    def _from_state(self, sandbox_id: str, state: RuntimeState | None) -> NsSandbox | None:
+        sbx = self._sandboxes.get(sandbox_id)
+        if sbx is not None:
+            return sbx
+        if state is None or not state.data.get("cgroup") or self.layout is None:
+            return None
+        return NsSandbox.from_state(self.layout, state.data)
+
+    async def open_stream(self, sandbox_id: str, port: int) -> MuxStream:
+        sbx = self._get(sandbox_id)
+        try:
+            return await sbx.open_stream(port)
+        except (MuxError, OSError) as exc:
+            if not sbx.alive():
+                raise SandboxNotFound(sandbox_id) from exc
+            raise SandboxUnreachable(f"sandbox {sandbox_id} port {port}: {exc}", sandbox_id=sandbox_id) from exc
+
+    async def pause(self, sandbox_id: str) -> RuntimeState:
+        sbx = self._get(sandbox_id)
+        try:
+            await asyncio.to_thread(sbx.cgroup.freeze)
+        except OSError as exc:
+            raise RuntimeFailure(f"sandbox {sandbox_id}: freeze failed: {exc}", sandbox_id=sandbox_id) from exc
+        return self._state(sbx, self._workdir(sandbox_id))
+
+    async def resume(self, sandbox_id: str, state: RuntimeState) -> RuntimeState:
+        await self.start()
+        sbx = self._from_state(sandbox_id, state)
+        if sbx is None or not sbx.alive():
+            raise SandboxNotFound(sandbox_id)
+        try:
+            await asyncio.to_thread(sbx.cgroup.thaw)
+        except OSError as exc:
+            raise RuntimeFailure(f"sandbox {sandbox_id}: thaw failed: {exc}", sandbox_id=sandbox_id) from exc
+        self._sandboxes.setdefault(sandbox_id, sbx)
+        return self._state(sbx, self._workdir(sandbox_id, state))
+
+    def _workdir(self, sandbox_id: str, state: RuntimeState | None = None) -> Path | None:
+        spec = self._specs.get(sandbox_id)
+        if spec is not None:
+            return spec.workdir
+        raw = state.data.get("workdir") if state else None
+        return Path(raw) if raw else None
+
+    async def kill(self, sandbox_id: str, state: RuntimeState | None = None) -> None:
+        await self.start()
+        workdir = self._workdir(sandbox_id, state)
+        sbx = self._sandboxes.pop(sandbox_id, None) or self._from_state(sandbox_id, state)
+        self._specs.pop(sandbox_id, None)
+        if sbx is not None:
+            await sbx.aclose(remove_dir=workdir)
+        else:
+            assert self.layout is not None
+            cg = cgroups.Cgroup(self.layout, sandbox_id)
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(cg.remove)
+            if workdir is not None:
+                await asyncio.to_thread(shutil.rmtree, workdir, True)
+
+    async def adopt(self, sandbox_id: str, spec: SandboxSpec, state: RuntimeState) -> bool:
+        await self.start()
+        assert self.layout is not None
+        if not state.data.get("cgroup"):
+            return False
+        sbx = NsSandbox.from_state(self.layout, state.data)
+        if not sbx.alive() or not sbx.cgroup.exists():
+            return False
+        if sbx.allow_internet and sbx.slirp is not None and not sbx.slirp.ref.alive():
+            assert sbx.init is not None
+            with contextlib.suppress(Exception):
+                sbx.slirp = await Slirp.start(sbx.init.pid)
+                await asyncio.to_thread(sbx.write_state)
+        self._sandboxes[sandbox_id] = sbx
+        self._specs[sandbox_id] = spec
+        return True
+
+    async def metrics(self, sandbox_id: str) -> ResourceSample:
+        sbx = self._get(sandbox_id)
+        spec = self._specs.get(sandbox_id)
+        usage = await asyncio.to_thread(sbx.cgroup.usage)
+        disk = await asyncio.to_thread(_disk_usage, sbx.paths.upper)
+        now = time.monotonic()
+        cpu_count = spec.cpu_count if spec else self.settings.default_cpu_count
+        pct = 0.0
+        if sbx.last_cpu is not None:
+            t0, c0 = sbx.last_cpu
+            if now > t0:
+                pct = max(0.0, (usage.cpu_ns - c0) / ((now - t0) * 1e9 * cpu_count) * 100.0)
+        sbx.last_cpu = (now, usage.cpu_ns)
+        mem_total = usage.mem_limit or (spec.memory_mb * 1024 * 1024 if spec else 0)
+        return ResourceSample(
+            timestamp=time.time(), cpu_count=cpu_count, cpu_used_pct=round(min(pct, 100.0), 2),
+            mem_used=max(0, usage.mem_used - usage.mem_cache), mem_total=mem_total, mem_cache=usage.mem_cache,
+            disk_used=disk, disk_total=(spec.disk_mb if spec else self.settings.default_disk_mb) * 1024 * 1024,
+        )
+
+    def capabilities(self) -> dict[str, Any]:
+        return {
+            "runtime": "ns",
+            "isolation": "namespaces (pid, mount, uts, ipc, net) + cgroups + capability bounding set; "
+                         "no user namespace, no seccomp: weaker than vm",
+            "cgroups": f"v{self.layout.version}" if self.layout else "unknown",
+            "pause": "freezer",
+            "network": {"offline": "loopback-only netns",
+                        "internet": "slirp4netns + in-netns filter" if slirp_available() else None},
+            "snapshot": None,
+            "fork": None,
+            "pool_size": self.pool_size,
+        }
+
+    # ---- helpers for tests and diagnostics ------------------------------------------------------
+    def sandbox(self, sandbox_id: str) -> NsSandbox:
+        return self._get(sandbox_id)
+
+    def init_ref(self, sandbox_id: str) -> ProcRef | None:
+        return self._get(sandbox_id).init

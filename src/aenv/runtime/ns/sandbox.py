@@ -1,0 +1,342 @@
+"""One namespace sandbox and everything it owns.
+
+Ownership (released in reverse order by ``aclose``, which is idempotent and finishes under
+cancellation):
+
+    directory  <dir>/ (upper, work, run, ns.json)         removed last
+    cgroup     <hierarchy>/aenv/<name>                     rmdir after every member died
+    process    unshare (stage 1, our child) -> init (PID 1 of the sandbox: the agent)
+    process    slirp4netns (internet mode only)
+    socket     the mux session to <dir>/run/mux.sock
+
+Mounts are all inside the sandbox's private mount namespace, so none exists on the host: they vanish
+with the init process.
+
+``ns.json`` in the directory repeats what ``RuntimeState.data`` holds (pid + start time, cgroup name,
+slirp pid), so reconciliation after a crash can find and clean up a sandbox the store never heard of.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aenv.mux import MuxSession, MuxStream, StreamClosed
+from aenv.mux.session import open_unix_session
+from aenv.runtime.base import TemplateImage
+from aenv.runtime.ns import launcher as launcher_mod
+from aenv.runtime.ns.cgroups import Cgroup, Layout
+from aenv.runtime.ns.envd_client import ENVD_PORT, EnvdError, request
+from aenv.runtime.ns.network import RESOLV_CONF, Slirp, install_firewall
+from aenv.runtime.ns.process import ProcRef, Reaped
+from aenv.runtime.tools import launch_argv
+
+STATE_FILE = "ns.json"
+RUN_MOUNT = "/.aenv-run"
+SOCKET_NAME = "mux.sock"
+LAUNCHER = str(Path(launcher_mod.__file__).resolve())
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Paths:
+    root: Path
+
+    @property
+    def upper(self) -> Path:
+        return self.root / "upper"
+
+    @property
+    def work(self) -> Path:
+        return self.root / "work"
+
+    @property
+    def merged(self) -> Path:
+        return self.root / "rootfs"
+
+    @property
+    def run(self) -> Path:
+        return self.root / "run"
+
+    @property
+    def state_file(self) -> Path:
+        return self.root / STATE_FILE
+
+    @property
+    def socket(self) -> Path:
+        return self.run / SOCKET_NAME
+
+    def prepare(self) -> None:
+        for d in (self.upper, self.work, self.merged, self.run):
+            d.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """How to start one sandbox's processes (everything the launcher needs besides paths)."""
+
+    template: TemplateImage
+    tools: Path
+    allow_internet: bool
+    default_limits: tuple[int, int, int]  # cpu_count, memory_mb, pids
+    debug_log: bool = False
+    hostname: str = "aenv"
+    nice: int = 0  # pool launches run at low priority so refills never slow live sandboxes
+
+
+def _lowers(template: TemplateImage) -> list[str]:
+    return [str(p) for p in (template.lowers or (template.rootfs,))]
+
+
+def agent_argv(opts: LaunchOptions) -> list[str]:
+    t = opts.template
+    argv = [
+        *launch_argv("/.aenv"), "-m", "aenv.agent",
+        "--channel", f"unix-listen:{RUN_MOUNT}/{SOCKET_NAME}",
+        "--default-user", t.user or "user",
+        "--env-json", json.dumps(t.env),
+        "--log", f"{RUN_MOUNT}/agent.log" if opts.debug_log else "/dev/null",
+    ]
+    if t.start_cmd:
+        argv += ["--start-cmd", t.start_cmd]
+    return argv
+
+
+def _connect_path(sock: Path) -> tuple[int, str]:
+    """Open the socket *file* without following symlinks and connect through /proc/self/fd.
+
+    The run dir is writable from inside the sandbox; if sandbox root replaced ``mux.sock`` with a
+    symlink to some host socket, a plain connect() would follow it on the host. O_PATH|O_NOFOLLOW plus
+    an S_ISSOCK check pins the connection to the real socket inode the agent made."""
+    fd = os.open(sock, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            raise LaunchError(f"{sock} is not a socket")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, f"/proc/self/fd/{fd}"
+
+
+class NsSandbox:
+    def __init__(self, name: str, paths: Paths, cgroup: Cgroup, opts: LaunchOptions | None,
+                 init: ProcRef | None = None, slirp: Slirp | None = None) -> None:
+        self.name = name  # sandbox ID, or pool-… until hand-out
+        self.paths = paths
+        self.cgroup = cgroup
+        self.opts = opts
+        self.init = init
+        self.slirp = slirp
+        self.allow_internet = bool(opts and opts.allow_internet)
+        self.template_id = opts.template.template_id if opts else ""
+        self._stage1: Reaped | None = None
+        self._session: MuxSession | None = None
+        self._session_lock = asyncio.Lock()
+        self._closed = False
+        self.last_cpu: tuple[float, int] | None = None
+
+    # ---- start ----------------------------------------------------------------------------------
+    @classmethod
+    async def launch(cls, name: str, root: Path, layout: Layout, opts: LaunchOptions,
+                     host_addrs: list[str], timeout: float = 30.0) -> NsSandbox:
+        sbx = cls(name, Paths(root), Cgroup(layout, name), opts)
+        try:
+            async with asyncio.timeout(timeout):
+                await sbx._start(host_addrs)
+        except BaseException:
+            await sbx.aclose()
+            raise
+        return sbx
+
+    async def _start(self, host_addrs: list[str]) -> None:
+        opts = self.opts
+        assert opts is not None
+        cpu, mem, pids = opts.default_limits
+
+        def prepare() -> None:
+            self.paths.prepare()
+            self.cgroup.create()
+            self.cgroup.set_limits(cpu, mem, pids)
+
+        await asyncio.to_thread(prepare)
+        cfg = {
+            "merged": str(self.paths.merged), "lowers": _lowers(opts.template), "upper": str(self.paths.upper),
+            "work": str(self.paths.work), "tools": str(opts.tools), "run": str(self.paths.run),
+            "cgroup_procs": self.cgroup.procs_files(), "hostname": opts.hostname,
+            "resolv_conf": RESOLV_CONF if opts.allow_internet else None,
+            "argv": agent_argv(opts), "env": {}, "log": None,
+        }
+        prefix = ["nice", "-n", str(opts.nice)] if opts.nice else []
+        self._stage1 = Reaped.spawn(
+            [*prefix, "unshare", "--fork", "--pid", "--mount", "--uts", "--ipc", "--net", "--propagation", "private",
+             "--", sys.executable, "-I", "-S", LAUNCHER, json.dumps(cfg)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        )
+        assert self._stage1.proc.stdout is not None
+        line = await asyncio.to_thread(self._stage1.proc.stdout.readline)
+        self._stage1.proc.stdout.close()
+        try:
+            report = json.loads(line or b"{}")
+        except ValueError:
+            report = {"error": f"bad launcher output {line[:200]!r}"}
+        if "pid" not in report:
+            raise LaunchError(f"sandbox {self.name}: launcher failed: {report.get('error', 'no output')}")
+        self.init = ProcRef(int(report["pid"]), int(report["start"]))
+        self.write_state()
+        if opts.allow_internet:
+            self.slirp = await Slirp.start(self.init.pid)
+            self.write_state()
+            await install_firewall(self.init.pid, host_addrs)
+        await self._connect(wait=True)
+        await self.health()
+
+    async def health(self) -> None:
+        status, body = await request(await self.open_stream(ENVD_PORT), "GET", "/health")
+        if status != 204:
+            raise EnvdError(f"envd /health answered {status}", status, body)
+
+    async def init_envd(self, payload: dict[str, Any]) -> None:
+        status, body = await request(await self.open_stream(ENVD_PORT), "POST", "/init", payload)
+        if status not in (200, 204):
+            raise EnvdError(f"envd /init answered {status}", status, body)
+
+    # ---- channel --------------------------------------------------------------------------------
+    async def _connect(self, wait: bool = False, timeout: float = 20.0) -> MuxSession:
+        deadline = time.monotonic() + timeout
+        delay = 0.0005
+        while True:
+            try:
+                fd, path = _connect_path(self.paths.socket)
+                try:
+                    self._session = await open_unix_session(path, name=f"mux-{self.name}")
+                finally:
+                    os.close(fd)
+                return self._session
+            except (FileNotFoundError, ConnectionRefusedError):
+                if not wait or time.monotonic() > deadline:
+                    raise
+                if self._stage1 is not None and self._stage1.exited.done():
+                    raise LaunchError(f"sandbox {self.name}: init exited during start-up") from None
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.01)
+
+    async def session(self) -> MuxSession:
+        s = self._session
+        if s is not None and not s.closed:
+            return s
+        async with self._session_lock:
+            if self._session is None or self._session.closed:
+                if self._session is not None:
+                    await self._session.aclose()
+                await self._connect()
+            assert self._session is not None
+            return self._session
+
+    async def open_stream(self, port: int) -> MuxStream:
+        session = await self.session()
+        try:
+            return await session.open(port)
+        except StreamClosed:
+            if not session.closed:
+                raise
+            return await (await self.session()).open(port)
+
+    # ---- hand-out -------------------------------------------------------------------------------
+    def reprioritize(self, nice: int = 0) -> None:
+        """Back to normal priority at hand-out (pooled sandboxes start niced)."""
+        for pid in self.cgroup.pids():
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, pid, nice)
+
+    def rename(self, new_name: str, new_root: Path) -> None:
+        """Give a pooled sandbox its real ID: move its cgroup and directory (blocking, fast)."""
+        self.cgroup.rename(new_name)
+        new_root.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(self.paths.root, new_root)
+        self.paths = Paths(new_root)
+        self.name = new_name
+        self.write_state()
+
+    # ---- state ----------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {
+            "kind": "ns",
+            "name": self.name,
+            "dir": str(self.paths.root),
+            "pid": self.init.pid if self.init else None,
+            "start": self.init.start if self.init else None,
+            "cgroup": self.cgroup.name,
+            "slirp": [self.slirp.ref.pid, self.slirp.ref.start] if self.slirp else None,
+            "allow_internet": self.allow_internet,
+            "template_id": self.template_id,
+        }
+
+    def write_state(self) -> None:
+        tmp = self.paths.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state()))
+        os.replace(tmp, self.paths.state_file)
+
+    @classmethod
+    def from_state(cls, layout: Layout, data: dict[str, Any]) -> NsSandbox:
+        init = ProcRef(int(data["pid"]), int(data["start"])) if data.get("pid") else None
+        slirp = Slirp(ProcRef(*data["slirp"])) if data.get("slirp") else None
+        sbx = cls(str(data["name"]), Paths(Path(data["dir"])), Cgroup(layout, str(data["cgroup"])), None,
+                  init=init, slirp=slirp)
+        sbx.allow_internet = bool(data.get("allow_internet"))
+        sbx.template_id = str(data.get("template_id", ""))
+        return sbx
+
+    def alive(self) -> bool:
+        return self.init is not None and self.init.alive()
+
+    # ---- teardown -------------------------------------------------------------------------------
+    async def aclose(self, remove_dir: Path | None = None) -> None:
+        """Kill everything and remove every trace. Idempotent; completes even if cancelled."""
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.shield(self._teardown(remove_dir))
+
+    async def _teardown(self, remove_dir: Path | None) -> None:
+        if self._session is not None:
+            with contextlib.suppress(Exception):
+                await self._session.aclose()
+        if self.init is not None:
+            self.init.kill()  # SIGKILL of a pid-ns init takes the whole namespace with it
+        if self._stage1 is not None and self.init is None:
+            self._stage1.kill()  # start-up failed before the init reported itself
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(self.cgroup.kill_all)
+        if self.init is not None:
+            await asyncio.to_thread(self.init.wait_gone, 5.0)
+        if self._stage1 is not None:
+            await self._stage1.aclose()
+        if self.slirp is not None:
+            with contextlib.suppress(Exception):
+                await self.slirp.aclose()
+        await asyncio.to_thread(self._remove_files, remove_dir)
+
+    def _remove_files(self, remove_dir: Path | None) -> None:
+        keep = os.environ.get("AENV_NS_KEEP_LOGS")  # debugging aid: copy the run dir's logs first
+        if keep and self.paths.run.is_dir():
+            shutil.copytree(self.paths.run, Path(keep) / self.name, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("*.sock"))
+        with contextlib.suppress(Exception):
+            self.cgroup.remove()
+        for d in (self.paths.root, remove_dir):
+            if d is not None:
+                shutil.rmtree(d, ignore_errors=True)

@@ -1,0 +1,49 @@
+"""Host-wide guest artifacts: kernel, initramfs and the read-only tools image, found or built once.
+
+Each is cached by a hash of its inputs under ``<cache_dir>/vm/``; this module only ties them
+together so the runtime asks one question ("what does a guest boot from?") at start-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import disk, initramfs, kernel
+
+
+@dataclass(frozen=True)
+class GuestArtifacts:
+    kernel: Path
+    initrd: Path
+    tools_image: Path
+
+    def key(self) -> str:
+        """Changes whenever any artifact changes (their names carry content hashes)."""
+        h = hashlib.sha256("\0".join(str(p) for p in (self.kernel, self.initrd, self.tools_image)).encode())
+        return h.hexdigest()[:12]
+
+
+async def ensure_tools_image(cache_dir: Path, tools_dir: Path) -> Path:
+    """ext4 image of the tools bundle directory (mounted read-only at ``/.aenv`` in the guest)."""
+    key = hashlib.sha256(str(tools_dir.resolve()).encode()).hexdigest()[:16]
+    out = cache_dir / "vm" / f"tools-{key}.ext4"
+    if out.is_file():
+        return out
+    return await disk.make_ext4(tools_dir, out, label="aenv-tools")
+
+
+async def ensure(cache_dir: Path, tools_dir: Path, *, build_kernel: bool = True) -> GuestArtifacts:
+    """Find or build everything a guest boots from. The kernel build takes minutes the first time."""
+    found = await asyncio.to_thread(kernel.find_kernel, cache_dir)
+    if found is None:
+        if not build_kernel:
+            raise kernel.KernelBuildError(
+                "guest kernel not built; hint: python -m aenv.runtime.vm.kernel build"
+            )
+        found = await asyncio.to_thread(kernel.build, cache_dir)
+    initrd = await asyncio.to_thread(initramfs.build, cache_dir)
+    tools = await ensure_tools_image(cache_dir, tools_dir)
+    return GuestArtifacts(found, initrd, tools)

@@ -1,0 +1,420 @@
+"""``VmRuntime``: the Runtime protocol on QEMU microVMs that start by snapshot restore.
+
+Create path::
+
+    template shape known?  no → boot the template once, wait for envd, snapshot (template.py)
+    pool hit  → a QEMU already waiting with -incoming defer: migrate-incoming + cont   (~8 ms)
+    pool miss → spawn QEMU -incoming defer (~40 ms), then the same
+    then      → POST /init to envd over the mux (env vars, token, identity)
+
+Pause is ``stop`` (vCPUs halt at once, memory kept); kill ends QEMU and removes the run dir.
+Restart: ``adopt`` re-attaches to the recorded QEMU (pidfd + QMP); ``reconcile`` kills and removes
+whatever under the run root nobody owns. Still missing (see the issue): memory release of
+long-paused VMs, snapshots/forks of running sandboxes (SnapshotCapable), template lowers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from aenv.config import Settings
+from aenv.core.errors import RuntimeFailure, SandboxNotFound, SandboxUnreachable, StateError
+from aenv.mux import MuxError, MuxStream
+from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec
+
+from . import disk
+from . import template as templates
+from .accel import AccelChoice, choose_accel, qemu_binary
+from .artifacts import GuestArtifacts, ensure
+from .config import Accel, VmConfigError, config_from_json
+from .initramfs import BUSYBOX
+from .kernel import SOURCE_TARBALL, find_kernel
+from .machine import Machine, MachineError
+from .pool import RestorePool
+from .sandbox import VmSandbox, child_config, run_paths
+
+log = logging.getLogger("aenv.runtime.vm")
+
+EXPERIMENTAL_ENV = "AENV_VM_EXPERIMENTAL"
+
+
+def unavailable_reason(settings: Settings) -> str | None:
+    """None when this runtime can run here, else why not (``--runtime auto`` and ``aenv doctor``)."""
+    if qemu_binary() is None:
+        return "qemu-system-x86_64 not installed (apt-get install qemu-system-x86 qemu-utils)"
+    if shutil.which("qemu-img") is None or shutil.which("mkfs.ext4") is None:
+        return "qemu-img or mkfs.ext4 missing (apt-get install qemu-utils e2fsprogs)"
+    if not BUSYBOX.is_file():
+        return "static busybox missing (apt-get install busybox-static)"
+    if not Path("/dev/shm").is_dir():
+        return "/dev/shm missing"
+    if find_kernel(settings.cache_dir) is None and not SOURCE_TARBALL.is_file():
+        return "no guest kernel and no linux-source-6.1 to build one"
+    if os.environ.get(EXPERIMENTAL_ENV) != "1":
+        return f"VM runtime is still incomplete; set {EXPERIMENTAL_ENV}=1 to use it"
+    return None
+
+
+class VmRuntime:
+    name = "vm"
+
+    def __init__(
+        self,
+        settings: Settings,
+        pool_size: int | None = None,
+        *,
+        tools_dir: Path | None = None,
+        artifacts: GuestArtifacts | None = None,
+        force_accel: Accel | None = None,
+        shm_dir: Path = templates.SHM_DIR,
+        boot_timeout: float = 180.0,
+        run_root: Path | None = None,
+    ) -> None:
+        self.settings = settings
+        self.pool_size = settings.pool_size if pool_size is None else pool_size
+        self.tools_dir = tools_dir
+        self.artifacts = artifacts
+        self.force_accel = force_accel
+        self.shm_dir = shm_dir
+        self.boot_timeout = boot_timeout
+        self.vm_dir = settings.state_dir / "vm"
+        self.templates_dir = self.vm_dir / "templates"
+        self.run_root = run_root or _short_run_root(self.vm_dir / "run")
+        self.accel: AccelChoice | None = None
+        self.pool = RestorePool(self.pool_size, self._spawn_restore)
+        self._templates: dict[str, templates.VmTemplate] = {}
+        self._template_locks: dict[str, asyncio.Lock] = {}
+        self._sandboxes: dict[str, VmSandbox] = {}
+        self._building: set[str] = set()  # boot dir names of template builds in flight
+        self._specs: dict[str, SandboxSpec] = {}
+        self._start_lock = asyncio.Lock()
+        self._started = False
+
+    # ---- host-wide lifecycle --------------------------------------------------------------------
+    async def start(self) -> None:
+        async with self._start_lock:
+            if self._started:
+                return
+            self.accel = choose_accel(force=self.force_accel)
+            log.info("vm runtime: accelerator %s (%s)", self.accel.accel, self.accel.reason)
+            if self.artifacts is None:
+                if self.tools_dir is None:
+                    from aenv.runtime.tools import ensure_tools
+
+                    self.tools_dir = await asyncio.to_thread(ensure_tools, self.settings)
+                self.artifacts = await ensure(self.settings.cache_dir, self.tools_dir)
+            for d in (self.templates_dir, self.run_root, self.shm_dir):
+                d.mkdir(parents=True, exist_ok=True)
+            self._started = True
+
+    async def close(self) -> None:
+        """Kill pooled processes and drop channels; handed-out sandboxes keep running."""
+        await self.pool.aclose()
+        for sbx in self._sandboxes.values():
+            await sbx.drop_session()
+
+    # ---- templates ------------------------------------------------------------------------------
+    def _shape(self, spec: SandboxSpec) -> templates.Shape:
+        return templates.Shape(spec.cpu_count, spec.memory_mb, spec.disk_mb)
+
+    async def template_for(self, spec: SandboxSpec) -> templates.VmTemplate:
+        """The snapshot for this template and shape, built on first use (one build per key)."""
+        await self.start()
+        assert self.accel is not None and self.artifacts is not None
+        key = templates.template_key(spec.template, self._shape(spec), self.accel, self.artifacts)
+        if (tpl := self._templates.get(key)) is not None:
+            return tpl
+        lock = self._template_locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            if (tpl := self._templates.get(key)) is not None:
+                return tpl
+            tpl = await asyncio.to_thread(templates.load, self.templates_dir, key)
+            if tpl is None:
+                boot_name = templates.boot_dir_name(key)
+                self._building.add(boot_name)
+                try:
+                    tpl = await templates.build(
+                        self.templates_dir,
+                        spec.template,
+                        self._shape(spec),
+                        self.accel,
+                        self.artifacts,
+                        boot_timeout=self.boot_timeout,
+                        shm_dir=self.shm_dir,
+                        run_root=self.run_root,
+                    )
+                finally:
+                    self._building.discard(boot_name)  # fmt: skip
+            self._templates[key] = tpl
+            return tpl
+
+    async def _spawn_restore(self, name: str, template_key: str, allow_internet: bool) -> VmSandbox:
+        """A QEMU process waiting for this template's device state (not yet restored)."""
+        tpl = self._templates[template_key]
+        run_dir = self.run_root / name
+        run_dir.mkdir(parents=True)
+        try:
+            p = run_paths(run_dir)
+            await asyncio.to_thread(disk.clone_overlay, tpl.empty_overlay, p["root"])
+            cfg = child_config(tpl.cfg, name, run_dir, allow_internet)
+            machine = await Machine.spawn(cfg, stderr_path=p["stderr"])
+        except BaseException:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+        return VmSandbox(name, machine, run_dir, template_key)
+
+    # ---- Runtime protocol -----------------------------------------------------------------------
+    async def create(self, spec: SandboxSpec) -> RuntimeState:
+        from aenv.runtime.ns.envd_client import init_payload
+
+        sid = spec.sandbox_id
+        if sid in self._sandboxes:
+            raise StateError(f"sandbox {sid} already exists", sandbox_id=sid)
+        try:
+            tpl = await self.template_for(spec)
+        except Exception as exc:
+            raise RuntimeFailure(f"sandbox {sid}: template: {exc}", sandbox_id=sid) from exc
+        sbx: VmSandbox | None = self.pool.take(tpl.key, spec.allow_internet)
+        t0 = time.perf_counter()
+        try:
+            if sbx is None:
+                sbx = await self._spawn_restore(sid, tpl.key, spec.allow_internet)
+            await sbx.machine.restore(tpl.device_state)
+            t_restored = time.perf_counter()
+            payload = init_payload(
+                sandbox_id=sid, template_id=spec.template.template_id, env_vars=dict(spec.env_vars),
+                access_token=spec.access_token, default_user=spec.template.user or None,
+                default_workdir=spec.template.workdir,
+            )  # fmt: skip
+            status, body = await sbx.envd_request("POST", "/init", payload)
+            if not 200 <= status < 300:
+                raise RuntimeFailure(f"envd /init answered {status}: {body[:200]!r}", sandbox_id=sid)
+        except BaseException as exc:
+            if sbx is not None:
+                await sbx.aclose(extra_dir=spec.workdir)
+            if isinstance(exc, (MuxError, OSError, TimeoutError)):
+                raise SandboxUnreachable(
+                    f"sandbox {sid}: envd unreachable after restore: {exc}", sandbox_id=sid
+                ) from exc
+            if isinstance(exc, MachineError):
+                raise RuntimeFailure(f"sandbox {sid}: restore failed: {exc}", sandbox_id=sid) from exc
+            raise
+        t_end = time.perf_counter()
+        sbx.machine.timings.extra.update(
+            create_ms=(t_end - t0) * 1000,
+            restore_ms=(t_restored - t0) * 1000,
+            init_ms=(t_end - t_restored) * 1000,
+        )
+        log.info(
+            "sandbox %s: from %s in %.1f ms (restore %.1f, envd init %.1f)",
+            sid, tpl.key, (t_end - t0) * 1000, (t_restored - t0) * 1000, (t_end - t_restored) * 1000,
+        )  # fmt: skip
+        self._sandboxes[sid] = sbx
+        self._specs[sid] = spec
+        return self._state(sbx, spec)
+
+    def _state(self, sbx: VmSandbox, spec: SandboxSpec | None) -> RuntimeState:
+        data = sbx.state()
+        data["workdir"] = str(spec.workdir) if spec else None
+        return RuntimeState(data=data)
+
+    def _get(self, sandbox_id: str) -> VmSandbox:
+        sbx = self._sandboxes.get(sandbox_id)
+        if sbx is None:
+            raise SandboxNotFound(sandbox_id)
+        return sbx
+
+    async def open_stream(self, sandbox_id: str, port: int) -> MuxStream:
+        sbx = self._get(sandbox_id)
+        try:
+            return await sbx.open_stream(port)
+        except (MuxError, MachineError, OSError) as exc:
+            if not sbx.machine.alive:
+                raise SandboxNotFound(sandbox_id) from exc
+            raise SandboxUnreachable(
+                f"sandbox {sandbox_id} port {port}: {exc}", sandbox_id=sandbox_id
+            ) from exc
+
+    async def pause(self, sandbox_id: str) -> RuntimeState:
+        sbx = self._get(sandbox_id)
+        try:
+            await sbx.machine.pause()
+        except MachineError as exc:
+            raise RuntimeFailure(f"sandbox {sandbox_id}: pause failed: {exc}", sandbox_id=sandbox_id) from exc
+        return self._state(sbx, self._specs.get(sandbox_id))
+
+    async def resume(self, sandbox_id: str, state: RuntimeState) -> RuntimeState:
+        sbx = self._get(sandbox_id)
+        try:
+            await sbx.machine.resume()
+        except MachineError as exc:
+            raise RuntimeFailure(
+                f"sandbox {sandbox_id}: resume failed: {exc}", sandbox_id=sandbox_id
+            ) from exc
+        return self._state(sbx, self._specs.get(sandbox_id))
+
+    async def kill(self, sandbox_id: str, state: RuntimeState | None = None) -> None:
+        sbx = self._sandboxes.pop(sandbox_id, None)
+        spec = self._specs.pop(sandbox_id, None)
+        workdir = spec.workdir if spec else _path(state, "workdir")
+        if sbx is not None:
+            await sbx.aclose(extra_dir=workdir)
+            return
+        # Not ours in memory (server restarted): end the process recorded in the state, if it is
+        # still the QEMU we started (its command line names our QMP socket).
+        if state is not None:
+            _kill_recorded(state)
+            for key in ("run_dir", "workdir"):
+                p = _path(state, key)
+                if p is not None:
+                    await asyncio.to_thread(shutil.rmtree, p, True)
+
+    async def reconcile(self, known_ids: set[str] | list[str]) -> dict[str, list[str]]:
+        """Kill QEMU processes and remove run dirs under our run root that no live sandbox, pool
+        entry or template build owns (leftovers of a crash). Call after ``start`` and adopting."""
+        await self.start()
+        keep = {s.run_dir.name for s in self._sandboxes.values()} | self.pool.names() | self._building
+        keep |= {str(k) for k in known_ids if k in self._sandboxes}
+        report: dict[str, list[str]] = {"killed": [], "removed": []}
+        procs = await asyncio.to_thread(_qemu_cmdlines)
+        for entry in sorted(self.run_root.iterdir()) if self.run_root.is_dir() else []:
+            if entry.name in keep:
+                continue
+            marker = f"{entry}/".encode()
+            for pid, cmdline in procs.items():
+                if marker in cmdline:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                    report["killed"].append(f"{pid} ({entry.name})")
+            await asyncio.to_thread(shutil.rmtree, entry, True)
+            report["removed"].append(entry.name)
+        if report["killed"] or report["removed"]:
+            log.warning("vm reconcile: killed %s, removed %s", report["killed"], report["removed"])
+        return report
+
+    async def adopt(self, sandbox_id: str, spec: SandboxSpec, state: RuntimeState) -> bool:
+        """Re-attach to a VM left running by a previous server: same pid (pidfd), QMP reconnected,
+        channel reconnected on first use. False when it is gone (the caller then kills/cleans)."""
+        await self.start()
+        data = state.data
+        try:
+            cfg = config_from_json(data["config"])
+            pid = int(data["pid"])
+            run_dir = Path(data["run_dir"])
+        except (KeyError, TypeError, ValueError, VmConfigError) as exc:
+            log.warning("sandbox %s: cannot adopt, bad state: %s", sandbox_id, exc)
+            return False
+        try:
+            machine = await Machine.attach(cfg, pid, stderr_path=run_paths(run_dir)["stderr"])
+        except MachineError as exc:
+            log.warning("sandbox %s: cannot adopt: %s", sandbox_id, exc)
+            return False
+        self._sandboxes[sandbox_id] = VmSandbox(
+            str(data.get("name", sandbox_id)), machine, run_dir, str(data.get("template_key", ""))
+        )
+        self._specs[sandbox_id] = spec
+        return True
+
+    async def metrics(self, sandbox_id: str) -> ResourceSample:
+        sbx = self._get(sandbox_id)
+        spec = self._specs.get(sandbox_id)
+        pid = sbx.machine.pid
+        cpu_count = spec.cpu_count if spec else sbx.machine.cfg.cpu_count
+        cpu_s, rss = await asyncio.to_thread(_proc_usage, pid)
+        now = time.monotonic()
+        pct = 0.0
+        if sbx.last_cpu is not None:
+            t0, c0 = sbx.last_cpu
+            if now > t0:
+                pct = max(0.0, (cpu_s - c0) / ((now - t0) * cpu_count) * 100.0)
+        sbx.last_cpu = (now, cpu_s)
+        root = run_paths(sbx.run_dir)["root"]
+        disk_used = root.stat().st_blocks * 512 if root.exists() else 0
+        mem_total = sbx.machine.cfg.memory_mb * 2**20
+        return ResourceSample(
+            timestamp=time.time(), cpu_count=cpu_count, cpu_used_pct=round(min(pct, 100.0), 2),
+            mem_used=min(rss, mem_total), mem_total=mem_total, mem_cache=0,
+            disk_used=disk_used, disk_total=(spec.disk_mb if spec else self.settings.default_disk_mb) * 2**20,
+        )  # fmt: skip
+
+    def capabilities(self) -> dict[str, Any]:
+        return {
+            "runtime": "vm",
+            "isolation": "QEMU microvm: own guest kernel",
+            "accelerator": None
+            if self.accel is None
+            else {"name": self.accel.accel, "reason": self.accel.reason},
+            "pause": "qmp stop",
+            "network": {"offline": "user-mode netdev restrict=on", "internet": "QEMU user-mode (slirp)"},
+            "snapshot": "device state (x-ignore-shared) + RAM file",
+            "fork": None,
+            "pool_size": self.pool_size,
+        }
+
+    # ---- helpers for tests and diagnostics ------------------------------------------------------
+    def sandbox(self, sandbox_id: str) -> VmSandbox:
+        return self._get(sandbox_id)
+
+
+def _short_run_root(preferred: Path) -> Path:
+    """``preferred`` unless socket paths under it could exceed the AF_UNIX limit; then a short
+    directory in the temp dir, named by a hash of ``preferred`` so it is stable across restarts."""
+    if len(str(preferred)) <= 64:
+        return preferred
+    digest = hashlib.sha256(str(preferred).encode()).hexdigest()[:10]
+    return Path(tempfile.gettempdir()) / f"aenv-vm-{digest}"
+
+
+def _path(state: RuntimeState | None, key: str) -> Path | None:
+    raw = state.data.get(key) if state else None
+    return Path(raw) if raw else None
+
+
+def _kill_recorded(state: RuntimeState) -> None:
+    pid, qmp = state.data.get("pid"), state.data.get("qmp")
+    if not isinstance(pid, int) or not qmp:
+        return
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return
+    if str(qmp).encode() in cmdline:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _qemu_cmdlines() -> dict[int, bytes]:
+    """pid → raw command line of every QEMU process we can see."""
+    out: dict[int, bytes] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"qemu-system" in cmd.split(b"\0", 1)[0]:
+            out[int(d.name)] = cmd
+    return out
+
+
+def _proc_usage(pid: int) -> tuple[float, int]:
+    """(CPU seconds, RSS bytes) of a process from /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        tick = os.sysconf("SC_CLK_TCK")
+        cpu = (int(fields[11]) + int(fields[12])) / tick
+        rss = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+        return cpu, rss
+    except (OSError, IndexError, ValueError):
+        return 0.0, 0

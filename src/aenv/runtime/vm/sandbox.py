@@ -1,0 +1,142 @@
+"""One VM sandbox: a :class:`Machine`, its run directory and its mux session to the guest agent.
+
+The run directory holds everything per-process (QMP and channel sockets, the root overlay, the
+console log); :meth:`VmSandbox.aclose` kills the machine and removes the directory. The mux
+session is re-established on demand: the agent keeps the virtio-serial port open across host
+disconnects, restores and forks, and a new host session starts with HELLO.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from aenv.mux import MuxError, MuxSession, MuxStream
+
+from .config import Drive, VmConfig, config_to_json
+from .machine import Machine
+
+log = logging.getLogger(__name__)
+
+ENVD_PORT = 49983
+
+
+def run_paths(run_dir: Path) -> dict[str, Path]:
+    """Short fixed names: unix socket paths must stay under 108 bytes."""
+    return {
+        "qmp": run_dir / "q.sock",
+        "chan": run_dir / "c.sock",
+        "console": run_dir / "console.log",
+        "stderr": run_dir / "qemu.stderr",
+        "root": run_dir / "root.qcow2",
+    }
+
+
+def child_config(tpl_cfg: VmConfig, name: str, run_dir: Path, allow_internet: bool) -> VmConfig:
+    """The restore-side config of a template: own sockets and root overlay, same shape."""
+    p = run_paths(run_dir)
+    drives = tuple(
+        Drive(p["root"], d.serial, d.format, d.read_only) if d.serial == "root" else d for d in tpl_cfg.drives
+    )
+    network = tpl_cfg.network
+    if network != "none":
+        network = "user" if allow_internet else "restricted"
+    return tpl_cfg.for_restore(
+        name=name,
+        qmp_socket=p["qmp"],
+        channel_socket=p["chan"],
+        serial_log=p["console"],
+        drives=drives,
+        network=network,
+    )
+
+
+class VmSandbox:
+    """Owns a machine and its run dir; ``aclose`` is idempotent and finishes under cancellation."""
+
+    def __init__(self, name: str, machine: Machine, run_dir: Path, template_key: str) -> None:
+        self.name = name
+        self.machine = machine
+        self.run_dir = run_dir
+        self.template_key = template_key
+        self._session: MuxSession | None = None
+        self._session_lock = asyncio.Lock()
+        self.last_cpu: tuple[float, float] | None = None
+        self._closed = False
+
+    async def session(self) -> MuxSession:
+        """The live mux session, reconnecting if the previous one ended."""
+        async with self._session_lock:
+            if self._session is None or self._session.closed:
+                reader, writer = await self.machine.open_channel()
+                self._session = await MuxSession(reader, writer, name=f"vm-{self.name}").start()
+            return self._session
+
+    async def open_stream(self, port: int, timeout: float = 10.0) -> MuxStream:
+        s = await self.session()
+        return await s.open(port, timeout=timeout)
+
+    async def envd_request(
+        self, method: str, path: str, payload: Any = None, timeout: float = 30.0
+    ) -> tuple[int, bytes]:
+        """One HTTP/1.1 request to envd over a fresh stream (start-up only: health, init)."""
+        from aenv.runtime.ns.envd_client import request  # tiny, transport-agnostic HTTP helper
+
+        async with asyncio.timeout(timeout):
+            stream = await self.open_stream(ENVD_PORT, timeout=timeout)
+            return await request(stream, method, path, payload)
+
+    async def wait_envd(self, timeout: float) -> None:
+        """Until ``GET /health`` answers 2xx (the agent itself retries envd's port for a while)."""
+        last: object = "no answer"
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    try:
+                        status, _ = await self.envd_request("GET", "/health", timeout=timeout)
+                    except (MuxError, OSError, ValueError) as exc:
+                        last = exc
+                        log.debug("vm %s: envd not ready: %s", self.name, exc)
+                    else:
+                        if 200 <= status < 300:
+                            return
+                        last = f"HTTP {status}"
+                    await asyncio.sleep(0.1)
+        except TimeoutError:
+            raise TimeoutError(f"envd did not answer /health within {timeout:.0f} s (last: {last})") from None
+
+    async def drop_session(self) -> None:
+        s, self._session = self._session, None
+        if s is not None:
+            with contextlib.suppress(Exception):
+                await s.aclose()
+
+    def state(self) -> dict[str, Any]:
+        cfg = self.machine.cfg
+        return {
+            "name": self.name,
+            "pid": self.machine.pid,
+            "run_dir": str(self.run_dir),
+            "qmp": str(cfg.qmp_socket),
+            "channel": str(cfg.channel_socket),
+            "template_key": self.template_key,
+            "config": config_to_json(cfg),
+        }
+
+    async def aclose(self, extra_dir: Path | None = None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self.drop_session()
+        await self.machine.kill()
+        await asyncio.shield(asyncio.to_thread(_rm, self.run_dir, extra_dir))
+
+
+def _rm(*dirs: Path | None) -> None:
+    for d in dirs:
+        if d is not None:
+            shutil.rmtree(d, ignore_errors=True)

@@ -1,0 +1,230 @@
+"""Templates are snapshots: boot a template's rootfs once, wait for envd, freeze it.
+
+What a built template is, on disk under ``<state_dir>/vm/templates/<key>/``::
+
+    base.qcow2         the template rootfs as ext4 (mkfs.ext4 -d), compacted to qcow2
+    disk.qcow2         overlay on base written by the boot; frozen after the snapshot
+    empty.qcow2        empty overlay on disk.qcow2: copied per sandbox (the 0.1 ms path)
+    config.raw         agent arguments (env, user, start command) read by the guest /init
+    device.state       QEMU device state (x-ignore-shared, ~50 KB)
+    manifest.json      the config the template booted with, so restores use the same shape
+
+and guest RAM in ``/dev/shm/aenv/<key>.mem`` (``share=on`` while booting; afterwards only ever
+mapped ``share=off``, so it never changes again). ``key`` hashes everything that shapes the guest:
+template id and rootfs, CPU/RAM/disk, accelerator, guest artifacts and the agent arguments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from aenv.runtime.base import TemplateImage
+
+from . import disk
+from .accel import AccelChoice
+from .artifacts import GuestArtifacts
+from .config import Drive, VmConfig, config_from_json, config_to_json
+from .initramfs import config_disk_bytes
+from .machine import Machine
+from .sandbox import VmSandbox, run_paths
+
+log = logging.getLogger(__name__)
+
+MANIFEST_VERSION = 1
+SHM_DIR = Path("/dev/shm/aenv")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Guest resources a template snapshot is built for (one snapshot per shape)."""
+
+    cpu_count: int
+    memory_mb: int
+    disk_mb: int
+
+
+def agent_args(tpl: TemplateImage) -> list[str]:
+    args = ["--env-json", json.dumps(tpl.env, sort_keys=True), "--default-user", tpl.user or "root"]
+    args += ["--log", "/dev/console"]  # agent and envd logs land in the VM's console log file
+    if tpl.start_cmd:
+        args += ["--start-cmd", tpl.start_cmd]
+    return args
+
+
+def template_key(tpl: TemplateImage, shape: Shape, accel: AccelChoice, art: GuestArtifacts) -> str:
+    h = hashlib.sha256()
+    facts = [
+        MANIFEST_VERSION, tpl.template_id, str(tpl.rootfs), [str(p) for p in tpl.lowers], asdict(shape),
+        accel.accel, accel.tsc_khz, art.key(), agent_args(tpl),
+    ]  # fmt: skip
+    h.update(json.dumps(facts, sort_keys=True, default=str).encode())
+    return f"{tpl.template_id[:24]}-{h.hexdigest()[:12]}"
+
+
+@dataclass
+class VmTemplate:
+    key: str
+    dir: Path
+    cfg: VmConfig  # the boot config (share=on); restores derive theirs with for_restore()
+
+    @property
+    def device_state(self) -> Path:
+        return self.dir / "device.state"
+
+    @property
+    def disk(self) -> Path:
+        return self.dir / "disk.qcow2"
+
+    @property
+    def empty_overlay(self) -> Path:
+        return self.dir / "empty.qcow2"
+
+    @property
+    def mem_path(self) -> Path:
+        return self.cfg.mem_path
+
+    def complete(self) -> bool:
+        return all(p.is_file() for p in (self.device_state, self.disk, self.empty_overlay, self.mem_path))
+
+    def remove(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.mem_path.unlink()
+
+
+def _boot_config(
+    key: str, tdir: Path, shape: Shape, accel: AccelChoice, art: GuestArtifacts, shm_dir: Path, boot_dir: Path
+) -> VmConfig:
+    p = run_paths(boot_dir)
+    return VmConfig(
+        name=f"tpl-{key}",
+        kernel=art.kernel,
+        initrd=art.initrd,
+        qmp_socket=p["qmp"],
+        channel_socket=p["chan"],
+        serial_log=p["console"],
+        mem_path=shm_dir / f"{key}.mem",
+        mem_share=True,
+        memory_mb=shape.memory_mb,
+        cpu_count=min(shape.cpu_count, 16),
+        accel=accel.accel,
+        tsc_khz=accel.tsc_khz,
+        drives=(
+            Drive(tdir / "disk.qcow2", "root"),
+            Drive(art.tools_image, "tools", "raw", read_only=True),
+            Drive(tdir / "config.raw", "config", "raw", read_only=True),
+        ),
+        network="user",
+    )
+
+
+def boot_dir_name(key: str) -> str:
+    return f"boot-{key[-12:]}"
+
+
+def load(templates_dir: Path, key: str) -> VmTemplate | None:
+    """A complete, previously built template, or None."""
+    tdir = templates_dir / key
+    try:
+        manifest = json.loads((tdir / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if manifest.get("version") != MANIFEST_VERSION:
+        return None
+    tpl = VmTemplate(key, tdir, config_from_json(manifest["config"]))
+    return tpl if tpl.complete() else None
+
+
+def _save(tpl: VmTemplate) -> None:
+    manifest = {
+        "version": MANIFEST_VERSION,
+        "key": tpl.key,
+        "created": time.time(),
+        "config": config_to_json(tpl.cfg),
+    }
+    tmp = tpl.dir / ".manifest.json.tmp"
+    tmp.write_text(json.dumps(manifest, default=str, indent=1))
+    os.rename(tmp, tpl.dir / "manifest.json")
+
+
+async def build(
+    templates_dir: Path,
+    tpl: TemplateImage,
+    shape: Shape,
+    accel: AccelChoice,
+    art: GuestArtifacts,
+    boot_timeout: float = 180.0,
+    shm_dir: Path = SHM_DIR,
+    run_root: Path | None = None,
+) -> VmTemplate:
+    """Boot the template once, wait for envd, snapshot, stop. Cleans up everything on failure."""
+    key = template_key(tpl, shape, accel, art)
+    tdir = templates_dir / key
+    # Sockets and console of the boot VM live in a short run dir (AF_UNIX paths are limited).
+    boot_dir = (run_root or tdir) / boot_dir_name(key)
+    shutil.rmtree(tdir, ignore_errors=True)
+    shutil.rmtree(boot_dir, ignore_errors=True)
+    tdir.mkdir(parents=True)
+    boot_dir.mkdir(parents=True)
+    shm_dir.mkdir(parents=True, exist_ok=True)
+    cfg = _boot_config(key, tdir, shape, accel, art, shm_dir, boot_dir)
+    result = VmTemplate(key, tdir, cfg)
+    sbx: VmSandbox | None = None
+    t0 = time.perf_counter()
+    try:
+        if tpl.lowers:
+            log.warning("template %s: extra lowers are not merged into the VM disk yet", tpl.template_id)
+        raw = await disk.make_ext4(tpl.rootfs, tdir / "base.raw", size_mb=shape.disk_mb, label="aenv-root")
+        await disk.to_qcow2(raw, tdir / "base.qcow2")
+        raw.unlink()
+        await disk.create_overlay(tdir / "base.qcow2", result.disk)
+        (tdir / "config.raw").write_bytes(config_disk_bytes(agent_args(tpl)))
+        with contextlib.suppress(FileNotFoundError):
+            cfg.mem_path.unlink()  # a stale RAM file from an interrupted build
+        t_disk = time.perf_counter()
+        machine = await Machine.spawn(cfg, stderr_path=run_paths(boot_dir)["stderr"])
+        sbx = VmSandbox(cfg.name, machine, boot_dir, key)
+        await sbx.wait_envd(boot_timeout)
+        t_ready = time.perf_counter()
+        await sbx.drop_session()
+        snap_ms = await machine.snapshot(result.device_state)
+        await machine.kill()
+        await disk.create_overlay(result.disk, result.empty_overlay)
+        with contextlib.suppress(OSError):
+            shutil.copyfile(cfg.serial_log, tdir / "boot-console.log")  # type: ignore[arg-type]
+        _save(result)
+        shutil.rmtree(boot_dir, ignore_errors=True)
+        log.info(
+            "template %s built: disk %.1f s, boot→envd %.1f s, snapshot %.1f ms",
+            key, t_disk - t0, t_ready - t_disk, snap_ms,
+        )  # fmt: skip
+        return result
+    except BaseException as exc:
+        console = ""
+        with contextlib.suppress(OSError):
+            console = run_paths(boot_dir)["console"].read_text(errors="replace")[-3000:]
+        if sbx is not None:
+            await sbx.machine.kill()
+        await asyncio.shield(asyncio.to_thread(result.remove))
+        shutil.rmtree(boot_dir, ignore_errors=True)
+        if isinstance(exc, Exception):
+            raise TemplateBuildError(f"template {tpl.template_id}: {exc}\nguest console:\n{console}") from exc
+        raise
+
+
+class TemplateBuildError(RuntimeError):
+    """Booting or snapshotting a template failed; the message carries the guest console tail."""
+
+
+def describe(tpl: VmTemplate) -> dict[str, Any]:
+    return {"key": tpl.key, "dir": str(tpl.dir), "mem": str(tpl.mem_path), "shape": tpl.cfg.shape()}

@@ -1,0 +1,218 @@
+"""VmRuntime end to end with the real agent and envd from the tools bundle: template boot +
+snapshot, create by restore (cold and from the pre-spawned pool), envd over the mux, pause/resume,
+clean kill. Prints timings (``-s``).
+
+Needs QEMU, qemu-img, mkfs.ext4, busybox-static, the cached guest kernel and root (for the tools
+bundle and ext4 ownership); skipped with the reason otherwise. Every QEMU is reaped by the fixture.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+import subprocess
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from aenv.config import Settings, default_cache_dir
+from aenv.runtime.base import SandboxSpec, TemplateImage
+from aenv.runtime.ns.envd_client import request
+from aenv.runtime.tools import ensure_tools
+from aenv.runtime.vm.kernel import find_kernel
+from aenv.runtime.vm.runtime import VmRuntime
+
+BUSYBOX = Path("/bin/busybox")
+CACHE = Path(os.environ.get("AENV_CACHE_DIR") or default_cache_dir())
+_missing = [t for t in ("qemu-system-x86_64", "qemu-img", "mkfs.ext4") if shutil.which(t) is None]
+if not BUSYBOX.is_file():
+    _missing.append("busybox-static")
+
+pytestmark = [
+    pytest.mark.vm,
+    pytest.mark.skipif(bool(_missing), reason=f"missing: {', '.join(_missing)}"),
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root (tools bundle, rootfs ownership)"),
+    pytest.mark.skipif(
+        shutil.which("dpkg-query") is None or find_kernel(CACHE) is None,
+        reason="guest kernel not built: python -m aenv.runtime.vm.kernel build",
+    ),
+    pytest.mark.timeout(600),
+]
+
+
+def _busybox_rootfs(dest: Path) -> Path:
+    """/bin/busybox + applet links + passwd/group with root and user (uid 1000)."""
+    for d in ("bin", "sbin", "etc", "root", "home/user", "proc", "sys", "dev", "tmp", "usr/bin"):
+        (dest / d).mkdir(parents=True, exist_ok=True)
+    os.chmod(dest / "tmp", 0o1777)
+    shutil.copy2(BUSYBOX, dest / "bin" / "busybox")
+    applets = subprocess.run(
+        [str(BUSYBOX), "--list"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    for name in applets:
+        link = dest / "bin" / name
+        if not link.exists():
+            link.symlink_to("busybox")
+    (dest / "etc" / "passwd").write_text(
+        "root:x:0:0:root:/root:/bin/sh\nuser:x:1000:1000:user:/home/user:/bin/sh\n"
+    )
+    (dest / "etc" / "group").write_text("root:x:0:\nuser:x:1000:\n")
+    os.chown(dest / "home" / "user", 1000, 1000)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path, Path]]:
+    """State dir, RAM dir and tools bundle shared by the tests of this module, so the template is
+    built once (the second runtime finds it on disk: the restart path). The bundle is pinned
+    because its key follows the in-sandbox sources, which may change while the tests run."""
+    state = tmp_path_factory.mktemp("vmstate")
+    shm = Path("/dev/shm") / f"aenv-test-{secrets.token_hex(4)}"
+    tools = ensure_tools(Settings(state_dir=state, cache_dir=CACHE))
+    yield state, shm, tools
+    shutil.rmtree(shm, ignore_errors=True)
+
+
+def _no_qemu_under(path: Path) -> None:
+    out = subprocess.run(["pgrep", "-f", str(path)], capture_output=True, text=True, check=False).stdout
+    assert not out.strip(), f"QEMU left running: {out}"
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def make_runtime(shared: tuple[Path, Path, Path]) -> AsyncIterator[Callable[[], VmRuntime]]:
+    made: list[VmRuntime] = []
+    state, shm, tools = shared
+
+    def make() -> VmRuntime:
+        rt = VmRuntime(Settings(state_dir=state, cache_dir=CACHE, pool_size=1), shm_dir=shm, tools_dir=tools)
+        assert len(str(rt.run_root)) <= 64
+        made.append(rt)
+        return rt
+
+    try:
+        yield make
+    finally:
+        for rt in made:
+            for sid in list(rt._sandboxes):
+                await rt.kill(sid)
+            await rt.close()
+        for rt in made:
+            await rt.reconcile(set())
+            _no_qemu_under(rt.run_root)
+
+
+_ROOTFS: list[Path] = []
+
+
+def _template(tmp_path: Path) -> TemplateImage:
+    """The same rootfs path for every test (it is part of the template key)."""
+    if not _ROOTFS:
+        _ROOTFS.append(_busybox_rootfs(tmp_path / "rootfs"))
+    return TemplateImage("busybox", _ROOTFS[0], env={"FROM_TEMPLATE": "1"})
+
+
+def _spec(tmp_path: Path, sid: str, template: TemplateImage, **kw: object) -> SandboxSpec:
+    return SandboxSpec(sandbox_id=sid, template=template, workdir=tmp_path / "sbx" / sid, memory_mb=256, **kw)  # type: ignore[arg-type]
+
+
+async def _health(rt: VmRuntime, sid: str) -> int:
+    stream = await rt.open_stream(sid, 49983)
+    status, _ = await request(stream, "GET", "/health")
+    return status
+
+
+async def test_template_create_pause_kill(make_runtime: Callable[[], VmRuntime], tmp_path: Path) -> None:
+    runtime = make_runtime()
+    tpl = _template(tmp_path)
+    spec = _spec(tmp_path, "sbx1", tpl, env_vars={"HELLO": "world"}, access_token=None)
+
+    t0 = time.perf_counter()
+    await runtime.start()
+    t_start = time.perf_counter()
+    vt = await runtime.template_for(spec)
+    t_tpl = time.perf_counter()
+    print(f"\n[vm-rt] start {t_start - t0:.1f} s (artifacts), template boot+snapshot {t_tpl - t_start:.1f} s")
+    assert vt.complete()
+
+    t0 = time.perf_counter()
+    state = await runtime.create(spec)
+    cold_ms = (time.perf_counter() - t0) * 1000
+    assert await _health(runtime, "sbx1") in (200, 204)
+    first_ms = (time.perf_counter() - t0) * 1000
+    print(f"[vm-rt] cold create (restore + envd init) {cold_ms:.0f} ms; + first /health {first_ms:.0f} ms")
+    print(f"[vm-rt]   {runtime.sandbox('sbx1').machine.timings}")
+    for _ in range(3):
+        t1 = time.perf_counter()
+        await _health(runtime, "sbx1")
+        print(f"[vm-rt]   /health over the mux {(time.perf_counter() - t1) * 1000:.1f} ms")
+    assert state.data["pid"] > 0 and Path(state.data["qmp"]).exists()
+
+    await runtime.pause("sbx1")
+    assert await runtime.sandbox("sbx1").machine.status() == "paused"
+    await runtime.resume("sbx1", state)
+    assert await _health(runtime, "sbx1") in (200, 204)
+
+    sample = await runtime.metrics("sbx1")
+    assert sample.mem_total == 256 * 2**20 and sample.mem_used > 0
+
+    # the pool has pre-spawned a waiting QEMU meanwhile; the next create takes it
+    for _ in range(200):
+        if runtime.pool.names():
+            break
+        await asyncio.sleep(0.05)
+    assert runtime.pool.names()
+    t0 = time.perf_counter()
+    await runtime.create(_spec(tmp_path, "sbx2", tpl, allow_internet=True))
+    warm_ms = (time.perf_counter() - t0) * 1000
+    assert await _health(runtime, "sbx2") in (200, 204)
+    print(
+        f"[vm-rt] warm create from pool {warm_ms:.0f} ms; first /health {(time.perf_counter() - t0) * 1000:.0f} ms"
+    )
+    print(f"[vm-rt]   {runtime.sandbox('sbx2').machine.timings}")
+
+    pid = runtime.sandbox("sbx1").machine.pid
+    run_dir = runtime.sandbox("sbx1").run_dir
+    await runtime.kill("sbx1", state)
+    await runtime.kill("sbx1", state)  # idempotent
+    assert not run_dir.exists()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+async def test_restart_adopts_running_and_reconciles_orphans(
+    make_runtime: Callable[[], VmRuntime], tmp_path: Path
+) -> None:
+    old = make_runtime()
+    tpl = _template(tmp_path)
+    t0 = time.perf_counter()
+    s_keep = await old.create(_spec(tmp_path, "keep", tpl))
+    await old.create(_spec(tmp_path, "orphan", tpl))
+    print(f"\n[vm-rt] two creates (template from disk) {(time.perf_counter() - t0) * 1000:.0f} ms")
+    # "crash": the old server's objects vanish without killing anything
+    for sbx in old._sandboxes.values():
+        await sbx.drop_session()
+        await sbx.machine.qmp.disconnect()
+    orphan_pid = old.sandbox("orphan").machine.pid
+    old._sandboxes.clear()
+    await old.pool.aclose()
+
+    new = make_runtime()
+    assert await new.adopt("keep", _spec(tmp_path, "keep", tpl), s_keep)
+    assert await _health(new, "keep") in (200, 204)
+    await new.pause("keep")
+    assert await new.sandbox("keep").machine.status() == "paused"
+    await new.resume("keep", s_keep)
+    report = await new.reconcile({"keep"})
+    assert any(str(orphan_pid) in k for k in report["killed"])
+    await asyncio.sleep(0.1)
+    with pytest.raises(ProcessLookupError):
+        os.kill(orphan_pid, 0)
+    assert await _health(new, "keep") in (200, 204)
+    await new.kill("keep", s_keep)
+    assert not Path(s_keep.data["run_dir"]).exists()
+    assert await new.adopt("keep", _spec(tmp_path, "keep", tpl), s_keep) is False

@@ -1,0 +1,96 @@
+"""cgroups: layout detection from mountinfo, and the file protocol against a fake hierarchy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from aenv.runtime.ns import cgroups
+from aenv.runtime.ns.cgroups import Cgroup, Layout
+
+HYBRID = """\
+30 24 0:26 / /sys/fs/cgroup ro,nosuid,nodev,noexec shared:9 - tmpfs tmpfs ro,mode=755
+31 30 0:27 / /sys/fs/cgroup/unified rw,nosuid,nodev,noexec shared:10 - cgroup2 cgroup2 rw
+33 30 0:29 / /sys/fs/cgroup/cpu rw,nosuid,nodev,noexec shared:12 - cgroup cgroup rw,cpu
+34 30 0:30 / /sys/fs/cgroup/cpuacct rw,nosuid,nodev,noexec shared:13 - cgroup cgroup rw,cpuacct
+35 30 0:31 / /sys/fs/cgroup/memory rw,nosuid,nodev,noexec shared:14 - cgroup cgroup rw,memory
+36 30 0:32 / /sys/fs/cgroup/pids rw,nosuid,nodev,noexec shared:15 - cgroup cgroup rw,pids
+37 30 0:33 / /sys/fs/cgroup/freezer rw,nosuid,nodev,noexec shared:16 - cgroup cgroup rw,freezer
+"""
+
+COMOUNTED = """\
+33 30 0:29 / /sys/fs/cgroup/cpu,cpuacct rw,nosuid - cgroup cgroup rw,cpu,cpuacct
+35 30 0:31 / /sys/fs/cgroup/memory rw,nosuid - cgroup cgroup rw,memory
+36 30 0:32 / /sys/fs/cgroup/pids rw,nosuid - cgroup cgroup rw,pids
+37 30 0:33 / /sys/fs/cgroup/freezer rw,nosuid - cgroup cgroup rw,freezer
+"""
+
+
+def test_detect_hybrid_prefers_v1() -> None:
+    layout = cgroups.detect(HYBRID)
+    assert layout.version == 1
+    assert layout.v1["memory"] == Path("/sys/fs/cgroup/memory")
+    assert layout.v1["cpuacct"] == Path("/sys/fs/cgroup/cpuacct")
+
+
+def test_detect_comounted_dedups_parents() -> None:
+    layout = cgroups.detect(COMOUNTED)
+    assert layout.v1["cpu"] == layout.v1["cpuacct"]
+    assert len(layout.parents()) == 4
+
+
+def test_detect_v2(tmp_path: Path) -> None:
+    (tmp_path / "cgroup.controllers").write_text("cpuset cpu io memory hugetlb pids\n")
+    info = f"31 24 0:27 / {tmp_path} rw,nosuid - cgroup2 cgroup2 rw\n"
+    layout = cgroups.detect(info)
+    assert layout.version == 2 and layout.v2 == tmp_path
+    assert layout.parents() == [tmp_path / "aenv"]
+
+
+def test_detect_nothing_usable() -> None:
+    with pytest.raises(cgroups.CgroupError):
+        cgroups.detect("")
+
+
+@pytest.fixture
+def fake_v1(tmp_path: Path) -> Layout:
+    mounts = {c: tmp_path / c for c in cgroups.V1_CONTROLLERS}
+    for m in mounts.values():
+        m.mkdir()
+    return Layout(version=1, v1=mounts)
+
+
+def _seed(cg: Cgroup) -> None:
+    (cg.dir("memory") / "memory.usage_in_bytes").write_text("1000\n")
+    (cg.dir("memory") / "memory.stat").write_text("cache 10\ntotal_cache 200\nrss 5\n")
+    (cg.dir("memory") / "memory.limit_in_bytes").write_text("4096\n")
+    (cg.dir("cpuacct") / "cpuacct.usage").write_text("123456\n")
+    (cg.dir("freezer") / "freezer.state").write_text("THAWED\n")
+
+
+def test_v1_limits_usage_rename_remove(fake_v1: Layout) -> None:
+    cg = Cgroup(fake_v1, "pool-1")
+    cg.create()
+    assert cg.exists()
+    cg.set_limits(cpu_count=3, memory_mb=256, pids=99)
+    assert (cg.dir("cpu") / "cpu.cfs_quota_us").read_text() == "300000"
+    assert (cg.dir("cpu") / "cpu.cfs_period_us").read_text() == "100000"
+    assert (cg.dir("memory") / "memory.limit_in_bytes").read_text() == str(256 * 1024 * 1024)
+    assert (cg.dir("pids") / "pids.max").read_text() == "99"
+    assert cg.procs_files()[0].endswith("pool-1/cgroup.procs")
+    cg.rename("sbx1")
+    assert cg.name == "sbx1" and cg.dir("memory").name == "sbx1"
+    assert cgroups.list_names(fake_v1) == {"sbx1"}
+    _seed(cg)
+    u = cg.usage()
+    assert (u.cpu_ns, u.mem_used, u.mem_cache, u.mem_limit) == (123456, 1000, 200, 4096)
+    cg.freeze(timeout=1)  # a plain file echoes what we write, like a freezer that froze at once
+    assert cg.frozen()
+    cg.thaw(timeout=1)
+    for d in cg.dirs():
+        for f in d.iterdir():
+            f.unlink()
+    cg.remove()
+    cg.remove()  # idempotent
+    assert not cg.exists()

@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from aenv.runtime.ns.envd_client import EnvdError, build_request, init_payload, parse_status, request
+
+
+class FakeStream:
+    def __init__(self, reply: bytes) -> None:
+        self.sent = b""
+        self._reply = [reply[i:i + 7] for i in range(0, len(reply), 7)]
+        self.closed = False
+
+    async def write(self, data: bytes) -> None:
+        self.sent += data
+
+    async def write_eof(self) -> None:
+        pass
+
+    async def read(self, n: int = 65536) -> bytes:
+        return self._reply.pop(0) if self._reply else b""
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def test_build_request_with_body() -> None:
+    raw = build_request("POST", "/init", b'{"a":1}')
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"POST /init HTTP/1.1\r\n")
+    assert b"Content-Length: 7" in head and b"Connection: close" in head
+    assert body == b'{"a":1}'
+
+
+def test_parse_status() -> None:
+    assert parse_status(b"HTTP/1.1 204 No Content\r\n\r\n") == (204, b"")
+    assert parse_status(b"HTTP/1.1 400 Bad\r\nX: y\r\n\r\noops") == (400, b"oops")
+    with pytest.raises(EnvdError):
+        parse_status(b"HTTP/1.1 204")
+    with pytest.raises(EnvdError):
+        parse_status(b"garbage\r\n\r\n")
+
+
+async def test_request_reads_to_eof_and_closes() -> None:
+    s = FakeStream(b"HTTP/1.1 204 No Content\r\nServer: x\r\n\r\n")
+    payload = init_payload(sandbox_id="s1", template_id="t", env_vars={"A": "1"}, access_token=None,
+                           default_user="user", default_workdir=None)
+    assert await request(s, "POST", "/init", payload) == (204, b"")
+    assert s.closed
+    body = s.sent.partition(b"\r\n\r\n")[2]
+    assert json.loads(body) == {"envVars": {"A": "1"}, "accessToken": None, "defaultUser": "user",
+                                "defaultWorkdir": None, "sandboxId": "s1", "templateId": "t"}

@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from aenv.runtime.base import TemplateImage
+from aenv.runtime.ns.pool import WarmPool, pool_key
+
+
+class FakeSandbox:
+    def __init__(self, n: int) -> None:
+        self.name = f"pool-{n}"
+        self.dead = False
+        self.closed = False
+
+    def alive(self) -> bool:
+        return not self.dead
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def make_pool(size: int) -> tuple[WarmPool, list[FakeSandbox]]:
+    made: list[FakeSandbox] = []
+
+    async def factory(template: TemplateImage, net: bool) -> FakeSandbox:
+        await asyncio.sleep(0)
+        sbx = FakeSandbox(len(made))
+        made.append(sbx)
+        return sbx
+
+    return WarmPool(size, factory), made  # type: ignore[arg-type]
+
+
+T = TemplateImage("t", Path("/r"))
+
+
+def test_pool_key_separates_network_modes_and_templates() -> None:
+    assert pool_key(T, True) != pool_key(T, False)
+    assert pool_key(T, True) != pool_key(TemplateImage("u", Path("/r")), True)
+
+
+async def test_first_take_misses_then_refills() -> None:
+    pool, made = make_pool(2)
+    assert pool.take(T, False) is None  # cold: marks the key hot
+    await pool.wait_ready(T, False)
+    assert pool.ready_count(T, False) == 2
+    got = pool.take(T, False)
+    assert got is made[0]
+    await pool.wait_ready(T, False)
+    assert len(made) == 3  # refilled after the take
+    assert pool.ready_count(T, True) == 0  # other network mode untouched
+    await pool.aclose()
+    assert all(s.closed for s in made[1:])
+
+
+async def test_dead_pooled_sandbox_is_skipped() -> None:
+    pool, made = make_pool(1)
+    await pool.wait_ready(T, False) if pool.want(T, False) is None else None
+    made[0].dead = True
+    got = pool.take(T, False)
+    assert got is None
+    await asyncio.sleep(0)
+    assert made[0].closed
+    await pool.aclose()
+
+
+async def test_size_zero_never_fills() -> None:
+    pool, made = make_pool(0)
+    assert pool.take(T, False) is None
+    await asyncio.sleep(0.01)
+    assert made == []

@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+from aenv.runtime import tools
+
+LDD = """\
+\tlinux-vdso.so.1 (0x00007ffd)
+\tlibpython3.11.so.1.0 => /opt/py/lib/libpython3.11.so.1.0 (0x00007f15)
+\tlibc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x00007f15)
+\tlibmissing.so.1 => not found
+\t/lib64/ld-linux-x86-64.so.2 (0x00007f15)
+"""
+
+
+def test_parse_ldd() -> None:
+    libs = tools.parse_ldd(LDD)
+    assert libs["libc.so.6"] == Path("/lib/x86_64-linux-gnu/libc.so.6")
+    assert libs[tools.LOADER_NAME] == Path("/lib64/ld-linux-x86-64.so.2")
+    assert "linux-vdso.so.1" not in libs and "libmissing.so.1" not in libs
+
+
+def test_launch_argv_passes_library_path_as_argument_not_env() -> None:
+    argv = tools.launch_argv("/.aenv")
+    assert argv[:4] == ["/.aenv/lib/ld-linux-x86-64.so.2", "--inhibit-cache", "--library-path", "/.aenv/lib"]
+    assert argv[4] == f"/.aenv/bin/{tools.PY_BIN}" and argv[5] == "-I"
+
+
+def test_bundle_key_is_stable() -> None:
+    assert tools.bundle_key() == tools.bundle_key()
+    assert len(tools.bundle_key()) == 16
+
+
+def test_stdlib_filter(tmp_path: Path) -> None:
+    ignore = tools._stdlib_ignore(tmp_path)
+    skipped = ignore(str(tmp_path), ["os.py", "test", "tkinter", "idlelib", "ensurepip", "site-packages",
+                                      "config-3.11-x86_64-linux-gnu", "asyncio"])
+    assert skipped == {"test", "tkinter", "idlelib", "ensurepip", "site-packages", "config-3.11-x86_64-linux-gnu"}
+    dyn = ignore(str(tmp_path / "lib-dynload"), ["_ssl.cpython-311.so", "_tkinter.cpython-311.so"])
+    assert dyn == {"_tkinter.cpython-311.so"}

@@ -1,0 +1,50 @@
+"""ext4 images from directories and qcow2 overlays (needs e2fsprogs and qemu-utils)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from aenv.runtime.vm import disk
+
+needs_tools = pytest.mark.skipif(
+    shutil.which("mkfs.ext4") is None or shutil.which("qemu-img") is None,
+    reason="needs e2fsprogs and qemu-utils",
+)
+
+
+@needs_tools
+async def test_ext4_qcow2_overlay_chain(tmp_path: Path) -> None:
+    src = tmp_path / "root"
+    (src / "etc").mkdir(parents=True)
+    (src / "etc" / "marker").write_text("hello")
+    raw = await disk.make_ext4(src, tmp_path / "base.raw", size_mb=16)
+    assert raw.stat().st_size == 16 * 2**20
+    if shutil.which("debugfs"):
+        out = subprocess.run(  # noqa: ASYNC221 - a test, nothing else on the loop
+            ["debugfs", "-R", "cat /etc/marker", str(raw)], check=False, capture_output=True, text=True
+        )
+        assert out.stdout == "hello"
+    base = await disk.to_qcow2(raw, tmp_path / "base.qcow2")
+    ov = await disk.create_overlay(base, tmp_path / "empty.qcow2")
+    info = await disk.image_info(ov)
+    assert "backing file: " + str(base) in info
+    clone = disk.clone_overlay(ov, tmp_path / "sb1.qcow2")
+    assert clone.read_bytes() == ov.read_bytes()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@needs_tools
+async def test_failure_has_stderr_and_no_leftovers(tmp_path: Path) -> None:
+    with pytest.raises(disk.DiskError) as ei:
+        await disk.to_qcow2(tmp_path / "missing.raw", tmp_path / "out.qcow2")
+    assert "missing.raw" in str(ei.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_auto_size(tmp_path: Path) -> None:
+    (tmp_path / "f").write_bytes(b"x" * (4 * 2**20))
+    assert disk.auto_size_mb(tmp_path) >= 4 + 32

@@ -1,0 +1,84 @@
+"""Initramfs archive: valid newc that cpio can list, deterministic, cached by content."""
+
+from __future__ import annotations
+
+import gzip
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from aenv.runtime.vm import initramfs
+
+
+def _fake_busybox(tmp: Path) -> Path:
+    p = tmp / "busybox"
+    p.write_bytes(b"\x7fELF" + b"\0" * 60)
+    return p
+
+
+def test_render_init_quotes_agent() -> None:
+    script = initramfs.render_init(["/.aenv/lib/ld.so", "--x", "a b", "--channel", "serial:@PORT@"])
+    assert script.startswith("#!/bin/busybox sh\n")
+    assert 'exec switch_root /newroot /.aenv/lib/ld.so --x \'a b\' --channel serial:"$port" "$@"' in script
+    assert "= aenv ]" in script and "__" not in script
+    with pytest.raises(initramfs.InitramfsError):
+        initramfs.render_init(["/a"], channel_name="a b")
+    with pytest.raises(initramfs.InitramfsError):
+        initramfs.render_init([])
+
+
+def test_archive_is_deterministic_newc(tmp_path: Path) -> None:
+    bb = b"\x7fELF-busybox"
+    a = initramfs.archive("#!/bin/busybox sh\necho hi\n", bb)
+    assert a == initramfs.archive("#!/bin/busybox sh\necho hi\n", bb)
+    raw = gzip.decompress(a)
+    assert raw.startswith(b"070701") and b"TRAILER!!!" in raw
+    if shutil.which("cpio") is None:
+        pytest.skip("cpio not installed")
+    listing = subprocess.run(["cpio", "-itv"], input=raw, capture_output=True, check=True).stdout.decode()
+    names = [line.split()[-1] for line in listing.splitlines()]
+    assert names == [
+        "bin",
+        "dev",
+        "dev/console",
+        "dev/null",
+        "proc",
+        "sys",
+        "tmp",
+        "newroot",
+        "bin/busybox",
+        "init",
+    ]
+    assert listing.splitlines()[2].startswith("crw-------")
+    assert "rwxr-xr-x" in listing.splitlines()[-1]
+
+
+def test_build_caches(tmp_path: Path) -> None:
+    bb = _fake_busybox(tmp_path)
+    p1 = initramfs.build(tmp_path / "cache", ["/agent"], busybox=bb)
+    mtime = p1.stat().st_mtime_ns
+    assert initramfs.build(tmp_path / "cache", ["/agent"], busybox=bb) == p1
+    assert p1.stat().st_mtime_ns == mtime
+    p2 = initramfs.build(tmp_path / "cache", ["/other-agent"], busybox=bb)
+    assert p2 != p1 and p2.parent == p1.parent
+    assert [p.name for p in p1.parent.iterdir() if p.name.startswith(".")] == []
+
+
+def test_build_rejects_missing_busybox(tmp_path: Path) -> None:
+    with pytest.raises(initramfs.InitramfsError):
+        initramfs.build(tmp_path, ["/agent"], busybox=tmp_path / "none")
+
+
+def test_config_disk_bytes_roundtrip_through_sh(tmp_path: Path) -> None:
+    args = ["--env-json", '{"A": "b c", "Q": "it\'s"}', "--start-cmd", "echo $HOME; ls"]
+    raw = initramfs.config_disk_bytes(args)
+    assert len(raw) % 4096 == 0 and raw.rstrip(b"\0").endswith(b"\n")
+    dev = tmp_path / "cfg"
+    dev.write_bytes(raw)
+    script = f'extra=$(tr -d \'\\000\' < {dev}); eval "set -- $extra"; for a in "$@"; do printf \'%s\\0\' "$a"; done'
+    out = subprocess.run(["/bin/busybox", "sh", "-c", script], capture_output=True, check=True).stdout
+    assert out.split(b"\0")[:-1] == [a.encode() for a in args]
+    with pytest.raises(initramfs.InitramfsError):
+        initramfs.config_disk_bytes(["a\0b"])

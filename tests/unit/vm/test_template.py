@@ -1,0 +1,81 @@
+"""Template keys, manifests and the restore-side config derived from a template (no QEMU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from aenv.runtime.base import TemplateImage
+from aenv.runtime.vm import template as templates
+from aenv.runtime.vm.accel import AccelChoice
+from aenv.runtime.vm.artifacts import GuestArtifacts
+from aenv.runtime.vm.cmdline import build_argv
+from aenv.runtime.vm.sandbox import child_config
+
+ART = GuestArtifacts(
+    Path("/c/vm/kernel-a/bzImage"), Path("/c/vm/initramfs-b.cpio.gz"), Path("/c/vm/tools-c.ext4")
+)
+TCG = AccelChoice("tcg", "test", 2100000)
+SHAPE = templates.Shape(2, 512, 2048)
+
+
+def _tpl(**kw: object) -> TemplateImage:
+    base: dict[str, object] = {"template_id": "base", "rootfs": Path("/r/base"), "env": {"A": "1"}}
+    base.update(kw)
+    return TemplateImage(**base)  # type: ignore[arg-type]
+
+
+def test_key_changes_with_inputs() -> None:
+    k = templates.template_key(_tpl(), SHAPE, TCG, ART)
+    assert k.startswith("base-") and k == templates.template_key(_tpl(), SHAPE, TCG, ART)
+    assert k != templates.template_key(_tpl(env={"A": "2"}), SHAPE, TCG, ART)
+    assert k != templates.template_key(_tpl(), templates.Shape(1, 512, 2048), TCG, ART)
+    assert k != templates.template_key(_tpl(), SHAPE, AccelChoice("kvm", "x", None), ART)
+    assert k != templates.template_key(_tpl(start_cmd="sleep 1"), SHAPE, TCG, ART)
+
+
+def test_agent_args() -> None:
+    assert templates.agent_args(_tpl(user="user", start_cmd="run")) == [
+        "--env-json", '{"A": "1"}', "--default-user", "user", "--log", "/dev/console", "--start-cmd", "run",
+    ]  # fmt: skip
+
+
+def _built(tmp_path: Path) -> templates.VmTemplate:
+    key = "base-abc"
+    tdir = tmp_path / key
+    (tdir / "boot").mkdir(parents=True)
+    cfg = templates._boot_config(key, tdir, SHAPE, TCG, ART, tmp_path / "shm", tdir / "boot")
+    tpl = templates.VmTemplate(key, tdir, cfg)
+    for p in (tpl.device_state, tpl.disk, tpl.empty_overlay):
+        p.write_bytes(b"x")
+    (tmp_path / "shm").mkdir()
+    tpl.mem_path.write_bytes(b"")
+    templates._save(tpl)
+    return tpl
+
+
+def test_manifest_roundtrip_and_completeness(tmp_path: Path) -> None:
+    tpl = _built(tmp_path)
+    loaded = templates.load(tmp_path, tpl.key)
+    assert loaded is not None and loaded.cfg == tpl.cfg
+    assert json.loads((tpl.dir / "manifest.json").read_text())["version"] == templates.MANIFEST_VERSION
+    tpl.mem_path.unlink()  # /dev/shm was wiped (reboot): the template must be rebuilt
+    assert templates.load(tmp_path, tpl.key) is None
+    assert templates.load(tmp_path, "other") is None
+
+
+def test_child_config_same_shape_own_paths(tmp_path: Path) -> None:
+    tpl = _built(tmp_path)
+    run = tmp_path / "run" / "sb1"
+    child = child_config(tpl.cfg, "sb1", run, allow_internet=False)
+    assert child.shape() == tpl.cfg.shape()
+    assert child.mem_path == tpl.mem_path and not child.mem_share and child.incoming
+    assert child.qmp_socket.parent == run and child.channel_socket.parent == run
+    roots = [d for d in child.drives if d.serial == "root"]
+    assert roots[0].path == run / "root.qcow2"
+    assert [d.path for d in child.drives if d.serial != "root"] == [ART.tools_image, tpl.dir / "config.raw"]
+    assert child.network == "restricted"
+    assert child_config(tpl.cfg, "sb2", run, allow_internet=True).network == "user"
+    argv = build_argv(child)
+    assert argv[-2:] == ["-incoming", "defer"]
+    assert len(str(child.qmp_socket)) < 108
