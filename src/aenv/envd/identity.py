@@ -80,13 +80,21 @@ class SandboxState:
         return env
 
     def process_env(self, user: User, extra: dict[str, str]) -> dict[str, str]:
-        """Environment in override order: user basics, sandbox-wide vars, per-request vars."""
-        env = {
-            "PATH": os.environ.get("PATH") or DEFAULT_PATH,
-            "HOME": user.home,
-            "USER": user.name,
-            "LOGNAME": user.name,
-        }
+        """Environment in override order: daemon env and user basics, sandbox-wide vars, per-request vars.
+
+        The daemon's own environment is the base layer because the agent starts envd
+        with the image's ``ENV`` (PATH, JAVA_HOME, LANG, ...), which commands should
+        see as they would under ``docker run``.
+        """
+        env = dict(os.environ)
+        env.update(
+            {
+                "PATH": os.environ.get("PATH") or DEFAULT_PATH,
+                "HOME": user.home,
+                "USER": user.name,
+                "LOGNAME": user.name,
+            }
+        )
         env.update(self.sandbox_env())
         env.update(extra)
         return env

@@ -120,6 +120,7 @@ class ManagedProcess:
     _open_fds: set[int] = field(default_factory=set)
     _paused: bool = False
     _kill_timer: asyncio.TimerHandle | None = None
+    _write_waiter: asyncio.Future[None] | None = None
 
     @property
     def pid(self) -> int:
@@ -189,22 +190,57 @@ class ManagedProcess:
 
     # ---- input
 
+    @property
+    def is_pty(self) -> bool:
+        return "pty" in self.out_fds.values()
+
     async def write_input(self, data: bytes, pty: bool) -> None:
-        if pty:
-            if self.pty_fd is None:
-                raise Internal("process has no pty; send stdin instead")
-            fd = self.pty_fd
-        else:
-            if self.pty_fd is not None:
-                raise Internal("process runs in a pty; send pty input instead")
-            if self.stdin_fd is None:
-                raise Internal("stdin is not enabled or already closed for this process")
-            fd = self.stdin_fd
+        """Write to the PTY master or the stdin pipe; fds are only used under ``stdin_lock``.
+
+        The reaper closes them under the same lock, so a late writer can never hit a
+        reused fd number.
+        """
+        if pty and not self.is_pty:
+            raise Internal("process has no pty; send stdin instead")
+        if not pty and self.is_pty:
+            raise Internal("process runs in a pty; send pty input instead")
         async with self.stdin_lock:
-            await _write_all(fd, data)
+            fd = self.pty_fd if pty else self.stdin_fd
+            if fd is None:
+                what = (
+                    "process has exited" if self.end is not None else "stdin is not enabled or already closed"
+                )
+                raise Internal(f"cannot write input: {what}")
+            await self._write_all(fd, data)
+
+    async def _write_all(self, fd: int, data: bytes) -> None:
+        """Write all of ``data`` to a non-blocking fd, waiting for writability on the loop.
+
+        The wait is parked in ``_write_waiter`` so the reaper can abort it: a grandchild
+        may keep a full stdin pipe open without ever reading it.
+        """
+        loop = asyncio.get_running_loop()
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(fd, view) :]
+            except BlockingIOError:
+                self._write_waiter = loop.create_future()
+                loop.add_writer(fd, _resolve, self._write_waiter)
+                try:
+                    await self._write_waiter
+                finally:
+                    loop.remove_writer(fd)
+                    self._write_waiter = None
+            except OSError as exc:
+                raise Internal(f"writing input failed: {exc.strerror}") from exc
+
+    def _abort_write(self) -> None:
+        if self._write_waiter is not None and not self._write_waiter.done():
+            self._write_waiter.set_exception(Internal("cannot write input: process has exited"))
 
     async def close_stdin(self) -> None:
-        if self.pty_fd is not None:
+        if self.is_pty:
             raise Internal("cannot close stdin of a pty process; send Ctrl+D (0x04) instead")
         async with self.stdin_lock:
             if self.stdin_fd is not None:
@@ -213,9 +249,10 @@ class ManagedProcess:
                 self.stdin_fd = None
 
     def resize(self, cols: int, rows: int) -> None:
-        if self.pty_fd is None:
+        if not self.is_pty:
             raise Internal("process has no pty to resize")
-        _set_winsize(self.pty_fd, cols, rows)
+        if self.pty_fd is not None:
+            _set_winsize(self.pty_fd, cols, rows)
 
     def signal(self, signum: int) -> None:
         if self.end is None:
@@ -259,25 +296,6 @@ async def _wait_exit(popen: subprocess.Popen[bytes]) -> None:
 
 def _set_winsize(fd: int, cols: int, rows: int) -> None:
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
-
-
-async def _write_all(fd: int, data: bytes) -> None:
-    """Write all of ``data`` to a non-blocking fd, waiting for writability without blocking the loop."""
-    loop = asyncio.get_running_loop()
-    view = memoryview(data)
-    while view:
-        try:
-            written = os.write(fd, view)
-            view = view[written:]
-        except BlockingIOError:
-            ready: asyncio.Future[None] = loop.create_future()
-            loop.add_writer(fd, _resolve, ready)
-            try:
-                await ready
-            finally:
-                loop.remove_writer(fd)
-        except OSError as exc:
-            raise Internal(f"writing input failed: {exc.strerror}") from exc
 
 
 def shell_for(cmd: str, exists: Callable[[str], bool] = os.path.exists) -> str:
@@ -423,13 +441,13 @@ class ProcessTable:
                     break  # a grandchild holds the pipe open; do not wait for it forever
         for fd in list(proc._open_fds):
             proc._close_output(fd)
-        if proc.pty_fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(proc.pty_fd)
-        if proc.stdin_fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(proc.stdin_fd)
-            proc.stdin_fd = None
+        proc._abort_write()
+        async with proc.stdin_lock:
+            for input_fd in (proc.pty_fd, proc.stdin_fd):
+                if input_fd is not None:
+                    with contextlib.suppress(OSError):
+                        os.close(input_fd)
+            proc.pty_fd = proc.stdin_fd = None
         proc.end = end_event(returncode)
         self._procs.pop(proc.pid, None)
         self._exits[proc.pid] = (time.monotonic(), proc.end, proc.tag)

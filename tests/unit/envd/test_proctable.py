@@ -157,3 +157,20 @@ async def test_two_subscribers_both_receive_output() -> None:
         events = await _collect(queue)
         data = b"".join(base64.b64decode(e["data"]["stdout"]) for e in events if "data" in e)
         assert data == b"shared\n"
+
+
+async def test_blocked_stdin_write_is_aborted_when_process_exits(tmp_path: Path) -> None:
+    """A grandchild keeps a full stdin pipe open; the writer must not hang the end event."""
+    from aenv.envd.errors import Internal
+
+    table = ProcessTable()
+    proc = table.spawn(_request("sleep 30 <&0 & exit 0", stdin=True))
+    queue = proc.subscribe()
+    with pytest.raises(Internal):
+        await asyncio.wait_for(proc.write_input(b"x" * (4 * 1024 * 1024), pty=False), 20)
+    events = await _collect(queue)
+    assert events[-1]["end"]["exitCode"] == 0
+    import contextlib
+
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # the orphaned sleep
