@@ -394,6 +394,43 @@ def template_rm(names: list[str], server: Optional[str] = ServerOpt, api_key: Op
         client.printer.info(f"removed {name}")
 
 
+@template_app.command("build")
+def template_build(
+    name: str = typer.Argument(..., help="what to build: code-interpreter"),
+    register: bool = typer.Option(True, help="register the template in this machine's state dir"),
+) -> None:
+    """Build a built-in template on this machine (needs root and PyPI), then register it.
+
+    `code-interpreter` makes `code-interpreter-v1` (the default of `e2b-code-interpreter`): the base rootfs
+    plus overlay layers with ipykernel, jupyter_client, matplotlib, numpy and pandas, and the service on port
+    49999. Layers are cached under <cache_dir>/rootfs/interpreter-*; a running server sees the template at once.
+    """
+    from aenv.config import load_settings
+    from aenv.core.templates import TemplateCatalog
+    from aenv.images.errors import BootstrapError
+    from aenv.images.interpreter import (
+        TEMPLATE_NAME,
+        ensure_interpreter_layers,
+        register_interpreter_template,
+    )
+    from aenv.store.sqlite import Store
+
+    printer = Printer()
+    if name not in ("code-interpreter", TEMPLATE_NAME):
+        printer.fail(f"unknown built-in template '{name}'", hint="available: code-interpreter", status=ExitStatus.USAGE)
+    settings = load_settings()
+    t0 = time.monotonic()
+    try:
+        layers = ensure_interpreter_layers(settings, log=lambda line: printer.err.print(line, markup=False, highlight=False))
+    except BootstrapError as exc:
+        printer.fail("building code-interpreter-v1 failed", causes=[str(exc)], hint="run as root with PyPI reachable")
+    printer.info(f"layers ready in {time.monotonic() - t0:.1f}s")
+    if register:
+        settings.state_dir.mkdir(parents=True, exist_ok=True)
+        row = register_interpreter_template(TemplateCatalog(settings, Store(settings.db_path)), layers)
+        printer.data(f"template {row.alias} registered ({row.size_bytes / 1e6:.0f} MB of packages)")
+
+
 def main() -> None:  # pragma: no cover - console entry
     app()
 
