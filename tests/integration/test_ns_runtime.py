@@ -303,7 +303,7 @@ def host_listeners() -> Iterator[dict[str, int]]:
 
 
 def _host_addr() -> str:
-    out = subprocess.run(["ip", "-o", "-4", "addr", "show", "scope", "global"], capture_output=True, text=True)
+    out = subprocess.run(["ip", "-o", "-4", "addr", "show", "scope", "global"], capture_output=True, text=True, check=False)
     for line in out.stdout.splitlines():
         parts = line.split()
         return parts[parts.index("inet") + 1].split("/")[0]
@@ -322,21 +322,26 @@ async def test_isolation_files_processes_host_services(rt: NsRuntime, settings: 
     state = await rt.create(spec)
     sid = spec.sandbox_id
     try:
-        code, out, _ = await run_cmd(rt, sid, f"cat {secret} 2>&1; ls {settings.state_dir} 2>&1; echo done")
+        _, out, _ = await run_cmd(rt, sid, f"cat {secret} 2>&1; ls {settings.state_dir} 2>&1; echo done")
         assert "TOP-SECRET" not in out and out.strip().endswith("done")
-        code, out, _ = await run_cmd(rt, sid, "ls /proc | grep -c '^[0-9]'; cat /proc/*/cmdline 2>/dev/null | tr '\\0' ' '")
+        _, out, _ = await run_cmd(rt, sid, "ls /proc | grep -c '^[0-9]'; cat /proc/*/cmdline 2>/dev/null | tr '\\0' ' '")
         assert "pytest" not in out
         assert int(out.split()[0]) < 20
         host = _host_addr()
         for addr, port in (("127.0.0.1", host_listeners["loopback"]), ("127.0.0.1", host_listeners["any"]),
                            (host, host_listeners["any"]), ("10.0.2.2", host_listeners["loopback"])):
-            code, out, _ = await run_cmd(rt, sid, f"nc -w 2 {addr} {port} </dev/null 2>&1; echo rc=$?")
+            _, out, _ = await run_cmd(rt, sid, f"nc -w 2 {addr} {port} </dev/null 2>&1; echo rc=$?")
             assert "HOST-SECRET" not in out, (addr, port)
         # sandbox root cannot make device nodes, mount, or open the host's disk
-        code, out, _ = await run_cmd(rt, sid, "mknod /tmp/vda b 254 0 2>&1; echo m=$?; mount -t tmpfs x /mnt 2>&1; echo t=$?")
+        _, out, _ = await run_cmd(rt, sid, "mknod /tmp/vda b 254 0 2>&1; echo m=$?; mount -t tmpfs x /mnt 2>&1; echo t=$?")
         assert "m=0" not in out and "t=0" not in out
+        # host-global kernel knobs are read-only, loader settings never leak into user processes
+        _, out, _ = await run_cmd(rt, sid, "echo x > /proc/sys/kernel/core_pattern 2>&1; echo c=$?; "
+                                              "echo h > /proc/sysrq-trigger 2>&1; echo s=$?; env")
+        assert "c=0" not in out and "s=0" not in out
+        assert "LD_" not in out and "PYTHONHOME" not in out and "/.aenv" not in out
         if internet:
-            code, out, _ = await run_cmd(rt, sid, "cat /proc/net/route; cat /etc/resolv.conf")
+            _code, out, _ = await run_cmd(rt, sid, "cat /proc/net/route; cat /etc/resolv.conf")
             assert "tap0" in out and "10.0.2.3" in out
     finally:
         await rt.kill(sid)
@@ -350,11 +355,11 @@ async def test_memory_bomb_is_killed_inside_its_cgroup(rt: NsRuntime, settings: 
     sid = spec.sandbox_id
     sbx = rt.sandbox(sid)
     bomb = f"{LOADER_PY} -c 'a=[]\nwhile True: a.append(b\"x\" * 10**7)'"
-    code, out, err = await run_cmd(rt, sid, f"{bomb}; echo exit=$?")
+    _, out, _err = await run_cmd(rt, sid, f"{bomb}; echo exit=$?")
     assert "exit=0" not in out
     assert sbx.cgroup.oom_kills() >= 1
     assert await health(rt, sid) == 204  # envd survived (or was restarted by the agent)
-    code, out, _ = await run_cmd(rt, sid, "echo still-alive")
+    _code, out, _ = await run_cmd(rt, sid, "echo still-alive")
     assert out.strip() == "still-alive"
     await rt.kill(sid)
 
@@ -363,7 +368,7 @@ async def test_fork_bomb_hits_pids_limit(rt: NsRuntime, settings: Settings, temp
     spec = spec_for(settings, template, pids_limit=40)
     await rt.create(spec)
     sid = spec.sandbox_id
-    code, out, err = await run_cmd(rt, sid, "for i in $(seq 100); do sleep 30 & done 2>/dev/null; echo spawned")
+    _code, _out, _err = await run_cmd(rt, sid, "for i in $(seq 100); do sleep 30 & done 2>/dev/null; echo spawned")
     sbx = rt.sandbox(sid)
     assert len(sbx.cgroup.pids()) <= 40
     if rt.layout and rt.layout.version == 1:
@@ -396,7 +401,7 @@ async def test_restart_adopts_known_and_reaps_unknown(settings: Settings, templa
     assert await second.adopt(keep_spec.sandbox_id, keep_spec, paused)
     await second.resume(keep_spec.sandbox_id, paused)
     assert await health(second, keep_spec.sandbox_id) == 204
-    code, out, _ = await run_cmd(second, keep_spec.sandbox_id, "echo adopted")
+    _code, out, _ = await run_cmd(second, keep_spec.sandbox_id, "echo adopted")
     assert out.strip() == "adopted"
     await second.kill(keep_spec.sandbox_id)
     assert traces(second, keep_spec.sandbox_id, keep_state) == []
@@ -419,3 +424,21 @@ async def test_debian_base_rootfs(rt: NsRuntime, settings: Settings) -> None:
     assert code == 0 and out.split()[0] == "3"
     await rt.kill(spec.sandbox_id)
     assert traces(rt, spec.sandbox_id, state) == []
+
+
+async def test_sandboxes_do_not_see_each_other(rt: NsRuntime, settings: Settings, template: TemplateImage) -> None:
+    a, b = spec_for(settings, template), spec_for(settings, template)
+    await rt.create(a)
+    await rt.create(b)
+    try:
+        await run_cmd(rt, a.sandbox_id, "echo from-a > /tmp/mine; echo shm > /dev/shm/x; sleep 60 >/dev/null 2>&1 &")
+        _, out, _ = await run_cmd(rt, b.sandbox_id, "cat /tmp/mine /dev/shm/x 2>&1; ps -o comm 2>/dev/null | grep -c sleep; "
+                                                    f"ls {a.workdir} 2>&1")
+        assert "from-a" not in out and "shm\n" not in out
+        assert out.splitlines()[-2].strip() == "0"  # a's sleep is invisible in b
+        a_upper = a.workdir / "ns" / "upper" / "tmp" / "mine"
+        assert a_upper.read_text() == "from-a\n"  # the write landed in a's own upper dir only
+        assert not (b.workdir / "ns" / "upper" / "tmp" / "mine").exists()
+    finally:
+        await rt.kill(a.sandbox_id)
+        await rt.kill(b.sandbox_id)

@@ -29,15 +29,22 @@ log = logging.getLogger("aenv.agent")
 Connector = Callable[[int], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
 
 ENVD_PORT = 49983
-_ENVD_WAIT = 15.0  # envd may still be starting (or restarting) when the first stream arrives
+_ENVD_WAIT = 60.0  # envd may still be starting (slow under a burst of starts) or restarting
 
 
-def make_local_connector(wait_ports: frozenset[int] = frozenset({ENVD_PORT})) -> Connector:
+def make_local_connector(
+    wait_ports: frozenset[int] = frozenset({ENVD_PORT}), any_port_until: float = 0.0
+) -> Connector:
     """accept(port) for the mux: connect to 127.0.0.1:port. For ports in ``wait_ports`` (envd) a
-    refused connection is retried for a while, so the host needs no readiness polling of its own."""
+    refused connection is retried for a while, so the host needs no readiness polling of its own.
+
+    ``any_port_until`` (a ``time.monotonic()`` deadline) extends that to every port while a template's
+    start command is still coming up: the SDK calls a service such as the code interpreter (port 49999)
+    right after create, and "port not open" then would be a spurious failure."""
 
     async def accept(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        deadline = time.monotonic() + (_ENVD_WAIT if port in wait_ports else 0.0)
+        now = time.monotonic()
+        deadline = max(now + (_ENVD_WAIT if port in wait_ports else 0.0), any_port_until)
         delay = 0.001
         while True:
             try:

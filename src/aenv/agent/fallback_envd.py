@@ -13,17 +13,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    identity: dict[str, object] = {}
+    identity: dict[str, object] = {}  # noqa: RUF012 - one process, one identity
 
     def _empty(self, code: int) -> None:
         self.send_response(code)
         self.send_header("Content-Length", "0")
         self.end_headers()
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server naming
+    def do_GET(self) -> None:
         self._empty(204 if self.path == "/health" else 404)
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
         if self.path == "/init":
@@ -36,7 +36,7 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._empty(404)
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: object) -> None:
         return
 
 

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 from aenv.agent.channel import ENVD_PORT, make_local_connector, serve
@@ -25,6 +26,8 @@ log = logging.getLogger("aenv.agent")
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 LOADER = "ld-linux-x86-64.so.2"
+# While the start command comes up, connections to any port wait for it instead of failing.
+START_CMD_GRACE = 30.0
 
 
 def python_argv() -> list[str]:
@@ -76,13 +79,15 @@ async def amain(args: argparse.Namespace) -> None:
             "--host", "127.0.0.1", "--port", str(args.envd_port), "--default-user", args.default_user,
         ]
         reaper.supervise(Supervised("envd", argv, env, stdout=args.log))
+    grace_until = 0.0
     if args.start_cmd:
         shell = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
         try:
             spawn([shell, "-c", args.start_cmd], env, stdout=args.log)
+            grace_until = time.monotonic() + START_CMD_GRACE
         except OSError as exc:
             log.error("start command failed to spawn: %s", exc)
-    accept = make_local_connector(frozenset({args.envd_port}))
+    accept = make_local_connector(frozenset({args.envd_port}), any_port_until=grace_until)
     await serve(args.channel, accept)
 
 

@@ -104,7 +104,7 @@ def _aenv_root() -> Path:
     return Path(aenv.__file__).resolve().parent
 
 
-def _hash_tree(h: "hashlib._Hash", root: Path) -> None:
+def _hash_tree(h: hashlib._Hash, root: Path) -> None:
     for path in sorted(root.rglob("*.py")):
         if "__pycache__" in path.parts:
             continue
@@ -153,7 +153,51 @@ def ensure_tools_at(tools_dir: Path) -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    gc_tools(tools_dir, keep=final)
     return final
+
+
+def _mounted_sources() -> set[str]:
+    """Root paths of every mount in every mount namespace on the host (one /proc scan)."""
+    seen_ns: set[str] = set()
+    roots: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            ns = os.readlink(f"/proc/{pid}/ns/mnt")
+            if ns in seen_ns:
+                continue
+            seen_ns.add(ns)
+            with open(f"/proc/{pid}/mountinfo") as fh:
+                for line in fh:
+                    parts = line.split()
+                    if len(parts) > 3:
+                        roots.add(parts[3])
+        except OSError:
+            continue
+    return roots
+
+
+def gc_tools(tools_dir: Path, keep: Path, min_age: float = 600.0) -> list[Path]:
+    """Delete superseded bundles that no sandbox has mounted (in any mount namespace) and that are
+    older than ``min_age`` seconds (another server may be about to use a fresh one). Runs only after a
+    build, so its /proc scan is rare."""
+    import time
+
+    now = time.time()
+    old = [d for d in tools_dir.iterdir()
+           if d.is_dir() and d != keep and not d.name.startswith(".") and now - d.stat().st_mtime > min_age]
+    if not old:
+        return []
+    mounted = _mounted_sources()
+    removed: list[Path] = []
+    for d in old:
+        if any(src == str(d) or src.startswith(f"{d}/") for src in mounted):
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
 
 
 # ---------------------------------------------------------------------------------------------- build
@@ -207,13 +251,7 @@ def _stdlib_ignore(stdlib: Path):  # type: ignore[no-untyped-def]
         out: set[str] = set()
         d = Path(directory)
         for name in names:
-            if d == stdlib and (name in _STDLIB_SKIP or name.startswith("config-")):
-                out.add(name)
-            elif name in ("tests", "test") and d != stdlib:
-                out.add(name)
-            elif d.name == "lib-dynload" and _DYNLOAD_SKIP.search(name):
-                out.add(name)
-            elif name.endswith((".opt-1.pyc", ".opt-2.pyc")) or name.endswith(".exe"):
+            if d == stdlib and (name in _STDLIB_SKIP or name.startswith("config-")) or name in ("tests", "test") and d != stdlib or d.name == "lib-dynload" and _DYNLOAD_SKIP.search(name) or name.endswith((".opt-1.pyc", ".opt-2.pyc", ".exe")):
                 out.add(name)
         return out
 
@@ -230,7 +268,7 @@ def _copy_packages(site: Path) -> dict[str, str]:
             continue
         origin = Path(spec.origin)
         if spec.submodule_search_locations:
-            src = Path(list(spec.submodule_search_locations)[0])
+            src = Path(next(iter(spec.submodule_search_locations)))
             shutil.copytree(src, site / src.name, ignore=shutil.ignore_patterns("__pycache__", "tests"))
         else:
             shutil.copy2(origin, site / origin.name)
@@ -258,7 +296,7 @@ def parse_ldd(text: str) -> dict[str, Path]:
         if not m:
             continue
         name, target = m.group(1), m.group(2)
-        if name.startswith("linux-vdso") or name.startswith("linux-gate"):
+        if name.startswith(("linux-vdso", "linux-gate")):
             continue
         if target is None:  # the loader line: "/lib64/ld-linux-x86-64.so.2 (0x...)"
             if name.startswith("/"):

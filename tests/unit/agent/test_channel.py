@@ -67,7 +67,7 @@ async def test_envd_port_waits_for_a_late_listener() -> None:
     task = asyncio.create_task(accept(port))
     await asyncio.sleep(0.05)
     server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", port)
-    reader, writer = await asyncio.wait_for(task, 5)
+    _reader, writer = await asyncio.wait_for(task, 5)
     writer.close()
     server.close()
 
@@ -94,3 +94,34 @@ async def test_serial_channel_over_a_pty() -> None:
     agent.cancel()
     server.close()
     os.close(slave)
+
+
+async def test_any_port_waits_during_the_start_command_grace() -> None:
+    """A template service (e.g. the code interpreter) that listens late is waited for, not refused."""
+    import socket
+    import time
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    accept = make_local_connector(frozenset(), any_port_until=time.monotonic() + 5)
+    task = asyncio.create_task(accept(port))
+    await asyncio.sleep(0.05)
+    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", port)
+    _reader, writer = await asyncio.wait_for(task, 5)
+    writer.close()
+    server.close()
+
+
+async def test_other_ports_fail_fast_after_the_grace() -> None:
+    import socket
+    import time
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    accept = make_local_connector(frozenset(), any_port_until=time.monotonic() - 1)
+    with pytest.raises(ConnectionRefusedError):
+        await asyncio.wait_for(accept(port), 1)

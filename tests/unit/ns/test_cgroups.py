@@ -94,3 +94,15 @@ def test_v1_limits_usage_rename_remove(fake_v1: Layout) -> None:
     cg.remove()
     cg.remove()  # idempotent
     assert not cg.exists()
+
+
+def test_scope_separates_runtimes(fake_v1: Layout, tmp_path: Path) -> None:
+    import dataclasses
+
+    a = dataclasses.replace(fake_v1, scope=cgroups.scope_for(tmp_path / "state-a"))
+    b = dataclasses.replace(fake_v1, scope=cgroups.scope_for(tmp_path / "state-b"))
+    assert a.scope != b.scope and a.scope == cgroups.scope_for(tmp_path / "state-a")
+    Cgroup(a, "sbx").create()
+    assert Cgroup(a, "sbx").dir("memory") == fake_v1.v1["memory"] / "aenv" / a.scope / "sbx"
+    assert cgroups.list_names(a) == {"sbx"}
+    assert cgroups.list_names(b) == set()  # b's reconciliation never sees a's sandboxes

@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from aenv.runtime.base import TemplateImage
 from aenv.runtime.ns import launcher
 from aenv.runtime.ns.sandbox import LaunchOptions, agent_argv
-from aenv.runtime.base import TemplateImage
-from pathlib import Path
 
 
 def test_overlay_options_order_and_validation() -> None:

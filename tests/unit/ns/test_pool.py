@@ -70,3 +70,16 @@ async def test_size_zero_never_fills() -> None:
     assert pool.take(T, False) is None
     await asyncio.sleep(0.01)
     assert made == []
+
+
+async def test_forget_kills_ready_and_stops_refilling() -> None:
+    pool, made = make_pool(2)
+    other = TemplateImage("other", Path("/o"))
+    pool.want(T, False)
+    pool.want(other, False)
+    await pool.wait_ready(T, False)
+    await pool.wait_ready(other, False)
+    await pool.forget("t")
+    assert pool.ready_count(T, False) == 0 and pool.ready_count(other, False) == 2
+    assert sum(s.closed for s in made) == 2
+    await pool.aclose()

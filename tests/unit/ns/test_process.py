@@ -37,3 +37,14 @@ def test_wait_gone_for_non_child() -> None:
     ref.kill()
     p.wait()
     assert ref.wait_gone(1.0)
+
+
+async def test_async_readline_and_wait_gone() -> None:
+    child = Reaped.spawn(["sh", "-c", "printf 'first line\\nsecond'; sleep 30"], stdout=subprocess.PIPE)
+    assert await child.readline() == b"first line\n"
+    ref = ProcRef.of(child.pid)
+    assert ref is not None
+    assert not await ref.wait_gone_async(0.05)
+    child.kill()
+    assert await ref.wait_gone_async(5.0)
+    await child.aclose()

@@ -38,3 +38,19 @@ def test_stdlib_filter(tmp_path: Path) -> None:
     assert skipped == {"test", "tkinter", "idlelib", "ensurepip", "site-packages", "config-3.11-x86_64-linux-gnu"}
     dyn = ignore(str(tmp_path / "lib-dynload"), ["_ssl.cpython-311.so", "_tkinter.cpython-311.so"])
     assert dyn == {"_tkinter.cpython-311.so"}
+
+
+def test_gc_keeps_current_recent_and_mounted(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import os
+    import time
+
+    current, recent, stale, mounted = (tmp_path / n for n in ("cur", "recent", "stale", "mounted"))
+    for d in (current, recent, stale, mounted):
+        d.mkdir()
+    old = time.time() - 3600
+    for d in (current, stale, mounted):
+        os.utime(d, (old, old))
+    monkeypatch.setattr(tools, "_mounted_sources", lambda: {str(mounted), "/"})
+    removed = tools.gc_tools(tmp_path, keep=current)
+    assert removed == [stale]
+    assert current.exists() and recent.exists() and mounted.exists() and not stale.exists()

@@ -4,9 +4,11 @@ Hosts differ: this machine kind is a v1 *hybrid* (cpu, cpuacct, memory, pids, fr
 cgroup2 mount with only hugetlb), others are pure v2. ``detect()`` reads ``/proc/self/mountinfo`` at
 run time and returns a layout; a ``Cgroup`` then hides which version it talks to.
 
-Naming: every sandbox cgroup is ``<hierarchy>/aenv/<name>`` where ``name`` is the sandbox ID (or a
-``pool-…`` ID until hand-out, when the directory is renamed). So everything the runtime ever created
-is found by listing ``aenv/`` in each hierarchy, which is what crash reconciliation does.
+Naming: every sandbox cgroup is ``<hierarchy>/aenv/<scope>/<name>``: ``name`` is the sandbox ID (or a
+``pool-…`` ID until hand-out, when the directory is renamed) and ``scope`` is derived from the state
+dir, so two servers (or a server and a test suite) on one host never reconcile away each other's
+sandboxes. Everything one runtime ever created is found by listing its scope directory in each
+hierarchy, which is what crash reconciliation does.
 
 All functions here block (small file writes); callers in async code use threads where it matters.
 """
@@ -38,18 +40,31 @@ class Layout:
     version: int
     v1: dict[str, Path] = field(default_factory=dict)
     v2: Path | None = None
+    scope: str = ""  # one runtime's subtree below aenv/ (see scope_for)
+
+    def base(self, controller: str) -> Path:
+        """The directory holding this runtime's sandbox cgroups in ``controller``'s hierarchy."""
+        mount = self.v2 if self.version == 2 else self.v1[controller]
+        assert mount is not None
+        return mount / PARENT / self.scope if self.scope else mount / PARENT
 
     def parents(self) -> list[Path]:
-        """The ``aenv`` parent directory in every hierarchy we use (deduplicated)."""
+        """That directory in every hierarchy we use (deduplicated)."""
         if self.version == 2:
-            assert self.v2 is not None
-            return [self.v2 / PARENT]
+            return [self.base("cpu")]
         seen: list[Path] = []
-        for mount in self.v1.values():
-            p = mount / PARENT
+        for ctrl in self.v1:
+            p = self.base(ctrl)
             if p not in seen:
                 seen.append(p)
         return seen
+
+
+def scope_for(state_dir: Path) -> str:
+    """Stable short tag of a state dir: one server's cgroups never collide with another's."""
+    import hashlib
+
+    return "s" + hashlib.sha256(str(Path(state_dir).absolute()).encode()).hexdigest()[:10]
 
 
 def _parse_mountinfo(text: str) -> tuple[dict[str, Path], Path | None]:
@@ -71,20 +86,20 @@ def _parse_mountinfo(text: str) -> tuple[dict[str, Path], Path | None]:
     return v1, v2
 
 
-def detect(mountinfo: str | None = None) -> Layout:
+def detect(mountinfo: str | None = None, scope: str = "") -> Layout:
     """v1 when every controller we need is on a v1 hierarchy, else v2 when the unified hierarchy
     offers cpu, memory and pids."""
     text = mountinfo if mountinfo is not None else Path("/proc/self/mountinfo").read_text()
     v1, v2 = _parse_mountinfo(text)
     if all(c in v1 for c in V1_CONTROLLERS):
-        return Layout(version=1, v1=v1)
+        return Layout(version=1, v1=v1, scope=scope)
     if v2 is not None:
         try:
             have = set((v2 / "cgroup.controllers").read_text().split())
         except OSError:
             have = set()
         if set(V2_CONTROLLERS) <= have:
-            return Layout(version=2, v2=v2)
+            return Layout(version=2, v2=v2, scope=scope)
     raise CgroupError(errno.ENOTSUP, f"no usable cgroup layout (v1 has {sorted(v1)}, v2 at {v2})")
 
 
@@ -124,10 +139,7 @@ class Cgroup:
 
     # ---- paths ----------------------------------------------------------------------------------
     def dir(self, controller: str) -> Path:
-        if self.layout.version == 2:
-            assert self.layout.v2 is not None
-            return self.layout.v2 / PARENT / self.name
-        return self.layout.v1[controller] / PARENT / self.name
+        return self.layout.base(controller) / self.name
 
     def dirs(self) -> list[Path]:
         return [p / self.name for p in self.layout.parents()]
@@ -176,6 +188,14 @@ class Cgroup:
         with contextlib.suppress(OSError):
             _write(memory / "memory.memsw.limit_in_bytes", str(mem))
         _write(self.dir("pids") / "pids.max", str(pids))
+
+    def set_weight(self, low: bool) -> None:
+        """CPU weight relative to other cgroups. Pooled sandboxes start with the lowest weight so a
+        refill never steals CPU from live sandboxes (nice alone does not cross cgroups)."""
+        if self.layout.version == 2:
+            _write(self.dir("cpu") / "cpu.weight", "1" if low else "100")
+        else:
+            _write(self.dir("cpu") / "cpu.shares", "2" if low else "1024")
 
     def pids(self) -> list[int]:
         out: set[int] = set()
@@ -253,11 +273,10 @@ class Cgroup:
         for pid in self.pids():
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(OSError):
-            if self.layout.version == 2:
-                _write(self.dir("freezer") / "cgroup.freeze", "0")
-            else:
-                _write(self.dir("freezer") / "freezer.state", "THAWED")
+        knob = self.dir("freezer") / ("cgroup.freeze" if self.layout.version == 2 else "freezer.state")
+        if knob.exists():
+            with contextlib.suppress(OSError):
+                _write(knob, "0" if self.layout.version == 2 else "THAWED")
 
     def remove(self, timeout: float = 5.0) -> None:
         """Kill leftovers and rmdir every directory; waits while dying tasks still hold it."""
@@ -285,11 +304,11 @@ class Cgroup:
 
 def ensure_parents(layout: Layout) -> None:
     for parent in layout.parents():
-        parent.mkdir(exist_ok=True)
+        parent.mkdir(parents=True, exist_ok=True)
     if layout.version == 2:
         assert layout.v2 is not None
         want = " ".join(f"+{c}" for c in V2_CONTROLLERS)
-        for d in (layout.v2, layout.v2 / PARENT):
+        for d in (layout.v2, layout.v2 / PARENT, layout.base("cpu")):
             with contextlib.suppress(OSError):
                 _write(d / "cgroup.subtree_control", want)
 
@@ -301,3 +320,12 @@ def list_names(layout: Layout) -> set[str]:
         with contextlib.suppress(FileNotFoundError):
             names.update(p.name for p in parent.iterdir() if p.is_dir())
     return names
+
+
+def remove_scope_if_empty(layout: Layout) -> None:
+    """Drop this runtime's scope directories when no sandbox cgroup is left in them (at close)."""
+    if not layout.scope:
+        return
+    for parent in layout.parents():
+        with contextlib.suppress(OSError):  # EBUSY/ENOTEMPTY: sandboxes still live there
+            parent.rmdir()

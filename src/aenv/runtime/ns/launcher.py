@@ -48,6 +48,9 @@ IFF_UP = 0x1
 # sandbox root cannot mount, create device nodes, open files by handle or change its firewall.
 KEEP_CAPS = frozenset({0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 29, 31})
 DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
+# /proc entries that are global to the host: read-only or hidden, as container runtimes do.
+PROC_READONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
+PROC_MASKED = ("kcore", "keys", "timer_list", "sched_debug", "kallsyms")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
@@ -110,13 +113,29 @@ def _touch(path: str) -> None:
         os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o644))
 
 
+def harden_proc(proc: str) -> None:
+    """Sandbox root keeps CAP_DAC_OVERRIDE, so host-global knobs (/proc/sys, sysrq-trigger) must be
+    read-only mounts; without CAP_SYS_ADMIN it cannot remount them."""
+    for name in PROC_READONLY:
+        path = f"{proc}/{name}"
+        if os.path.exists(path):
+            bind(path, path, readonly=True, extra=MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    for name in PROC_MASKED:
+        path = f"{proc}/{name}"
+        if os.path.exists(path):
+            bind("/dev/null", path, readonly=True)  # read-only: it is the host's /dev/null inode
+
+
 def setup_dev(root: str) -> None:
     dev = f"{root}/dev"
     _mkdir(dev)
     mount("tmpfs", dev, "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=755,size=65536k")
     for name in DEV_NODES:
         _touch(f"{dev}/{name}")
-        mount(f"/dev/{name}", f"{dev}/{name}", None, MS_BIND)
+        # Read-only bind: the node is the host's own inode, and sandbox root owns it (no user
+        # namespace), so a writable bind would let it chmod/chown/utime the host's /dev/null.
+        # I/O on a device node is not affected by a read-only mount.
+        bind(f"/dev/{name}", f"{dev}/{name}", readonly=True)
     _mkdir(f"{dev}/pts")
     mount("devpts", f"{dev}/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620")
     os.symlink("pts/ptmx", f"{dev}/ptmx")
@@ -128,12 +147,13 @@ def setup_dev(root: str) -> None:
 
 
 def build_root(cfg: dict) -> str:  # type: ignore[type-arg]
-    root = cfg["merged"]
+    root = str(cfg["merged"])
     mount("none", "/", None, MS_REC | MS_PRIVATE)
     _mkdir(root)
     mount("overlay", root, "overlay", 0, overlay_options(cfg["lowers"], cfg["upper"], cfg["work"]))
     _mkdir(f"{root}/proc")
     mount("proc", f"{root}/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    harden_proc(f"{root}/proc")
     setup_dev(root)
     _mkdir(f"{root}/tmp", 0o1777)
     _mkdir(f"{root}/.aenv")

@@ -20,7 +20,6 @@ import asyncio
 import ipaddress
 import os
 import shutil
-import socket
 import subprocess
 from dataclasses import dataclass
 
@@ -131,13 +130,5 @@ class Slirp:
         if self.child is not None:
             await self.child.aclose()
         else:
-            await asyncio.to_thread(self.ref.wait_gone, 5.0)
+            await self.ref.wait_gone_async(5.0)
 
-
-def port_reachable(host: str, port: int, timeout: float = 0.5) -> bool:
-    """Small helper for diagnostics and tests."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False

@@ -40,8 +40,11 @@ class _Slot:
 
 
 class WarmPool:
-    def __init__(self, size: int, factory: Factory, max_parallel: int = 2) -> None:
+    def __init__(self, size: int, factory: Factory, max_parallel: int = 2, refill_delay: float = 0.05) -> None:
         self.size = size
+        # A refill starts a little after a take, so the fresh sandbox's first commands do not compete
+        # with the next launch's interpreter start-ups (the launch itself runs at the lowest CPU weight).
+        self.refill_delay = refill_delay
         self._factory = factory
         self._slots: dict[str, _Slot] = {}
         self._sem = asyncio.Semaphore(max_parallel)
@@ -93,6 +96,7 @@ class WarmPool:
             slot.filling = asyncio.create_task(self._fill(slot), name="ns-pool-fill")
 
     async def _fill(self, slot: _Slot) -> None:
+        await asyncio.sleep(self.refill_delay)
         while not self._closed and len(slot.ready) < self.size:
             try:
                 async with self._sem:
@@ -110,6 +114,21 @@ class WarmPool:
                 await sbx.aclose()
                 return
             slot.ready.append(sbx)
+
+    async def forget(self, template_id: str | None = None) -> None:
+        """Kill the ready sandboxes of one template (all when None) and stop keeping it hot, e.g.
+        after the template's rootfs was rebuilt: an overlay over a changed lower is undefined."""
+        doomed = [k for k, s in self._slots.items() if template_id is None or s.template.template_id == template_id]
+        victims: list[NsSandbox] = []
+        for key in doomed:
+            slot = self._slots.pop(key)
+            if slot.filling is not None:
+                slot.filling.cancel()
+                with contextlib.suppress(BaseException):
+                    await slot.filling
+            victims.extend(slot.ready)
+            slot.ready.clear()
+        await asyncio.gather(*(v.aclose() for v in victims), return_exceptions=True)
 
     async def aclose(self) -> None:
         """Stop filling and kill every sandbox still waiting in the pool."""

@@ -36,6 +36,11 @@ def proc_start_time(pid: int) -> int | None:
         return None
 
 
+def _resolve(fut: asyncio.Future[object]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 @dataclass(frozen=True)
 class ProcRef:
     pid: int
@@ -75,6 +80,29 @@ class ProcRef:
                     return not self.alive()
                 if poller.poll(left * 1000):
                     return True
+        finally:
+            os.close(fd)
+
+    async def wait_gone_async(self, timeout: float) -> bool:
+        """``wait_gone`` on the event loop (pidfd readability), without tying up a worker thread."""
+        try:
+            fd = os.pidfd_open(self.pid)
+        except (ProcessLookupError, OSError):
+            return True
+        loop = asyncio.get_running_loop()
+        gone: asyncio.Future[object] = loop.create_future()
+        try:
+            if proc_start_time(self.pid) != self.start:
+                return True
+            loop.add_reader(fd, _resolve, gone)
+            try:
+                async with asyncio.timeout(timeout):
+                    await gone
+                return True
+            except TimeoutError:
+                return not self.alive()
+            finally:
+                loop.remove_reader(fd)
         finally:
             os.close(fd)
 
@@ -121,6 +149,29 @@ class Reaped:
         if self.proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.kill()
+
+    async def readline(self, limit: int = 65536) -> bytes:
+        """One line from the child's stdout pipe, read on the event loop (no worker thread)."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        os.set_blocking(fd, False)
+        loop = asyncio.get_running_loop()
+        buf = b""
+        while b"\n" not in buf and len(buf) < limit:
+            ready: asyncio.Future[object] = loop.create_future()
+            loop.add_reader(fd, _resolve, ready)
+            try:
+                await ready
+            finally:
+                loop.remove_reader(fd)
+            try:
+                chunk = os.read(fd, 4096)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                break
+            buf += chunk
+        return buf.split(b"\n", 1)[0] + (b"\n" if b"\n" in buf else b"")
 
     async def aclose(self, timeout: float = 5.0) -> None:
         """SIGKILL and reap; safe to call twice and when cancelled (the reap is shielded)."""

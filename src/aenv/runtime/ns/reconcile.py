@@ -64,7 +64,7 @@ async def reconcile(layout: Layout, sandboxes_dir: Path, pool_dir: Path, known: 
     for state_file, top in candidates:
         data = _load(state_file)
         if data is not None and "cgroup" in data and "dir" in data:
-            sbx = NsSandbox.from_state(layout, data)  # type: ignore[arg-type]
+            sbx = NsSandbox.from_state(layout, data)
             if sbx.name in keep:
                 continue
             await sbx.aclose(remove_dir=top)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -33,7 +34,7 @@ from aenv.runtime.ns.network import Slirp, host_ipv4_addresses, slirp_available
 from aenv.runtime.ns.pool import WarmPool
 from aenv.runtime.ns.process import ProcRef
 from aenv.runtime.ns.reconcile import ReconcileReport, reconcile
-from aenv.runtime.ns.sandbox import LaunchOptions, NsSandbox
+from aenv.runtime.ns.sandbox import STATE_FILE, LaunchOptions, NsSandbox
 from aenv.runtime.tools import ensure_tools
 
 log = logging.getLogger("aenv.runtime.ns")
@@ -87,7 +88,7 @@ class NsRuntime:
     async def start(self) -> None:
         if self._started:
             return
-        self.layout = await asyncio.to_thread(cgroups.detect)
+        self.layout = await asyncio.to_thread(cgroups.detect, None, cgroups.scope_for(self.settings.state_dir))
         await asyncio.to_thread(cgroups.ensure_parents, self.layout)
         if self.tools is None:
             self.tools = await asyncio.to_thread(ensure_tools, self.settings)
@@ -104,6 +105,8 @@ class NsRuntime:
                 with contextlib.suppress(Exception):
                     await sbx._session.aclose()
         self._sandboxes.clear()
+        if self.layout is not None:
+            await asyncio.to_thread(cgroups.remove_scope_if_empty, self.layout)
 
     async def reconcile(self, known_ids: set[str] | list[str]) -> ReconcileReport:
         """Kill and remove every ns sandbox, cgroup and directory not in ``known_ids`` (plus our own
@@ -117,11 +120,20 @@ class NsRuntime:
         """Mark a template hot: the pool starts filling for it now (non-blocking)."""
         self.pool.want(template, allow_internet)
 
+    async def forget_template(self, template_id: str | None = None) -> None:
+        """Drop pooled sandboxes of a template (call after rebuilding or deleting it)."""
+        await self.pool.forget(template_id)
+
     async def wait_warm(self, template: TemplateImage, allow_internet: bool = True, n: int | None = None) -> None:
         self.pool.want(template, allow_internet)
         await self.pool.wait_ready(template, allow_internet, n)
 
     # ---- launching ------------------------------------------------------------------------------
+    async def _ensure_tools(self) -> None:
+        """Rebuild the bundle if it vanished (another server's GC removed a superseded one)."""
+        if self._tools_dir is None and (self.tools is None or not (self.tools / "MANIFEST.json").exists()):
+            self.tools = await asyncio.to_thread(ensure_tools, self.settings)
+
     def _opts(self, template: TemplateImage, allow_internet: bool, limits: tuple[int, int, int],
               nice: int = 0) -> LaunchOptions:
         assert self.tools is not None
@@ -132,6 +144,7 @@ class NsRuntime:
 
     async def _launch_pooled(self, template: TemplateImage, allow_internet: bool) -> NsSandbox:
         assert self.layout is not None
+        await self._ensure_tools()
         name = f"pool-{secrets.token_hex(6)}"
         s = self.settings
         opts = self._opts(template, allow_internet, (s.default_cpu_count, s.default_memory_mb, s.pids_limit),
@@ -153,6 +166,7 @@ class NsRuntime:
             if sbx is not None:
                 await asyncio.to_thread(self._hand_out, sbx, sid, root, limits)
             else:
+                await self._ensure_tools()
                 opts = self._opts(spec.template, spec.allow_internet, limits)
                 sbx = await NsSandbox.launch(sid, root, self.layout, opts, self.host_addrs,
                                              timeout=self.launch_timeout)
@@ -175,6 +189,7 @@ class NsRuntime:
 
     def _hand_out(self, sbx: NsSandbox, sid: str, root: Path, limits: tuple[int, int, int]) -> None:
         sbx.cgroup.set_limits(*limits)
+        sbx.cgroup.set_weight(low=False)
         sbx.reprioritize(0)
         sbx.rename(sid, root)
 
@@ -236,7 +251,8 @@ class NsRuntime:
     async def kill(self, sandbox_id: str, state: RuntimeState | None = None) -> None:
         await self.start()
         workdir = self._workdir(sandbox_id, state)
-        sbx = self._sandboxes.pop(sandbox_id, None) or self._from_state(sandbox_id, state)
+        sbx = self._sandboxes.pop(sandbox_id, None) or self._from_state(sandbox_id, state) \
+            or self._from_state_file(sandbox_id)
         self._specs.pop(sandbox_id, None)
         if sbx is not None:
             await sbx.aclose(remove_dir=workdir)
@@ -247,6 +263,21 @@ class NsRuntime:
                 await asyncio.to_thread(cg.remove)
             if workdir is not None:
                 await asyncio.to_thread(shutil.rmtree, workdir, True)
+
+    def _from_state_file(self, sandbox_id: str) -> NsSandbox | None:
+        """The sandbox as its own ``ns.json`` describes it. Needed when the server died after the
+        runtime created the sandbox but before the store recorded its runtime state: without it the
+        cgroup is killed but slirp4netns (outside the cgroup, and it does not exit with its netns)
+        is orphaned."""
+        path = self.settings.sandboxes_dir / sandbox_id / "ns" / STATE_FILE
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(data, dict) or not data.get("cgroup") or data.get("name") != sandbox_id \
+                or self.layout is None:
+            return None
+        return NsSandbox.from_state(self.layout, data)
 
     async def adopt(self, sandbox_id: str, spec: SandboxSpec, state: RuntimeState) -> bool:
         await self.start()

@@ -171,9 +171,10 @@ class NsSandbox:
             self.paths.prepare()
             self.cgroup.create()
             self.cgroup.set_limits(cpu, mem, pids)
+            self.cgroup.set_weight(low=opts.nice > 0)
 
         await asyncio.to_thread(prepare)
-        cfg = {
+        cfg: dict[str, Any] = {
             "merged": str(self.paths.merged), "lowers": _lowers(opts.template), "upper": str(self.paths.upper),
             "work": str(self.paths.work), "tools": str(opts.tools), "run": str(self.paths.run),
             "cgroup_procs": self.cgroup.procs_files(), "hostname": opts.hostname,
@@ -187,7 +188,7 @@ class NsSandbox:
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
         )
         assert self._stage1.proc.stdout is not None
-        line = await asyncio.to_thread(self._stage1.proc.stdout.readline)
+        line = await self._stage1.readline()
         self._stage1.proc.stdout.close()
         try:
             report = json.loads(line or b"{}")
@@ -198,14 +199,17 @@ class NsSandbox:
         self.init = ProcRef(int(report["pid"]), int(report["start"]))
         self.write_state()
         if opts.allow_internet:
+            # filter first: the tap device (and so any route out) only exists once slirp is up
+            await install_firewall(self.init.pid, host_addrs)
             self.slirp = await Slirp.start(self.init.pid)
             self.write_state()
-            await install_firewall(self.init.pid, host_addrs)
         await self._connect(wait=True)
         await self.health()
 
-    async def health(self) -> None:
-        status, body = await request(await self.open_stream(ENVD_PORT), "GET", "/health")
+    async def health(self, timeout: float = 60.0) -> None:
+        # Under a burst of cold starts envd's imports can take many seconds of contended CPU; the
+        # agent holds the stream open until envd listens, and launch()'s own timeout bounds it all.
+        status, body = await request(await self.open_stream(ENVD_PORT, timeout), "GET", "/health")
         if status != 204:
             raise EnvdError(f"envd /health answered {status}", status, body)
 
@@ -246,21 +250,27 @@ class NsSandbox:
             assert self._session is not None
             return self._session
 
-    async def open_stream(self, port: int) -> MuxStream:
+    async def open_stream(self, port: int, timeout: float = 10.0) -> MuxStream:
         session = await self.session()
         try:
-            return await session.open(port)
+            return await session.open(port, timeout=timeout)
         except StreamClosed:
             if not session.closed:
                 raise
-            return await (await self.session()).open(port)
+            return await (await self.session()).open(port, timeout=timeout)
 
     # ---- hand-out -------------------------------------------------------------------------------
     def reprioritize(self, nice: int = 0) -> None:
-        """Back to normal priority at hand-out (pooled sandboxes start niced)."""
+        """Back to normal priority at hand-out (pooled sandboxes start niced). Niceness is per
+        thread on Linux, so every task of every member is reset."""
         for pid in self.cgroup.pids():
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, pid, nice)
+            try:
+                tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+            except OSError:
+                continue
+            for tid in tids:
+                with contextlib.suppress(OSError):
+                    os.setpriority(os.PRIO_PROCESS, tid, nice)
 
     def rename(self, new_name: str, new_root: Path) -> None:
         """Give a pooled sandbox its real ID: move its cgroup and directory (blocking, fast)."""
@@ -322,7 +332,7 @@ class NsSandbox:
         with contextlib.suppress(Exception):
             await asyncio.to_thread(self.cgroup.kill_all)
         if self.init is not None:
-            await asyncio.to_thread(self.init.wait_gone, 5.0)
+            await self.init.wait_gone_async(5.0)
         if self._stage1 is not None:
             await self._stage1.aclose()
         if self.slirp is not None:

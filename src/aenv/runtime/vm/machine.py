@@ -306,6 +306,23 @@ class Machine:
         self.timings.restore_ms = _ms(t0)
         return self.timings.restore_ms
 
+    async def wait_guest_channel(self, timeout: float = 60.0) -> None:
+        """Until the guest has opened its end of the virtio-serial port.
+
+        Bytes the host sends before that are *discarded* by the guest driver (Linux
+        virtio_console drops input for ports nobody opened), which would eat the mux HELLO of a
+        freshly booted guest. QEMU mirrors the guest's open state as the chardev's
+        ``frontend-open``. After a restore the state comes back with the device, so this returns
+        at once."""
+        async with asyncio.timeout(timeout):
+            while True:
+                for dev in await self.execute("query-chardev"):
+                    if dev.get("label") == "chan" and dev.get("frontend-open"):
+                        return
+                if not self.alive or self.proc.returncode is not None:
+                    raise MachineError(f"vm {self.cfg.name}: QEMU is gone: {self.stderr_tail()}")
+                await asyncio.sleep(0.02)
+
     async def open_channel(self, timeout: float = 5.0) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """Connect to the virtio-serial chardev (one host connection at a time; the caller owns it)."""
         try:

@@ -1,9 +1,8 @@
-"""Pre-spawned restore processes: QEMU already started with ``-incoming defer`` for a template.
+"""Pre-started sandboxes per template: the spawner decides how far each entry is prepared (the
+runtime restores them and waits for envd, see ``VmRuntime._spawn_warm``).
 
-A restore from such a process skips QEMU start-up (~35-50 ms under TCG), leaving only the device
-state load and resume (~8 ms) on the create path. Entries are per template key and network mode
-(restricted or not is a netdev option fixed at spawn). The pool owns its entries until ``take``
-hands one out; ``aclose`` kills whatever is left.
+Entries are per template key and network mode (restricted or not is a netdev option fixed at
+spawn). The pool owns its entries until ``take`` hands one out; ``aclose`` kills what is left.
 """
 
 from __future__ import annotations

@@ -3,9 +3,13 @@
 Create path::
 
     template shape known?  no → boot the template once, wait for envd, snapshot (template.py)
-    pool hit  → a QEMU already waiting with -incoming defer: migrate-incoming + cont   (~8 ms)
-    pool miss → spawn QEMU -incoming defer (~40 ms), then the same
+    pool hit  → a VM already restored from the template, envd answering (warm TCG cache)
+    pool miss → spawn QEMU -incoming defer (~50 ms), migrate-incoming + cont (~20 ms)
     then      → POST /init to envd over the mux (env vars, token, identity)
+
+Why the pool holds restored VMs and not just waiting processes: under TCG the first requests
+through the guest's Python agent and envd after a restore cost ~600 ms of code translation
+(scripts/vm/bench_restore.py), far more than QEMU start-up; a pre-restored VM has paid it.
 
 Pause is ``stop`` (vCPUs halt at once, memory kept); kill ends QEMU and removes the run dir.
 Restart: ``adopt`` re-attaches to the recorded QEMU (pidfd + QMP); ``reconcile`` kills and removes
@@ -76,22 +80,26 @@ class VmRuntime:
         tools_dir: Path | None = None,
         artifacts: GuestArtifacts | None = None,
         force_accel: Accel | None = None,
-        shm_dir: Path = templates.SHM_DIR,
+        shm_dir: Path | None = None,
         boot_timeout: float = 180.0,
         run_root: Path | None = None,
+        warm_timeout: float = 60.0,
     ) -> None:
         self.settings = settings
         self.pool_size = settings.pool_size if pool_size is None else pool_size
         self.tools_dir = tools_dir
         self.artifacts = artifacts
         self.force_accel = force_accel
-        self.shm_dir = shm_dir
+        # Template RAM files: per state dir, so two servers (or test runs) never share or clobber them.
+        digest = hashlib.sha256(str(settings.state_dir).encode()).hexdigest()[:10]
+        self.shm_dir = shm_dir or templates.SHM_DIR.with_name(f"aenv-{digest}")
         self.boot_timeout = boot_timeout
+        self.warm_timeout = warm_timeout
         self.vm_dir = settings.state_dir / "vm"
         self.templates_dir = self.vm_dir / "templates"
         self.run_root = run_root or _short_run_root(self.vm_dir / "run")
         self.accel: AccelChoice | None = None
-        self.pool = RestorePool(self.pool_size, self._spawn_restore)
+        self.pool = RestorePool(self.pool_size, self._spawn_warm)
         self._templates: dict[str, templates.VmTemplate] = {}
         self._template_locks: dict[str, asyncio.Lock] = {}
         self._sandboxes: dict[str, VmSandbox] = {}
@@ -158,6 +166,13 @@ class VmRuntime:
             self._templates[key] = tpl
             return tpl
 
+    async def purge_templates(self) -> None:
+        """Delete every template snapshot of this state dir (disk and RAM files). For tests and
+        clean-up; sandboxes still running from them keep their open files."""
+        self._templates.clear()
+        await asyncio.to_thread(shutil.rmtree, self.templates_dir, True)
+        await asyncio.to_thread(shutil.rmtree, self.shm_dir, True)
+
     async def _spawn_restore(self, name: str, template_key: str, allow_internet: bool) -> VmSandbox:
         """A QEMU process waiting for this template's device state (not yet restored)."""
         tpl = self._templates[template_key]
@@ -172,6 +187,21 @@ class VmRuntime:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise
         return VmSandbox(name, machine, run_dir, template_key)
+
+    async def _spawn_warm(self, name: str, template_key: str, allow_internet: bool) -> VmSandbox:
+        """A pool entry: restored, resumed and with envd answering, so that a create only has to
+        send ``/init``. Under TCG this matters most: a fresh QEMU has an empty translation cache,
+        and the first requests through agent and envd (Python) cost several hundred ms."""
+        tpl = self._templates[template_key]
+        sbx = await self._spawn_restore(name, template_key, allow_internet)
+        try:
+            await sbx.machine.restore(tpl.device_state)
+            await sbx.wait_envd(self.warm_timeout)
+        except BaseException:
+            await sbx.aclose()
+            raise
+        sbx.restored = True
+        return sbx
 
     # ---- Runtime protocol -----------------------------------------------------------------------
     async def create(self, spec: SandboxSpec) -> RuntimeState:
@@ -189,7 +219,9 @@ class VmRuntime:
         try:
             if sbx is None:
                 sbx = await self._spawn_restore(sid, tpl.key, spec.allow_internet)
-            await sbx.machine.restore(tpl.device_state)
+            if not sbx.restored:
+                await sbx.machine.restore(tpl.device_state)
+                sbx.restored = True
             t_restored = time.perf_counter()
             payload = init_payload(
                 sandbox_id=sid, template_id=spec.template.template_id, env_vars=dict(spec.env_vars),

@@ -66,12 +66,15 @@ class VmSandbox:
         self._session: MuxSession | None = None
         self._session_lock = asyncio.Lock()
         self.last_cpu: tuple[float, float] | None = None
+        self.restored = False
+        self.channel_timeout = 180.0  # a booting guest needs seconds under TCG to open its port  # device state loaded and running (pool entries are handed out so)
         self._closed = False
 
     async def session(self) -> MuxSession:
         """The live mux session, reconnecting if the previous one ended."""
         async with self._session_lock:
             if self._session is None or self._session.closed:
+                await self.machine.wait_guest_channel(self.channel_timeout)
                 reader, writer = await self.machine.open_channel()
                 self._session = await MuxSession(reader, writer, name=f"vm-{self.name}").start()
             return self._session
@@ -97,9 +100,11 @@ class VmSandbox:
             async with asyncio.timeout(timeout):
                 while True:
                     try:
-                        status, _ = await self.envd_request("GET", "/health", timeout=timeout)
-                    except (MuxError, OSError, ValueError) as exc:
+                        status, _ = await self.envd_request("GET", "/health", timeout=min(timeout, 20.0))
+                    except (MuxError, OSError, ValueError) as exc:  # TimeoutError is an OSError
                         last = exc
+                        if isinstance(exc, TimeoutError):
+                            await self.drop_session()  # a stuck session: start a fresh one
                         log.debug("vm %s: envd not ready: %s", self.name, exc)
                     else:
                         if 200 <= status < 300:
