@@ -30,6 +30,9 @@ PORT = 49983
 BASE = f"http://127.0.0.1:{PORT}"
 _ENV = {
     "E2B_DEBUG": "true",
+    # A server fixture elsewhere in the session may have set these; debug mode must not follow them.
+    "E2B_SANDBOX_URL": BASE,
+    "E2B_API_URL": "http://127.0.0.1:1",
     "E2B_API_KEY": "e2b_" + "0" * 40,
     "NO_PROXY": "localhost,127.0.0.1",
     "no_proxy": "localhost,127.0.0.1",

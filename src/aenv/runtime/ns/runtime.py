@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from aenv.config import Settings
-from aenv.core.errors import RuntimeFailure, SandboxNotFound, SandboxUnreachable, StateError
-from aenv.mux import MuxError, MuxStream
+from aenv.core.errors import PortNotOpen, RuntimeFailure, SandboxNotFound, SandboxUnreachable, StateError
+from aenv.mux import MuxError, MuxStream, StreamRefused
 from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec, TemplateImage
 from aenv.runtime.ns import cgroups
 from aenv.runtime.ns.envd_client import EnvdError, init_payload
@@ -216,6 +216,9 @@ class NsRuntime:
         sbx = self._get(sandbox_id)
         try:
             return await sbx.open_stream(port)
+        except StreamRefused as exc:
+            # The agent answered: the sandbox is fine, nothing listens on that port.
+            raise PortNotOpen(f"sandbox {sandbox_id}: nothing listens on port {port}", sandbox_id=sandbox_id) from exc
         except (MuxError, OSError) as exc:
             if not sbx.alive():
                 raise SandboxNotFound(sandbox_id) from exc
