@@ -45,7 +45,7 @@ def envd_module() -> str:
     """The real envd when the bundle has it, else the health/init-only stand-in."""
     import aenv
 
-    if (Path(aenv.__file__).parent / "envd" / "__main__.py").exists():
+    if (Path(aenv.__file__).parent / "envd" / "__main__.py").exists() or "aenv.envd.__main__" in sys.modules:
         return "aenv.envd"
     return "aenv.agent.fallback_envd"
 
@@ -68,17 +68,44 @@ def child_env(template_env: dict[str, str]) -> dict[str, str]:
     return env
 
 
-async def amain(args: argparse.Namespace) -> None:
+def envd_args(args: argparse.Namespace) -> list[str]:
+    return ["--host", "127.0.0.1", "--port", str(args.envd_port), "--default-user", args.default_user]
+
+
+def fork_envd(args: argparse.Namespace, env: dict[str, str]) -> int:
+    """Start envd as a fork of this (zygote-born, already imported) process: no exec, no imports.
+    Must run before the event loop exists. Restarts after a crash use the normal exec path."""
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        os.setsid()
+        null = os.open("/dev/null", os.O_RDONLY)
+        out = os.open(args.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(null, 0)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.environ.clear()
+        os.environ.update(env)
+        from aenv.envd.__main__ import main as envd_main
+
+        envd_main(envd_args(args))
+    except BaseException:  # noqa: BLE001 - the log is the only place a forked envd can report to
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(1)
+
+
+async def amain(args: argparse.Namespace, envd_pid: int | None = None) -> None:
     loop = asyncio.get_running_loop()
     reaper = Reaper(loop)
     reaper.install()
     env = child_env(json.loads(args.env_json))
     if not args.no_envd:
-        argv = [
-            *python_argv(), "-m", envd_module(),
-            "--host", "127.0.0.1", "--port", str(args.envd_port), "--default-user", args.default_user,
-        ]
-        reaper.supervise(Supervised("envd", argv, env, stdout=args.log))
+        argv = [*python_argv(), "-m", envd_module(), *envd_args(args)]
+        reaper.supervise(Supervised("envd", argv, env, stdout=args.log), running_pid=envd_pid)
     grace_until = 0.0
     if args.start_cmd:
         shell = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
@@ -91,15 +118,19 @@ async def amain(args: argparse.Namespace) -> None:
     await serve(args.channel, accept)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, envd_by_fork: bool = False) -> int:
+    """``envd_by_fork``: the zygote path, where envd is forked from this already-imported process."""
     args = parse_args(argv)
     logging.basicConfig(
         level=logging.INFO,
         format="%(asctime)s agent %(levelname)s %(message)s",
         stream=open(args.log, "a", buffering=1) if args.log != "/dev/null" else sys.stderr,  # noqa: SIM115
     )
+    envd_pid = None
+    if envd_by_fork and not args.no_envd:
+        envd_pid = fork_envd(args, child_env(json.loads(args.env_json)))
     try:
-        asyncio.run(amain(args))
+        asyncio.run(amain(args, envd_pid))
     except KeyboardInterrupt:
         return 130
     return 0

@@ -88,9 +88,15 @@ class Reaper:
     def install(self) -> None:
         self._loop.add_signal_handler(signal.SIGCHLD, self.reap)
 
-    def supervise(self, child: Supervised) -> None:
+    def supervise(self, child: Supervised, running_pid: int | None = None) -> None:
+        """Watch ``child``; start it unless it already runs as ``running_pid`` (forked before the loop)."""
         self.children.append(child)
-        child.start()
+        if running_pid is None:
+            child.start()
+        else:
+            child.pid = running_pid
+            child._started_at = time.monotonic()
+        self.reap()  # it may already have exited before the SIGCHLD handler existed
 
     def reap(self) -> None:
         while True:

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from aenv.runtime.base import TemplateImage
-from aenv.runtime.ns import launcher
+from aenv.agent import launch as launcher
 from aenv.runtime.ns.sandbox import LaunchOptions, agent_argv
 
 

@@ -20,14 +20,16 @@ import logging
 import os
 import secrets
 import shutil
+import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from aenv.config import Settings
 from aenv.core.errors import PortNotOpen, RuntimeFailure, SandboxNotFound, SandboxUnreachable, StateError
 from aenv.mux import MuxError, MuxStream, StreamRefused
-from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec, TemplateImage
+from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec, SnapshotResult, TemplateImage
 from aenv.runtime.ns import cgroups
 from aenv.runtime.ns.envd_client import EnvdError, init_payload
 from aenv.runtime.ns.network import Slirp, host_ipv4_addresses, slirp_available
@@ -35,6 +37,8 @@ from aenv.runtime.ns.pool import WarmPool
 from aenv.runtime.ns.process import ProcRef
 from aenv.runtime.ns.reconcile import ReconcileReport, reconcile
 from aenv.runtime.ns.sandbox import STATE_FILE, LaunchOptions, NsSandbox
+from aenv.runtime.ns.snapshot import NsSnapshots
+from aenv.runtime.ns.zygote import Zygote
 from aenv.runtime.tools import ensure_tools
 
 log = logging.getLogger("aenv.runtime.ns")
@@ -76,12 +80,14 @@ class NsRuntime:
         self.launch_timeout = launch_timeout
         self._tools_dir = tools_dir
         self.tools: Path | None = tools_dir
+        self.zygote: Zygote | None = None
         self.layout: cgroups.Layout | None = None
         self.host_addrs: list[str] = []
         self.pool_dir = settings.state_dir / POOL_DIR
         self._sandboxes: dict[str, NsSandbox] = {}
         self._specs: dict[str, SandboxSpec] = {}
         self.pool = WarmPool(self.pool_size, self._launch_pooled)
+        self.snapshots = NsSnapshots(self)
         self._started = False
 
     # ---- host-wide lifecycle --------------------------------------------------------------------
@@ -95,11 +101,19 @@ class NsRuntime:
         self.host_addrs = await asyncio.to_thread(host_ipv4_addresses)
         self.settings.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         self.pool_dir.mkdir(parents=True, exist_ok=True)
+        if self.zygote is None and os.environ.get("AENV_NS_ZYGOTE", "1") != "0":
+            # unix socket paths are short (108 bytes): keep it out of deep state dirs
+            sock = Path(tempfile.gettempdir()) / f"aenv-zygote-{os.getpid()}-{id(self):x}.sock"
+            self.zygote = Zygote(self.tools, sock)
+            await self.zygote.ensure()
         self._started = True
 
     async def close(self) -> None:
         """Kill pooled sandboxes and drop channels; handed-out sandboxes keep running."""
         await self.pool.aclose()
+        if self.zygote is not None:
+            await self.zygote.aclose()
+            self.zygote = None
         for sbx in list(self._sandboxes.values()):
             if sbx._session is not None:
                 with contextlib.suppress(Exception):
@@ -140,7 +154,7 @@ class NsRuntime:
         if allow_internet and not slirp_available():
             raise RuntimeFailure("internet access needs slirp4netns and iptables on the host (apt-get install slirp4netns iptables)")
         return LaunchOptions(template=template, tools=self.tools, allow_internet=allow_internet,
-                             default_limits=limits, debug_log=self.debug_log, nice=nice)
+                             default_limits=limits, debug_log=self.debug_log, nice=nice, zygote=self.zygote)
 
     async def _launch_pooled(self, template: TemplateImage, allow_internet: bool) -> NsSandbox:
         assert self.layout is not None
@@ -154,20 +168,27 @@ class NsRuntime:
 
     # ---- Runtime protocol -----------------------------------------------------------------------
     async def create(self, spec: SandboxSpec) -> RuntimeState:
+        return await self._launch_ready(spec, spec.template, (), use_pool=True)
+
+    async def _launch_ready(self, spec: SandboxSpec, template: TemplateImage, snapshot_layers: tuple[str, ...],
+                            *, root: Path | None = None, use_pool: bool = False) -> RuntimeState:
+        """Start ``spec`` on ``template``'s lowers with ``snapshot_layers`` stacked on top (a snapshot
+        restore) and initialise envd. ``root`` defaults to ``<workdir>/ns``; rollback passes the
+        existing one. Cleans up after itself on any failure."""
         await self.start()
         assert self.layout is not None
         sid = spec.sandbox_id
         if sid in self._sandboxes:
             raise StateError(f"sandbox {sid} already exists", sandbox_id=sid)
         limits = (spec.cpu_count, spec.memory_mb, spec.pids_limit)
-        root = spec.workdir / "ns"
-        sbx = self.pool.take(spec.template, spec.allow_internet)
+        root = root or spec.workdir / "ns"
+        sbx = self.pool.take(spec.template, spec.allow_internet) if use_pool and not snapshot_layers else None
         try:
             if sbx is not None:
                 await asyncio.to_thread(self._hand_out, sbx, sid, root, limits)
             else:
                 await self._ensure_tools()
-                opts = self._opts(spec.template, spec.allow_internet, limits)
+                opts = replace(self._opts(template, spec.allow_internet, limits), snapshot_layers=snapshot_layers)
                 sbx = await NsSandbox.launch(sid, root, self.layout, opts, self.host_addrs,
                                              timeout=self.launch_timeout)
             await sbx.init_envd(init_payload(
@@ -319,7 +340,23 @@ class NsRuntime:
             disk_used=disk, disk_total=(spec.disk_mb if spec else self.settings.default_disk_mb) * 1024 * 1024,
         )
 
+    # ---- SnapshotCapable (see snapshot.py) -------------------------------------------------------
+    async def snapshot(self, sandbox_id: str, into: Path, mode: str) -> SnapshotResult:
+        return await self.snapshots.snapshot(sandbox_id, into, mode)
+
+    async def create_from_snapshot(self, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
+        return await self.snapshots.create_from_snapshot(spec, snapshot, result)
+
+    async def fork(self, sandbox_id: str, children: list[SandboxSpec],
+                   scratch: Path) -> tuple[SnapshotResult, list[RuntimeState | BaseException]]:
+        return await self.snapshots.fork(sandbox_id, children, scratch)
+
+    async def rollback(self, sandbox_id: str, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
+        return await self.snapshots.rollback(sandbox_id, spec, snapshot, result)
+
     def capabilities(self) -> dict[str, Any]:
+        status = self.snapshots.criu_status()
+        process = "filesystem+processes (criu, offline sandboxes)" if status.usable else "filesystem"
         return {
             "runtime": "ns",
             "isolation": "namespaces (pid, mount, uts, ipc, net) + cgroups + capability bounding set; "
@@ -328,8 +365,10 @@ class NsRuntime:
             "pause": "freezer",
             "network": {"offline": "loopback-only netns",
                         "internet": "slirp4netns + in-netns filter" if slirp_available() else None},
-            "snapshot": None,
-            "fork": None,
+            "snapshot": process,
+            "fork": process,
+            "rollback": process,
+            "criu": status.describe(),
             "pool_size": self.pool_size,
         }
 

@@ -34,7 +34,8 @@ from typing import Any
 from aenv.mux import MuxSession, MuxStream, StreamClosed
 from aenv.mux.session import open_unix_session
 from aenv.runtime.base import TemplateImage
-from aenv.runtime.ns import launcher as launcher_mod
+from aenv.agent import launch as launcher_mod
+from aenv.runtime.ns.zygote import Zygote
 from aenv.runtime.ns.cgroups import Cgroup, Layout
 from aenv.runtime.ns.envd_client import ENVD_PORT, EnvdError, request
 from aenv.runtime.ns.network import RESOLV_CONF, Slirp, install_firewall
@@ -96,6 +97,13 @@ class LaunchOptions:
     debug_log: bool = False
     hostname: str = "aenv"
     nice: int = 0  # pool launches run at low priority so refills never slow live sandboxes
+    zygote: Zygote | None = None  # fork-server for fast starts; None = exec the launcher
+    # Snapshot layers (``<snapshot>/upper`` dirs) stacked over the template's lowers, top first.
+    # A sandbox started from a snapshot runs on them; see ``snapshot.py``.
+    snapshot_layers: tuple[str, ...] = ()
+
+    def lowers(self) -> list[str]:
+        return [*self.snapshot_layers, *_lowers(self.template)]
 
 
 def _lowers(template: TemplateImage) -> list[str]:
@@ -143,6 +151,10 @@ class NsSandbox:
         self.slirp = slirp
         self.allow_internet = bool(opts and opts.allow_internet)
         self.template_id = opts.template.template_id if opts else ""
+        # The overlay lowers this sandbox runs on (top first) and how many of them, from the top,
+        # are snapshot layers: a snapshot of it records both so a restore can rebuild the stack.
+        self.lowers: list[str] = opts.lowers() if opts else []
+        self.snapshot_depth = len(opts.snapshot_layers) if opts else 0
         self._stage1: Reaped | None = None
         self._session: MuxSession | None = None
         self._session_lock = asyncio.Lock()
@@ -175,25 +187,28 @@ class NsSandbox:
 
         await asyncio.to_thread(prepare)
         cfg: dict[str, Any] = {
-            "merged": str(self.paths.merged), "lowers": _lowers(opts.template), "upper": str(self.paths.upper),
+            "merged": str(self.paths.merged), "lowers": self.lowers, "upper": str(self.paths.upper),
             "work": str(self.paths.work), "tools": str(opts.tools), "run": str(self.paths.run),
             "cgroup_procs": self.cgroup.procs_files(), "hostname": opts.hostname,
             "resolv_conf": RESOLV_CONF if opts.allow_internet else None,
             "argv": agent_argv(opts), "env": {}, "log": None,
         }
-        prefix = ["nice", "-n", str(opts.nice)] if opts.nice else []
-        self._stage1 = Reaped.spawn(
-            [*prefix, "unshare", "--fork", "--pid", "--mount", "--uts", "--ipc", "--net", "--propagation", "private",
-             "--", sys.executable, "-I", "-S", LAUNCHER, json.dumps(cfg)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-        )
-        assert self._stage1.proc.stdout is not None
-        line = await self._stage1.readline()
-        self._stage1.proc.stdout.close()
-        try:
-            report = json.loads(line or b"{}")
-        except ValueError:
-            report = {"error": f"bad launcher output {line[:200]!r}"}
+        cfg["nice"] = opts.nice
+        report = await opts.zygote.launch(cfg) if opts.zygote is not None else None
+        if report is None:
+            # Plain path: util-linux unshare (stays behind to reap) + the launcher under the host Python.
+            self._stage1 = Reaped.spawn(
+                ["unshare", "--fork", "--pid", "--mount", "--uts", "--ipc", "--net", "--propagation", "private",
+                 "--", sys.executable, "-I", "-S", LAUNCHER, json.dumps(cfg)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            )
+            assert self._stage1.proc.stdout is not None
+            line = await self._stage1.readline()
+            self._stage1.proc.stdout.close()
+            try:
+                report = json.loads(line or b"{}")
+            except ValueError:
+                report = {"error": f"bad launcher output {line[:200]!r}"}
         if "pid" not in report:
             raise LaunchError(f"sandbox {self.name}: launcher failed: {report.get('error', 'no output')}")
         self.init = ProcRef(int(report["pid"]), int(report["start"]))
@@ -293,6 +308,8 @@ class NsSandbox:
             "slirp": [self.slirp.ref.pid, self.slirp.ref.start] if self.slirp else None,
             "allow_internet": self.allow_internet,
             "template_id": self.template_id,
+            "lowers": self.lowers,
+            "snapshot_depth": self.snapshot_depth,
         }
 
     def write_state(self) -> None:
@@ -308,6 +325,8 @@ class NsSandbox:
                   init=init, slirp=slirp)
         sbx.allow_internet = bool(data.get("allow_internet"))
         sbx.template_id = str(data.get("template_id", ""))
+        sbx.lowers = [str(p) for p in data.get("lowers") or []]
+        sbx.snapshot_depth = int(data.get("snapshot_depth") or 0)
         return sbx
 
     def alive(self) -> bool:
@@ -321,7 +340,20 @@ class NsSandbox:
         self._closed = True
         await asyncio.shield(self._teardown(remove_dir))
 
+    async def stop(self) -> None:
+        """Kill every process and remove the cgroup but keep the directory (upper, work, run): the
+        first half of a rollback, which relaunches under the same name. Completes under cancellation;
+        the object is closed afterwards (a new ``NsSandbox`` takes over the name)."""
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.shield(self._stop_processes(remove_cgroup=True))
+
     async def _teardown(self, remove_dir: Path | None) -> None:
+        await self._stop_processes(remove_cgroup=False)
+        await asyncio.to_thread(self._remove_files, remove_dir)
+
+    async def _stop_processes(self, remove_cgroup: bool) -> None:
         if self._session is not None:
             with contextlib.suppress(Exception):
                 await self._session.aclose()
@@ -338,7 +370,9 @@ class NsSandbox:
         if self.slirp is not None:
             with contextlib.suppress(Exception):
                 await self.slirp.aclose()
-        await asyncio.to_thread(self._remove_files, remove_dir)
+        if remove_cgroup:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self.cgroup.remove)
 
     def _remove_files(self, remove_dir: Path | None) -> None:
         keep = os.environ.get("AENV_NS_KEEP_LOGS")  # debugging aid: copy the run dir's logs first

@@ -197,9 +197,13 @@ def report(obj: dict) -> None:  # type: ignore[type-arg]
     os.write(1, (json.dumps(obj) + "\n").encode())
 
 
-def run(cfg: dict) -> None:  # type: ignore[type-arg]
+def enter(cfg: dict) -> None:  # type: ignore[type-arg]
+    """Everything but the final exec: after this returns we are PID 1 inside the finished sandbox,
+    with stdio pointing inside it. The zygote calls this and then runs the agent in-process."""
     pid, start = host_identity()
     join_cgroups(cfg["cgroup_procs"])
+    if cfg.get("nice"):
+        os.nice(int(cfg["nice"]))
     root = build_root(cfg)
     hostname = cfg.get("hostname", "aenv").encode()
     _check(_libc.sethostname(hostname, len(hostname)), "sethostname")
@@ -214,6 +218,10 @@ def run(cfg: dict) -> None:  # type: ignore[type-arg]
     os.dup2(null, 0)
     os.dup2(log, 1)
     os.dup2(log, 2)
+
+
+def run(cfg: dict) -> None:  # type: ignore[type-arg]
+    enter(cfg)
     argv = cfg["argv"]
     os.execve(argv[0], argv, cfg.get("env", {}))
 
