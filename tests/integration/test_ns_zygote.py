@@ -1,0 +1,45 @@
+"""The zygote start path and its fallback: both give a working sandbox; with the zygote, the sandbox's
+PID 1 is the zygote's child and envd runs without an exec of its own (it shares the agent's cmdline)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from aenv.config import Settings
+from aenv.runtime.ns.runtime import NsRuntime
+from aenv.runtime.base import TemplateImage
+from tests.integration.test_ns_runtime import busybox_root, run_cmd, spec_for  # noqa: F401
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the ns runtime needs root")
+
+
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.parametrize("zygote", [True, False])
+async def test_start_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, zygote: bool, busybox_root: Path) -> None:  # noqa: F811
+    monkeypatch.setenv("AENV_NS_ZYGOTE", "1" if zygote else "0")
+    settings = Settings(state_dir=tmp_path / "state", cache_dir=Path(os.environ.get("AENV_CACHE_DIR", "/var/cache/aenv")))
+    rt = NsRuntime(settings, pool_size=0)
+    await rt.start()
+    try:
+        spec = spec_for(settings, TemplateImage("busybox", busybox_root))
+        state = await rt.create(spec)
+        init_pid = int(state.data["pid"])
+        code, out, _ = await run_cmd(rt, spec.sandbox_id, "echo hi; cat /proc/1/cmdline | tr '\\0' ' '")
+        assert code == 0 and out.startswith("hi")
+        if zygote:
+            assert rt.zygote is not None and rt.zygote.running
+            assert _ppid(init_pid) == rt.zygote._proc.pid  # type: ignore[union-attr]
+            assert "aenv.agent.zygote" in out  # PID 1 is a fork of the zygote, never exec'd
+        else:
+            assert rt.zygote is None
+            assert "aenv.agent" in out and "zygote" not in out
+        await rt.kill(spec.sandbox_id)
+        assert not Path(f"/proc/{init_pid}").exists() or Path(f"/proc/{init_pid}/stat").read_text().split()[2] == "Z"
+    finally:
+        await rt.close()
