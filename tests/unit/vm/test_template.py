@@ -12,9 +12,7 @@ from aenv.runtime.vm.artifacts import GuestArtifacts
 from aenv.runtime.vm.cmdline import build_argv
 from aenv.runtime.vm.sandbox import child_config
 
-ART = GuestArtifacts(
-    Path("/c/vm/kernel-a/bzImage"), Path("/c/vm/initramfs-b.cpio.gz"), Path("/c/vm/tools-c.ext4")
-)
+ART = GuestArtifacts(Path("/bin/sh"), Path("/bin/ls"), Path("/bin/cat"))  # any existing files
 TCG = AccelChoice("tcg", "test", 2100000)
 SHAPE = templates.Shape(2, 512, 2048)
 
@@ -46,7 +44,7 @@ def _built(tmp_path: Path) -> templates.VmTemplate:
     (tdir / "boot").mkdir(parents=True)
     cfg = templates._boot_config(key, tdir, SHAPE, TCG, ART, tmp_path / "shm", tdir / "boot")
     tpl = templates.VmTemplate(key, tdir, cfg)
-    for p in (tpl.device_state, tpl.disk, tpl.empty_overlay):
+    for p in (tpl.device_state, tpl.disk, tpl.empty_overlay, tdir / "config.raw"):
         p.write_bytes(b"x")
     (tmp_path / "shm").mkdir()
     tpl.mem_path.write_bytes(b"")
@@ -79,3 +77,35 @@ def test_child_config_same_shape_own_paths(tmp_path: Path) -> None:
     argv = build_argv(child)
     assert argv[-2:] == ["-incoming", "defer"]
     assert len(str(child.qmp_socket)) < 108
+
+
+def test_sweep_orphan_ram(tmp_path: Path) -> None:
+    from aenv.runtime.vm.runtime import OWNER_FILE, sweep_orphan_ram
+
+    live_state = tmp_path / "state-live"
+    live_state.mkdir()
+    for name, owner in (("aenv-live", live_state), ("aenv-dead", tmp_path / "gone"), ("aenv-unmarked", None)):
+        d = tmp_path / "shm" / name
+        d.mkdir(parents=True)
+        (d / "t.mem").write_bytes(b"x")
+        if owner is not None:
+            (d / OWNER_FILE).write_text(str(owner))
+    removed = sweep_orphan_ram(tmp_path / "shm")
+    assert [p.name for p in removed] == ["aenv-dead"]
+    assert sorted(p.name for p in (tmp_path / "shm").iterdir()) == ["aenv-live", "aenv-unmarked"]
+
+
+def test_prune_tools_images(tmp_path: Path) -> None:
+    import os
+
+    from aenv.runtime.vm.artifacts import prune_tools_images
+
+    paths = []
+    for i in range(5):
+        p = tmp_path / f"tools-{i}.ext4"
+        p.write_bytes(b"x")
+        os.utime(p, (1000 + i, 1000 + i))
+        paths.append(p)
+    removed = prune_tools_images(tmp_path, keep=paths[0], spare=2)
+    assert sorted(p.name for p in removed) == ["tools-1.ext4", "tools-2.ext4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tools-0.ext4", "tools-3.ext4", "tools-4.ext4"]

@@ -32,7 +32,22 @@ async def ensure_tools_image(cache_dir: Path, tools_dir: Path) -> Path:
     out = cache_dir / "vm" / f"tools-{key}.ext4"
     if out.is_file():
         return out
-    return await disk.make_ext4(tools_dir, out, label="aenv-tools")
+    await disk.make_ext4(tools_dir, out, label="aenv-tools")
+    prune_tools_images(out.parent, keep=out)
+    return out
+
+
+def prune_tools_images(vm_cache: Path, keep: Path, spare: int = 2) -> list[Path]:
+    """Delete all but the newest ``spare`` tools images besides ``keep``. Each is ~150 MB and a
+    new one appears whenever the in-sandbox code changes. Running VMs keep their open file; a
+    template whose image is gone counts as incomplete and is rebuilt on next use."""
+    images = sorted(
+        (p for p in vm_cache.glob("tools-*.ext4") if p != keep), key=lambda p: p.stat().st_mtime, reverse=True
+    )
+    removed = images[spare:]
+    for p in removed:
+        p.unlink(missing_ok=True)
+    return removed
 
 
 async def ensure(cache_dir: Path, tools_dir: Path, *, build_kernel: bool = True) -> GuestArtifacts:

@@ -251,9 +251,9 @@ class Machine:
     async def resume(self) -> None:
         await self.execute("cont")
 
-    async def _ignore_shared(self) -> None:
+    async def _ignore_shared(self, on: bool = True) -> None:
         await self.execute(
-            "migrate-set-capabilities", {"capabilities": [{"capability": "x-ignore-shared", "state": True}]}
+            "migrate-set-capabilities", {"capabilities": [{"capability": "x-ignore-shared", "state": on}]}
         )
 
     async def _wait_migration(self, timeout: float) -> None:
@@ -287,14 +287,51 @@ class Machine:
         self.timings.snapshot_ms = _ms(t0)
         return self.timings.snapshot_ms
 
-    async def restore(self, device_state: Path, resume: bool = True, timeout: float = 30.0) -> float:
-        """Load ``device_state`` into this ``-incoming defer`` process, then continue. Returns ms."""
+    async def save_full(self, path: Path, timeout: float = 300.0) -> float:
+        """Stop the guest and write device state *and all guest RAM* to ``path`` (classic
+        migration). Needed when RAM is private (a restored sandbox, ``share=off``): x-ignore-shared
+        cannot see its pages. Costs time proportional to touched RAM (200-800 ms under TCG for a
+        small guest). The machine stays paused (QEMU state ``postmigrate``); :meth:`resume`
+        continues it. Restore with ``restore(path, ignore_shared=False)`` into a process whose RAM
+        file is new and empty (QEMU skips zero pages, so the target must read as zeros)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        t0 = time.perf_counter()
+        await self.pause()
+        await self._ignore_shared(False)
+        await self.execute("migrate", {"uri": f"exec:cat > {shlex.quote(str(tmp))}"})
+        await self._wait_migration(timeout)
+        os.rename(tmp, path)
+        self.timings.extra["save_full_ms"] = _ms(t0)
+        return self.timings.extra["save_full_ms"]
+
+    async def checkpoint_disk(self, serial: str, new_overlay: Path) -> float:
+        """Freeze the current top image of drive ``serial`` and send further writes to a new
+        qcow2 overlay on top of it (``blockdev-snapshot-sync``, ~4 ms). The frozen image can then
+        back the disks of forks. Returns ms."""
+        drive = next((d for d in self.cfg.drives if d.serial == serial), None)
+        if drive is None:
+            raise MachineError(f"vm {self.cfg.name}: no drive with serial {serial!r}")
+        t0 = time.perf_counter()
+        await self.execute(
+            "blockdev-snapshot-sync",
+            {"device": drive.drive_id, "snapshot-file": str(new_overlay), "format": "qcow2"},
+        )
+        self._owned.append(new_overlay)
+        return _ms(t0)
+
+    async def restore(
+        self, device_state: Path, resume: bool = True, timeout: float = 30.0, ignore_shared: bool = True
+    ) -> float:
+        """Load ``device_state`` into this ``-incoming defer`` process, then continue. Returns ms.
+        ``ignore_shared`` must match how the state was written (``snapshot``: True,
+        ``save_full``: False)."""
         if not self.cfg.incoming:
             raise MachineError(f"vm {self.cfg.name}: restore needs a process started with incoming=True")
         if not device_state.is_file():
             raise MachineError(f"vm {self.cfg.name}: no device state at {device_state}")
         t0 = time.perf_counter()
-        await self._ignore_shared()
+        await self._ignore_shared(ignore_shared)
         await self.execute("migrate-incoming", {"uri": f"exec:cat {shlex.quote(str(device_state))}"})
         async with asyncio.timeout(timeout):
             while (st := await self.status()) == "inmigrate":

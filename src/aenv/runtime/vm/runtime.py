@@ -28,13 +28,14 @@ import shutil
 import signal
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from aenv.config import Settings
 from aenv.core.errors import RuntimeFailure, SandboxNotFound, SandboxUnreachable, StateError
 from aenv.mux import MuxError, MuxStream
-from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec
+from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec, SnapshotResult
 
 from . import disk
 from . import template as templates
@@ -50,6 +51,9 @@ from .sandbox import VmSandbox, child_config, run_paths
 log = logging.getLogger("aenv.runtime.vm")
 
 EXPERIMENTAL_ENV = "AENV_VM_EXPERIMENTAL"
+OWNER_FILE = ".state-dir"
+SNAP_DISK = "disk.qcow2"  # in a snapshot dir: the root disk, flattened onto the template disk
+FULL_STATE = "vm.full"  # in a snapshot dir: device state + guest RAM (classic migration stream)  # in each RAM dir: which state dir its templates belong to
 
 
 def unavailable_reason(settings: Settings) -> str | None:
@@ -123,6 +127,8 @@ class VmRuntime:
                 self.artifacts = await ensure(self.settings.cache_dir, self.tools_dir)
             for d in (self.templates_dir, self.run_root, self.shm_dir):
                 d.mkdir(parents=True, exist_ok=True)
+            (self.shm_dir / OWNER_FILE).write_text(str(self.settings.state_dir))
+            await asyncio.to_thread(sweep_orphan_ram, self.shm_dir.parent)
             self._started = True
 
     async def close(self) -> None:
@@ -204,9 +210,21 @@ class VmRuntime:
         return sbx
 
     # ---- Runtime protocol -----------------------------------------------------------------------
-    async def create(self, spec: SandboxSpec) -> RuntimeState:
+    async def _init_envd(self, sbx: VmSandbox, spec: SandboxSpec) -> None:
+        """Give envd this sandbox's identity (ID, env vars, token): the restored guest has the
+        template's or the source's."""
         from aenv.runtime.ns.envd_client import init_payload
 
+        payload = init_payload(
+            sandbox_id=spec.sandbox_id, template_id=spec.template.template_id, env_vars=dict(spec.env_vars),
+            access_token=spec.access_token, default_user=spec.template.user or None,
+            default_workdir=spec.template.workdir,
+        )  # fmt: skip
+        status, body = await sbx.envd_request("POST", "/init", payload)
+        if not 200 <= status < 300:
+            raise RuntimeFailure(f"envd /init answered {status}: {body[:200]!r}", sandbox_id=spec.sandbox_id)
+
+    async def create(self, spec: SandboxSpec) -> RuntimeState:
         sid = spec.sandbox_id
         if sid in self._sandboxes:
             raise StateError(f"sandbox {sid} already exists", sandbox_id=sid)
@@ -223,14 +241,7 @@ class VmRuntime:
                 await sbx.machine.restore(tpl.device_state)
                 sbx.restored = True
             t_restored = time.perf_counter()
-            payload = init_payload(
-                sandbox_id=sid, template_id=spec.template.template_id, env_vars=dict(spec.env_vars),
-                access_token=spec.access_token, default_user=spec.template.user or None,
-                default_workdir=spec.template.workdir,
-            )  # fmt: skip
-            status, body = await sbx.envd_request("POST", "/init", payload)
-            if not 200 <= status < 300:
-                raise RuntimeFailure(f"envd /init answered {status}: {body[:200]!r}", sandbox_id=sid)
+            await self._init_envd(sbx, spec)
         except BaseException as exc:
             if sbx is not None:
                 await sbx.aclose(extra_dir=spec.workdir)
@@ -254,6 +265,119 @@ class VmRuntime:
         self._sandboxes[sid] = sbx
         self._specs[sid] = spec
         return self._state(sbx, spec)
+
+    # ---- snapshots, fork, rollback (SnapshotCapable) -----------------------------------------------
+    async def _template_by_key(self, key: str) -> templates.VmTemplate:
+        tpl = self._templates.get(key)
+        if tpl is None:
+            tpl = await asyncio.to_thread(templates.load, self.templates_dir, key)
+            if tpl is None:
+                raise RuntimeFailure(f"template snapshot {key} is gone (RAM file or disk missing)")
+            self._templates[key] = tpl
+        return tpl
+
+    async def snapshot(self, sandbox_id: str, into: Path, mode: str) -> SnapshotResult:
+        """Always a full snapshot (device state + RAM + disk): a VM's memory is as cheap to save as
+        its files, and a disk without the matching page cache is not safe to boot from a template
+        RAM image. The sandbox is paused for the disk checkpoint and the RAM write (~0.5 s for a
+        small guest under TCG), then continues."""
+        await self.start()
+        sbx = self._get(sandbox_id)
+        tpl = await self._template_by_key(sbx.template_key)
+        into.mkdir(parents=True, exist_ok=True)
+        was_running = await sbx.machine.status() == "running"
+        t0 = time.perf_counter()
+        try:
+            await sbx.machine.pause()
+            frozen = sbx.disk_top()
+            new_top = frozen.with_name(f"root.{sbx.disk_generation + 1}.qcow2")
+            await sbx.machine.checkpoint_disk("root", new_top)
+            sbx.disk_generation += 1
+            await sbx.machine.save_full(into / FULL_STATE)
+        except MachineError as exc:
+            raise RuntimeFailure(
+                f"sandbox {sandbox_id}: snapshot failed: {exc}", sandbox_id=sandbox_id
+            ) from exc
+        finally:
+            if was_running and sbx.machine.alive:
+                with contextlib.suppress(MachineError):
+                    await sbx.machine.resume()
+        paused_ms = (time.perf_counter() - t0) * 1000
+        # The frozen chain no longer changes: flatten it onto the template disk while the VM runs.
+        await disk.flatten_onto(frozen, tpl.disk, into / SNAP_DISK)
+        log.info("sandbox %s: snapshot into %s (paused %.0f ms)", sandbox_id, into, paused_ms)
+        return SnapshotResult(
+            mode="full",
+            layers=(SNAP_DISK, FULL_STATE),
+            data={"template_key": tpl.key, "paused_ms": round(paused_ms)},
+        )
+
+    async def create_from_snapshot(
+        self, spec: SandboxSpec, snapshot: Path, result: SnapshotResult
+    ) -> RuntimeState:
+        """A new sandbox (ID, token, identity from ``spec``) resumed from a full snapshot."""
+        await self.start()
+        sid = spec.sandbox_id
+        if sid in self._sandboxes:
+            raise StateError(f"sandbox {sid} already exists", sandbox_id=sid)
+        key = str(result.data.get("template_key", ""))
+        tpl = await self._template_by_key(key)
+        run_dir = self.run_root / sid
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
+        sbx: VmSandbox | None = None
+        try:
+            await disk.create_overlay(snapshot / SNAP_DISK, run_paths(run_dir)["root"])
+            # Fresh, empty RAM file: a full migration skips zero pages, so the target must read as
+            # zeros (never map the template file here). share=on keeps a later fast snapshot possible.
+            mem = self.shm_dir / f"sbx-{sid}.mem"
+            with contextlib.suppress(FileNotFoundError):
+                mem.unlink()
+            cfg = replace(
+                child_config(tpl.cfg, sid, run_dir, spec.allow_internet), mem_share=True, mem_path=mem
+            )
+            machine = await Machine.spawn(cfg, stderr_path=run_paths(run_dir)["stderr"], owned=[mem])
+            sbx = VmSandbox(sid, machine, run_dir, key)
+            await machine.restore(snapshot / FULL_STATE, ignore_shared=False)
+            sbx.restored = True
+            await self._init_envd(sbx, spec)
+        except BaseException as exc:
+            if sbx is not None:
+                await sbx.aclose()
+            else:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            if isinstance(exc, (MachineError, disk.DiskError)):
+                raise RuntimeFailure(
+                    f"sandbox {sid}: restore from snapshot failed: {exc}", sandbox_id=sid
+                ) from exc
+            if isinstance(exc, (MuxError, OSError)):
+                raise SandboxUnreachable(
+                    f"sandbox {sid}: envd unreachable after restore: {exc}", sandbox_id=sid
+                ) from exc
+            raise
+        self._sandboxes[sid] = sbx
+        self._specs[sid] = spec
+        return self._state(sbx, spec)
+
+    async def fork(
+        self, sandbox_id: str, children: list[SandboxSpec], scratch: Path
+    ) -> tuple[SnapshotResult, list[RuntimeState | BaseException]]:
+        """Snapshot the source into ``scratch`` (it keeps running), then restore every child from it."""
+        result = await self.snapshot(sandbox_id, scratch, "full")
+        states = await asyncio.gather(
+            *(self.create_from_snapshot(c, scratch, result) for c in children), return_exceptions=True
+        )
+        return result, list(states)
+
+    async def rollback(
+        self, sandbox_id: str, spec: SandboxSpec, snapshot: Path, result: SnapshotResult
+    ) -> RuntimeState:
+        """Same ID and token, state of ``snapshot``: end the current VM, restore the snapshot."""
+        old = self._sandboxes.pop(sandbox_id, None)
+        self._specs.pop(sandbox_id, None)
+        if old is not None:
+            await old.aclose()
+        return await self.create_from_snapshot(spec, snapshot, result)
 
     def _state(self, sbx: VmSandbox, spec: SandboxSpec | None) -> RuntimeState:
         data = sbx.state()
@@ -330,6 +454,10 @@ class VmRuntime:
                     report["killed"].append(f"{pid} ({entry.name})")
             await asyncio.to_thread(shutil.rmtree, entry, True)
             report["removed"].append(entry.name)
+        for mem in self.shm_dir.glob("sbx-*.mem") if self.shm_dir.is_dir() else []:
+            if mem.name[4:-4] not in self._sandboxes:
+                mem.unlink(missing_ok=True)
+                report["removed"].append(mem.name)
         if report["killed"] or report["removed"]:
             log.warning("vm reconcile: killed %s, removed %s", report["killed"], report["removed"])
         return report
@@ -351,9 +479,16 @@ class VmRuntime:
         except MachineError as exc:
             log.warning("sandbox %s: cannot adopt: %s", sandbox_id, exc)
             return False
-        self._sandboxes[sandbox_id] = VmSandbox(
+        sbx = VmSandbox(
             str(data.get("name", sandbox_id)), machine, run_dir, str(data.get("template_key", ""))
         )
+        sbx.restored = True
+        # Disk checkpoints of earlier snapshots stacked root.N.qcow2 overlays; QEMU writes the top one.
+        gens = [
+            int(p.name.split(".")[1]) for p in run_dir.glob("root.*.qcow2") if p.name.split(".")[1].isdigit()
+        ]
+        sbx.disk_generation = max(gens, default=0)
+        self._sandboxes[sandbox_id] = sbx
         self._specs[sandbox_id] = spec
         return True
 
@@ -388,14 +523,31 @@ class VmRuntime:
             else {"name": self.accel.accel, "reason": self.accel.reason},
             "pause": "qmp stop",
             "network": {"offline": "user-mode netdev restrict=on", "internet": "QEMU user-mode (slirp)"},
-            "snapshot": "device state (x-ignore-shared) + RAM file",
-            "fork": None,
+            "snapshot": "full (device state + RAM + disk)",
+            "fork": "full snapshot + restore",
             "pool_size": self.pool_size,
         }
 
     # ---- helpers for tests and diagnostics ------------------------------------------------------
     def sandbox(self, sandbox_id: str) -> VmSandbox:
         return self._get(sandbox_id)
+
+
+def sweep_orphan_ram(shm_root: Path) -> list[Path]:
+    """Remove template RAM dirs (``aenv-*`` in ``shm_root``) whose state dir no longer exists,
+    e.g. after a test server's temporary state was deleted. RAM in tmpfs is the costly leak."""
+    removed: list[Path] = []
+    for d in shm_root.glob("aenv-*"):
+        try:
+            owner = Path((d / OWNER_FILE).read_text().strip())
+        except OSError:
+            continue
+        if not owner.exists():
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    if removed:
+        log.info("vm: removed template RAM of deleted state dirs: %s", [str(p) for p in removed])
+    return removed
 
 
 def _short_run_root(preferred: Path) -> Path:

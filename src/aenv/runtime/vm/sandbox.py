@@ -67,6 +67,7 @@ class VmSandbox:
         self._session_lock = asyncio.Lock()
         self.last_cpu: tuple[float, float] | None = None
         self.restored = False
+        self.disk_generation = 0  # root overlays stacked by snapshots: root.qcow2, root.1.qcow2, ...
         self.channel_timeout = 180.0  # a booting guest needs seconds under TCG to open its port  # device state loaded and running (pool entries are handed out so)
         self._closed = False
 
@@ -119,6 +120,11 @@ class VmSandbox:
         if s is not None:
             with contextlib.suppress(Exception):
                 await s.aclose()
+
+    def disk_top(self) -> Path:
+        """The root image QEMU currently writes to."""
+        root = run_paths(self.run_dir)["root"]
+        return root if self.disk_generation == 0 else root.with_name(f"root.{self.disk_generation}.qcow2")
 
     def state(self) -> dict[str, Any]:
         cfg = self.machine.cfg

@@ -94,7 +94,12 @@ class VmTemplate:
         return self.cfg.mem_path
 
     def complete(self) -> bool:
-        return all(p.is_file() for p in (self.device_state, self.disk, self.empty_overlay, self.mem_path))
+        """Every file a restore needs exists (a pruned tools image or wiped /dev/shm means rebuild)."""
+        needed = [self.device_state, self.disk, self.empty_overlay, self.mem_path, self.cfg.kernel]
+        needed += [d.path for d in self.cfg.drives if d.serial != "root"]
+        if self.cfg.initrd is not None:
+            needed.append(self.cfg.initrd)
+        return all(p.is_file() for p in needed)
 
     def remove(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
