@@ -1,0 +1,145 @@
+"""CRIU for the ns runtime: run-time detection and pure command-line builders.
+
+Process snapshots (``mode=full``) need CRIU >= 4.2 on this kernel family: Debian bookworm's 3.17 fails
+``criu check`` (vDSO layout of kernels >= 6.13) and 4.1 cannot dump INET sockets on kernels >= 6.16
+(see ``shared/notes/storage-and-runtime.md`` §4). So the capability is *detected*, never assumed:
+``criu --version`` must say >= 4.2 **and** ``criu check`` must pass. ``probe()`` caches its answer
+per executable path for the life of the process.
+
+The builders only make argv lists (unit-tested without a CRIU binary); ``snapshot.py`` runs them.
+What the sandbox design gives CRIU (``launcher.py``): ``pivot_root`` (not chroot), ``setsid`` inside the
+pid namespace, stdio opened inside the sandbox, no inherited host fds. What is external to the dumped
+tree and must be named on both sides: the read-only tools bind (``/.aenv``), the channel bind
+(``/.aenv-run``), the bind-mounted host device nodes in ``/dev``, and the host end of the agent's
+unix-socket channel (``--ext-unix-sk``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+MIN_VERSION = (4, 2)
+ENV_EXE = "AENV_CRIU"  # override the executable (e.g. a 4.2.1 built from source in /opt)
+
+# Mount points inside the sandbox that are bind mounts of host paths, keyed for --external.
+EXT_TOOLS = "aenv-tools"
+EXT_RUN = "aenv-run"
+DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
+
+Runner = Callable[..., "subprocess.CompletedProcess[str]"]
+
+
+@dataclass(frozen=True)
+class CriuStatus:
+    """What ``criu`` on this host can do for us. ``usable`` is the only thing callers branch on."""
+
+    exe: str | None
+    version: tuple[int, int, int] | None
+    usable: bool
+    reason: str
+
+    def describe(self) -> str:
+        """One line for capabilities() / doctor: "4.2.1 at /usr/sbin/criu" or "absent: ..."."""
+        if self.usable:
+            v = ".".join(map(str, self.version or ()))
+            return f"{v} at {self.exe}"
+        return self.reason
+
+
+def parse_version(text: str) -> tuple[int, int, int] | None:
+    """``criu --version`` prints "Version: 3.17.1" (sometimes followed by "GitID: ...")."""
+    m = re.search(r"Version:\s*(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if not m:
+        return None
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def find_exe() -> str | None:
+    exe = os.environ.get(ENV_EXE)
+    if exe:
+        return exe if os.access(exe, os.X_OK) else None
+    return shutil.which("criu") or next(
+        (p for p in ("/usr/sbin/criu", "/usr/local/sbin/criu") if os.access(p, os.X_OK)), None
+    )
+
+
+def evaluate(exe: str | None, run: Runner = subprocess.run) -> CriuStatus:
+    """Decide, without caching, whether ``exe`` is a CRIU we can use (``run`` is injectable for tests)."""
+    if exe is None:
+        return CriuStatus(None, None, False, "absent: no criu executable (process snapshots need CRIU >= 4.2)")
+    try:
+        out = run([exe, "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return CriuStatus(exe, None, False, f"unusable: {exe} --version failed: {exc}")
+    version = parse_version(out.stdout + out.stderr)
+    if version is None:
+        return CriuStatus(exe, None, False, f"unusable: cannot read the version of {exe}")
+    vtext = ".".join(map(str, version))
+    if version[:2] < MIN_VERSION:
+        return CriuStatus(exe, version, False,
+                          f"too old: criu {vtext} at {exe} (this kernel needs >= {MIN_VERSION[0]}.{MIN_VERSION[1]})")
+    try:
+        chk = run([exe, "check"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return CriuStatus(exe, version, False, f"unusable: criu {vtext} check failed: {exc}")
+    if chk.returncode != 0:
+        lines = [ln for ln in (chk.stderr + chk.stdout).splitlines() if ln.strip()]
+        why = lines[-1].strip() if lines else f"exit {chk.returncode}"
+        return CriuStatus(exe, version, False, f"unusable: criu {vtext} check failed: {why}")
+    return CriuStatus(exe, version, True, f"criu {vtext} at {exe}")
+
+
+_cache: dict[str | None, CriuStatus] = {}
+
+
+def probe(refresh: bool = False) -> CriuStatus:
+    """The (cached) status of the CRIU this process would use."""
+    exe = find_exe()
+    if refresh or exe not in _cache:
+        _cache[exe] = evaluate(exe)
+    return _cache[exe]
+
+
+def _externals_dump() -> list[str]:
+    out = ["--external", f"mnt[/.aenv]:{EXT_TOOLS}", "--external", f"mnt[/.aenv-run]:{EXT_RUN}"]
+    for name in DEV_NODES:
+        out += ["--external", f"mnt[/dev/{name}]:dev-{name}"]
+    return out
+
+
+def _externals_restore(tools: Path, run_dir: Path) -> list[str]:
+    out = ["--external", f"mnt[{EXT_TOOLS}]:{tools}", "--external", f"mnt[{EXT_RUN}]:{run_dir}"]
+    for name in DEV_NODES:
+        out += ["--external", f"mnt[dev-{name}]:/dev/{name}"]
+    return out
+
+
+def dump_argv(exe: str, pid: int, images: Path, *, freezer: Path | None, log: str = "dump.log",
+              leave_running: bool = True) -> list[str]:
+    """``criu dump`` of the process tree rooted at the sandbox init (host ``pid``).
+
+    ``freezer``: the sandbox's freezer cgroup dir; the caller freezes it first so the tree is
+    consistent with the upper copied right after, and CRIU then leaves it frozen."""
+    argv = [exe, "dump", "-t", str(pid), "-D", str(images), "-o", log, "-v2",
+            "--tcp-established", "--ext-unix-sk", "--file-locks", "--manage-cgroups=ignore",
+            *_externals_dump()]
+    if freezer is not None:
+        argv += ["--freeze-cgroup", str(freezer)]
+    if leave_running:
+        argv.append("--leave-running")
+    return argv
+
+
+def restore_argv(exe: str, images: Path, *, root: Path, pidfile: Path, tools: Path, run_dir: Path,
+                 log: str = "restore.log", extra: Sequence[str] = ()) -> list[str]:
+    """``criu restore`` detached into ``root`` (a fresh overlay whose upper is a copy taken at dump
+    time). Each restore gets a new pid namespace, so N restores of one image run side by side."""
+    return [exe, "restore", "-D", str(images), "-o", log, "-v2", "--restore-detached",
+            "--pidfile", str(pidfile), "--root", str(root), "--tcp-established", "--ext-unix-sk",
+            "--file-locks", "--manage-cgroups=ignore", *_externals_restore(tools, run_dir), *extra]
