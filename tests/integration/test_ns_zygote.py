@@ -43,3 +43,25 @@ async def test_start_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, zygo
         assert not Path(f"/proc/{init_pid}").exists() or Path(f"/proc/{init_pid}/stat").read_text().split()[2] == "Z"
     finally:
         await rt.close()
+
+
+@pytest.mark.parametrize("zygote", [True, False])
+async def test_sandbox_processes_have_no_admin_capability(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, zygote: bool, busybox_root: Path  # noqa: F811
+) -> None:
+    """PID 1 (agent) and envd must not hold CAP_SYS_ADMIN (bit 21), on either start path."""
+    monkeypatch.setenv("AENV_NS_ZYGOTE", "1" if zygote else "0")
+    settings = Settings(state_dir=tmp_path / "state", cache_dir=Path(os.environ.get("AENV_CACHE_DIR", "/var/cache/aenv")))
+    rt = NsRuntime(settings, pool_size=0)
+    await rt.start()
+    try:
+        spec = spec_for(settings, TemplateImage("busybox", busybox_root))
+        await rt.create(spec)
+        code, out, _ = await run_cmd(rt, spec.sandbox_id, "for p in /proc/[0-9]*; do grep CapEff $p/status; done")
+        assert code == 0
+        masks = [int(line.split()[1], 16) for line in out.splitlines() if line.startswith("CapEff")]
+        assert len(masks) >= 2  # at least the agent and envd
+        assert all(not (m >> 21) & 1 for m in masks), out
+        await rt.kill(spec.sandbox_id)
+    finally:
+        await rt.close()

@@ -193,6 +193,34 @@ def drop_capabilities() -> None:
             _check(_libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"drop capability {cap}")
 
 
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+
+
+def limit_current_capabilities() -> None:
+    """Trim this process's own effective/permitted/inheritable sets to KEEP_CAPS.
+
+    Dropping from the bounding set only bites at the next exec. The zygote path never execs the agent
+    or envd, so without this they would keep CAP_SYS_ADMIN and friends inside the sandbox."""
+    mask = 0
+    for cap in KEEP_CAPS:
+        mask |= 1 << cap
+    header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+    data = (_CapData * 2)()
+    for i in range(2):
+        word = (mask >> (32 * i)) & 0xFFFFFFFF
+        data[i].effective = data[i].permitted = word
+        data[i].inheritable = 0
+    _check(_libc.capset(ctypes.byref(header), data), "capset")
+
+
 def report(obj: dict) -> None:  # type: ignore[type-arg]
     os.write(1, (json.dumps(obj) + "\n").encode())
 
@@ -210,6 +238,7 @@ def enter(cfg: dict) -> None:  # type: ignore[type-arg]
     loopback_up()
     pivot(root)
     drop_capabilities()
+    limit_current_capabilities()
     os.setsid()
     report({"pid": pid, "start": start})
     # stdio from inside the sandbox only: CRIU refuses fds that point at host files.
