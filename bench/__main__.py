@@ -1,4 +1,4 @@
-"""aenv benchmarks: ``python -m bench [--smoke] [--json out.json] [--runtime ns|vm]``.
+"""aenv benchmarks: ``python -m bench [--smoke] [--json out.json] [--runtime ns|vm] [--scenarios core,snapshots]``.
 
 Each scenario drives a real server through the unmodified e2b SDK and prints a table; the container
 baseline (docker run if the engine can be started here, else runc) is measured in the same run, alternated
@@ -139,7 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server", help="use a running server instead of starting one")
     ap.add_argument("--json", type=Path, help="write results as JSON here")
     ap.add_argument("--baseline", default="docker", choices=["docker", "runc", "none"])
+    ap.add_argument("--scenarios", default="core",
+                    help="comma list: core (create, round trip, concurrency, pause), snapshots (fork, snapshot, "
+                         "rollback; see bench/snapshots.py) [default: core]")
     args = ap.parse_args(argv)
+    scenarios = {s.strip() for s in args.scenarios.split(",") if s.strip()}
+    if not scenarios <= {"core", "snapshots"}:
+        ap.error(f"unknown scenarios: {', '.join(sorted(scenarios - {'core', 'snapshots'}))}")
 
     n = 5 if args.smoke else 40
     server = None
@@ -156,27 +162,49 @@ def main(argv: list[str] | None = None) -> int:
         "mode": "smoke" if args.smoke else "full",
     }
     try:
-        from aenv.config import load_settings
-        from aenv.images.bootstrap import ensure_base_rootfs
+        if "snapshots" in scenarios:
+            from bench import snapshots
 
-        rootfs = ensure_base_rootfs(load_settings())
-        time.sleep(1.0)  # let the warm pool fill
-        with console.status("create → first command"):
-            if args.baseline == "none":
-                results["create_first_command"] = scenario_create_first_command(n, None)
-            else:
-                with container_baseline(rootfs, prefer=args.baseline) as base:
-                    results["create_first_command"] = scenario_create_first_command(n, base)
-        with console.status("commands.run round trip"):
-            results["round_trip"] = scenario_run_true(n * 4)
-        with console.status("concurrent creates"):
-            results["concurrent_creates"] = scenario_concurrent_creates(16 if args.smoke else 64, 16)
-        with console.status("pause / resume"):
-            results["pause_resume"] = scenario_pause_resume(3 if args.smoke else 20)
+            results["snapshots"] = snapshots.run(url, args.smoke)
+        if "core" in scenarios:
+            _core(results, args, n)
     finally:
         if server is not None:
             stop_server(server)
+    if "snapshots" in scenarios:
+        from bench import snapshots
 
+        Console().print(snapshots.table(results["snapshots"]))
+    if "core" in scenarios:
+        Console().print(_core_table(results))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def _core(results: dict[str, Any], args: argparse.Namespace, n: int) -> None:
+    """create → first command (with the container baseline), round trip, concurrent creates, pause/resume."""
+    from aenv.config import load_settings
+    from aenv.images.bootstrap import ensure_base_rootfs
+
+    rootfs = ensure_base_rootfs(load_settings())
+    time.sleep(1.0)  # let the warm pool fill
+    with console.status("create → first command"):
+        if args.baseline == "none":
+            results["create_first_command"] = scenario_create_first_command(n, None)
+        else:
+            with container_baseline(rootfs, prefer=args.baseline) as base:
+                results["create_first_command"] = scenario_create_first_command(n, base)
+    with console.status("commands.run round trip"):
+        results["round_trip"] = scenario_run_true(n * 4)
+    with console.status("concurrent creates"):
+        results["concurrent_creates"] = scenario_concurrent_creates(16 if args.smoke else 64, 16)
+    with console.status("pause / resume"):
+        results["pause_resume"] = scenario_pause_resume(3 if args.smoke else 20)
+
+
+def _core_table(results: dict[str, Any]) -> Table:
     table = Table(title=f"aenv bench ({results['runtime']}, {results['mode']})")
     for col in ("scenario", "p50 ms", "p95 ms", "n", "note"):
         table.add_column(col)
@@ -194,11 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     row(f"create+run+kill @ concurrency {cc['concurrency']}", cc, f"{cc['creates_per_s']} creates/s")
     for k, v in results["pause_resume"].items():
         row(k, v)
-    Console().print(table)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2))
-    return 0
+    return table
 
 
 if __name__ == "__main__":

@@ -89,13 +89,42 @@ class DockerBaseline:
         subprocess.run(["docker", "import", str(tar_path), "aenv-bench:base"], env=self.env, check=True, capture_output=True)
         tar_path.unlink()
 
+    image = "aenv-bench:base"
+
     def once(self) -> float:
         return _timed(
             lambda: subprocess.run(
-                ["docker", "run", "--rm", "--network", "none", "aenv-bench:base", "/bin/true"],
+                ["docker", "run", "--rm", "--network", "none", self.image, "/bin/true"],
                 env=self.env, check=True, capture_output=True,
             )
         )
+
+    # ---- the operations the other scenarios pair with aenv's (each returns what it measures) ----------
+    def docker(self, *args: str, input: bytes | None = None) -> str:
+        """Run one docker CLI command against the private engine; stdout, stripped."""
+        res = subprocess.run(["docker", *args], env=self.env, check=True, capture_output=True, input=input)
+        return res.stdout.decode().strip()
+
+    def start_idle(self, image: str | None = None) -> str:
+        """A detached container that idles (``sleep infinity``); its ID."""
+        return self.docker("run", "-d", "--network", "none", image or self.image, "sleep", "infinity")
+
+    def exec_(self, cid: str, cmd: str) -> str:
+        return self.docker("exec", cid, "sh", "-c", cmd)
+
+    def commit(self, cid: str, tag: str) -> str:
+        return self.docker("commit", cid, tag)
+
+    def remove(self, *cids: str) -> None:
+        if cids:
+            subprocess.run(["docker", "rm", "-f", *cids], env=self.env, capture_output=True)
+
+    def remove_image(self, *tags: str) -> None:
+        if tags:
+            subprocess.run(["docker", "rmi", "-f", *tags], env=self.env, capture_output=True)
+
+    def init_pid(self, cid: str) -> int:
+        return int(self.docker("inspect", "-f", "{{.State.Pid}}", cid))
 
     def close(self) -> None:
         if self.proc.poll() is None:

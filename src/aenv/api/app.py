@@ -111,5 +111,5 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
         orch = holder["orch"]
         return JSONResponse({"version": __version__, **orch.stats(), "capabilities": orch.runtime.capabilities()})
 
-    proxy = SandboxProxy(api, lambda: holder["orch"])
+    proxy = SandboxProxy(api, lambda: holder["orch"])  # type: ignore[arg-type]  # FastAPI's ASGI types are wider
     return proxy

@@ -13,9 +13,9 @@ import contextlib
 import json
 import logging
 import re
-from urllib.parse import parse_qs
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
+from urllib.parse import parse_qs
 
 import httpcore
 
@@ -91,6 +91,10 @@ class MuxNetworkStream(httpcore.AsyncNetworkStream):
         await self._stream.aclose()
 
     def get_extra_info(self, info: str) -> Any:
+        # httpcore asks this of idle keep-alive connections before reusing them: a stream whose mux
+        # session ended (sandbox rolled back or restarted under the same ID) must not be reused.
+        if info == "is_readable":
+            return self._stream.closed or self._stream.at_eof
         return None
 
 

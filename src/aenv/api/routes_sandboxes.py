@@ -128,7 +128,7 @@ async def list_v2(
         limit=limit,
         after=nextToken,
     )
-    page, token = orch.list(query)
+    page, token = orch.list_sandboxes(query)
     headers = {"X-Next-Token": token} if token else None
     return JSONResponse([serialize.listed(s) for s in page], headers=headers)
 
@@ -138,7 +138,7 @@ async def list_legacy(orch: Orchestrator = Depends(orchestrator), metadata: str 
     query = ListQuery(
         states=frozenset({SandboxState.RUNNING}), metadata=parse_metadata_filter(metadata), limit=10**9
     )
-    page, _ = orch.list(query)
+    page, _ = orch.list_sandboxes(query)
     return JSONResponse([serialize.listed(s) for s in page])
 
 

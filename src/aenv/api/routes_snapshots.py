@@ -74,7 +74,7 @@ async def list_snapshots(
     limit: int = Query(100, ge=1, le=1000),
     nextToken: str | None = None,
 ) -> JSONResponse:
-    rows = orch.snapshots.list(sandbox_id=sandboxID, name=name)
+    rows = orch.snapshots.list_snapshots(sandbox_id=sandboxID, name=name)
     rows.sort(key=lambda r: (r.created_at, r.id), reverse=True)
     if nextToken:
         ids = [r.id for r in rows]
@@ -94,12 +94,18 @@ async def fork(sandbox_id: str, body: ForkBody | None = None, orch: Orchestrator
     body = body or ForkBody()
     results = await orch.snapshots.fork(sandbox_id, body.count or 1, body.timeout)
     out: list[dict[str, Any]] = []
+    # What the runtime really copied ("full" or "filesystem"): the fork point is the children's
+    # lineage head; clients that care read ``mode`` (or the header) rather than assume memory came along.
+    fork_mode: str | None = None
     for r in results:
         if isinstance(r, AenvError):
             out.append({"error": {"code": status_for(r), "message": r.message}})
         else:
-            out.append({"sandbox": serialize.sandbox(r)})
-    return JSONResponse(out, status_code=201)
+            point = orch.store.get_snapshot(r.row.lineage_head) if r.row.lineage_head else None
+            fork_mode = point.mode if point is not None else None
+            out.append({"sandbox": serialize.sandbox(r), "mode": fork_mode, "snapshotID": r.row.lineage_head})
+    headers = {"X-Aenv-Fork-Mode": fork_mode} if fork_mode else None
+    return JSONResponse(out, status_code=201, headers=headers)
 
 
 @router.post("/sandboxes/{sandbox_id}/rollback")

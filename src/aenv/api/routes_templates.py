@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from dataclasses import asdict
 from collections.abc import AsyncIterator
+from dataclasses import asdict
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -16,8 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from aenv.api.auth import require_api_key
 from aenv.api.deps import orchestrator
 from aenv.api.errors import status_for
-from aenv.core.errors import AenvError, InvalidRequest
 from aenv.api.serialize import iso
+from aenv.core.errors import AenvError, InvalidRequest
 from aenv.core.orchestrator import Orchestrator
 from aenv.core.templates import TemplateCatalog
 from aenv.envd import ENVD_VERSION
@@ -57,7 +57,7 @@ def template_json(row: TemplateRow) -> dict[str, Any]:
 @router.get("/v2/templates")
 @router.get("/templates")
 async def list_templates(cat: TemplateCatalog = Depends(catalog)) -> JSONResponse:
-    return JSONResponse([template_json(r) for r in cat.list()])
+    return JSONResponse([template_json(r) for r in cat.list_templates()])
 
 
 @router.get("/templates/aliases/{alias}")
@@ -84,7 +84,7 @@ async def delete_template(
         return Response(status_code=204)
     cat.delete(template_id, in_use=orch.template_ids_in_use())
     digest = row.config.get("manifest_digest")
-    if digest and not any(t.config.get("manifest_digest") == digest for t in cat.list()):
+    if digest and not any(t.config.get("manifest_digest") == digest for t in cat.list_templates()):
         # The last template of this image is gone: its layers may now be evicted.
         request.app.state.image_builder.release_image(digest)
     return Response(status_code=204)

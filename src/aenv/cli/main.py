@@ -173,7 +173,7 @@ def exec_(
         )
         raise SystemExit(result.exit_code)
     except CommandExitException as exc:
-        raise SystemExit(exc.exit_code if 0 <= exc.exit_code < 256 else 137)
+        raise SystemExit(exc.exit_code if 0 <= exc.exit_code < 256 else 137) from None
 
 
 @app.command("ls")
@@ -429,6 +429,107 @@ def template_build(
         settings.state_dir.mkdir(parents=True, exist_ok=True)
         row = register_interpreter_template(TemplateCatalog(settings, Store(settings.db_path)), layers)
         printer.data(f"template {row.alias} registered ({row.size_bytes / 1e6:.0f} MB of packages)")
+
+
+# ---- snapshots, fork, rollback ---------------------------------------------------------------------
+snapshot_app = typer.Typer(help="Snapshots: create, list and remove (start one with `aenv start SNAPSHOT`).",
+                           no_args_is_help=True)
+app.add_typer(snapshot_app, name="snapshot")
+
+
+@app.command()
+def fork(
+    sandbox_id: str,
+    count: int = typer.Option(1, "--count", "-n", min=1, help="how many children"),
+    timeout: Optional[int] = typer.Option(None, help="children's TTL in seconds"),
+    output: str = typer.Option("text", "--output", "-o", help="text | json"),
+    server: Optional[str] = ServerOpt,
+    api_key: Optional[str] = KeyOpt,
+) -> None:
+    """Fork a running sandbox into COUNT children (the source keeps running); prints one child ID a line."""
+    client = _client(server, api_key)
+    body: dict[str, Any] = {"count": count, **({"timeout": timeout} if timeout is not None else {})}
+    resp = client.request("POST", f"/sandboxes/{sandbox_id}/fork", json=body)
+    entries = resp.json()
+    if output == "json":
+        client.printer.json(entries)
+    else:
+        for e in entries:
+            if "sandbox" in e:
+                client.printer.data(e["sandbox"]["sandboxID"])
+    failed = [e["error"]["message"] for e in entries if "error" in e]
+    mode = resp.headers.get("x-aenv-fork-mode")
+    client.printer.info(f"forked {sandbox_id}: {len(entries) - len(failed)}/{count} children"
+                        + (f", mode {mode}" if mode else ""))
+    if failed:
+        client.printer.fail(f"{len(failed)} of {count} children failed to start", causes=failed[:5])
+
+
+@app.command()
+def rollback(
+    sandbox_id: str, snapshot_id: str, server: Optional[str] = ServerOpt, api_key: Optional[str] = KeyOpt
+) -> None:
+    """Put SANDBOX_ID back to SNAPSHOT_ID (an earlier snapshot of its lineage); same ID and token."""
+    client = _client(server, api_key)
+    client.request("POST", f"/sandboxes/{sandbox_id}/rollback", json={"snapshotID": snapshot_id})
+    client.printer.info(f"rolled {sandbox_id} back to {snapshot_id}")
+
+
+@snapshot_app.command("create")
+def snapshot_create(
+    sandbox_id: str,
+    name: Optional[str] = typer.Option(None, help="a name to start it by"),
+    mode: str = typer.Option("full", help="full (files + processes) | filesystem"),
+    server: Optional[str] = ServerOpt,
+    api_key: Optional[str] = KeyOpt,
+) -> None:
+    """Snapshot a sandbox; prints the snapshot ID (refused if MODE is more than the runtime can do)."""
+    client = _client(server, api_key)
+    if mode not in ("full", "filesystem"):
+        client.printer.fail(f"unknown mode '{mode}'", hint="use --mode full or --mode filesystem", status=ExitStatus.USAGE)
+    body: dict[str, Any] = {"mode": mode, **({"name": name} if name else {})}
+    resp = client.request("POST", f"/sandboxes/{sandbox_id}/snapshots", json=body)
+    row = resp.json()
+    client.printer.data(row["snapshotID"])
+    client.printer.info(f"snapshot of {sandbox_id}: mode {row['mode']}, {(row.get('sizeBytes') or 0) / 1e6:.1f} MB")
+
+
+@snapshot_app.command("ls")
+def snapshot_ls(
+    sandbox_id: Optional[str] = typer.Option(None, "--sandbox", help="only snapshots of this sandbox"),
+    output: str = typer.Option("table", "--output", "-o", help="table | json"),
+    server: Optional[str] = ServerOpt,
+    api_key: Optional[str] = KeyOpt,
+) -> None:
+    """List snapshots (newest first)."""
+    client = _client(server, api_key)
+    params = {"sandboxID": sandbox_id} if sandbox_id else {}
+    items = client.request("GET", "/snapshots", params=params).json()
+    if output == "json":
+        client.printer.json(items)
+        return
+    from rich.table import Table
+
+    table = Table(box=None)
+    for col in ("SNAPSHOT ID", "NAME", "MODE", "SANDBOX", "PARENT", "SIZE MB", "CREATED"):
+        table.add_column(col)
+    for r in items:
+        table.add_row(
+            r["snapshotID"], ",".join(r["names"]), r["mode"], r["sandboxID"] or "", r["parentID"] or "",
+            f"{(r.get('sizeBytes') or 0) / 1e6:.1f}", r["createdAt"][:19],
+        )
+    client.printer.out.print(table)
+
+
+@snapshot_app.command("rm")
+def snapshot_rm(snapshot_ids: list[str], server: Optional[str] = ServerOpt, api_key: Optional[str] = KeyOpt) -> None:
+    """Remove snapshots (refused while a sandbox or another snapshot uses them)."""
+    from urllib.parse import quote
+
+    client = _client(server, api_key)
+    for sid in snapshot_ids:
+        client.request("DELETE", f"/templates/{quote(sid, safe='')}")
+        client.printer.info(f"removed {sid}")
 
 
 def main() -> None:  # pragma: no cover - console entry

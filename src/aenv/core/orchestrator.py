@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import hmac
-import contextlib
 import logging
 import shutil
-from pathlib import Path
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aenv.config import Settings
@@ -29,6 +29,7 @@ from aenv.core.errors import (
     SandboxNotFound,
     SandboxUnreachable,
 )
+from aenv.core.faults import fault_point
 from aenv.core.ids import new_id, new_token
 from aenv.core.models import CreateRequest, ListQuery, SandboxState, require_state
 from aenv.core.templates import TemplateCatalog
@@ -138,6 +139,7 @@ class Orchestrator:
     async def _forget(self, row: SandboxRow, spec: SandboxSpec | None) -> None:
         with contextlib.suppress(Exception):
             await self.runtime.kill(row.id, RuntimeState(row.runtime_state))
+        fault_point("kill.done")
         shutil.rmtree(self.settings.sandboxes_dir / row.id, ignore_errors=True)
         self.store.delete_sandbox(row.id)
 
@@ -148,7 +150,7 @@ class Orchestrator:
             raise SandboxNotFound(sandbox_id)
         return sbx
 
-    def list(self, query: ListQuery) -> tuple[list[LiveSandbox], str | None]:
+    def list_sandboxes(self, query: ListQuery) -> tuple[list[LiveSandbox], str | None]:
         items = [
             s
             for s in self._live.values()
@@ -268,6 +270,7 @@ class Orchestrator:
             self._live[sandbox_id] = sbx
             self.store.put_sandbox(row)
             try:
+                fault_point("create.stored")
                 if snapshot is not None:
                     from aenv.core.snapshots import result_of
 
@@ -278,6 +281,7 @@ class Orchestrator:
                 self._live.pop(sandbox_id, None)
                 await self._forget(row, spec)
                 raise
+            fault_point("create.started")
             # The TTL counts from when the sandbox became usable.
             row.started_at = now()
             row.end_at = row.started_at + timeout
@@ -298,6 +302,7 @@ class Orchestrator:
                 raise SandboxNotFound(sandbox_id)
             sbx.row.state = SandboxState.KILLING.value
             self.store.update_sandbox(sbx.id, state=sbx.row.state)
+            fault_point("kill.stored")
             self._live.pop(sbx.id, None)
             await self._forget(sbx.row, sbx.spec)
         self.snapshots.collect_garbage()
@@ -321,11 +326,13 @@ class Orchestrator:
         sbx.row.state = SandboxState.PAUSING.value
         self.store.update_sandbox(sbx.id, state=sbx.row.state)
         try:
+            fault_point("pause.stored")
             state = await self.runtime.pause(sbx.id)
         except BaseException:
             sbx.row.state = SandboxState.RUNNING.value
             self.store.update_sandbox(sbx.id, state=sbx.row.state)
             raise
+        fault_point("pause.done")
         sbx.row.state = SandboxState.PAUSED.value
         sbx.row.paused_at = now()
         sbx.row.runtime_state = state.data
@@ -354,11 +361,13 @@ class Orchestrator:
         sbx.row.state = SandboxState.RESUMING.value
         self.store.update_sandbox(sbx.id, state=sbx.row.state)
         try:
+            fault_point("resume.stored")
             state = await self.runtime.resume(sbx.id, RuntimeState(sbx.row.runtime_state))
         except BaseException:
             sbx.row.state = SandboxState.PAUSED.value
             self.store.update_sandbox(sbx.id, state=sbx.row.state)
             raise
+        fault_point("resume.done")
         sbx.row.state = SandboxState.RUNNING.value
         sbx.row.paused_at = None
         sbx.row.end_at = now() + timeout

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aenv.core.errors import AenvError, CapacityError, Conflict, InvalidRequest, SnapshotNotFound, StateError
+from aenv.core.faults import fault_point
 from aenv.core.ids import new_id, new_token
 from aenv.core.models import SandboxState, require_state
 from aenv.runtime.base import SnapshotCapable, SnapshotResult
@@ -63,7 +64,9 @@ class SnapshotFlows:
             raise SnapshotNotFound(id_or_name)
         return row
 
-    def list(self, sandbox_id: str | None = None, name: str | None = None, include_internal: bool = False) -> list[SnapshotRow]:
+    def list_snapshots(
+        self, sandbox_id: str | None = None, name: str | None = None, include_internal: bool = False
+    ) -> list[SnapshotRow]:
         return [
             r
             for r in self.store.list_snapshots()
@@ -120,11 +123,13 @@ class SnapshotFlows:
         self.store.put_snapshot(row)
         try:
             directory.mkdir(parents=True, exist_ok=True)
+            fault_point("snapshot.stored")
             result = await rt.snapshot(sbx.id, directory, mode)
         except BaseException:
             self.store.delete_snapshot(snap_id)
             shutil.rmtree(directory, ignore_errors=True)
             raise
+        fault_point("snapshot.done")
         if mode == "full" and result.mode != "full":
             # Never silently less than asked.
             self.store.delete_snapshot(snap_id)
@@ -218,6 +223,7 @@ class SnapshotFlows:
             )
             self.store.put_snapshot(snap_row)
             try:
+                fault_point("fork.stored")
                 result, states = await rt.fork(src.id, [c.spec for c in children], scratch)
             except BaseException:
                 for child in children:
@@ -226,6 +232,7 @@ class SnapshotFlows:
                 self.store.delete_snapshot(scratch_id)
                 shutil.rmtree(scratch, ignore_errors=True)
                 raise
+            fault_point("fork.done")
             snap_row.mode = result.mode
             snap_row.state = "ready"
             snap_row.result = {"layers": list(result.layers), "data": result.data}
@@ -314,11 +321,28 @@ class SnapshotFlows:
     def dependents(self, snapshot_id: str) -> list[str]:
         return [s.id for s in self.orch._live.values() if snapshot_id in s.row.depends_on]
 
+    def layered_on(self, row: SnapshotRow) -> list[str]:
+        """Other snapshots whose recorded layers (``result.data["lowers"]``, e.g. ns overlay lowers of an
+        incremental snapshot) live inside this snapshot's directory."""
+        prefix = row.dir.rstrip("/") + "/"
+
+        def uses(other: SnapshotRow) -> bool:
+            lowers = other.result.get("data", {}).get("lowers")
+            return other.id != row.id and isinstance(lowers, list) and any(str(p).startswith(prefix) for p in lowers)
+
+        return [other.id for other in self.store.list_snapshots() if uses(other)]
+
     async def delete(self, snapshot_id: str) -> None:
         row = self.get(snapshot_id)
         users = self.dependents(row.id)
         if users:
             raise Conflict(f"snapshot '{snapshot_id}' is used by sandboxes {', '.join(users[:5])}", snapshot_id=snapshot_id)
+        layered = self.layered_on(row)
+        if layered:
+            raise Conflict(
+                f"snapshot '{snapshot_id}' is a layer of snapshots {', '.join(layered[:5])}; delete those first",
+                snapshot_id=snapshot_id,
+            )
         self.store.delete_template(row.id)
         self.store.delete_snapshot(row.id)
         shutil.rmtree(row.dir, ignore_errors=True)

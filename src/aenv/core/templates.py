@@ -74,7 +74,7 @@ class TemplateCatalog:
         self.store.put_template(row)
         return row
 
-    def list(self) -> list[TemplateRow]:
+    def list_templates(self) -> list[TemplateRow]:
         return self.store.list_templates()
 
     def delete(self, name: str, *, in_use: set[str]) -> TemplateRow:

@@ -91,7 +91,10 @@ def apply_metadata(path: str, meta: dict[str, str]) -> None:
         try:
             os.setxattr(path, METADATA_XATTR_PREFIX + key, value.encode())
         except OSError as exc:
-            raise HTTPError(500, f"cannot store metadata on '{path}': {exc.strerror}") from exc
+            # EPERM/ENOTSUP: user xattrs exist only on regular files and directories (not on
+            # /dev/null, FIFOs) or not on this filesystem: the client's request, not our fault.
+            status = 400 if exc.errno in (errno.EPERM, errno.ENOTSUP, errno.EROFS) else 500
+            raise HTTPError(status, f"cannot store metadata on '{path}': {exc.strerror}") from exc
 
 
 @dataclass
@@ -109,7 +112,9 @@ class UploadTarget:
                 raise HTTPError(400, f"path '{self.path}' is a directory")
             make_dirs(os.path.dirname(self.path), self.user)
             self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
-            if self.user.owns_files():
+            # Only regular files change owner: writing to /dev/null must not chown the device node
+            # (in the ns runtime it is the host's own inode, bind-mounted in).
+            if self.user.owns_files() and stat.S_ISREG(os.fstat(self.fd).st_mode):
                 os.fchown(self.fd, self.user.uid, self.user.gid)
         except OSError as exc:
             raise _os_error(exc, self.path) from exc

@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from aenv.core.faults import fault_point
 from aenv.images import manifest as m
 from aenv.images.auth import Credentials, load_credentials, parse_challenge
 from aenv.images.errors import (
@@ -357,6 +358,7 @@ class RegistryClient:
                             raise DigestMismatch(str(ref), desc.digest, f"more than {desc.size} bytes")
                         h.update(chunk)
                         fh.write(chunk)
+                        fault_point("pull.layer")
                         if on_bytes:
                             on_bytes(n)
             except httpx.TransportError as exc:

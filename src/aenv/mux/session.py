@@ -212,10 +212,11 @@ class MuxSession:
         if ftype is FrameType.OPEN:
             self._on_open(stream_id, parse_u16(payload))
             return
-        stream = self._streams.get(stream_id)
-        if stream is None:
+        found = self._streams.get(stream_id)
+        if found is None:
             # Frames for streams we already dropped are normal after a local close; ignore them.
             return
+        stream = found
         if ftype is FrameType.OPEN_OK:
             if not stream.opened.done():
                 stream.opened.set_result(None)

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import os
-import re
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -21,17 +19,13 @@ def _cgroup_mode() -> str:
 
 
 def _criu() -> str:
-    exe = shutil.which("criu")
-    if exe is None:
-        return "absent: ns pause keeps processes frozen in memory only; snapshots are filesystem-only"
-    try:
-        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=5).stdout
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"unusable ({exc})"
-    m = re.search(r"Version:\s*(\d+)\.(\d+)", out)
-    if not m or (int(m.group(1)), int(m.group(2))) < (4, 2):
-        return f"{out.strip().splitlines()[0] if out.strip() else 'unknown version'}: too old (needs >= 4.2 on this kernel)"
-    return f"{out.strip().splitlines()[0]} (process snapshots possible)"
+    """The same detection the ns runtime uses (``criu --version`` >= 4.2 and ``criu check``)."""
+    from aenv.runtime.ns.criu import probe
+
+    st = probe()
+    if st.usable:
+        return f"{st.describe()}: ns snapshots, fork and rollback can keep processes (offline sandboxes)"
+    return f"{st.reason}; ns snapshots, fork and rollback are filesystem-only"
 
 
 def collect(settings: Settings) -> dict[str, Any]:
@@ -53,7 +47,7 @@ def collect(settings: Settings) -> dict[str, Any]:
         "cache dir": str(settings.cache_dir),
     }
     try:
-        from aenv.runtime.vm.accel import probe  # type: ignore[attr-defined]
+        from aenv.runtime.vm.accel import probe
 
         choice = probe()
         report["accelerator"] = f"{choice.name}: {choice.reason}"

@@ -36,7 +36,7 @@ def make_runtime(settings: Settings) -> Runtime:
             raise RuntimeFailure(f"--runtime vm is not usable here: {reason}")
         from aenv.runtime.vm.runtime import VmRuntime
 
-        return VmRuntime(settings)  # type: ignore[no-any-return]
+        return VmRuntime(settings)
     from aenv.runtime.ns.runtime import NsRuntime
 
-    return NsRuntime(settings, pool_size=settings.pool_size)  # type: ignore[no-any-return]
+    return NsRuntime(settings, pool_size=settings.pool_size)

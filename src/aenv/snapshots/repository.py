@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from aenv.core.faults import fault_point
 from aenv.snapshots.manifest import LayerRef, Manifest
 
 _CHUNK = 8 << 20
@@ -39,7 +40,7 @@ def make_store(url: str, **options: Any) -> Any:
         return MemoryStore()
     if url.startswith("s3://"):
         bucket = url[len("s3://") :].strip("/")
-        client_options = {"allow_http": True} if str(options.get("endpoint", "")).startswith("http://") else {}
+        client_options: Any = {"allow_http": True} if str(options.get("endpoint", "")).startswith("http://") else {}
         return S3Store(
             bucket,
             endpoint=options.get("endpoint"),
@@ -107,6 +108,7 @@ class SnapshotRepository:
                 await asyncio.to_thread(shutil.copyfile, path, tmp)
             digest = await asyncio.to_thread(_sha256_file, tmp)
             size = tmp.stat().st_size
+            fault_point("publish.layer")
             key = f"layers/{digest.replace(':', '/')}"
             try:
                 await obstore.head_async(self.store, key)

@@ -143,3 +143,17 @@ def restore_argv(exe: str, images: Path, *, root: Path, pidfile: Path, tools: Pa
     return [exe, "restore", "-D", str(images), "-o", log, "-v2", "--restore-detached",
             "--pidfile", str(pidfile), "--root", str(root), "--tcp-established", "--ext-unix-sk",
             "--file-locks", "--manage-cgroups=ignore", *_externals_restore(tools, run_dir), *extra]
+
+
+def in_cgroups_argv(procs_files: Sequence[str], argv: Sequence[str]) -> list[str]:
+    """Run ``argv`` after moving itself into the sandbox cgroups, so every restored task is born
+    inside them (restore runs with ``--manage-cgroups=ignore``)."""
+    script = 'n=$1; shift; i=0; while [ $i -lt "$n" ]; do echo $$ > "$1"; shift; i=$((i+1)); done; exec "$@"'
+    return ["/bin/sh", "-c", script, "sh", str(len(procs_files)), *procs_files, *argv]
+
+
+def mount_overlay_argv(lowers: Sequence[str], upper: Path, work: Path, target: Path) -> list[str]:
+    """The host-side overlay mount ``criu restore --root`` needs (unmounted right after restore:
+    the restored tree keeps its own copy in its mount namespace)."""
+    opts = f"lowerdir={':'.join(lowers)},upperdir={upper},workdir={work}"
+    return ["mount", "-t", "overlay", "overlay", "-o", opts, str(target)]

@@ -31,15 +31,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from aenv.agent import launch as launcher_mod
 from aenv.mux import MuxSession, MuxStream, StreamClosed
 from aenv.mux.session import open_unix_session
 from aenv.runtime.base import TemplateImage
-from aenv.agent import launch as launcher_mod
-from aenv.runtime.ns.zygote import Zygote
 from aenv.runtime.ns.cgroups import Cgroup, Layout
 from aenv.runtime.ns.envd_client import ENVD_PORT, EnvdError, request
 from aenv.runtime.ns.network import RESOLV_CONF, Slirp, install_firewall
 from aenv.runtime.ns.process import ProcRef, Reaped
+from aenv.runtime.ns.zygote import Zygote
 from aenv.runtime.tools import launch_argv
 
 STATE_FILE = "ns.json"

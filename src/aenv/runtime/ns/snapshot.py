@@ -305,15 +305,73 @@ class NsSnapshots:
 
     async def _restore_full(self, spec: SandboxSpec, snapshot: Path, result: SnapshotResult,
                             layers: tuple[str, ...], lowers: tuple[Path, ...], root: Path | None = None) -> RuntimeState:
-        # Untested here (no CRIU >= 4.2 on this machine): restore needs the upper *as it was at
-        # dump time* (a copy, not a lower), the image's external mounts and the freezer membership.
+        """``criu restore`` of a full snapshot into a fresh overlay whose upper is a *copy* of the
+        snapshot's upper (CRIU needs the files exactly as at dump time), in the new sandbox's cgroups,
+        then a handshake with the restored agent and ``/init`` with the new identity.
+
+        NOT exercised on this machine (no CRIU >= 4.2 here): unit tests cover the command lines only;
+        the integration test is ``@pytest.mark.criu`` and skips."""
+        from aenv.runtime.ns.cgroups import Cgroup
+        from aenv.runtime.ns.envd_client import init_payload
+        from aenv.runtime.ns.process import ProcRef
+        from aenv.runtime.ns.sandbox import NsSandbox, Paths
+
         status = self.criu_status()
-        if not status.usable:
+        if not status.usable or status.exe is None:
             raise StateError(f"snapshot {snapshot.name} holds processes but CRIU is not usable here "
                              f"({status.reason}); start it on a host with CRIU >= 4.2")
-        raise StateError("restoring process snapshots on the ns runtime is not implemented yet "
-                         "(CRIU detected, restore path pending)")
+        if spec.allow_internet or result.data.get("allow_internet"):
+            raise StateError("process snapshots restore only into offline ns sandboxes (allowInternetAccess=false)")
+        rt = self.rt
+        await rt.start()
+        assert rt.layout is not None and rt.tools is not None
+        sid = spec.sandbox_id
+        paths = Paths(root or spec.workdir / "ns")
+        cg = Cgroup(rt.layout, sid)
+        below = [*layers[1:], *map(str, lowers)]
+        opts = replace(rt._opts(replace(spec.template, lowers=lowers), False,
+                                (spec.cpu_count, spec.memory_mb, spec.pids_limit)), snapshot_layers=layers[1:])
+        sbx = NsSandbox(sid, paths, cg, opts)
+        sbx.lowers, sbx.snapshot_depth = below, len(layers) - 1
 
+        def prepare_and_restore() -> int:
+            shutil.rmtree(paths.upper, ignore_errors=True)
+            paths.root.mkdir(parents=True, exist_ok=True)
+            copy_tree(snapshot / UPPER, paths.upper)
+            paths.prepare()
+            cg.create()
+            cg.set_limits(spec.cpu_count, spec.memory_mb, spec.pids_limit)
+            pidfile = paths.run / "criu-restore.pid"
+            _run(criu.mount_overlay_argv(below, paths.upper, paths.work, paths.merged))
+            try:
+                _run(criu.in_cgroups_argv(cg.procs_files(), criu.restore_argv(
+                    status.exe or "criu", snapshot / CRIU_DIR, root=paths.merged, pidfile=pidfile,
+                    tools=rt.tools or Path("/nonexistent"), run_dir=paths.run, log=str(paths.run / "restore.log"))))
+            finally:
+                subprocess.run(["umount", "-l", str(paths.merged)], check=False, capture_output=True)
+            return int(pidfile.read_text().strip())
+
+        try:
+            pid = await asyncio.to_thread(prepare_and_restore)
+            ref = ProcRef.of(pid)
+            if ref is None:
+                raise RuntimeFailure(f"sandbox {sid}: restored init {pid} exited at once", sandbox_id=sid)
+            sbx.init = ref
+            await asyncio.to_thread(sbx.write_state)
+            await sbx._connect(wait=True)
+            await sbx.health()
+            await sbx.init_envd(init_payload(
+                sandbox_id=sid, template_id=spec.template.template_id, env_vars=dict(spec.env_vars),
+                access_token=spec.access_token, default_user=spec.template.user or None,
+                default_workdir=spec.template.workdir))
+        except BaseException as exc:
+            await sbx.aclose(remove_dir=None if root else spec.workdir)
+            if isinstance(exc, OSError):
+                raise RuntimeFailure(f"sandbox {sid}: process restore failed: {exc}", sandbox_id=sid) from exc
+            raise
+        rt._sandboxes[sid] = sbx
+        rt._specs[sid] = spec
+        return rt._state(sbx, spec.workdir)
 
 def _clean_capture(into: Path) -> None:
     for name in (".capture", UPPER, CRIU_DIR):

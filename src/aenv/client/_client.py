@@ -1,0 +1,115 @@
+"""``AenvClient``: aenv's own REST extensions (snapshots, fork with its mode, rollback) over httpx.
+
+For everything E2B already has (create, commands, files) use the e2b SDK against the same server.
+httpx errors are translated here, once, into the tree in ``_errors.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Self
+
+import httpx
+
+from aenv.client._errors import ServerUnreachable, error_for
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    snapshot_id: str
+    mode: str  # "full" (files + processes) or "filesystem"
+    sandbox_id: str | None
+    parent_id: str | None
+    names: list[str] = field(default_factory=list)
+    size_bytes: int = 0
+    created_at: str = ""
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Snapshot:
+        return cls(snapshot_id=d["snapshotID"], mode=d["mode"], sandbox_id=d.get("sandboxID"),
+                   parent_id=d.get("parentID"), names=list(d.get("names") or []),
+                   size_bytes=int(d.get("sizeBytes") or 0), created_at=d.get("createdAt", ""), raw=d)
+
+
+@dataclass(frozen=True)
+class ForkResult:
+    """One fork call: the children that started, the per-child errors, and what was really copied."""
+
+    mode: str | None  # "full" or "filesystem" (ns without CRIU forks files only)
+    sandbox_ids: list[str]
+    errors: list[str]
+    snapshot_id: str | None  # the internal fork point (GET /snapshots/{id} shows it)
+    raw: list[dict[str, Any]] = field(default_factory=list, repr=False, compare=False)
+
+
+class AenvClient:
+    """Synchronous client for an aenv server. Use as a context manager or call ``close()``."""
+
+    def __init__(self, url: str = DEFAULT_URL, api_key: str | None = None, *, timeout: float = 120.0,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        headers = {"X-API-KEY": api_key} if api_key else {}
+        self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout, trust_env=False,
+                                  transport=transport)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            resp = self._http.request(method, path, **kw)
+        except (httpx.ConnectError, httpx.TimeoutException) as exc:
+            raise ServerUnreachable(f"{method} {path}: {exc}") from exc
+        if resp.status_code >= 400:
+            raise error_for(resp)
+        return resp
+
+    # ---- snapshots ------------------------------------------------------------------------------
+    def snapshot(self, sandbox_id: str, *, name: str | None = None, mode: str = "full") -> Snapshot:
+        """Snapshot a sandbox. ``mode="full"`` raises ConflictError where only files can be saved."""
+        body: dict[str, Any] = {"mode": mode, **({"name": name} if name else {})}
+        return Snapshot.from_json(self._request("POST", f"/sandboxes/{sandbox_id}/snapshots", json=body).json())
+
+    def list_snapshots(self, sandbox_id: str | None = None, name: str | None = None) -> list[Snapshot]:
+        params = {k: v for k, v in (("sandboxID", sandbox_id), ("name", name)) if v}
+        out: list[Snapshot] = []
+        token: str | None = None
+        while True:
+            resp = self._request("GET", "/snapshots", params={**params, **({"nextToken": token} if token else {})})
+            out += [Snapshot.from_json(d) for d in resp.json()]
+            token = resp.headers.get("x-next-token")
+            if not token:
+                return out
+
+    def get_snapshot(self, snapshot_id: str) -> Snapshot:
+        return Snapshot.from_json(self._request("GET", f"/snapshots/{snapshot_id}").json())
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        """Raises ConflictError while a sandbox or another snapshot still uses it."""
+        self._request("DELETE", f"/templates/{snapshot_id}")
+
+    # ---- fork and rollback ----------------------------------------------------------------------
+    def fork(self, sandbox_id: str, count: int = 1, *, timeout: int | None = None) -> ForkResult:
+        body: dict[str, Any] = {"count": count, **({"timeout": timeout} if timeout is not None else {})}
+        resp = self._request("POST", f"/sandboxes/{sandbox_id}/fork", json=body)
+        entries: list[dict[str, Any]] = resp.json()
+        ok = [e for e in entries if "sandbox" in e]
+        return ForkResult(
+            mode=resp.headers.get("x-aenv-fork-mode") or next((e.get("mode") for e in ok), None),
+            sandbox_ids=[e["sandbox"]["sandboxID"] for e in ok],
+            errors=[e["error"]["message"] for e in entries if "error" in e],
+            snapshot_id=next((e.get("snapshotID") for e in ok), None),
+            raw=entries,
+        )
+
+    def rollback(self, sandbox_id: str, snapshot_id: str) -> dict[str, Any]:
+        """Put the sandbox back to an earlier snapshot of its lineage; same ID and access token."""
+        return dict(self._request("POST", f"/sandboxes/{sandbox_id}/rollback", json={"snapshotID": snapshot_id}).json())

@@ -1,0 +1,100 @@
+"""``runtime/ns/criu.py``: detection (with a fake ``subprocess.run``) and the dump/restore command lines."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aenv.runtime.ns import criu
+
+
+def fake_run(version_out: str, check_rc: int = 0, check_err: str = "") -> tuple[Any, list[list[str]]]:
+    calls: list[list[str]] = []
+
+    def run(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+        calls.append(argv)
+        if argv[1] == "--version":
+            return subprocess.CompletedProcess(argv, 0, version_out, "")
+        return subprocess.CompletedProcess(argv, check_rc, "Looks good.\n" if check_rc == 0 else "", check_err)
+
+    return run, calls
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [("Version: 3.17.1\n", (3, 17, 1)), ("Version: 4.2\nGitID: v4.2-12\n", (4, 2, 0)), ("criu?", None)],
+)
+def test_parse_version(text: str, want: tuple[int, int, int] | None) -> None:
+    assert criu.parse_version(text) == want
+
+
+def test_absent() -> None:
+    st = criu.evaluate(None)
+    assert not st.usable and st.reason.startswith("absent")
+
+
+def test_debian_317_is_too_old_without_running_check() -> None:
+    run, calls = fake_run("Version: 3.17.1\n")
+    st = criu.evaluate("/usr/sbin/criu", run)
+    assert not st.usable and "too old" in st.reason and "3.17.1" in st.reason
+    assert [c[1] for c in calls] == ["--version"]
+
+
+def test_41_fails_check_or_is_refused() -> None:
+    run, _ = fake_run("Version: 4.1.1\n")
+    assert not criu.evaluate("/opt/criu", run).usable
+
+
+def test_42_needs_a_passing_check() -> None:
+    run, _ = fake_run("Version: 4.2.1\n", check_rc=1,
+                      check_err="Error (criu/vdso.c:…): vdso: Unexpected rt vDSO area bounds\n")
+    st = criu.evaluate("/opt/criu", run)
+    assert not st.usable and "check failed" in st.reason and "vDSO" in st.reason
+    run, calls = fake_run("Version: 4.2.1\n")
+    st = criu.evaluate("/opt/criu", run)
+    assert st.usable and st.version == (4, 2, 1)
+    assert st.describe() == "4.2.1 at /opt/criu"
+    assert calls[-1] == ["/opt/criu", "check"]
+
+
+def test_exe_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(criu.ENV_EXE, str(tmp_path / "missing"))
+    assert criu.find_exe() is None
+
+
+def test_dump_argv() -> None:
+    argv = criu.dump_argv("/opt/criu", 4242, Path("/s/x/criu"), freezer=Path("/sys/fs/cgroup/freezer/aenv/sb1"))
+    assert argv[:5] == ["/opt/criu", "dump", "-t", "4242", "-D"]
+    assert "--leave-running" in argv and "--tcp-established" in argv and "--ext-unix-sk" in argv
+    assert argv[argv.index("--freeze-cgroup") + 1] == "/sys/fs/cgroup/freezer/aenv/sb1"
+    ext = [argv[i + 1] for i, a in enumerate(argv) if a == "--external"]
+    assert "mnt[/.aenv]:aenv-tools" in ext and "mnt[/.aenv-run]:aenv-run" in ext and "mnt[/dev/null]:dev-null" in ext
+    assert "--leave-running" not in criu.dump_argv("/c", 1, Path("/i"), freezer=None, leave_running=False)
+
+
+def test_restore_argv_maps_externals_back() -> None:
+    argv = criu.restore_argv("/opt/criu", Path("/s/x/criu"), root=Path("/w/ns/rootfs"), pidfile=Path("/w/ns/run/pid"),
+                             tools=Path("/cache/tools"), run_dir=Path("/w/ns/run"))
+    assert argv[:2] == ["/opt/criu", "restore"] and "--restore-detached" in argv
+    assert argv[argv.index("--root") + 1] == "/w/ns/rootfs"
+    assert argv[argv.index("--pidfile") + 1] == "/w/ns/run/pid"
+    ext = [argv[i + 1] for i, a in enumerate(argv) if a == "--external"]
+    assert "mnt[aenv-tools]:/cache/tools" in ext and "mnt[aenv-run]:/w/ns/run" in ext and "mnt[dev-null]:/dev/null" in ext
+
+
+def test_in_cgroups_argv_joins_then_execs(tmp_path: Path) -> None:
+    files = [str(tmp_path / "a.procs"), str(tmp_path / "b.procs")]
+    argv = criu.in_cgroups_argv(files, ["/bin/sh", "-c", 'echo "restored $$"'])
+    out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    pid = out.split()[1]
+    assert out == f"restored {pid}\n"  # exec kept the pid that joined the cgroups
+    assert [Path(f).read_text().strip() for f in files] == [pid, pid]
+
+
+def test_mount_overlay_argv() -> None:
+    argv = criu.mount_overlay_argv(["/s/a/upper", "/rootfs"], Path("/w/upper"), Path("/w/work"), Path("/w/rootfs"))
+    assert argv == ["mount", "-t", "overlay", "overlay", "-o",
+                    "lowerdir=/s/a/upper:/rootfs,upperdir=/w/upper,workdir=/w/work", "/w/rootfs"]
