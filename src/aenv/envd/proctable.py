@@ -20,6 +20,7 @@ import os
 import signal
 import struct
 import subprocess
+import sys
 import termios
 import time
 from collections import OrderedDict
@@ -305,6 +306,12 @@ def shell_for(cmd: str, exists: Callable[[str], bool] = os.path.exists) -> str:
     return cmd
 
 
+def runas_helper() -> str | None:
+    """The bundle's static ``runas`` (see aenv.runtime.tools), if present next to our interpreter."""
+    path = os.path.join(sys.prefix, "bin", "runas")
+    return path if os.access(path, os.X_OK) else None
+
+
 def _pty_child_setup() -> None:
     """In the child, after setsid: make the PTY slave on fd 0 the controlling terminal."""
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
@@ -358,8 +365,20 @@ class ProcessTable:
             "close_fds": True,
             "start_new_session": True,
         }
+        argv = [cmd, *req.config.args]
+        executable = cmd
         if os.geteuid() == 0 and (req.user.uid != os.geteuid() or req.user.gid != os.getegid()):
-            kwargs.update(user=req.user.uid, group=req.user.gid, extra_groups=list(req.user.groups))
+            # Looked up per spawn: a zygote-born envd imported this module before pivot_root moved us.
+            helper = runas_helper() if req.pty_size is None else None
+            if helper is not None:
+                # vfork + exec(runas) + exec(cmd) is much cheaper than CPython's fork-and-setuid path.
+                if not os.access(cmd, os.X_OK):
+                    raise InvalidArgument(f"failed to start process '{cmd}': not an executable file")
+                groups = ",".join(str(g) for g in req.user.groups) or "-"
+                argv = [helper, str(req.user.uid), str(req.user.gid), groups, cmd, *req.config.args]
+                executable = helper
+            else:
+                kwargs.update(user=req.user.uid, group=req.user.gid, extra_groups=list(req.user.groups))
         elif os.geteuid() != 0 and req.user.uid != os.geteuid():
             raise Internal(f"envd is not root and cannot run processes as '{req.user.name}'")
 
@@ -396,8 +415,8 @@ class ProcessTable:
                 parent_fds += [out_r, err_r]
                 child_fds += [out_w, err_w]
                 popen = subprocess.Popen(
-                    [cmd, *req.config.args],
-                    executable=cmd,
+                    argv,
+                    executable=executable,
                     stdin=stdin_arg,
                     stdout=out_w,
                     stderr=err_w,

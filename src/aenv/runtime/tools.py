@@ -125,6 +125,7 @@ def bundle_key() -> str:
         if (aenv_root / part).is_dir():
             _hash_tree(h, aenv_root / part)
     h.update(_LAUNCHER_C.encode())
+    h.update(_RUNAS_C.encode())
     return h.hexdigest()[:16]
 
 
@@ -223,7 +224,8 @@ def build_bundle(dest: Path) -> None:
     elfs = [py_real, *sorted((dest_stdlib / "lib-dynload").glob("*.so")), *sorted(site.rglob("*.so"))]
     libs = _copy_shared_libs(elfs, lib)
     _compile(site)
-    launcher = _build_launcher(dest / "bin" / "python")
+    launcher = _build_static(_LAUNCHER_C, dest / "bin" / "python")
+    runas = _build_static(_RUNAS_C, dest / "bin" / "runas")
 
     manifest = {
         "format": BUNDLE_FORMAT,
@@ -232,6 +234,7 @@ def build_bundle(dest: Path) -> None:
         "packages": copied,
         "libs": sorted(libs),
         "launcher": launcher,
+        "runas": runas,
         "argv": launch_argv(MOUNT_POINT),
     }
     (dest / "MANIFEST.json").write_text(json.dumps(manifest, indent=1))
@@ -366,14 +369,43 @@ int main(int argc, char **argv) {
 """
 
 
-def _build_launcher(dest: Path) -> bool:
-    """Compile the static launcher if a C compiler and a static libc are available; optional."""
+_RUNAS_C = r"""
+/* /.aenv/bin/runas UID GID GROUPS CMD [ARGS...]: become a user, then exec CMD.
+   envd spawns user processes through it so CPython can use vfork (it refuses vfork whenever it has to
+   change uid/gid itself, and a full fork of envd costs milliseconds on virtualized hosts).
+   GROUPS is a comma-separated list of gids, or "-" for none. */
+#include <errno.h>
+#include <grp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+    if (argc < 5) { fprintf(stderr, "usage: runas UID GID GROUPS CMD [ARGS...]\n"); return 127; }
+    uid_t uid = (uid_t)strtoul(argv[1], NULL, 10);
+    gid_t gid = (gid_t)strtoul(argv[2], NULL, 10);
+    gid_t groups[256];
+    size_t n = 0;
+    if (strcmp(argv[3], "-") != 0) {
+        char *rest = argv[3], *tok;
+        while ((tok = strsep(&rest, ",")) != NULL && n < 256) groups[n++] = (gid_t)strtoul(tok, NULL, 10);
+    }
+    if (setgroups(n, groups) != 0 || setgid(gid) != 0 || setuid(uid) != 0) { perror("runas"); return 126; }
+    execv(argv[4], argv + 4);
+    fprintf(stderr, "runas: %s: %s\n", argv[4], strerror(errno));
+    return errno == ENOENT ? 127 : 126;
+}
+"""
+
+
+def _build_static(source: str, dest: Path) -> bool:
+    """Compile a small static helper if a C compiler and a static libc are available; optional."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return False
     with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "launcher.c"
-        src.write_text(_LAUNCHER_C)
+        src = Path(tmp) / "helper.c"
+        src.write_text(source)
         res = subprocess.run(
             [cc, "-static", "-O2", "-s", "-o", str(dest), str(src)], capture_output=True, check=False
         )
