@@ -1,228 +1,244 @@
-"""aenv benchmarks: ``python -m bench [--smoke] [--json out.json] [--runtime ns|vm] [--scenarios core,snapshots]``.
+"""aenv benchmark suite: ``python -m bench`` (or ``aenv bench``).
 
-Each scenario drives a real server through the unmodified e2b SDK and prints a table; the container
-baseline (docker run if the engine can be started here, else runc) is measured in the same run, alternated
-with aenv's samples so machine drift affects both alike. Nothing here asserts: numbers are reported.
+    python -m bench [--smoke] [--runtime ns|vm|ns,vm] [--scenarios all|core|snapshots|NAME,...]
+                    [--baseline docker|runc|none] [--out DIR] [--json FILE] [--server URL]
+
+Each scenario drives a real server through the unmodified e2b SDK (and aenv's REST routes for fork and
+snapshots) and, in the same run, the baseline doing the same job: ``docker`` run/exec/cp/pause/commit of
+the same rootfs on a private engine the bench starts, ``runc run``, and for the vm runtime a plain QEMU
+cold boot. Samples alternate between systems (order flipped every round) so machine drift hits all alike.
+
+Writes ``results.json``, ``results.md`` and ``chart.png`` (needs matplotlib: ``pip install -e '.[bench]'``)
+to ``--out`` (default ``bench/results/<UTC time>/``, gitignored) and prints the Markdown table.
+Nothing here asserts on numbers.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
+import contextlib
 import datetime as dt
 import json
 import os
-import platform
-import statistics
+import shutil
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from aenv.testing.server import API_KEY, start_server, stop_server
-from bench.baselines import container_baseline
+from bench import core, density, forks, report, rl
+from bench.context import Ctx
 
 console = Console(stderr=True)
 
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    idx = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[idx]
-
-
-def summary(values: list[float]) -> dict[str, float]:
-    return {
-        "n": len(values),
-        "p50_ms": round(statistics.median(values), 2) if values else float("nan"),
-        "p95_ms": round(pct(values, 95), 2),
-        "p99_ms": round(pct(values, 99), 2),
-        "min_ms": round(min(values), 2) if values else float("nan"),
-    }
-
-
-def ms_since(t0: float) -> float:
-    return (time.perf_counter() - t0) * 1000
+SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
+    "create": core.create_first_command,
+    "concurrent": core.concurrent_creates,
+    "roundtrip": core.round_trip,
+    "files": core.files,
+    "pause": core.pause_resume,
+    "snapshot": forks.snapshot_dirty,
+    "fork": forks.fork,
+    "rollback": forks.rollback,
+    "density": density.density,
+    "rl": rl.rl_loop,
+}
+GROUPS = {
+    "core": ["create", "concurrent", "roundtrip", "files", "pause"],
+    "snapshots": ["snapshot", "fork", "rollback"],
+    "all": list(SCENARIOS),
+}
 
 
-def scenario_create_first_command(n: int, baseline: Any) -> dict[str, Any]:
-    """Sandbox.create → first commands.run("true") answered, serial; alternated with the baseline."""
-    from e2b import Sandbox
-
-    ours: list[float] = []
-    theirs: list[float] = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        sbx = Sandbox.create("base")
-        sbx.commands.run("true")
-        ours.append(ms_since(t0))
-        sbx.kill()
-        if baseline is not None:
-            theirs.append(baseline.once())
-    out: dict[str, Any] = {"aenv": summary(ours)}
-    if baseline is not None:
-        out["baseline"] = {"name": baseline.name, **summary(theirs)}
-        out["speedup_p50"] = round(out["baseline"]["p50_ms"] / out["aenv"]["p50_ms"], 1)
-    return out
+def select(spec: str) -> list[str]:
+    """``all``, a group name, or scenario names, comma separated; order of SCENARIOS kept."""
+    want: set[str] = set()
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        if part in GROUPS:
+            want.update(GROUPS[part])
+        elif part in SCENARIOS:
+            want.add(part)
+        else:
+            raise ValueError(f"unknown scenario {part!r} (known: {', '.join([*GROUPS, *SCENARIOS])})")
+    return [s for s in SCENARIOS if s in want]
 
 
-def scenario_run_true(n: int) -> dict[str, Any]:
-    from e2b import Sandbox
-
-    sbx = Sandbox.create("base")
-    try:
-        sbx.commands.run("true")
-        samples = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            sbx.commands.run("true")
-            samples.append(ms_since(t0))
-        files = []
-        payload = os.urandom(1 << 20)
-        for _ in range(max(3, n // 5)):
-            t0 = time.perf_counter()
-            sbx.files.write("/tmp/bench.bin", payload)
-            assert bytes(sbx.files.read("/tmp/bench.bin", format="bytes")) == payload
-            files.append(ms_since(t0))
-        return {"commands.run(true)": summary(samples), "1 MiB write+read": summary(files)}
-    finally:
-        sbx.kill()
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="few iterations, for CI (under a minute on ns)")
+    ap.add_argument("--runtime", default="ns", help="ns, vm or ns,vm [default: ns]")
+    ap.add_argument("--scenarios", default="all",
+                    help=f"all, a group ({', '.join(g for g in GROUPS if g != 'all')}) or names: "
+                         f"{', '.join(SCENARIOS)} [default: all]")
+    ap.add_argument("--baseline", default="docker", choices=["docker", "runc", "none"],
+                    help="docker: docker and runc; runc: runc only; none [default: docker]")
+    ap.add_argument("--out", type=Path, help="result directory [default: bench/results/<UTC time>]")
+    ap.add_argument("--json", type=Path, help="also write the JSON results here")
+    ap.add_argument("--server", help="use a running server (one runtime) instead of starting one")
+    ap.add_argument("--list", action="store_true", help="list scenarios and exit")
+    return ap
 
 
-def scenario_concurrent_creates(total: int, concurrency: int) -> dict[str, Any]:
-    from e2b import Sandbox
-
-    def one(_: int) -> float:
-        t0 = time.perf_counter()
-        sbx = Sandbox.create("base")
-        sbx.commands.run("true")
-        took = ms_since(t0)
-        sbx.kill()
-        return took
-
-    t0 = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        lat = list(pool.map(one, range(total)))
-    wall = time.perf_counter() - t0
-    return {"creates_per_s": round(total / wall, 1), "concurrency": concurrency, **summary(lat)}
-
-
-def scenario_pause_resume(n: int) -> dict[str, Any]:
-    from e2b import Sandbox
-
-    sbx = Sandbox.create("base")
-    try:
-        pauses, resumes = [], []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            sbx.pause()
-            pauses.append(ms_since(t0))
-            t0 = time.perf_counter()
-            sbx = Sandbox.connect(sbx.sandbox_id)
-            sbx.commands.run("true")
-            resumes.append(ms_since(t0))
-        return {"pause": summary(pauses), "resume (connect + first command)": summary(resumes)}
-    finally:
-        sbx.kill()
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    ap.add_argument("--smoke", action="store_true", help="few iterations, for CI (under a minute)")
-    ap.add_argument("--runtime", default="ns", choices=["ns", "vm"])
-    ap.add_argument("--server", help="use a running server instead of starting one")
-    ap.add_argument("--json", type=Path, help="write results as JSON here")
-    ap.add_argument("--baseline", default="docker", choices=["docker", "runc", "none"])
-    ap.add_argument("--scenarios", default="core",
-                    help="comma list: core (create, round trip, concurrency, pause), snapshots (fork, snapshot, "
-                         "rollback; see bench/snapshots.py) [default: core]")
+def main(argv: list[str] | None = None, prog: str = "python -m bench") -> int:
+    ap = _parser()
+    ap.prog = prog
     args = ap.parse_args(argv)
-    scenarios = {s.strip() for s in args.scenarios.split(",") if s.strip()}
-    if not scenarios <= {"core", "snapshots"}:
-        ap.error(f"unknown scenarios: {', '.join(sorted(scenarios - {'core', 'snapshots'}))}")
-
-    n = 5 if args.smoke else 40
-    server = None
-    if args.server:
-        url = args.server.rstrip("/")
-    else:
-        server = start_server(Path(tempfile.mkdtemp(prefix="aenv-bench-")), args.runtime, {"AENV_POOL_SIZE": "4"})
-        url = server.url
-    os.environ.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=API_KEY, NO_PROXY="127.0.0.1,localhost")
-    results: dict[str, Any] = {
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, kernel {platform.release()}",
-        "runtime": args.runtime,
-        "mode": "smoke" if args.smoke else "full",
-    }
+    if args.list:
+        for name, fn in SCENARIOS.items():
+            print(f"{name:11} {(fn.__doc__ or '').strip().splitlines()[0] if fn.__doc__ else ''}")
+        return 0
     try:
-        if "snapshots" in scenarios:
-            from bench import snapshots
+        names = select(args.scenarios)
+    except ValueError as exc:
+        ap.error(str(exc))
+    runtimes = [r.strip() for r in args.runtime.split(",") if r.strip()]
+    if not runtimes or not set(runtimes) <= {"ns", "vm"}:
+        ap.error(f"--runtime: ns, vm or ns,vm (got {args.runtime!r})")
+    if args.server and len(runtimes) > 1:
+        ap.error("--server serves one runtime; give one --runtime")
 
-            results["snapshots"] = snapshots.run(url, args.smoke)
-        if "core" in scenarios:
-            _core(results, args, n)
-    finally:
-        if server is not None:
-            stop_server(server)
-    if "snapshots" in scenarios:
-        from bench import snapshots
+    out_dir = args.out or Path(__file__).parent / "results" / dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    cmd = " ".join([prog, *(argv if argv is not None else sys.argv[1:])])
+    results: dict[str, Any] = {"meta": report.machine_meta(cmd, "smoke" if args.smoke else "full"), "runs": {}}
+    t0 = time.perf_counter()
+    first = True
+    for runtime in runtimes:
+        results["runs"][runtime] = _run_runtime(runtime, names, args, with_containers=first)
+        first = False
+    results["meta"]["load_after"] = report.loadavg()
+    results["meta"]["wall_s"] = round(time.perf_counter() - t0, 1)
 
-        Console().print(snapshots.table(results["snapshots"]))
-    if "core" in scenarios:
-        Console().print(_core_table(results))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))
+    md = report.render_markdown(results)
+    (out_dir / "results.md").write_text(md)
+    chart = report.render_chart(results, out_dir / "chart.png")
+    print(md)
+    console.print(f"results in {out_dir}" + ("" if chart else f" (no chart: {report.CHART_MISSING})"))
+    failed = [f"{rt}/{s}" for rt, run in results["runs"].items() for s in run.get("errors", {})]
+    if failed:
+        console.print(f"[red]error:[/] scenarios failed: {', '.join(failed)} (details in results.json)")
+        return 1
     return 0
 
 
-def _core(results: dict[str, Any], args: argparse.Namespace, n: int) -> None:
-    """create → first command (with the container baseline), round trip, concurrent creates, pause/resume."""
+def _run_runtime(runtime: str, names: list[str], args: argparse.Namespace, with_containers: bool) -> dict[str, Any]:
+    """Every selected scenario against one server of ``runtime``; a failing scenario is recorded, not fatal."""
+    from aenv.client import AenvClient
+
+    run: dict[str, Any] = {"scenarios": {}, "errors": {}}
+    if runtime == "vm":
+        reason = _vm_unusable()
+        if reason is not None:
+            run["skipped"] = reason
+            console.print(f"[yellow]warning:[/] vm runtime skipped: {reason}")
+            return run
+    with contextlib.ExitStack() as stack:
+        url, state_dir = stack.enter_context(_server(runtime, args.server))
+        os.environ.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=os.environ.get("E2B_API_KEY", API_KEY),
+                          NO_PROXY="127.0.0.1,localhost")
+        client = stack.enter_context(AenvClient(url, os.environ["E2B_API_KEY"]))
+        ctx = Ctx(runtime, url, state_dir, args.smoke, client)
+        with console.status(f"{runtime}: first sandbox (template, warm pool)"):
+            t0 = time.perf_counter()
+            _warm_up()
+            run["first_create_ms"] = round((time.perf_counter() - t0) * 1000, 1)
+        if with_containers and args.baseline != "none":
+            with console.status("starting baselines (private dockerd, runc)"):
+                t0 = time.perf_counter()
+                _open_containers(ctx, stack, args.baseline, run)
+                run["baselines_start_s"] = round(time.perf_counter() - t0, 1)
+        if args.smoke and ctx.docker is not None:
+            run.setdefault("notes", []).append(
+                "smoke run: no docker baseline for concurrent creates, snapshot, fork and the RL loop")
+        if runtime == "vm" and "create" in names and state_dir is not None:
+            from bench.vmboot import QemuColdBoot
+
+            try:
+                ctx.qemu = QemuColdBoot(state_dir)
+            except Exception as exc:
+                run.setdefault("notes", []).append(f"qemu cold boot baseline unavailable: {exc}")
+        for name in names:
+            with console.status(f"{runtime}: {name}"):
+                t0 = time.perf_counter()
+                try:
+                    run["scenarios"][name] = SCENARIOS[name](ctx)
+                    run["scenarios"][name]["wall_s"] = round(time.perf_counter() - t0, 1)
+                except Exception as exc:
+                    run["errors"][name] = f"{type(exc).__name__}: {exc}"
+                    console.print(f"[red]error:[/] {runtime}/{name}: {exc}")
+                    console.print(traceback.format_exc(), markup=False, highlight=False)
+            console.print(f"{runtime}: {name} done in {time.perf_counter() - t0:.1f} s")
+    return run
+
+
+def _warm_up() -> None:
+    """One create + command + kill: builds the template (vm) and lets the warm pool fill."""
+    from e2b import Sandbox
+
+    sbx = Sandbox.create("base", timeout=600)
+    sbx.commands.run("true")
+    sbx.kill()
+    time.sleep(1.0)
+
+
+def _open_containers(ctx: Ctx, stack: contextlib.ExitStack, which: str, run: dict[str, Any]) -> None:
     from aenv.config import load_settings
     from aenv.images.bootstrap import ensure_base_rootfs
+    from bench.baselines import DockerBaseline, RuncBaseline
 
     rootfs = ensure_base_rootfs(load_settings())
-    time.sleep(1.0)  # let the warm pool fill
-    with console.status("create → first command"):
-        if args.baseline == "none":
-            results["create_first_command"] = scenario_create_first_command(n, None)
+    classes: list[Any] = [DockerBaseline, RuncBaseline] if which == "docker" else [RuncBaseline]
+    for cls in classes:
+        try:
+            b = cls(rootfs)
+        except Exception as exc:
+            run.setdefault("notes", []).append(f"{cls.name} baseline unavailable: {exc}")
+            continue
+        stack.callback(b.close)
+        if cls is DockerBaseline:
+            ctx.docker = b
         else:
-            with container_baseline(rootfs, prefer=args.baseline) as base:
-                results["create_first_command"] = scenario_create_first_command(n, base)
-    with console.status("commands.run round trip"):
-        results["round_trip"] = scenario_run_true(n * 4)
-    with console.status("concurrent creates"):
-        results["concurrent_creates"] = scenario_concurrent_creates(16 if args.smoke else 64, 16)
-    with console.status("pause / resume"):
-        results["pause_resume"] = scenario_pause_resume(3 if args.smoke else 20)
+            ctx.runc = b
 
 
-def _core_table(results: dict[str, Any]) -> Table:
-    table = Table(title=f"aenv bench ({results['runtime']}, {results['mode']})")
-    for col in ("scenario", "p50 ms", "p95 ms", "n", "note"):
-        table.add_column(col)
+@contextlib.contextmanager
+def _server(runtime: str, url: str | None) -> Iterator[tuple[str, Path | None]]:
+    if url:
+        env_state = os.environ.get("AENV_STATE_DIR")
+        yield url.rstrip("/"), Path(env_state) if env_state else None
+        return
+    extra = {"AENV_POOL_SIZE": "4"}
+    if runtime == "vm":
+        extra["AENV_VM_EXPERIMENTAL"] = "1"
+    tmp = Path(tempfile.mkdtemp(prefix="aenv-bench-"))
+    server = start_server(tmp, runtime, extra)
+    try:
+        yield server.url, server.state_dir
+    finally:
+        stop_server(server)
+        if str(tmp) not in Path("/proc/mounts").read_text():  # never rmtree through a live mount
+            shutil.rmtree(tmp, ignore_errors=True)
 
-    def row(name: str, s: dict[str, Any], note: str = "") -> None:
-        table.add_row(name, f"{s['p50_ms']:.2f}", f"{s['p95_ms']:.2f}", str(s["n"]), note)
 
-    cf = results["create_first_command"]
-    row("create → first command", cf["aenv"])
-    if "baseline" in cf:
-        row(f"  baseline: {cf['baseline']['name']} /bin/true", cf["baseline"], f"aenv {cf['speedup_p50']}× faster (p50)")
-    for k, v in results["round_trip"].items():
-        row(k, v)
-    cc = results["concurrent_creates"]
-    row(f"create+run+kill @ concurrency {cc['concurrency']}", cc, f"{cc['creates_per_s']} creates/s")
-    for k, v in results["pause_resume"].items():
-        row(k, v)
-    return table
+def _vm_unusable() -> str | None:
+    from aenv.config import load_settings
+    from aenv.runtime.vm.runtime import EXPERIMENTAL_ENV, unavailable_reason
+
+    os.environ.setdefault(EXPERIMENTAL_ENV, "1")  # --runtime vm is the explicit opt-in
+    return unavailable_reason(load_settings())
 
 
 if __name__ == "__main__":

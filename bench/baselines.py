@@ -142,7 +142,9 @@ class DockerBaseline:
 @contextmanager
 def container_baseline(rootfs: Path, prefer: str = "docker") -> Iterator[DockerBaseline | RuncBaseline | None]:
     """The best available baseline: docker if it can be started here, else runc, else None."""
-    order = [DockerBaseline, RuncBaseline] if prefer == "docker" else [RuncBaseline]
+    order: list[type[DockerBaseline] | type[RuncBaseline]] = (
+        [DockerBaseline, RuncBaseline] if prefer == "docker" else [RuncBaseline]
+    )
     for cls in order:
         try:
             b = cls(rootfs)

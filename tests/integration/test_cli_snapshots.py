@@ -24,6 +24,8 @@ def test_cli_snapshot_fork_rollback(server: Server) -> None:
             r = aenv(server, "snapshot", "create", sid)  # full by default
             assert r.returncode == 1
             assert r.stderr.decode().startswith("error: server answered 409") and b"filesystem" in r.stderr
+            assert f"hint: take a files-only snapshot: aenv snapshot create {sid} --mode filesystem" \
+                in r.stderr.decode()
         listed = json.loads(aenv(server, "snapshot", "ls", "--sandbox", sid, "-o", "json").stdout)
         assert [s["snapshotID"] for s in listed] == [snap] and listed[0]["names"] == ["cli-snap"]
         assert b"cli-snap" in aenv(server, "snapshot", "ls").stdout

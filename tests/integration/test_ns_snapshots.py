@@ -148,10 +148,14 @@ def test_fork_reports_mode_via_rest(server: Server, sandboxes: list[Any]) -> Non
     assert point["mode"] == want
     assert point["sandboxID"] == src.sandbox_id
     assert sorted(point["usedBy"]) == sorted(e["sandbox"]["sandboxID"] for e in body)
-    # the internal fork point is collected once no child needs it
+    # the internal fork point stays while the source's lineage points at it (rollback target), and is
+    # collected once neither the source nor any child needs it
     for entry in body:
         assert api(server, "DELETE", f"/sandboxes/{entry['sandbox']['sandboxID']}").status_code == 204
-    assert not (server.state_dir / "snapshots" / body[0]["snapshotID"]).exists()
+    point_dir = server.state_dir / "snapshots" / body[0]["snapshotID"]
+    assert point_dir.is_dir()
+    src.kill()
+    assert not point_dir.exists()
 
 
 def test_rollback_same_id_and_token(server: Server, sandboxes: list[Any]) -> None:

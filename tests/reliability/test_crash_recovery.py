@@ -130,8 +130,9 @@ def _trigger(action: str, server: Server, conn: dict[str, str], victim: Sandbox 
         else:
             assert victim is not None
             with api(server) as c:
-                path = "snapshots" if action == "snapshot" else "fork"
-                c.post(f"/sandboxes/{victim.sandbox_id}/{path}", json={})
+                # filesystem snapshots work on every runtime; "full" needs CRIU or the vm runtime
+                path, body = ("snapshots", {"mode": "filesystem"}) if action == "snapshot" else ("fork", {})
+                c.post(f"/sandboxes/{victim.sandbox_id}/{path}", json=body)
             raise RuntimeError("request returned")
 
 

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from aenv import __version__
@@ -97,7 +97,9 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
         return JSONResponse({"status": "ok", "version": __version__})
 
     @api.get("/metrics", response_class=PlainTextResponse)
-    async def prometheus() -> PlainTextResponse:
+    async def prometheus(request: Request) -> PlainTextResponse:
+        if not settings.metrics_public:  # the config promises a key-protected /metrics when asked
+            await require_api_key(request)
         orch = holder.get("orch")
         lines = ["# HELP aenv_sandboxes Sandboxes by state", "# TYPE aenv_sandboxes gauge"]
         if orch is not None:

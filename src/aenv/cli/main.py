@@ -122,6 +122,20 @@ def doctor(output: str = typer.Option("text", "--output", "-o", help="text | jso
         p.data(f"{key:>18}: {value}")
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, add_help_option=False)
+def bench(ctx: typer.Context) -> None:
+    """Run the benchmark suite (same as `python -m bench`; needs a repo checkout). `aenv bench --help`."""
+    root = Path(__file__).resolve().parents[3]
+    if (root / "bench" / "__main__.py").is_file() and str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        from bench.__main__ import main as bench_main
+    except ImportError as exc:
+        Printer().fail("the benchmark suite is not importable", causes=[str(exc)],
+                       hint="run it from a checkout of the aenv repository: `python -m bench`")
+    raise typer.Exit(bench_main(list(ctx.args), prog="aenv bench"))
+
+
 # ---- sandbox commands ----------------------------------------------------------------------------
 @app.command()
 def start(
@@ -488,7 +502,12 @@ def snapshot_create(
     if mode not in ("full", "filesystem"):
         client.printer.fail(f"unknown mode '{mode}'", hint="use --mode full or --mode filesystem", status=ExitStatus.USAGE)
     body: dict[str, Any] = {"mode": mode, **({"name": name} if name else {})}
-    resp = client.request("POST", f"/sandboxes/{sandbox_id}/snapshots", json=body)
+    resp = client.request("POST", f"/sandboxes/{sandbox_id}/snapshots", json=body, ok=(201, 409))
+    if resp.status_code == 409:
+        message = resp.json().get("message", resp.text)
+        hint = f"take a files-only snapshot: aenv snapshot create {sandbox_id} --mode filesystem" \
+            if mode == "full" and "filesystem" in message else None
+        client.printer.fail(f"server answered 409: {message}", hint=hint)
     row = resp.json()
     client.printer.data(row["snapshotID"])
     client.printer.info(f"snapshot of {sandbox_id}: mode {row['mode']}, {(row.get('sizeBytes') or 0) / 1e6:.1f} MB")

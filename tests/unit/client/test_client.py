@@ -10,7 +10,6 @@ from aenv.client import AenvClient, ConflictError, NotFoundError, ServerUnreacha
 from tests.unit.api.conftest import FakeRuntime
 
 
-
 @pytest.fixture
 def aenv_client(client: TestClient) -> AenvClient:
     return AenvClient("http://testserver", "e2b_" + "0" * 40, transport=client._transport)

@@ -9,10 +9,11 @@ import stat
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from aenv.core.errors import StateError
+from aenv.core.errors import InvalidRequest, StateError
 from aenv.runtime.base import SnapshotResult
 from aenv.runtime.ns import snapshot as snap
 
@@ -170,3 +171,81 @@ def test_stack_of_rebuilds_the_layers(tmp_path: Path) -> None:
         snap.stack_of(tmp_path, SnapshotResult(mode="filesystem", data={}))
     with pytest.raises(StateError, match="missing its files"):
         snap.stack_of(tmp_path / "nope", result)
+
+
+# ---- full mode with a (fake) usable CRIU: the order of operations and the refusals ---------------
+class _FakeCgroup:
+    def __init__(self, log: list[str], tmp: Path) -> None:
+        self.log, self.tmp, self.is_frozen = log, tmp, False
+
+    def frozen(self) -> bool:
+        return self.is_frozen
+
+    def freeze(self) -> None:
+        self.is_frozen = True
+        self.log.append("freeze")
+
+    def thaw(self) -> None:
+        self.is_frozen = False
+        self.log.append("thaw")
+
+    def dir(self, controller: str) -> Path:
+        return self.tmp / "cg" / controller / "sb1"
+
+
+def _fake_runtime(tmp: Path, log: list[str], allow_internet: bool = False) -> Any:
+    from types import SimpleNamespace
+
+    from aenv.runtime.ns.process import ProcRef
+    from aenv.runtime.ns.sandbox import Paths
+
+    paths = Paths(tmp / "sbx")
+    paths.upper.mkdir(parents=True)
+    sbx = SimpleNamespace(cgroup=_FakeCgroup(log, tmp), init=ProcRef(4242, 1), paths=paths,
+                          allow_internet=allow_internet, lowers=["/rootfs"], snapshot_depth=0)
+    return SimpleNamespace(_get=lambda sid: sbx, _specs={})
+
+
+@pytest.fixture
+def usable_criu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aenv.runtime.ns import criu
+
+    status = criu.CriuStatus("/opt/criu", (4, 2, 1), True, "criu 4.2.1 at /opt/criu")
+    monkeypatch.setattr(criu, "probe", lambda refresh=False: status)
+
+
+async def test_full_snapshot_dumps_while_frozen(tmp_path: Path, usable_criu: None,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    log: list[str] = []
+
+    def run(argv: list[str]) -> None:
+        log.append(argv[1] if argv[0] == "/opt/criu" else argv[0])
+        if argv[0] == "cp":
+            Path(argv[-1]).mkdir()
+
+    monkeypatch.setattr(snap, "_run", run)
+    into = tmp_path / "snap"
+    into.mkdir()
+    ns = snap.NsSnapshots(_fake_runtime(tmp_path, log))
+    result = await ns.snapshot("sb1", into, "full")
+    assert log == ["freeze", "dump", "cp", "thaw"]
+    assert result.mode == "full" and result.layers == ("upper", "criu")
+    assert result.data["criu"] == "4.2.1 at /opt/criu" and (into / "upper").is_dir()
+
+
+async def test_full_snapshot_refusals(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, usable_criu: None) -> None:
+    ns = snap.NsSnapshots(_fake_runtime(tmp_path, [], allow_internet=True))
+    with pytest.raises(StateError, match="internet"):
+        await ns.snapshot("sb1", tmp_path, "full")
+    assert ns.best_mode(ns.rt._get("sb1")) == "filesystem"
+
+
+async def test_full_snapshot_refused_without_criu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from aenv.runtime.ns import criu
+
+    monkeypatch.setattr(criu, "probe", lambda refresh=False: criu.evaluate(None))
+    ns = snap.NsSnapshots(_fake_runtime(tmp_path, []))
+    with pytest.raises(StateError, match="can only take filesystem snapshots here.*CRIU"):
+        await ns.snapshot("sb1", tmp_path, "full")
+    with pytest.raises(InvalidRequest):
+        await ns.snapshot("sb1", tmp_path, "memory")

@@ -170,21 +170,39 @@ class NsRuntime:
     async def create(self, spec: SandboxSpec) -> RuntimeState:
         return await self._launch_ready(spec, spec.template, (), use_pool=True)
 
+    async def _prelaunch(self, name: str, root: Path, spec: SandboxSpec, template: TemplateImage,
+                         snapshot_layers: tuple[str, ...]) -> NsSandbox:
+        """Launch a sandbox for ``spec`` under a temporary name and directory (the rollback path
+        starts the new one while the old one is still being stopped); ``_launch_ready(prelaunched=…)``
+        then renames it into place, as the pool's hand-out does."""
+        await self.start()
+        assert self.layout is not None
+        await self._ensure_tools()
+        opts = replace(self._opts(template, spec.allow_internet, (spec.cpu_count, spec.memory_mb, spec.pids_limit)),
+                       snapshot_layers=snapshot_layers)
+        return await NsSandbox.launch(name, root, self.layout, opts, self.host_addrs, timeout=self.launch_timeout)
+
     async def _launch_ready(self, spec: SandboxSpec, template: TemplateImage, snapshot_layers: tuple[str, ...],
-                            *, root: Path | None = None, use_pool: bool = False) -> RuntimeState:
+                            *, root: Path | None = None, use_pool: bool = False,
+                            prelaunched: NsSandbox | None = None) -> RuntimeState:
         """Start ``spec`` on ``template``'s lowers with ``snapshot_layers`` stacked on top (a snapshot
         restore) and initialise envd. ``root`` defaults to ``<workdir>/ns``; rollback passes the
-        existing one. Cleans up after itself on any failure."""
+        existing one (and possibly a ``prelaunched`` sandbox to rename into it). Cleans up after
+        itself on any failure."""
         await self.start()
         assert self.layout is not None
         sid = spec.sandbox_id
         if sid in self._sandboxes:
             raise StateError(f"sandbox {sid} already exists", sandbox_id=sid)
         limits = (spec.cpu_count, spec.memory_mb, spec.pids_limit)
+        in_place = root is not None  # rollback: on failure remove only the ns dir, not the whole workdir
         root = root or spec.workdir / "ns"
-        sbx = self.pool.take(spec.template, spec.allow_internet) if use_pool and not snapshot_layers else None
+        sbx = prelaunched or (
+            self.pool.take(spec.template, spec.allow_internet) if use_pool and not snapshot_layers else None)
         try:
-            if sbx is not None:
+            if sbx is not None and sbx is prelaunched:
+                await asyncio.to_thread(sbx.rename, sid, root)
+            elif sbx is not None:
                 await asyncio.to_thread(self._hand_out, sbx, sid, root, limits)
             else:
                 await self._ensure_tools()
@@ -197,7 +215,7 @@ class NsRuntime:
                 default_workdir=spec.template.workdir))
         except BaseException as exc:
             if sbx is not None:
-                await sbx.aclose(remove_dir=spec.workdir)
+                await sbx.aclose(remove_dir=None if in_place else spec.workdir)
             if isinstance(exc, (EnvdError, MuxError)):
                 raise SandboxUnreachable(f"sandbox {sid}: envd did not come up: {exc}", sandbox_id=sid) from exc
             if isinstance(exc, Exception) and not isinstance(exc, RuntimeFailure | StateError):

@@ -22,7 +22,9 @@ agent + envd (about as fast as a pool miss), and the next snapshot of that sandb
 what changed since (an incremental layer). Chains deeper than ``MAX_DEPTH`` snapshot layers, or
 whose overlay mount options would not fit in one page, are compacted at snapshot time: the new
 snapshot's ``upper`` is the merge of every snapshot layer below it plus the sandbox's upper, and it
-rests on the template lowers alone.
+rests on the template lowers alone. **Rollback** keeps the sandbox's ID, token, directory and cgroup
+name: the new sandbox starts under a temporary name while the old one is killed, then is renamed
+into place (see ``NsSnapshots.rollback``).
 
 **Full mode** (processes + memory) needs CRIU >= 4.2, detected at run time (``criu.py``); without it
 a full snapshot is refused with StateError (→ 409), never silently downgraded. Fork asks for the best
@@ -36,6 +38,7 @@ import contextlib
 import errno
 import logging
 import os
+import secrets
 import shutil
 import stat
 import subprocess
@@ -182,6 +185,7 @@ class NsSnapshots:
 
     def __init__(self, rt: NsRuntime) -> None:
         self.rt = rt
+        self._cleanups: set[asyncio.Task[None]] = set()
 
     # -- what is possible --
     def criu_status(self) -> criu.CriuStatus:
@@ -292,16 +296,59 @@ class NsSnapshots:
         return result, list(states)
 
     async def rollback(self, sandbox_id: str, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
+        """Same ID, token, directory and cgroup name; files from the snapshot, processes started fresh.
+
+        Filesystem mode starts the new sandbox (snapshot layers, empty upper) under a temporary
+        name *while* the old one is being killed, then swaps directories and renames the cgroup
+        into place, as a pool hand-out does: the call costs about max(stop, start), not their sum.
+        The old upper is kept aside until the swap succeeded; if anything fails, the sandbox is
+        restarted on its own files and the error is raised."""
         layers, lowers = stack_of(snapshot, result)
         sbx = self.rt._get(sandbox_id)
         root = sbx.paths.root
-        # The old processes go; the directory (and with it the sandbox ID and cgroup name) stays.
+        old_lowers, old_depth = self._stack(sandbox_id, sbx)
+        token = secrets.token_hex(4)
+        aside = root.parent / f".rollback-old-{token}"  # in the workdir: removed with the sandbox
+        template = replace(spec.template, lowers=lowers)
         self.rt._sandboxes.pop(sandbox_id, None)
-        await sbx.stop()
-        await asyncio.to_thread(_reset_dir, root)
-        if result.mode == "full":
-            return await self._restore_full(spec, snapshot, result, layers, lowers, root=root)
-        return await self.rt._launch_ready(spec, replace(spec.template, lowers=lowers), layers, root=root)
+        fresh: asyncio.Task[NsSandbox] | None = None
+        new: NsSandbox | None = None
+        if result.mode != "full":
+            fresh = asyncio.create_task(self.rt._prelaunch(
+                f"rb-{token}", root.parent / f".rollback-new-{token}", spec, template, layers))
+        try:
+            await sbx.stop()
+            if fresh is not None:
+                new = await fresh
+                await asyncio.to_thread(os.rename, root, aside)
+                state = await self.rt._launch_ready(spec, template, layers, root=root, prelaunched=new)
+            else:
+                await asyncio.to_thread(_set_aside, root, aside)
+                state = await self._restore_full(spec, snapshot, result, layers, lowers, root=root)
+        except Exception:
+            log.warning("sandbox=%s rollback to %s failed; restarting it on its own files", sandbox_id, snapshot.name)
+            if new is not None:
+                await new.aclose()  # idempotent: _launch_ready may have closed it already
+            try:
+                await asyncio.to_thread(_take_back, root, aside)
+                await self.rt._launch_ready(
+                    spec, replace(spec.template, lowers=tuple(Path(p) for p in old_lowers[old_depth:])),
+                    tuple(old_lowers[:old_depth]), root=root)
+            except Exception:
+                log.exception("sandbox=%s could not be restarted after a failed rollback", sandbox_id)
+            raise
+        finally:
+            if fresh is not None and not fresh.done():
+                fresh.cancel()
+        self._discard(aside)
+        return state
+
+    def _discard(self, path: Path) -> None:
+        """Remove a set-aside upper in the background (its size must not add to rollback latency);
+        reconciliation removes it if the server dies first."""
+        task = asyncio.get_running_loop().create_task(asyncio.to_thread(shutil.rmtree, path, True))
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
 
     async def _restore_full(self, spec: SandboxSpec, snapshot: Path, result: SnapshotResult,
                             layers: tuple[str, ...], lowers: tuple[Path, ...], root: Path | None = None) -> RuntimeState:
@@ -379,7 +426,24 @@ def _clean_capture(into: Path) -> None:
             shutil.rmtree(into / name)
 
 
-def _reset_dir(root: Path) -> None:
-    """Empty upper/work/run of a stopped sandbox so it can be relaunched in place."""
-    for name in ("upper", "work", "run", "rootfs"):
+def _set_aside(root: Path, aside: Path) -> None:
+    """Move a stopped sandbox's upper to ``aside`` and empty the rest (work, run, mount point), so it
+    can be relaunched in place."""
+    aside.mkdir(parents=True)
+    if (root / "upper").exists():
+        os.rename(root / "upper", aside / "upper")
+    for name in ("work", "run", "rootfs"):
         shutil.rmtree(root / name, ignore_errors=True)
+
+
+def _take_back(root: Path, aside: Path) -> None:
+    """Undo ``_set_aside`` (or the swap) after a failed start: the old upper goes back into ``root``,
+    everything else there is made fresh. A no-op for the upper if it never left ``root``."""
+    if (aside / "upper").exists():
+        shutil.rmtree(root / "upper", ignore_errors=True)
+    for name in ("work", "run", "rootfs"):
+        shutil.rmtree(root / name, ignore_errors=True)
+    root.mkdir(parents=True, exist_ok=True)
+    if (aside / "upper").exists():
+        os.rename(aside / "upper", root / "upper")
+    shutil.rmtree(aside, ignore_errors=True)

@@ -1,0 +1,40 @@
+"""What every scenario gets: the server under test, its runtime, the baselines that could be started,
+and how many samples to take."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from aenv.client import AenvClient
+    from bench.baselines import DockerBaseline, RuncBaseline
+    from bench.vmboot import QemuColdBoot
+
+
+@dataclass
+class Ctx:
+    runtime: str  # "ns" | "vm"
+    url: str
+    state_dir: Path | None  # None with --server (density then needs AENV_STATE_DIR)
+    smoke: bool
+    client: AenvClient
+    docker: DockerBaseline | None = None
+    runc: RuncBaseline | None = None
+    qemu: QemuColdBoot | None = None
+
+    @property
+    def system(self) -> str:
+        return f"aenv-{self.runtime}"
+
+    def heavy_docker(self) -> DockerBaseline | None:
+        """The docker baseline for scenarios where it costs many seconds (bursts, commit + run ×16): not in
+        ``--smoke``, which must stay under a minute."""
+        return None if self.smoke else self.docker
+
+    def n(self, smoke: int, full: int, vm: int | None = None) -> int:
+        """Sample count: ``vm`` (if given) caps the full count on the vm runtime, slow under TCG."""
+        if self.smoke:
+            return smoke
+        return min(full, vm) if vm is not None and self.runtime == "vm" else full

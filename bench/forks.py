@@ -1,0 +1,128 @@
+"""Snapshot vs dirty MB, fork ×{1,4,16} and rollback, in the suite's row shape.
+
+The aenv side is ``bench/snapshots.py`` (its scenario functions, one repetition per call so the
+container baseline can be sampled in between); the docker side does the same job with ``docker commit``
+(+ ``docker run`` of the committed image for a fork). Docker has no memory snapshot and no rollback in
+place: its fork copies files only, which the notes say.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+import uuid
+from typing import Any
+
+from bench import snapshots
+from bench.baselines import DockerBaseline
+from bench.context import Ctx
+from bench.rows import ms_since, row, scenario
+
+DIRTY_MB = (0, 10, 100)
+FORK_COUNTS = (1, 4, 16)
+
+
+def _docker_commit_dirty(docker: DockerBaseline, mb: int) -> float:
+    cid = docker.start_idle()
+    tag = f"aenv-bench-dirty:{uuid.uuid4().hex[:8]}"
+    try:
+        if mb:
+            docker.exec_(cid, f"head -c {mb * 1000000} /dev/urandom > /tmp/dirty")
+        t0 = time.perf_counter()
+        docker.commit(cid, tag)
+        return ms_since(t0)
+    finally:
+        docker.remove(cid)
+        docker.remove_image(tag)
+
+
+def snapshot_dirty(ctx: Ctx) -> dict[str, Any]:
+    """Snapshot (mode filesystem) of a sandbox with 0/10/100 MB written vs `docker commit`."""
+    reps = ctx.n(1, 5, vm=3)
+    ours: dict[int, list[float]] = {mb: [] for mb in DIRTY_MB}
+    theirs: dict[int, list[float]] = {mb: [] for mb in DIRTY_MB}
+    sizes: dict[int, float] = {}
+    for i in range(reps):
+        for mb in DIRTY_MB:
+            steps = [("aenv", mb), ("docker", mb)] if i % 2 == 0 else [("docker", mb), ("aenv", mb)]
+            for who, size in steps:
+                if who == "aenv":
+                    r = snapshots.scenario_snapshot_dirty(ctx.client, [size], 1)[f"{size} MB"]
+                    ours[size].append(r["p50_ms"])
+                    sizes[size] = r["snapshot_mb"]
+                elif (docker := ctx.heavy_docker()) is not None:
+                    theirs[size].append(_docker_commit_dirty(docker, size))
+    rows = []
+    for mb in DIRTY_MB:
+        rows.append(row(f"snapshot, {mb} MB dirty", ctx.system, ours[mb],
+                        note=f"mode filesystem, snapshot {sizes.get(mb, 0)} MB"))
+        if theirs[mb]:
+            rows.append(row(f"snapshot, {mb} MB dirty", "docker", theirs[mb], note="`docker commit`"))
+    return scenario("snapshot latency against dirty data", rows)
+
+
+def _docker_fork(docker: DockerBaseline, n: int) -> float:
+    """Commit a prepared container, then start ``n`` containers of it until each answers an exec."""
+    src = docker.start_idle()
+    tag = f"aenv-bench-fork:{uuid.uuid4().hex[:8]}"
+    kids: list[str] = []
+    try:
+        docker.exec_(src, "head -c 1000000 /dev/urandom > /tmp/state")
+
+        def child(_: int) -> str:
+            cid = docker.start_idle(tag)
+            docker.docker("exec", cid, "true")
+            return cid
+
+        t0 = time.perf_counter()
+        docker.commit(src, tag)
+        with concurrent.futures.ThreadPoolExecutor(min(n, 16)) as pool:
+            kids = list(pool.map(child, range(n)))
+        return ms_since(t0)
+    finally:
+        docker.remove(src, *kids)
+        docker.remove_image(tag)
+
+
+def fork(ctx: Ctx) -> dict[str, Any]:
+    """Fork ×{1,4,16} until every child answers vs `docker commit` + `docker run` ×n."""
+    reps = ctx.n(1, 5, vm=3)
+    ours: dict[int, list[float]] = {n: [] for n in FORK_COUNTS}
+    calls: dict[int, list[float]] = {n: [] for n in FORK_COUNTS}
+    theirs: dict[int, list[float]] = {n: [] for n in FORK_COUNTS}
+    mode = None
+    for i in range(reps):
+        for n in FORK_COUNTS:
+            order = ["aenv", "docker"] if i % 2 == 0 else ["docker", "aenv"]
+            for who in order:
+                if who == "aenv":
+                    r = snapshots.scenario_fork(ctx.client, [n], 1)[f"x{n}"]
+                    ours[n].append(r["all_answering"]["p50_ms"])
+                    calls[n].append(r["fork_call"]["p50_ms"])
+                    mode = r["mode"]
+                elif (docker := ctx.heavy_docker()) is not None:
+                    theirs[n].append(_docker_fork(docker, n))
+    rows = []
+    for n in FORK_COUNTS:
+        rows.append(row(f"fork ×{n} → all children answer", ctx.system, ours[n], note=f"mode {mode}"))
+        rows.append(row(f"fork ×{n}: the fork call", ctx.system, calls[n]))
+        if theirs[n]:
+            rows.append(row(f"fork ×{n} → all children answer", "docker", theirs[n],
+                            note="`docker commit` + `docker run` ×n + exec (files only)"))
+    return scenario("fork a running sandbox into n children", rows,
+                    [f"aenv fork mode on {ctx.runtime}: {mode} (filesystem = files copied, processes not)"])
+
+
+def rollback(ctx: Ctx) -> dict[str, Any]:
+    """Rollback in place, and create from a snapshot → first command (no docker equivalent)."""
+    r = snapshots.scenario_create_and_rollback(ctx.client, ctx.n(3, 10, vm=5))
+
+    def from_summary(metric: str, s: dict[str, Any]) -> dict[str, Any]:
+        # bench/snapshots.py keeps n, p50, min and max only: the p95/p99 columns show the max
+        return {"metric": metric, "system": ctx.system, "unit": "ms", "n": int(s["n"]), "p50": s["p50_ms"],
+                "p95": s["max_ms"], "p99": s["max_ms"], "min": s["min_ms"], "max": s["max_ms"],
+                "note": "p95/p99 = max"}
+
+    rows = [from_summary(k, r[k])
+            for k in ("create from snapshot → first command", "rollback call", "rollback → first command")]
+    return scenario("rollback in place and create from a snapshot", rows, ["docker has no rollback in place"])

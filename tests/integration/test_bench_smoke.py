@@ -1,0 +1,69 @@
+"""CI smoke of the benchmark suite: ``python -m bench --smoke`` on ns runs every scenario and writes results of
+the documented shape. Only shapes are checked (samples taken, numbers positive and ordered), never timings.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.__main__ import SCENARIOS
+
+REPO = Path(__file__).resolve().parents[2]
+PERCENTILES = ("min", "p50", "p95", "p99", "max")
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:  # type: ignore[type-arg]
+    if os.geteuid() != 0:
+        pytest.skip("the ns runtime needs root")
+    tmp = tmp_path_factory.mktemp("bench")
+    env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--smoke", "--runtime", "ns", "--json", str(tmp / "smoke.json"),
+         "--out", str(tmp / "out")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"bench failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads((tmp / "smoke.json").read_text()), tmp / "out"
+
+
+@pytest.mark.timeout(300)
+def test_every_scenario_ran_on_ns(smoke: tuple[dict, Path]) -> None:  # type: ignore[type-arg]
+    results, _ = smoke
+    run = results["runs"]["ns"]
+    assert run["errors"] == {}
+    assert set(run["scenarios"]) == set(SCENARIOS)
+    for name, sc in run["scenarios"].items():
+        assert sc["title"] and sc["rows"], name
+        assert any(r["system"] == "aenv-ns" for r in sc["rows"]), name
+
+
+@pytest.mark.timeout(300)
+def test_rows_have_samples_and_sane_numbers(smoke: tuple[dict, Path]) -> None:  # type: ignore[type-arg]
+    results, _ = smoke
+    for name, sc in results["runs"]["ns"]["scenarios"].items():
+        for r in sc["rows"]:
+            where = f"{name}: {r['metric']} [{r['system']}]"
+            assert r["n"] > 0, where
+            assert r["unit"] in {"ms", "MB", "/s", "count"}, where
+            values = [r[k] for k in PERCENTILES]
+            assert all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values), where
+            assert values == sorted(values), where
+
+
+@pytest.mark.timeout(300)
+def test_fork_counts_and_meta(smoke: tuple[dict, Path]) -> None:  # type: ignore[type-arg]
+    results, out = smoke
+    metrics = {r["metric"] for r in results["runs"]["ns"]["scenarios"]["fork"]["rows"]}
+    assert {f"fork ×{n} → all children answer" for n in (1, 4, 16)} <= metrics
+    meta = results["meta"]
+    assert meta["mode"] == "smoke" and meta["command"].startswith("python -m bench")
+    assert len(meta["load_before"]) == 3 and meta["machine"]
+    assert (out / "results.json").is_file() and "| scenario |" in (out / "results.md").read_text()
