@@ -179,8 +179,10 @@ def _reap(*_: object) -> None:
             return
 
 
-def serve(path: str) -> None:
+def serve(path: str, parent: int | None = None) -> None:
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if parent is not None and os.getppid() != parent:
+        os._exit(0)  # the server died before the death signal was armed: nobody will ever ask us
     _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     missing = preload()
     signal.signal(signal.SIGCHLD, _reap)
@@ -214,8 +216,9 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(prog="aenv.agent.zygote", description=__doc__)
     ap.add_argument("--socket", required=True)
+    ap.add_argument("--parent", type=int, default=None, help="exit at once unless this is still our parent")
     args = ap.parse_args(argv)
-    serve(args.socket)
+    serve(args.socket, args.parent)
 
 
 if __name__ == "__main__":

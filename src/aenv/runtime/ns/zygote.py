@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,8 @@ class Zygote:
                 self._proc = None
             self.socket_path.parent.mkdir(parents=True, exist_ok=True)
             proc = Reaped.spawn(
-                [*launch_argv(str(self.tools)), "-m", "aenv.agent.zygote", "--socket", str(self.socket_path)],
+                [*launch_argv(str(self.tools)), "-m", "aenv.agent.zygote", "--socket", str(self.socket_path),
+                 "--parent", str(os.getpid())],
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             )
             try:
