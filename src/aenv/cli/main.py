@@ -211,17 +211,16 @@ def ls(
     if output == "json":
         client.printer.json(items)
         return
-    from rich.table import Table
-
-    table = Table(box=None)
-    for col in ("SANDBOX ID", "TEMPLATE", "STATE", "STARTED", "ENDS", "CPU", "MEM MB"):
-        table.add_column(col)
-    for s in items:
-        table.add_row(
-            s["sandboxID"], s.get("alias") or s["templateID"], s["state"], s["startedAt"][:19], s["endAt"][:19],
-            str(s["cpuCount"]), str(s["memoryMB"]),
-        )
-    client.printer.out.print(table)
+    client.printer.table(
+        ("SANDBOX ID", "TEMPLATE", "STATE", "STARTED", "ENDS", "CPU", "MEM MB"),
+        (
+            (
+                s["sandboxID"], s.get("alias") or s["templateID"], s["state"], s["startedAt"][:19],
+                s["endAt"][:19], str(s["cpuCount"]), str(s["memoryMB"]),
+            )
+            for s in items
+        ),
+    )
 
 
 @app.command()
@@ -349,14 +348,13 @@ def cache_ls(
         f"{u['used'] / 1e6:.1f} MB used of {u['budget'] / 1e6:.0f} MB budget, {u['pinned'] / 1e6:.1f} MB pinned, "
         f"{u['entries']} entries"
     )
-    from rich.table import Table
-
-    table = Table(box=None)
-    for col in ("DIGEST", "KIND", "SIZE MB", "PINNED BY"):
-        table.add_column(col)
-    for e in data["entries"]:
-        table.add_row(e["digest"][7:19], e["kind"], f"{e['size'] / 1e6:.1f}", ",".join(e["pinned_by"])[:40])
-    client.printer.out.print(table)
+    client.printer.table(
+        ("DIGEST", "KIND", "SIZE MB", "PINNED BY"),
+        (
+            (e["digest"][7:19], e["kind"], f"{e['size'] / 1e6:.1f}", ",".join(e["pinned_by"])[:40])
+            for e in data["entries"]
+        ),
+    )
 
 
 @cache_app.command("prune")
@@ -384,28 +382,28 @@ def template_ls(
     if output == "json":
         client.printer.json(items)
         return
-    from rich.table import Table
+    client.printer.table(
+        ("TEMPLATE ID", "NAME", "KIND", "SOURCE", "SIZE MB", "CREATED"),
+        (
+            (t["templateID"], ",".join(t["aliases"]), t.get("kind", ""), t.get("source") or "", f"{(t.get('sizeBytes') or 0) / 1e6:.0f}", t["createdAt"][:19],)
+            for t in items
+        ),
+    )
 
-    table = Table(box=None)
-    for col in ("TEMPLATE ID", "NAME", "KIND", "SOURCE", "SIZE MB", "CREATED"):
-        table.add_column(col)
-    for t in items:
-        table.add_row(
-            t["templateID"], ",".join(t["aliases"]), t.get("kind", ""), t.get("source") or "",
-            f"{(t.get('sizeBytes') or 0) / 1e6:.0f}", t["createdAt"][:19],
-        )
-    client.printer.out.print(table)
+
+def _delete_templates(client: ServerClient, names: list[str]) -> None:
+    """Templates and snapshots share one E2B route: ``DELETE /templates/{id}`` (IDs may contain '/')."""
+    from urllib.parse import quote
+
+    for name in names:
+        client.request("DELETE", f"/templates/{quote(name, safe='')}")
+        client.printer.info(f"removed {name}")
 
 
 @template_app.command("rm")
 def template_rm(names: list[str], server: Optional[str] = ServerOpt, api_key: Optional[str] = KeyOpt) -> None:
     """Remove templates (refused while sandboxes use them)."""
-    from urllib.parse import quote
-
-    client = _client(server, api_key)
-    for name in names:
-        client.request("DELETE", f"/templates/{quote(name, safe='')}")
-        client.printer.info(f"removed {name}")
+    _delete_templates(_client(server, api_key), names)
 
 
 @template_app.command("build")
@@ -527,28 +525,19 @@ def snapshot_ls(
     if output == "json":
         client.printer.json(items)
         return
-    from rich.table import Table
-
-    table = Table(box=None)
-    for col in ("SNAPSHOT ID", "NAME", "MODE", "SANDBOX", "PARENT", "SIZE MB", "CREATED"):
-        table.add_column(col)
-    for r in items:
-        table.add_row(
-            r["snapshotID"], ",".join(r["names"]), r["mode"], r["sandboxID"] or "", r["parentID"] or "",
-            f"{(r.get('sizeBytes') or 0) / 1e6:.1f}", r["createdAt"][:19],
-        )
-    client.printer.out.print(table)
+    client.printer.table(
+        ("SNAPSHOT ID", "NAME", "MODE", "SANDBOX", "PARENT", "SIZE MB", "CREATED"),
+        (
+            (r["snapshotID"], ",".join(r["names"]), r["mode"], r["sandboxID"] or "", r["parentID"] or "", f"{(r.get('sizeBytes') or 0) / 1e6:.1f}", r["createdAt"][:19],)
+            for r in items
+        ),
+    )
 
 
 @snapshot_app.command("rm")
 def snapshot_rm(snapshot_ids: list[str], server: Optional[str] = ServerOpt, api_key: Optional[str] = KeyOpt) -> None:
     """Remove snapshots (refused while a sandbox or another snapshot uses them)."""
-    from urllib.parse import quote
-
-    client = _client(server, api_key)
-    for sid in snapshot_ids:
-        client.request("DELETE", f"/templates/{quote(sid, safe='')}")
-        client.printer.info(f"removed {sid}")
+    _delete_templates(_client(server, api_key), snapshot_ids)
 
 
 def main() -> None:  # pragma: no cover - console entry

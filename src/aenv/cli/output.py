@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 import json
 import sys
+from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
 from rich.console import Console
@@ -34,6 +35,17 @@ class Printer:
 
     def json(self, obj: Any) -> None:
         sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+
+    def table(self, columns: Sequence[str], rows: Iterable[Sequence[str]]) -> None:
+        """A borderless table on stdout (what every ``ls`` prints without ``-o json``)."""
+        from rich.table import Table
+
+        table = Table(box=None)
+        for col in columns:
+            table.add_column(col)
+        for row in rows:
+            table.add_row(*row)
+        self.out.print(table)
 
     def info(self, text: str) -> None:
         if not self.quiet:
