@@ -84,6 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, help="result directory [default: bench/results/<UTC time>]")
     ap.add_argument("--json", type=Path, help="also write the JSON results here")
     ap.add_argument("--server", help="use a running server (one runtime) instead of starting one")
+    ap.add_argument("--quiet-load", type=float, metavar="LOAD",
+                    help="first wait (up to --quiet-wait s) until the 1-minute load average is below LOAD")
+    ap.add_argument("--quiet-wait", type=float, default=600.0, metavar="S", help="[default: 600]")
     ap.add_argument("--list", action="store_true", help="list scenarios and exit")
     return ap
 
@@ -106,15 +109,19 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench") -> int:
     if args.server and len(runtimes) > 1:
         ap.error("--server serves one runtime; give one --runtime")
 
+    if args.quiet_load is not None:
+        _wait_quiet(args.quiet_load, args.quiet_wait)
     out_dir = args.out or Path(__file__).parent / "results" / dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     cmd = " ".join([prog, *(argv if argv is not None else sys.argv[1:])])
     results: dict[str, Any] = {"meta": report.machine_meta(cmd, "smoke" if args.smoke else "full"), "runs": {}}
     t0 = time.perf_counter()
     first = True
-    for runtime in runtimes:
-        results["runs"][runtime] = _run_runtime(runtime, names, args, with_containers=first)
-        first = False
+    with report.LoadSampler() as load:
+        for runtime in runtimes:
+            results["runs"][runtime] = _run_runtime(runtime, names, args, with_containers=first)
+            first = False
     results["meta"]["load_after"] = report.loadavg()
+    results["meta"]["load_during"] = load.summary()
     results["meta"]["wall_s"] = round(time.perf_counter() - t0, 1)
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -146,7 +153,7 @@ def _run_runtime(runtime: str, names: list[str], args: argparse.Namespace, with_
             console.print(f"[yellow]warning:[/] vm runtime skipped: {reason}")
             return run
     with contextlib.ExitStack() as stack:
-        url, state_dir = stack.enter_context(_server(runtime, args.server))
+        url, state_dir = stack.enter_context(_server(runtime, args.server, run))
         os.environ.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=os.environ.get("E2B_API_KEY", API_KEY),
                           NO_PROXY="127.0.0.1,localhost")
         client = stack.enter_context(AenvClient(url, os.environ["E2B_API_KEY"]))
@@ -184,6 +191,20 @@ def _run_runtime(runtime: str, names: list[str], args: argparse.Namespace, with_
     return run
 
 
+def _wait_quiet(limit: float, max_wait: float) -> None:
+    """Until the 1-minute load average drops below ``limit``, or ``max_wait`` seconds passed (then it says so
+    and goes on: the load is recorded in the results either way)."""
+    deadline = time.monotonic() + max_wait
+    with console.status(f"waiting for load < {limit}") as status:
+        while (load := os.getloadavg()[0]) >= limit:
+            if time.monotonic() > deadline:
+                console.print(f"[yellow]warning:[/] load still {load:.2f} after {max_wait:.0f} s; running anyway")
+                return
+            status.update(f"waiting for load < {limit} (now {load:.2f})")
+            time.sleep(5)
+    console.print(f"load {os.getloadavg()[0]:.2f} < {limit}: starting")
+
+
 def _warm_up() -> None:
     """One create + command + kill: builds the template (vm) and lets the warm pool fill."""
     from e2b import Sandbox
@@ -215,7 +236,9 @@ def _open_containers(ctx: Ctx, stack: contextlib.ExitStack, which: str, run: dic
 
 
 @contextlib.contextmanager
-def _server(runtime: str, url: str | None) -> Iterator[tuple[str, Path | None]]:
+def _server(runtime: str, url: str | None, run: dict[str, Any]) -> Iterator[tuple[str, Path | None]]:
+    """The server under test: ``url`` as given, or one started in a temp dir, removed afterwards unless a
+    scenario failed (then ``run["server_log"]`` says where its log is)."""
     if url:
         env_state = os.environ.get("AENV_STATE_DIR")
         yield url.rstrip("/"), Path(env_state) if env_state else None
@@ -229,7 +252,9 @@ def _server(runtime: str, url: str | None) -> Iterator[tuple[str, Path | None]]:
         yield server.url, server.state_dir
     finally:
         stop_server(server)
-        if str(tmp) not in Path("/proc/mounts").read_text():  # never rmtree through a live mount
+        if run.get("errors"):
+            run["server_log"] = str(server.log_path)
+        elif str(tmp) not in Path("/proc/mounts").read_text():  # never rmtree through a live mount
             shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -57,7 +57,7 @@ def vm_pids(state_dir: Path, sandbox_id: str) -> list[int]:
         db.close()
     if got is None:
         raise RuntimeError(f"sandbox {sandbox_id} not in {state_dir / 'aenv.db'}")
-    pid = json.loads(got[0]).get("data", json.loads(got[0])).get("pid")
+    pid = json.loads(got[0]).get("pid")
     return [int(pid)] if pid else []
 
 
@@ -102,7 +102,7 @@ def density(ctx: Ctx) -> dict[str, Any]:
         ours = [pss_mb(finder(ctx.state_dir, s.sandbox_id)) for s in sbxs]
         procs = [len(finder(ctx.state_dir, s.sandbox_id)) for s in sbxs]
         rows = [row("PSS per idle sandbox", ctx.system, ours, unit="MB",
-                    note=f"{sorted(procs)[len(procs) // 2]} processes (median); server not counted")]
+                    note=f"processes per sandbox: {sorted(procs)[len(procs) // 2]} (median); server not counted")]
         per = rows[0]["p50"]
         rows.append(value_row("idle sandboxes in 4 GiB", ctx.system, BUDGET_MB / per, len(ours), "count",
                               note="4096 MB / median PSS"))

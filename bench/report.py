@@ -30,6 +30,37 @@ def loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+class LoadSampler:
+    """Samples the 1-minute load average every ``every`` seconds in a thread while the suite runs (the
+    bench itself is part of the load: on 2 vCPUs a fork ×16 alone pushes it past 2)."""
+
+    def __init__(self, every: float = 5.0) -> None:
+        import threading
+
+        self.every = every
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="load-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self.samples.append(os.getloadavg()[0])
+
+    def __enter__(self) -> LoadSampler:
+        self.samples.append(os.getloadavg()[0])
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict[str, float]:
+        s = self.samples or [0.0]
+        return {"min": round(min(s), 2), "mean": round(sum(s) / len(s), 2), "max": round(max(s), 2),
+                "n": len(s)}  # fmt: skip
+
+
 def _first(cmd: list[str]) -> str:
     if shutil.which(cmd[0]) is None:
         return ""
@@ -108,8 +139,10 @@ def render_markdown(results: dict[str, Any], heading: str = "###") -> str:
     lines = [
         f"Measured {meta['date'][:16].replace('T', ' ')} UTC on {meta['machine']}; {meta['os']}; "
         f"git {meta['git']}. Load average (1/5/15 min) {'/'.join(map(str, meta['load_before']))} before, "
-        f"{'/'.join(map(str, meta.get('load_after', [])))} after; {meta['mode']} run, "
-        f"{meta.get('wall_s', '?')} s in all.",
+        f"{'/'.join(map(str, meta.get('load_after', [])))} after"
+        + (f"; 1-min load during the run (the bench's own work included) min {d['min']}, mean {d['mean']}, "
+           f"max {d['max']}" if (d := meta.get("load_during")) else "")
+        + f"; {meta['mode']} run, {meta.get('wall_s', '?')} s in all.",
         "",
         f"Command: `{meta['command']}`",
         "",

@@ -59,6 +59,10 @@ class Settings(BaseModel):
     insecure_registries: list[str] = Field(default_factory=list)
     layer_cache_bytes: int = Field(20 * 1024**3, gt=0, description="byte budget of the image layer cache")
     log_level: str = Field("info")
+    vm_release_paused_after: float = Field(
+        60.0, ge=0, description="vm: seconds a sandbox stays paused in RAM before it is saved to disk and QEMU ends (0 = at once)"
+    )
+    firecracker: str | None = Field(None, description="vm: path of a firecracker binary; used instead of QEMU where real KVM exists")
 
     @field_validator("state_dir", "cache_dir", mode="after")
     @classmethod

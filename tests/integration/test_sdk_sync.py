@@ -91,7 +91,8 @@ def test_stdin_send_close_stream(sandbox: Sandbox) -> None:
 def test_command_timeout_kills(sandbox: Sandbox) -> None:
     with pytest.raises(Exception):
         sandbox.commands.run("sleep 30", timeout=1)
-    time.sleep(0.3)
+    # The kill is asynchronous (SIGKILL, reap, table update); a slow guest (TCG) needs longer than 0.3 s.
+    _wait_for(lambda: not any("sleep 30" in " ".join(p.args) for p in sandbox.commands.list()), timeout=20)
     assert not any("sleep 30" in " ".join(p.args) for p in sandbox.commands.list())
 
 
@@ -123,6 +124,14 @@ def _wait_for(cond, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-d
             return
         time.sleep(0.05)
     raise AssertionError("condition not met in time")
+
+
+def _counter(sbx: Sandbox) -> int:
+    """The value of /tmp/counter, -1 while the loop has not written it yet."""
+    try:
+        return int(sbx.files.read("/tmp/counter").strip() or -1)
+    except Exception:
+        return -1
 
 
 def test_files_api(sandbox: Sandbox) -> None:
@@ -207,15 +216,15 @@ def test_pause_keeps_processes_then_connect(e2b_env: dict[str, str]) -> None:
         h = sbx.commands.run(
             "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done", background=True, timeout=0
         )
-        time.sleep(0.5)
+        _wait_for(lambda: _counter(sbx) >= 2, timeout=30)  # the loop runs (slow guests start it late)
         assert sbx.pause() is True
         assert Sandbox.get_info(sbx.sandbox_id).state == SandboxState.PAUSED
         assert not sbx.is_running()
         assert sbx.pause() is False  # already paused: 409 → False
         resumed = Sandbox.connect(sbx.sandbox_id)
         c1 = int(resumed.files.read("/tmp/counter").strip())
-        time.sleep(0.5)
-        c2 = int(resumed.files.read("/tmp/counter").strip())
+        _wait_for(lambda: _counter(resumed) > c1, timeout=30)
+        c2 = _counter(resumed)
         assert c2 > c1, "the background process must keep running after resume"
         assert any(p.pid == h.pid for p in resumed.commands.list())
     finally:

@@ -259,3 +259,48 @@ async def test_snapshot_fork_rollback(make_runtime: Callable[[], VmRuntime], tmp
     assert not (rt.shm_dir / "sbx-kid1.mem").exists()  # a restored child's own RAM file goes with it
     report = await rt.reconcile(set(rt._sandboxes))
     assert report == {"killed": [], "removed": []}
+
+
+async def test_paused_vm_released_after_idle_then_adopted_and_resumed(
+    make_runtime: Callable[[], VmRuntime], tmp_path: Path
+) -> None:
+    """Paused longer than ``vm_release_paused_after``: saved to disk, QEMU ended (no RAM held);
+    a new runtime (server restart) adopts it from its recorded state and resume restores it, with
+    the guest clock set to host time."""
+    from aenv.runtime.vm.runtime import RELEASED_STATE
+
+    rt = make_runtime()
+    rt.release_after = 0.5
+    tpl = _template(tmp_path)
+    spec = _spec(tmp_path, "rel", tpl)
+    state = await rt.create(spec)
+    pid = state.data["pid"]
+    run_dir = Path(state.data["run_dir"])
+    assert await _health(rt, "rel") in (200, 204)
+    paused = await rt.pause("rel")
+    assert "released" not in paused.data
+    for _ in range(600):
+        if (run_dir / RELEASED_STATE).is_file() and "rel" not in rt._sandboxes:
+            break
+        await asyncio.sleep(0.05)
+    assert (run_dir / RELEASED_STATE).is_file()
+    await asyncio.sleep(0.1)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    sample = await rt.metrics("rel")
+    assert sample.mem_used == 0
+
+    # restart: the old runtime's objects vanish; the new one adopts from the state recorded at pause
+    rt._released.clear()
+    rt._specs.clear()
+    new = make_runtime()
+    assert await new.adopt("rel", spec, paused)
+    assert "rel" in new._released
+    await asyncio.sleep(2.0)  # the saved guest clock falls behind meanwhile
+    resumed = await new.resume("rel", paused)
+    assert resumed.data["pid"] != pid
+    assert not (run_dir / RELEASED_STATE).exists()
+    assert await _health(new, "rel") in (200, 204)
+    assert "hostTime=set" in new.sandbox("rel").host_facts
+    await new.kill("rel", resumed)
+    assert not run_dir.exists()

@@ -131,24 +131,47 @@ def mounts_under(path: Path) -> list[str]:
         return [line.strip() for line in fh if f" {p}/" in line or f" {p} " in line]
 
 
-def slirps_with_dead_target() -> set[int]:
-    """slirp4netns processes whose sandbox (the PID they serve) is gone: orphans, whoever made them."""
+def slirps_with_dead_target(parents: set[int] | None = None) -> set[int]:
+    """slirp4netns processes whose sandbox (the PID they serve) is gone. With ``parents``, only those
+    whose parent is one of them or PID 1 (orphaned by a dead server): other servers on the host stop a
+    sandbox's init a moment before its slirp, and that window is not our leak."""
     out: set[int] = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
-            zombie = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
+        zombie, ppid = fields[0] == "Z", int(fields[1])
         # zombies hold no resources: this container's PID 1 does not reap orphans
         if zombie or not argv or not argv[0].endswith(b"slirp4netns"):
             continue
+        if parents is not None and ppid not in parents | {1}:
+            continue
         nums = [a for a in argv[1:] if a.isdigit()]
-        if nums and not Path(f"/proc/{int(nums[-1])}").exists():
+        if nums and not _alive(int(nums[-1])):
             out.add(int(entry.name))
     return out
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie (a killed init lingers as one until its parent reaps it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def orphan_slirps(before: set[int], parents: set[int], settle: float = 10.0) -> set[int]:
+    """New orphaned slirp4netns processes that stay orphaned for ``settle`` seconds."""
+    deadline = time.monotonic() + settle
+    while True:
+        found = slirps_with_dead_target(parents) - before
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
 
 
 @dataclass

@@ -37,6 +37,7 @@ POINTS: dict[str, str] = {
     "fork.stored": "fork: child rows and scratch snapshot row written, runtime not yet called",
     "fork.done": "fork: runtime forked, children still starting in the store",
     "pull.layer": "image pull: in the middle of writing a layer blob to the cache",
+    "ns.slirp.started": "ns launch: slirp4netns running, its pid not yet in the sandbox's ns.json",
     "publish.layer": "snapshot publish: a layer packed, before it is uploaded to the repository",
 }
 

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import logging
 from typing import Any
@@ -18,7 +20,7 @@ from starlette.routing import Route
 from aenv.envd.auth import TokenMiddleware
 from aenv.envd.files import FilesRoutes, error_response
 from aenv.envd.filesystem import FilesystemService
-from aenv.envd.identity import SandboxState
+from aenv.envd.identity import MAX_SEED_BYTES, SandboxState, reseed_rng, set_wall_clock
 from aenv.envd.metrics import MetricsSampler
 from aenv.envd.process import ProcessService
 from aenv.envd.proctable import ProcessTable
@@ -26,6 +28,9 @@ from aenv.envd.proctable import ProcessTable
 log = logging.getLogger("aenv.envd")
 
 MAX_INIT_BODY = 1024 * 1024
+HOST_FACTS_HEADER = (
+    "X-Aenv-Host-Facts"  # on /init: what hostTime/seed did, e.g. "hostTime=set,seed=write+reseed"
+)
 
 
 def apply_init(state: SandboxState, body: dict[str, Any]) -> None:
@@ -55,6 +60,49 @@ def apply_init(state: SandboxState, body: dict[str, Any]) -> None:
             setattr(state, attr, value)
 
 
+def parse_host_facts(body: dict[str, Any]) -> tuple[float | None, bytes | None]:
+    """The VM runtime's post-restore fields of ``POST /init``, validated: ``hostTime`` (unix
+    seconds, a number) and ``seed`` (base64, 1..512 bytes). Both optional. Raises ValueError."""
+    host_time = body.get("hostTime")
+    seed_b64 = body.get("seed")
+    if host_time is not None and (isinstance(host_time, bool) or not isinstance(host_time, (int, float))):
+        raise ValueError("hostTime must be a number (unix seconds)")
+    if host_time is not None and not 0 < host_time < 2**33:
+        raise ValueError("hostTime out of range")
+    seed: bytes | None = None
+    if seed_b64 is not None:
+        if not isinstance(seed_b64, str):
+            raise ValueError("seed must be a base64 string")  # noqa: TRY004
+        try:
+            seed = base64.b64decode(seed_b64, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError("seed must be valid base64") from None
+        if not 1 <= len(seed) <= MAX_SEED_BYTES:
+            raise ValueError(f"seed must decode to 1..{MAX_SEED_BYTES} bytes")
+    return (None if host_time is None else float(host_time)), seed
+
+
+def apply_host_facts(host_time: float | None, seed: bytes | None) -> dict[str, str]:
+    """Set the wall clock and reseed the kernel RNG (a restored or forked VM guest wakes up with
+    its snapshot's clock and CRNG state). Failing to apply (no CAP_SYS_TIME/CAP_SYS_ADMIN, e.g.
+    under ``ns``) is logged and reported, not fatal. Returns what happened, per field."""
+    out: dict[str, str] = {}
+    if host_time is not None:
+        try:
+            set_wall_clock(host_time)
+            out["hostTime"] = "set"
+        except OSError as exc:
+            log.warning("init: cannot set the clock: %s", exc)
+            out["hostTime"] = "failed"
+    if seed is not None:
+        try:
+            out["seed"] = "+".join(reseed_rng(seed))
+        except OSError as exc:
+            log.warning("init: cannot reseed the RNG: %s", exc)
+            out["seed"] = "failed"
+    return out
+
+
 def build_app(state: SandboxState | None = None, table: ProcessTable | None = None) -> Any:
     state = state or SandboxState()
     table = table or ProcessTable()
@@ -82,12 +130,15 @@ def build_app(state: SandboxState | None = None, table: ProcessTable | None = No
             body = json.loads(raw or b"{}")
             if not isinstance(body, dict):
                 raise ValueError("body must be a JSON object")  # noqa: TRY004
+            host_time, seed = parse_host_facts(body)
             apply_init(state, body)
         except ClientDisconnect:
             return Response(status_code=400)
         except ValueError as exc:
             return error_response(400, f"invalid init body: {exc}")
-        return Response(status_code=204)
+        done = apply_host_facts(host_time, seed)
+        headers = {HOST_FACTS_HEADER: ",".join(f"{k}={v}" for k, v in done.items())} if done else None
+        return Response(status_code=204, headers=headers)
 
     async def files_get(request: Request) -> Response:
         return await files.get(request)

@@ -125,3 +125,48 @@ def resolve_path(path: str, home: str, workdir: str | None = None) -> str:
     if cleaned.startswith("//"):
         cleaned = "/" + cleaned.lstrip("/")
     return cleaned
+
+
+# ---- host facts after a restore (VM runtime) ------------------------------------------------------
+# A restored or forked guest wakes up with the clock and the kernel CRNG state of the moment its
+# snapshot was taken: every fork of one snapshot would hand out the same "random" bytes. The host
+# sends its wall time and fresh random bytes in ``POST /init``; these apply them.
+
+RNDADDENTROPY = 0x40085203  # _IOW('R', 0x03, int[2]): credit entropy and mix the bytes in
+RNDRESEEDCRNG = 0x5207  # _IO('R', 0x07): reseed the CRNG from the input pool now (Linux >= 4.17)
+MAX_SEED_BYTES = 512
+
+
+def set_wall_clock(unix_seconds: float) -> None:
+    """``clock_settime(CLOCK_REALTIME)``; needs CAP_SYS_TIME (root in a VM guest). Raises OSError."""
+    import time
+
+    time.clock_settime(time.CLOCK_REALTIME, unix_seconds)
+
+
+def reseed_rng(seed: bytes, device: str = "/dev/urandom") -> list[str]:
+    """Mix ``seed`` into the kernel's input pool and force a CRNG reseed, so that getrandom()
+    output diverges from any other copy of this memory image. Returns what was done: "write"
+    always (any user may write to /dev/urandom; it mixes but credits nothing), "addentropy" and
+    "reseed" when the ioctls are allowed (CAP_SYS_ADMIN). Raises OSError only if the write fails."""
+    import fcntl
+    import struct
+
+    done: list[str] = []
+    fd = os.open(device, os.O_WRONLY)
+    try:
+        os.write(fd, seed)
+        done.append("write")
+        try:
+            fcntl.ioctl(fd, RNDADDENTROPY, struct.pack("ii", len(seed) * 8, len(seed)) + seed)
+            done.append("addentropy")
+        except OSError:
+            pass
+        try:
+            fcntl.ioctl(fd, RNDRESEEDCRNG)
+            done.append("reseed")
+        except OSError:
+            pass
+    finally:
+        os.close(fd)
+    return done

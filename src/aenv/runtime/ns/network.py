@@ -17,11 +17,14 @@ Two modes, chosen per sandbox by ``allow_internet``:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import os
 import shutil
+import signal
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 from aenv.runtime.ns.process import ProcRef, Reaped
 
@@ -132,3 +135,27 @@ class Slirp:
         else:
             await self.ref.wait_gone_async(5.0)
 
+
+def kill_slirps_serving(pids: set[int]) -> list[int]:
+    """SIGKILL every slirp4netns whose target PID (its last numeric argument) is in ``pids``.
+
+    For sandboxes whose slirp pid was never recorded (the server died between spawning it and writing
+    ns.json): slirp4netns is outside the sandbox's cgroup and does not exit when its netns goes away."""
+    killed: list[int] = []
+    if not pids:
+        return killed
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if not argv or not argv[0].endswith(b"slirp4netns"):
+            continue
+        targets = [int(a) for a in argv[1:] if a.isdigit()]
+        if targets and targets[-1] in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(int(entry.name))
+    return killed

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aenv.runtime.ns.cgroups import Cgroup, Layout, list_names
+from aenv.runtime.ns.network import kill_slirps_serving
 from aenv.runtime.ns.sandbox import STATE_FILE, NsSandbox
 
 log = logging.getLogger("aenv.runtime.ns")
@@ -61,12 +62,16 @@ async def reconcile(layout: Layout, sandboxes_dir: Path, pool_dir: Path, known: 
             if d.is_dir() and d.name not in keep:
                 candidates.append((d / STATE_FILE, d))
 
+    served: set[int] = set()  # pids of the orphans' processes, to find slirps ns.json never recorded
     for state_file, top in candidates:
         data = _load(state_file)
         if data is not None and "cgroup" in data and "dir" in data:
             sbx = NsSandbox.from_state(layout, data)
             if sbx.name in keep:
                 continue
+            served.update(sbx.cgroup.pids())
+            if sbx.init is not None:
+                served.add(sbx.init.pid)
             await sbx.aclose(remove_dir=top)
             handled.add(sbx.cgroup.name)
             report.killed.append(sbx.name)
@@ -75,10 +80,16 @@ async def reconcile(layout: Layout, sandboxes_dir: Path, pool_dir: Path, known: 
 
     for name in sorted(list_names(layout) - keep - handled):
         cg = Cgroup(layout, name)
+        served.update(cg.pids())
         with contextlib.suppress(Exception):
             await asyncio.to_thread(cg.kill_all)
             await asyncio.to_thread(cg.remove)
             report.cgroups_removed.append(name)
+    # A server killed between spawning slirp4netns and recording its pid leaves a slirp that outlives
+    # its netns (it is outside the cgroup and does not exit with the sandbox): find it by its target.
+    slirps = await asyncio.to_thread(kill_slirps_serving, served)
+    if slirps:
+        log.info("ns reconcile: killed unrecorded slirp4netns %s", slirps)
     if report.killed or report.cgroups_removed or report.dirs_removed:
         log.info("ns reconcile: killed=%s cgroups=%s dirs=%d", report.killed, report.cgroups_removed,
                  len(report.dirs_removed))

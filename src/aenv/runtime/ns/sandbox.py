@@ -32,12 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from aenv.agent import launch as launcher_mod
+from aenv.core.faults import fault_point
 from aenv.mux import MuxSession, MuxStream, StreamClosed
 from aenv.mux.session import open_unix_session
 from aenv.runtime.base import TemplateImage
 from aenv.runtime.ns.cgroups import Cgroup, Layout
 from aenv.runtime.ns.envd_client import ENVD_PORT, EnvdError, request
-from aenv.runtime.ns.network import RESOLV_CONF, Slirp, install_firewall
+from aenv.runtime.ns.network import RESOLV_CONF, Slirp, install_firewall, kill_slirps_serving
 from aenv.runtime.ns.process import ProcRef, Reaped
 from aenv.runtime.ns.zygote import Zygote
 from aenv.runtime.tools import launch_argv
@@ -217,6 +218,7 @@ class NsSandbox:
             # filter first: the tap device (and so any route out) only exists once slirp is up
             await install_firewall(self.init.pid, host_addrs)
             self.slirp = await Slirp.start(self.init.pid)
+            fault_point("ns.slirp.started")
             self.write_state()
         await self._connect(wait=True)
         await self.health()
@@ -370,6 +372,9 @@ class NsSandbox:
         if self.slirp is not None:
             with contextlib.suppress(Exception):
                 await self.slirp.aclose()
+        elif self.opts is None and self.init is not None:
+            # rebuilt from ns.json after a crash: a slirp may run that ns.json never recorded
+            await asyncio.to_thread(kill_slirps_serving, {self.init.pid})
         if remove_cgroup:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(self.cgroup.remove)

@@ -378,21 +378,24 @@ class Machine:
 
     # -- teardown -----------------------------------------------------------------------------------
 
-    async def kill(self) -> None:
-        """End the process and remove every owned file. Idempotent; completes under cancellation."""
+    async def kill(self, keep: Iterable[Path] = ()) -> None:
+        """End the process and remove every owned file except those in ``keep`` (a sandbox
+        released to disk keeps its disk overlays). Idempotent; completes under cancellation."""
         if self._killed:
             return
         self._killed = True
         if self.proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(signal.SIGKILL)  # synchronous part first
-        await asyncio.shield(self._finish_teardown())
+        await asyncio.shield(self._finish_teardown(frozenset(keep)))
 
-    async def _finish_teardown(self) -> None:
+    async def _finish_teardown(self, keep: frozenset[Path] = frozenset()) -> None:
         with contextlib.suppress(ProcessLookupError, ChildProcessError):
             await self.proc.wait()
         await self.qmp.disconnect()
         for path in self._owned:
+            if path in keep:
+                continue
             with contextlib.suppress(FileNotFoundError, IsADirectoryError):
                 path.unlink()
 

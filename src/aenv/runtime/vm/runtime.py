@@ -20,40 +20,53 @@ long-paused VMs, snapshots/forks of running sandboxes (SnapshotCapable), templat
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import shutil
 import signal
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from aenv.config import Settings
-from aenv.core.errors import RuntimeFailure, SandboxNotFound, SandboxUnreachable, StateError
-from aenv.mux import MuxError, MuxStream
+from aenv.core.errors import PortNotOpen, RuntimeFailure, SandboxNotFound, SandboxUnreachable, StateError
+from aenv.mux import MuxError, MuxStream, StreamRefused
 from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec, SnapshotResult
 
 from . import disk
 from . import template as templates
 from .accel import AccelChoice, choose_accel, qemu_binary
 from .artifacts import GuestArtifacts, ensure
-from .config import Accel, VmConfigError, config_from_json
+from .config import Accel, Drive, VmConfigError, config_from_json
 from .initramfs import BUSYBOX
 from .kernel import SOURCE_TARBALL, find_kernel
 from .machine import Machine, MachineError
 from .pool import RestorePool
-from .sandbox import VmSandbox, child_config, run_paths
+from .sandbox import ENVD_PORT, VmSandbox, child_config, run_paths
 
 log = logging.getLogger("aenv.runtime.vm")
 
 EXPERIMENTAL_ENV = "AENV_VM_EXPERIMENTAL"
 OWNER_FILE = ".state-dir"
 SNAP_DISK = "disk.qcow2"  # in a snapshot dir: the root disk, flattened onto the template disk
-FULL_STATE = "vm.full"  # in a snapshot dir: device state + guest RAM (classic migration stream)  # in each RAM dir: which state dir its templates belong to
+FULL_STATE = "vm.full"  # in a snapshot dir: device state + guest RAM (classic migration stream)
+RELEASED_STATE = "released.full"  # in a run dir: a paused sandbox saved to disk, its QEMU ended
+
+
+SEED_BYTES = 64
+
+
+def host_facts() -> dict[str, Any]:
+    """``POST /init`` fields that every restored, forked or resumed guest needs: the host's wall
+    time (the guest clock stands still while its snapshot or its stopped VM waits) and fresh host
+    random bytes (forks of one snapshot share the kernel CRNG state until reseeded)."""
+    return {"hostTime": time.time(), "seed": base64.b64encode(os.urandom(SEED_BYTES)).decode()}
 
 
 def unavailable_reason(settings: Settings) -> str | None:
@@ -71,6 +84,37 @@ def unavailable_reason(settings: Settings) -> str | None:
     if os.environ.get(EXPERIMENTAL_ENV) != "1":
         return f"VM runtime is still incomplete; set {EXPERIMENTAL_ENV}=1 to use it"
     return None
+
+
+@dataclass(frozen=True)
+class Released:
+    """A paused sandbox whose VM was saved to ``run_dir/released.full`` and ended: no process, no
+    RAM; its disk overlays stay in ``run_dir``. ``resume`` restores it into a new QEMU."""
+
+    name: str
+    run_dir: Path
+    template_key: str
+    disk_generation: int
+    allow_internet: bool
+
+    @property
+    def state_file(self) -> Path:
+        return self.run_dir / RELEASED_STATE
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "run_dir": str(self.run_dir),
+            "template_key": self.template_key,
+            "released": str(self.state_file),
+            "disk_generation": self.disk_generation,
+        }
+
+
+def _disk_generation(run_dir: Path) -> int:
+    """Highest N of the root.N.qcow2 overlays that snapshots stacked in a run dir (0: none)."""
+    gens = [int(p.name.split(".")[1]) for p in run_dir.glob("root.*.qcow2") if p.name.split(".")[1].isdigit()]
+    return max(gens, default=0)
 
 
 class VmRuntime:
@@ -111,6 +155,11 @@ class VmRuntime:
         self._specs: dict[str, SandboxSpec] = {}
         self._start_lock = asyncio.Lock()
         self._started = False
+        self.release_after = settings.vm_release_paused_after
+        self.firecracker_status: str | None = None  # why the configured firecracker is (not) used
+        self._released: dict[str, Released] = {}
+        self._release_tasks: dict[str, asyncio.Task[None]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}  # per sandbox: pause/resume/release/kill
 
     # ---- host-wide lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
@@ -119,6 +168,18 @@ class VmRuntime:
                 return
             self.accel = choose_accel(force=self.force_accel)
             log.info("vm runtime: accelerator %s (%s)", self.accel.accel, self.accel.reason)
+            if self.settings.firecracker:
+                from .firecracker import unavailable_reason as firecracker_reason
+
+                why = firecracker_reason(self.settings.firecracker)
+                self.firecracker_status = why or (
+                    "usable, not selected yet: the guest agent has no vsock channel (firecracker.py)"
+                )
+                log.warning(
+                    "vm runtime: firecracker %s: %s; using QEMU",
+                    self.settings.firecracker,
+                    self.firecracker_status,
+                )
             if self.artifacts is None:
                 if self.tools_dir is None:
                     from aenv.runtime.tools import ensure_tools
@@ -133,6 +194,12 @@ class VmRuntime:
 
     async def close(self) -> None:
         """Kill pooled processes and drop channels; handed-out sandboxes keep running."""
+        for t in list(self._release_tasks.values()):
+            t.cancel()
+        for t in list(self._release_tasks.values()):
+            with contextlib.suppress(BaseException):
+                await t
+        self._release_tasks.clear()
         await self.pool.aclose()
         for sbx in self._sandboxes.values():
             await sbx.drop_session()
@@ -220,9 +287,42 @@ class VmRuntime:
             access_token=spec.access_token, default_user=spec.template.user or None,
             default_workdir=spec.template.workdir,
         )  # fmt: skip
-        status, body = await sbx.envd_request("POST", "/init", payload)
+        payload.update(host_facts())
+        await self._post_init(sbx, spec.sandbox_id, payload)
+
+    async def _refresh_guest(self, sbx: VmSandbox, sandbox_id: str) -> None:
+        """Clock and RNG after a resume: only the host facts, identity unchanged."""
+        await self._post_init(sbx, sandbox_id, host_facts())
+
+    async def _post_init(self, sbx: VmSandbox, sandbox_id: str, payload: dict[str, Any]) -> None:
+        """``POST /init``; envd's ``X-Aenv-Host-Facts`` answer says whether clock and RNG were
+        really set (kept on the sandbox, a warning when not)."""
+        from aenv.runtime.ns.envd_client import build_request
+
+        async with asyncio.timeout(30):
+            stream = await sbx.open_stream(ENVD_PORT, timeout=30)
+            try:
+                await stream.write(build_request("POST", "/init", json.dumps(payload).encode(), None))
+                raw = b""
+                while len(raw) < 65536 and (chunk := await stream.read(65536)):
+                    raw += chunk
+            finally:
+                await stream.aclose()
+        head, _, body = raw.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        parts = lines[0].split()
+        status = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
         if not 200 <= status < 300:
-            raise RuntimeFailure(f"envd /init answered {status}: {body[:200]!r}", sandbox_id=spec.sandbox_id)
+            raise RuntimeFailure(f"envd /init answered {status}: {body[:200]!r}", sandbox_id=sandbox_id)
+        facts = next(
+            (ln.split(":", 1)[1].strip() for ln in lines[1:] if ln.lower().startswith("x-aenv-host-facts:")),
+            "",
+        )
+        sbx.host_facts = facts
+        if "hostTime" in payload and ("hostTime=set" not in facts or "reseed" not in facts):
+            log.warning(
+                "sandbox %s: guest clock/RNG not fully refreshed after restore: %r", sandbox_id, facts
+            )
 
     async def create(self, spec: SandboxSpec) -> RuntimeState:
         sid = spec.sandbox_id
@@ -282,7 +382,7 @@ class VmRuntime:
         RAM image. The sandbox is paused for the disk checkpoint and the RAM write (~0.5 s for a
         small guest under TCG), then continues."""
         await self.start()
-        sbx = self._get(sandbox_id)
+        sbx = await self._loaded(sandbox_id)
         tpl = await self._template_by_key(sbx.template_key)
         into.mkdir(parents=True, exist_ok=True)
         was_running = await sbx.machine.status() == "running"
@@ -373,10 +473,14 @@ class VmRuntime:
         self, sandbox_id: str, spec: SandboxSpec, snapshot: Path, result: SnapshotResult
     ) -> RuntimeState:
         """Same ID and token, state of ``snapshot``: end the current VM, restore the snapshot."""
+        self._cancel_release(sandbox_id)
         old = self._sandboxes.pop(sandbox_id, None)
         self._specs.pop(sandbox_id, None)
         if old is not None:
             await old.aclose()
+        rel = self._released.pop(sandbox_id, None)
+        if rel is not None:
+            await asyncio.to_thread(_rm_dirs, rel.run_dir)
         return await self.create_from_snapshot(spec, snapshot, result)
 
     def _state(self, sbx: VmSandbox, spec: SandboxSpec | None) -> RuntimeState:
@@ -394,6 +498,11 @@ class VmRuntime:
         sbx = self._get(sandbox_id)
         try:
             return await sbx.open_stream(port)
+        except StreamRefused as exc:
+            # The agent answered: the sandbox is fine, nothing listens on that port.
+            raise PortNotOpen(
+                f"sandbox {sandbox_id}: nothing listens on port {port}", sandbox_id=sandbox_id
+            ) from exc
         except (MuxError, MachineError, OSError) as exc:
             if not sbx.machine.alive:
                 raise SandboxNotFound(sandbox_id) from exc
@@ -401,28 +510,164 @@ class VmRuntime:
                 f"sandbox {sandbox_id} port {port}: {exc}", sandbox_id=sandbox_id
             ) from exc
 
+    def _lock(self, sandbox_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(sandbox_id, asyncio.Lock())
+
+    def _state_any(self, sandbox_id: str) -> RuntimeState:
+        rel = self._released.get(sandbox_id)
+        if rel is not None:
+            data = rel.state()
+            spec = self._specs.get(sandbox_id)
+            data["workdir"] = str(spec.workdir) if spec else None
+            return RuntimeState(data=data)
+        return self._state(self._get(sandbox_id), self._specs.get(sandbox_id))
+
     async def pause(self, sandbox_id: str) -> RuntimeState:
+        """``stop`` at once (vCPUs halt, memory kept); after ``vm_release_paused_after`` seconds
+        still paused, the VM is saved to disk and QEMU ends (0: before this returns)."""
+        async with self._lock(sandbox_id):
+            if sandbox_id in self._released:
+                return self._state_any(sandbox_id)
+            sbx = self._get(sandbox_id)
+            try:
+                await sbx.machine.pause()
+                # End the mux session: idle keep-alive streams of the proxy must not be reused into
+                # a stopped guest (they would hang); envd keeps processes whose client went away.
+                await sbx.drop_session()
+                if self.release_after <= 0:
+                    await self._release_locked(sandbox_id)
+            except MachineError as exc:
+                raise RuntimeFailure(
+                    f"sandbox {sandbox_id}: pause failed: {exc}", sandbox_id=sandbox_id
+                ) from exc
+            if self.release_after > 0:
+                self._schedule_release(sandbox_id)
+            return self._state_any(sandbox_id)
+
+    def _schedule_release(self, sandbox_id: str) -> None:
+        self._cancel_release(sandbox_id)
+        self._release_tasks[sandbox_id] = asyncio.create_task(
+            self._release_later(sandbox_id), name=f"vm-release-{sandbox_id}"
+        )
+
+    def _cancel_release(self, sandbox_id: str) -> None:
+        task = self._release_tasks.pop(sandbox_id, None)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+
+    async def _release_later(self, sandbox_id: str) -> None:
+        await asyncio.sleep(self.release_after)
+        async with self._lock(sandbox_id):
+            if self._release_tasks.get(sandbox_id) is not asyncio.current_task():
+                return  # resumed, killed or re-paused meanwhile
+            self._release_tasks.pop(sandbox_id, None)
+            sbx = self._sandboxes.get(sandbox_id)
+            try:
+                if sbx is None or await sbx.machine.status() not in ("paused", "postmigrate"):
+                    return
+                await self._release_locked(sandbox_id)
+            except (MachineError, OSError) as exc:
+                log.warning("sandbox %s: could not release paused VM memory: %s", sandbox_id, exc)
+
+    async def _release_locked(self, sandbox_id: str) -> None:
+        """Save the (stopped) VM fully to its run dir and end QEMU; disk overlays stay. The state
+        file is renamed into place only when complete, so its presence means "released"."""
         sbx = self._get(sandbox_id)
+        spec = self._specs.get(sandbox_id)
+        rel = Released(
+            sbx.name, sbx.run_dir, sbx.template_key, sbx.disk_generation,
+            spec.allow_internet if spec else sbx.machine.cfg.network == "user",
+        )  # fmt: skip
+        t0 = time.perf_counter()
+        await sbx.machine.save_full(rel.state_file)
+        t_saved = time.perf_counter()
+        await sbx.drop_session()
+        await sbx.machine.kill(keep=list(sbx.run_dir.glob("root*.qcow2")))
+        self._sandboxes.pop(sandbox_id, None)
+        self._released[sandbox_id] = rel
+        size = rel.state_file.stat().st_size
+        log.info(
+            "sandbox %s: paused VM released to disk (%.1f MB saved in %.0f ms, QEMU ended in %.0f ms)",
+            sandbox_id, size / 1e6, (t_saved - t0) * 1000, (time.perf_counter() - t_saved) * 1000,
+        )  # fmt: skip
+
+    async def _load_released(self, sandbox_id: str, run: bool) -> VmSandbox:
+        """A new QEMU from a released sandbox's state file, paused (``run=False``) or running.
+        The state file is removed only once the VM is back; on failure it stays released."""
+        rel = self._released[sandbox_id]
+        tpl = await self._template_by_key(rel.template_key)
+        mem = self.shm_dir / f"sbx-{sandbox_id}.mem"
+        with contextlib.suppress(FileNotFoundError):
+            mem.unlink()  # a full migration skips zero pages: the target RAM must read as zeros
+        top = run_paths(rel.run_dir)["root"]
+        if rel.disk_generation:
+            top = top.with_name(f"root.{rel.disk_generation}.qcow2")
+        base = child_config(tpl.cfg, rel.name, rel.run_dir, rel.allow_internet)
+        drives = tuple(
+            Drive(top, d.serial, d.format, d.read_only) if d.serial == "root" else d for d in base.drives
+        )
+        cfg = replace(base, mem_share=True, mem_path=mem, drives=drives)
+        t0 = time.perf_counter()
+        machine = await Machine.spawn(cfg, stderr_path=run_paths(rel.run_dir)["stderr"], owned=[mem])
         try:
-            await sbx.machine.pause()
-        except MachineError as exc:
-            raise RuntimeFailure(f"sandbox {sandbox_id}: pause failed: {exc}", sandbox_id=sandbox_id) from exc
-        return self._state(sbx, self._specs.get(sandbox_id))
+            await machine.restore(rel.state_file, resume=run, ignore_shared=False)
+        except BaseException:
+            await machine.kill(keep=list(rel.run_dir.glob("root*.qcow2")))
+            raise
+        sbx = VmSandbox(rel.name, machine, rel.run_dir, rel.template_key)
+        sbx.restored = True
+        sbx.disk_generation = rel.disk_generation
+        self._sandboxes[sandbox_id] = sbx
+        del self._released[sandbox_id]
+        rel.state_file.unlink(missing_ok=True)
+        log.info("sandbox %s: restored from disk in %.0f ms", sandbox_id, (time.perf_counter() - t0) * 1000)
+        return sbx
 
     async def resume(self, sandbox_id: str, state: RuntimeState) -> RuntimeState:
-        sbx = self._get(sandbox_id)
-        try:
-            await sbx.machine.resume()
-        except MachineError as exc:
-            raise RuntimeFailure(
-                f"sandbox {sandbox_id}: resume failed: {exc}", sandbox_id=sandbox_id
-            ) from exc
-        return self._state(sbx, self._specs.get(sandbox_id))
+        async with self._lock(sandbox_id):
+            self._cancel_release(sandbox_id)
+            try:
+                if sandbox_id in self._released:
+                    sbx = await self._load_released(sandbox_id, run=True)
+                else:
+                    sbx = self._get(sandbox_id)
+                    await sbx.machine.resume()
+                await self._refresh_guest(sbx, sandbox_id)
+            except MachineError as exc:
+                raise RuntimeFailure(
+                    f"sandbox {sandbox_id}: resume failed: {exc}", sandbox_id=sandbox_id
+                ) from exc
+            except (MuxError, OSError) as exc:
+                raise SandboxUnreachable(
+                    f"sandbox {sandbox_id}: envd unreachable after resume: {exc}", sandbox_id=sandbox_id
+                ) from exc
+            return self._state(sbx, self._specs.get(sandbox_id))
+
+    async def _loaded(self, sandbox_id: str) -> VmSandbox:
+        """The live VM of a sandbox, brought back (paused) from disk if it was released."""
+        async with self._lock(sandbox_id):
+            if sandbox_id not in self._released:
+                return self._get(sandbox_id)
+            try:
+                sbx = await self._load_released(sandbox_id, run=False)
+            except MachineError as exc:
+                raise RuntimeFailure(
+                    f"sandbox {sandbox_id}: restore from disk failed: {exc}", sandbox_id=sandbox_id
+                ) from exc
+            if self.release_after > 0:
+                self._schedule_release(sandbox_id)
+            return sbx
 
     async def kill(self, sandbox_id: str, state: RuntimeState | None = None) -> None:
+        self._cancel_release(sandbox_id)
+        self._locks.pop(sandbox_id, None)
         sbx = self._sandboxes.pop(sandbox_id, None)
         spec = self._specs.pop(sandbox_id, None)
         workdir = spec.workdir if spec else _path(state, "workdir")
+        rel = self._released.pop(sandbox_id, None)
+        if rel is not None:
+            await asyncio.to_thread(_rm_dirs, rel.run_dir, workdir)
+            return
         if sbx is not None:
             await sbx.aclose(extra_dir=workdir)
             return
@@ -440,6 +685,7 @@ class VmRuntime:
         entry or template build owns (leftovers of a crash). Call after ``start`` and adopting."""
         await self.start()
         keep = {s.run_dir.name for s in self._sandboxes.values()} | self.pool.names() | self._building
+        keep |= {r.run_dir.name for r in self._released.values()}
         keep |= {str(k) for k in known_ids if k in self._sandboxes}
         report: dict[str, list[str]] = {"killed": [], "removed": []}
         procs = await asyncio.to_thread(_qemu_cmdlines)
@@ -472,7 +718,20 @@ class VmRuntime:
             pid = int(data["pid"])
             run_dir = Path(data["run_dir"])
         except (KeyError, TypeError, ValueError, VmConfigError) as exc:
-            log.warning("sandbox %s: cannot adopt, bad state: %s", sandbox_id, exc)
+            if "released" not in data:
+                log.warning("sandbox %s: cannot adopt, bad state: %s", sandbox_id, exc)
+                return False
+            cfg, pid, run_dir = None, -1, Path(str(data.get("run_dir", "")))
+        if (run_dir / RELEASED_STATE).is_file():
+            # Released to disk (or killed after its state was complete): no process to attach.
+            _kill_recorded(state)
+            self._released[sandbox_id] = Released(
+                str(data.get("name", sandbox_id)), run_dir, str(data.get("template_key", "")),
+                _disk_generation(run_dir), spec.allow_internet,
+            )  # fmt: skip
+            self._specs[sandbox_id] = spec
+            return True
+        if cfg is None:
             return False
         try:
             machine = await Machine.attach(cfg, pid, stderr_path=run_paths(run_dir)["stderr"])
@@ -484,17 +743,25 @@ class VmRuntime:
         )
         sbx.restored = True
         # Disk checkpoints of earlier snapshots stacked root.N.qcow2 overlays; QEMU writes the top one.
-        gens = [
-            int(p.name.split(".")[1]) for p in run_dir.glob("root.*.qcow2") if p.name.split(".")[1].isdigit()
-        ]
-        sbx.disk_generation = max(gens, default=0)
+        sbx.disk_generation = _disk_generation(run_dir)
         self._sandboxes[sandbox_id] = sbx
         self._specs[sandbox_id] = spec
+        with contextlib.suppress(MachineError):
+            if self.release_after > 0 and await machine.status() == "paused":
+                self._schedule_release(sandbox_id)  # the idle clock restarts with the server
         return True
 
     async def metrics(self, sandbox_id: str) -> ResourceSample:
-        sbx = self._get(sandbox_id)
         spec = self._specs.get(sandbox_id)
+        rel = self._released.get(sandbox_id)
+        if rel is not None:  # no process: no CPU, no RAM; the disk is what remains
+            used = sum(p.stat().st_blocks * 512 for p in rel.run_dir.glob("root*.qcow2"))
+            return ResourceSample(
+                timestamp=time.time(), cpu_count=spec.cpu_count if spec else 1, cpu_used_pct=0.0,
+                mem_used=0, mem_total=(spec.memory_mb if spec else 0) * 2**20, mem_cache=0,
+                disk_used=used, disk_total=(spec.disk_mb if spec else self.settings.default_disk_mb) * 2**20,
+            )  # fmt: skip
+        sbx = self._get(sandbox_id)
         pid = sbx.machine.pid
         cpu_count = spec.cpu_count if spec else sbx.machine.cfg.cpu_count
         cpu_s, rss = await asyncio.to_thread(_proc_usage, pid)
@@ -521,11 +788,13 @@ class VmRuntime:
             "accelerator": None
             if self.accel is None
             else {"name": self.accel.accel, "reason": self.accel.reason},
-            "pause": "qmp stop",
+            "pause": "qmp stop; saved to disk and QEMU ended after "
+            f"{self.release_after:g} s paused (vm_release_paused_after)",
             "network": {"offline": "user-mode netdev restrict=on", "internet": "QEMU user-mode (slirp)"},
             "snapshot": "full (device state + RAM + disk)",
             "fork": "full snapshot + restore",
             "pool_size": self.pool_size,
+            "firecracker": self.firecracker_status,
         }
 
     # ---- helpers for tests and diagnostics ------------------------------------------------------
@@ -557,6 +826,12 @@ def _short_run_root(preferred: Path) -> Path:
         return preferred
     digest = hashlib.sha256(str(preferred).encode()).hexdigest()[:10]
     return Path(tempfile.gettempdir()) / f"aenv-vm-{digest}"
+
+
+def _rm_dirs(*dirs: Path | None) -> None:
+    for d in dirs:
+        if d is not None:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _path(state: RuntimeState | None, key: str) -> Path | None:

@@ -67,6 +67,7 @@ class VmSandbox:
         self._session_lock = asyncio.Lock()
         self.last_cpu: tuple[float, float] | None = None
         self.restored = False
+        self.host_facts = ""  # envd's answer to the last clock/RNG refresh, e.g. "hostTime=set,seed=write+addentropy+reseed"
         self.disk_generation = 0  # root overlays stacked by snapshots: root.qcow2, root.1.qcow2, ...
         self.channel_timeout = 180.0  # a booting guest needs seconds under TCG to open its port  # device state loaded and running (pool entries are handed out so)
         self._closed = False
@@ -135,6 +136,7 @@ class VmSandbox:
             "qmp": str(cfg.qmp_socket),
             "channel": str(cfg.channel_socket),
             "template_key": self.template_key,
+            "host_facts": self.host_facts,
             "config": config_to_json(cfg),
         }
 
