@@ -153,6 +153,8 @@ def _run_runtime(runtime: str, names: list[str], args: argparse.Namespace, with_
             console.print(f"[yellow]warning:[/] vm runtime skipped: {reason}")
             return run
     with contextlib.ExitStack() as stack:
+        load = stack.enter_context(report.LoadSampler())
+        stack.callback(lambda: run.__setitem__("load_during", load.summary()))
         url, state_dir = stack.enter_context(_server(runtime, args.server, run))
         os.environ.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=os.environ.get("E2B_API_KEY", API_KEY),
                           NO_PROXY="127.0.0.1,localhost")
@@ -252,10 +254,24 @@ def _server(runtime: str, url: str | None, run: dict[str, Any]) -> Iterator[tupl
         yield server.url, server.state_dir
     finally:
         stop_server(server)
+        if runtime == "vm":
+            _remove_vm_shm(server.state_dir)
         if run.get("errors"):
             run["server_log"] = str(server.log_path)
         elif str(tmp) not in Path("/proc/mounts").read_text():  # never rmtree through a live mount
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_vm_shm(state_dir: Path) -> None:
+    """The vm runtime keeps template RAM in ``/dev/shm/aenv-<hash of state dir>`` across restarts (512 MB
+    each); a bench server's state dir is thrown away, so its RAM files go too — only if the directory
+    says it belongs to that state dir."""
+    import hashlib
+
+    shm = Path("/dev/shm") / f"aenv-{hashlib.sha256(str(state_dir).encode()).hexdigest()[:10]}"
+    with contextlib.suppress(OSError):
+        if (shm / ".state-dir").read_text().strip() == str(state_dir):
+            shutil.rmtree(shm, ignore_errors=True)
 
 
 def _vm_unusable() -> str | None:

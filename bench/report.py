@@ -155,6 +155,9 @@ def render_markdown(results: dict[str, Any], heading: str = "###") -> str:
         if "skipped" in run:
             lines += [f"Skipped: {run['skipped']}", ""]
             continue
+        if d := run.get("load_during"):
+            lines += [f"1-min load average during this runtime's pass: min {d['min']}, mean {d['mean']}, "
+                      f"max {d['max']}.", ""]
         lines.append("| scenario | system | p50 | p95 | p99 | n | aenv better by | note |")
         lines.append("|---|---|---:|---:|---:|---:|---:|---|")
         for sc in run.get("scenarios", {}).values():
@@ -184,8 +187,8 @@ def render_markdown(results: dict[str, Any], heading: str = "###") -> str:
 
 
 def render_chart(results: dict[str, Any], path: Path) -> bool:
-    """Horizontal bars of the median of every millisecond metric, per system, log scale. False (and no
-    file) when matplotlib is missing."""
+    """Horizontal bars of the median of every millisecond metric that has a baseline beside aenv, log
+    scale. False (and no file) when matplotlib is missing or nothing was compared."""
     try:
         import matplotlib
 
@@ -193,25 +196,27 @@ def render_chart(results: dict[str, Any], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    items = [(f"{rt}: {r['metric'].strip()}", r["system"], r["p50"])
-             for rt, _, r, _ in rows_of(results) if r["unit"] == "ms" and r.get("p50")]
+    # Pairwise comparisons only (a metric with a baseline beside aenv), sub-phase rows left out.
+    rows = [(f"{rt}: {r['metric'].strip()}", r["system"], r["p50"]) for rt, _, r, _ in rows_of(results)
+            if r["unit"] == "ms" and r.get("p50") and not r["metric"].startswith("  ")]
+    compared = {m for m, s, _ in rows if not s.startswith("aenv")}
+    items = [it for it in rows if it[0] in compared]
     if not items:
         return False
     metrics = list(dict.fromkeys(m for m, _, _ in items))
     systems = list(dict.fromkeys(s for _, s, _ in items))
-    colours = {s: c for s, c in zip(systems, ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"],
-                                     strict=False)}
-    height = 0.8 / len(systems)
-    fig, ax = plt.subplots(figsize=(10, 0.45 * len(metrics) * max(1, len(systems) / 2) + 1.5))
-    for j, system in enumerate(systems):
-        ys, xs = [], []
-        for i, m in enumerate(metrics):
-            v = next((p for mm, s, p in items if mm == m and s == system), None)
-            if v is not None:
-                ys.append(i + j * height)
-                xs.append(v)
-        ax.barh(ys, xs, height=height, label=system, color=colours.get(system))
-    ax.set_yticks([i + 0.4 - height / 2 for i in range(len(metrics))], metrics, fontsize=8)
+    palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
+    colours = dict(zip(systems, palette, strict=False))
+    fig, ax = plt.subplots(figsize=(10, 0.55 * len(metrics) + 1.5))
+    labelled: set[str] = set()
+    for i, m in enumerate(metrics):
+        here = [(s, v) for mm, s, v in items if mm == m]
+        height = 0.8 / len(here)
+        for j, (system, v) in enumerate(here):
+            ax.barh(i - 0.4 + height * (j + 0.5), v, height=height, color=colours[system],
+                    label=None if system in labelled else system)
+            labelled.add(system)
+    ax.set_yticks(range(len(metrics)), metrics, fontsize=8)
     ax.invert_yaxis()
     ax.set_xscale("log")
     ax.set_xlabel("median, ms (log scale; lower is better)")
@@ -246,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chart", type=Path, help="write the PNG chart here")
     args = ap.parse_args(argv)
     results = json.loads(args.results.read_text())
-    md = render_markdown(results, heading="####")
+    md = render_markdown(results)
     if args.readme:
         update_readme(args.readme, md)
     else:

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import quote
 
+import h11
 import httpx
 import pytest
 from e2b import Sandbox, SandboxQuery
@@ -168,7 +169,7 @@ def test_header_junk_on_control_plane(shared_server: Server, headers: dict[str, 
     try:
         resp = httpx.post(shared_server.url + "/v2/sandboxes", content=b'{"templateID":"nope"}',
                           headers={"X-API-KEY": "k", **headers}, trust_env=False, timeout=30)
-    except httpx.HTTPError:
+    except (httpx.HTTPError, h11.LocalProtocolError):
         return  # a Content-Length the client itself refuses to honour never reaches the server
     if resp.status_code < 500:
         check(resp, "header junk")

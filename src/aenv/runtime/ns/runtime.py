@@ -269,6 +269,12 @@ class NsRuntime:
             await asyncio.to_thread(sbx.cgroup.freeze)
         except OSError as exc:
             raise RuntimeFailure(f"sandbox {sandbox_id}: freeze failed: {exc}", sandbox_id=sandbox_id) from exc
+        # End the mux session: the proxy's idle keep-alive streams must not be reused into a frozen
+        # sandbox (a request would hang instead of getting 502); envd keeps processes whose client left.
+        session, sbx._session = sbx._session, None
+        if session is not None:
+            with contextlib.suppress(Exception):
+                await session.aclose()
         return self._state(sbx, self._workdir(sandbox_id))
 
     async def resume(self, sandbox_id: str, state: RuntimeState) -> RuntimeState:

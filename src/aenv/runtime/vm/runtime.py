@@ -11,10 +11,17 @@ Why the pool holds restored VMs and not just waiting processes: under TCG the fi
 through the guest's Python agent and envd after a restore cost ~600 ms of code translation
 (scripts/vm/bench_restore.py), far more than QEMU start-up; a pre-restored VM has paid it.
 
-Pause is ``stop`` (vCPUs halt at once, memory kept); kill ends QEMU and removes the run dir.
-Restart: ``adopt`` re-attaches to the recorded QEMU (pidfd + QMP); ``reconcile`` kills and removes
-whatever under the run root nobody owns. Still missing (see the issue): memory release of
-long-paused VMs, snapshots/forks of running sandboxes (SnapshotCapable), template lowers.
+Every hand-out, restore, fork and resume sends envd the host's wall time and fresh random bytes
+(``/init`` ``hostTime``/``seed``): the guest sets its clock and reseeds its CRNG, so forks of one
+snapshot never share random state. Pool entries also run a first command and file read before
+they wait (``_warm_paths``), so TCG has translated those guest paths.
+
+Pause is ``stop`` (vCPUs halt at once, memory kept); after ``vm_release_paused_after`` seconds
+paused, the VM is saved fully into its run dir (``released.full``) and QEMU ends, so a long pause
+holds no RAM; resume restores it into a new QEMU. Kill ends QEMU and removes the run dir.
+Restart: ``adopt`` re-attaches to the recorded QEMU (pidfd + QMP) or, for a released sandbox,
+finds its state file; ``reconcile`` kills and removes whatever under the run root nobody owns.
+Still missing (see the issue): template lowers, the Firecracker driver's agent channel.
 """
 
 from __future__ import annotations
@@ -270,6 +277,7 @@ class VmRuntime:
         try:
             await sbx.machine.restore(tpl.device_state)
             await sbx.wait_envd(self.warm_timeout)
+            await self._warm_paths(sbx)
         except BaseException:
             await sbx.aclose()
             raise
@@ -297,32 +305,33 @@ class VmRuntime:
     async def _post_init(self, sbx: VmSandbox, sandbox_id: str, payload: dict[str, Any]) -> None:
         """``POST /init``; envd's ``X-Aenv-Host-Facts`` answer says whether clock and RNG were
         really set (kept on the sandbox, a warning when not)."""
-        from aenv.runtime.ns.envd_client import build_request
-
-        async with asyncio.timeout(30):
-            stream = await sbx.open_stream(ENVD_PORT, timeout=30)
-            try:
-                await stream.write(build_request("POST", "/init", json.dumps(payload).encode(), None))
-                raw = b""
-                while len(raw) < 65536 and (chunk := await stream.read(65536)):
-                    raw += chunk
-            finally:
-                await stream.aclose()
-        head, _, body = raw.partition(b"\r\n\r\n")
-        lines = head.decode("latin-1").split("\r\n")
-        parts = lines[0].split()
-        status = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+        status, headers, body = await _envd_raw(sbx, "POST", "/init", json.dumps(payload).encode())
         if not 200 <= status < 300:
             raise RuntimeFailure(f"envd /init answered {status}: {body[:200]!r}", sandbox_id=sandbox_id)
-        facts = next(
-            (ln.split(":", 1)[1].strip() for ln in lines[1:] if ln.lower().startswith("x-aenv-host-facts:")),
-            "",
-        )
-        sbx.host_facts = facts
-        if "hostTime" in payload and ("hostTime=set" not in facts or "reseed" not in facts):
+        sbx.host_facts = headers.get("x-aenv-host-facts", "")
+        if "hostTime" in payload and ("hostTime=set" not in sbx.host_facts or "reseed" not in sbx.host_facts):
             log.warning(
-                "sandbox %s: guest clock/RNG not fully refreshed after restore: %r", sandbox_id, facts
+                "sandbox %s: guest clock/RNG not fully refreshed after restore: %r",
+                sandbox_id,
+                sbx.host_facts,
             )
+
+    async def _warm_paths(self, sbx: VmSandbox) -> None:
+        """Run the request paths a new sandbox's first calls take (start a process, read a file)
+        once in a pool entry, so that TCG has translated that guest code before a create hands
+        the entry out (a first ``commands.run`` otherwise costs ~1 s more than later ones).
+        Best effort: a failure only costs the speed-up."""
+        msg = json.dumps(
+            {"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "true"]}}
+        ).encode()  # as the SDK
+        envelope = len(msg).to_bytes(5, "big") + msg  # Connect envelope: flags 0, 4-byte length
+        t0 = time.perf_counter()
+        try:
+            await _envd_raw(sbx, "POST", "/process.Process/Start", envelope, "application/connect+json")
+            await _envd_raw(sbx, "GET", "/files?path=/etc/hostname&username=root", None)
+        except (MuxError, OSError, RuntimeFailure) as exc:
+            log.debug("vm %s: warm-up request failed: %s", sbx.name, exc)
+        sbx.machine.timings.extra["warm_paths_ms"] = (time.perf_counter() - t0) * 1000
 
     async def create(self, spec: SandboxSpec) -> RuntimeState:
         sid = spec.sandbox_id
@@ -377,12 +386,16 @@ class VmRuntime:
         return tpl
 
     async def snapshot(self, sandbox_id: str, into: Path, mode: str) -> SnapshotResult:
+        async with self._lock(sandbox_id):  # no release to disk in the middle of a snapshot
+            return await self._snapshot_locked(sandbox_id, into, mode)
+
+    async def _snapshot_locked(self, sandbox_id: str, into: Path, mode: str) -> SnapshotResult:
         """Always a full snapshot (device state + RAM + disk): a VM's memory is as cheap to save as
         its files, and a disk without the matching page cache is not safe to boot from a template
         RAM image. The sandbox is paused for the disk checkpoint and the RAM write (~0.5 s for a
         small guest under TCG), then continues."""
         await self.start()
-        sbx = await self._loaded(sandbox_id)
+        sbx = await self._loaded_locked(sandbox_id)
         tpl = await self._template_by_key(sbx.template_key)
         into.mkdir(parents=True, exist_ok=True)
         was_running = await sbx.machine.status() == "running"
@@ -643,20 +656,20 @@ class VmRuntime:
                 ) from exc
             return self._state(sbx, self._specs.get(sandbox_id))
 
-    async def _loaded(self, sandbox_id: str) -> VmSandbox:
-        """The live VM of a sandbox, brought back (paused) from disk if it was released."""
-        async with self._lock(sandbox_id):
-            if sandbox_id not in self._released:
-                return self._get(sandbox_id)
-            try:
-                sbx = await self._load_released(sandbox_id, run=False)
-            except MachineError as exc:
-                raise RuntimeFailure(
-                    f"sandbox {sandbox_id}: restore from disk failed: {exc}", sandbox_id=sandbox_id
-                ) from exc
-            if self.release_after > 0:
-                self._schedule_release(sandbox_id)
-            return sbx
+    async def _loaded_locked(self, sandbox_id: str) -> VmSandbox:
+        """The live VM of a sandbox, brought back (paused) from disk if it was released. The
+        caller holds the sandbox's lock."""
+        if sandbox_id not in self._released:
+            return self._get(sandbox_id)
+        try:
+            sbx = await self._load_released(sandbox_id, run=False)
+        except MachineError as exc:
+            raise RuntimeFailure(
+                f"sandbox {sandbox_id}: restore from disk failed: {exc}", sandbox_id=sandbox_id
+            ) from exc
+        if self.release_after > 0:
+            self._schedule_release(sandbox_id)
+        return sbx
 
     async def kill(self, sandbox_id: str, state: RuntimeState | None = None) -> None:
         self._cancel_release(sandbox_id)
@@ -826,6 +839,33 @@ def _short_run_root(preferred: Path) -> Path:
         return preferred
     digest = hashlib.sha256(str(preferred).encode()).hexdigest()[:10]
     return Path(tempfile.gettempdir()) / f"aenv-vm-{digest}"
+
+
+async def _envd_raw(
+    sbx: VmSandbox, method: str, path: str, body: bytes | None, content_type: str = "application/json"
+) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 request to envd over a fresh mux stream: (status, lower-case headers, body)."""
+    lines = [f"{method} {path} HTTP/1.1", "Host: localhost", "Connection: close"]
+    if body is not None:
+        lines += [f"Content-Type: {content_type}", f"Content-Length: {len(body)}"]
+    async with asyncio.timeout(30):
+        stream = await sbx.open_stream(ENVD_PORT, timeout=30)
+        try:
+            await stream.write(("\r\n".join(lines) + "\r\n\r\n").encode() + (body or b""))
+            raw = b""
+            while len(raw) < 1 << 20 and (chunk := await stream.read(65536)):
+                raw += chunk
+        finally:
+            await stream.aclose()
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    head_lines = head.decode("latin-1").split("\r\n")
+    parts = head_lines[0].split()
+    status = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+    headers = {}
+    for ln in head_lines[1:]:
+        k, _, v = ln.partition(":")
+        headers[k.strip().lower()] = v.strip()
+    return status, headers, rest
 
 
 def _rm_dirs(*dirs: Path | None) -> None:
