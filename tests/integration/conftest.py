@@ -7,7 +7,9 @@ State lives in a temp dir; the cache (tools bundle, base rootfs) is the machine'
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,6 +45,9 @@ def server(tmp_path_factory: pytest.TempPathFactory, runtime_name: str) -> Itera
     except Exception:
         pass
     stop_server(srv)
+    # vm: the template RAM of this state dir lives in /dev/shm (see VmRuntime.shm_dir); free it now.
+    digest = hashlib.sha256(str(srv.state_dir.absolute()).encode()).hexdigest()[:10]
+    shutil.rmtree(Path("/dev/shm") / f"aenv-{digest}", ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -276,7 +276,7 @@ def _upload_to_devnull(http: httpx.Client, server: Server, mib: int) -> tuple[in
     return base, peak
 
 
-@pytest.mark.parametrize("mib", [256, pytest.param(1024, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mib", [256, pytest.param(1024, marks=[pytest.mark.slow, pytest.mark.timeout(1800)])])
 def test_huge_upload_is_streamed(http: httpx.Client, shared_server: Server, target: Sandbox, mib: int) -> None:
     base, peak = _upload_to_devnull(http, shared_server, mib)
     growth_mib = (peak - base) / 1024

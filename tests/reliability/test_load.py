@@ -201,6 +201,7 @@ def test_concurrent_clients(load_server: tuple[Server, Path]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # the project default (300 s) is far too short for 1000 cycles on 2 cores
 def test_concurrent_clients_soak(load_server: tuple[Server, Path]) -> None:
     """The issue's figure: 200 clients on a 2-core machine, 1000 create/kill cycles."""
     _run_load(*load_server, clients=200, loops=5)
@@ -225,6 +226,7 @@ def test_long_stream_keeps_delivering(load_server: tuple[Server, Path]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_hour_long_stream(load_server: tuple[Server, Path]) -> None:
     """Simulated hour: 15 minutes of output after a 2-minute silence that only keepalives fill."""
     _stream(load_server[0], 900, quiet=120)
