@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from aenv.config import Settings
-from aenv.core.errors import PortNotOpen, RuntimeFailure, SandboxNotFound, SandboxUnreachable, StateError
-from aenv.mux import MuxError, MuxStream, StreamRefused
+from aenv.core.errors import RuntimeFailure, SandboxNotFound, SandboxUnreachable, StateError
+from aenv.mux import MuxError, MuxStream
 from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec, SnapshotResult, TemplateImage
 from aenv.runtime.ns import cgroups
 from aenv.runtime.ns.envd_client import EnvdError, init_payload
@@ -39,6 +39,7 @@ from aenv.runtime.ns.reconcile import ReconcileReport, reconcile
 from aenv.runtime.ns.sandbox import STATE_FILE, LaunchOptions, NsSandbox
 from aenv.runtime.ns.snapshot import NsSnapshots
 from aenv.runtime.ns.zygote import Zygote
+from aenv.runtime.streams import open_checked
 from aenv.runtime.tools import ensure_tools
 
 log = logging.getLogger("aenv.runtime.ns")
@@ -253,15 +254,7 @@ class NsRuntime:
 
     async def open_stream(self, sandbox_id: str, port: int) -> MuxStream:
         sbx = self._get(sandbox_id)
-        try:
-            return await sbx.open_stream(port)
-        except StreamRefused as exc:
-            # The agent answered: the sandbox is fine, nothing listens on that port.
-            raise PortNotOpen(f"sandbox {sandbox_id}: nothing listens on port {port}", sandbox_id=sandbox_id) from exc
-        except (MuxError, OSError) as exc:
-            if not sbx.alive():
-                raise SandboxNotFound(sandbox_id) from exc
-            raise SandboxUnreachable(f"sandbox {sandbox_id} port {port}: {exc}", sandbox_id=sandbox_id) from exc
+        return await open_checked(sandbox_id, port, sbx.open_stream, sbx.alive)
 
     async def pause(self, sandbox_id: str) -> RuntimeState:
         sbx = self._get(sandbox_id)

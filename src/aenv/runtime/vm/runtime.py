@@ -42,9 +42,10 @@ from pathlib import Path
 from typing import Any
 
 from aenv.config import Settings
-from aenv.core.errors import PortNotOpen, RuntimeFailure, SandboxNotFound, SandboxUnreachable, StateError
-from aenv.mux import MuxError, MuxStream, StreamRefused
+from aenv.core.errors import RuntimeFailure, SandboxNotFound, SandboxUnreachable, StateError
+from aenv.mux import MuxError, MuxStream
 from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec, SnapshotResult
+from aenv.runtime.streams import open_checked
 
 from . import disk
 from . import template as templates
@@ -509,19 +510,9 @@ class VmRuntime:
 
     async def open_stream(self, sandbox_id: str, port: int) -> MuxStream:
         sbx = self._get(sandbox_id)
-        try:
-            return await sbx.open_stream(port)
-        except StreamRefused as exc:
-            # The agent answered: the sandbox is fine, nothing listens on that port.
-            raise PortNotOpen(
-                f"sandbox {sandbox_id}: nothing listens on port {port}", sandbox_id=sandbox_id
-            ) from exc
-        except (MuxError, MachineError, OSError) as exc:
-            if not sbx.machine.alive:
-                raise SandboxNotFound(sandbox_id) from exc
-            raise SandboxUnreachable(
-                f"sandbox {sandbox_id} port {port}: {exc}", sandbox_id=sandbox_id
-            ) from exc
+        return await open_checked(
+            sandbox_id, port, sbx.open_stream, lambda: sbx.machine.alive, channel_errors=(MachineError,)
+        )
 
     def _lock(self, sandbox_id: str) -> asyncio.Lock:
         return self._locks.setdefault(sandbox_id, asyncio.Lock())
