@@ -17,6 +17,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -64,39 +65,40 @@ def _tmp_beside(out: Path, mode: int = 0o644) -> Path:
     return Path(tmp)
 
 
-async def make_ext4(src: Path, out: Path, size_mb: int | None = None, label: str = "aenv") -> Path:
-    """A raw, sparse ext4 image of directory ``src`` (owners, modes and xattrs copied by mke2fs)."""
-    size = size_mb or auto_size_mb(src)
+@contextlib.contextmanager
+def _replacing(out: Path) -> Iterator[Path]:
+    """A temp path beside ``out``: renamed over ``out`` when the block succeeds, removed when it fails,
+    so a half-written image is never visible under its final name."""
     tmp = _tmp_beside(out)
     try:
-        os.truncate(tmp, size * 2**20)
-        # No journal-less tricks: the root disk is written by the guest and must survive a crash.
-        await _run(["mkfs.ext4", "-q", "-F", "-L", label, "-E", "root_owner=0:0", "-d", str(src), str(tmp)])
+        yield tmp
         os.rename(tmp, out)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+async def make_ext4(src: Path, out: Path, size_mb: int | None = None, label: str = "aenv") -> Path:
+    """A raw, sparse ext4 image of directory ``src`` (owners, modes and xattrs copied by mke2fs)."""
+    size = size_mb or auto_size_mb(src)
+    with _replacing(out) as tmp:
+        os.truncate(tmp, size * 2**20)
+        # No journal-less tricks: the root disk is written by the guest and must survive a crash.
+        await _run(["mkfs.ext4", "-q", "-F", "-L", label, "-E", "root_owner=0:0", "-d", str(src), str(tmp)])
     return out
 
 
 async def to_qcow2(raw: Path, out: Path) -> Path:
     """Convert a raw image to a compact qcow2 (only allocated clusters are stored)."""
-    tmp = _tmp_beside(out)
-    try:
+    with _replacing(out) as tmp:
         await _run(["qemu-img", "convert", "-q", "-f", "raw", "-O", "qcow2", str(raw), str(tmp)])
-        os.rename(tmp, out)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
     return out
 
 
 async def create_overlay(backing: Path, out: Path, backing_format: str = "qcow2") -> Path:
     """A new empty qcow2 overlay on ``backing`` (absolute path recorded in the header)."""
-    tmp = _tmp_beside(out)
-    try:
+    with _replacing(out) as tmp:
         await _run(
             [
                 "qemu-img",
@@ -111,11 +113,6 @@ async def create_overlay(backing: Path, out: Path, backing_format: str = "qcow2"
                 str(tmp),
             ]
         )
-        os.rename(tmp, out)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
     return out
 
 
@@ -123,30 +120,18 @@ async def flatten_onto(chain_top: Path, base: Path, out: Path) -> Path:
     """Write ``chain_top`` (an overlay chain) as one qcow2 whose backing file is ``base``, keeping
     only what differs from ``base``. Reads with ``-U`` because a live QEMU may hold the chain
     (frozen images only: they no longer change)."""
-    tmp = _tmp_beside(out)
-    try:
+    with _replacing(out) as tmp:
         await _run(
             ["qemu-img", "convert", "-q", "-U", "-O", "qcow2", "-B", str(base.absolute()), "-F", "qcow2",
              str(chain_top), str(tmp)]
         )  # fmt: skip
-        os.rename(tmp, out)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
     return out
 
 
 def clone_overlay(empty_overlay: Path, out: Path) -> Path:
     """Copy a pre-made empty overlay (same backing file) to ``out``: the ~0.1 ms path."""
-    tmp = _tmp_beside(out)
-    try:
+    with _replacing(out) as tmp:
         shutil.copyfile(empty_overlay, tmp)
-        os.rename(tmp, out)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
     return out
 
 
