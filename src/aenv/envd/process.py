@@ -68,6 +68,17 @@ class ProcessService:
             return self.table.get_by_tag(get_str(selector, "tag"))
         raise InvalidArgument("process selector needs a pid or a tag")
 
+    async def _announce_and_follow(self, proc: ManagedProcess, queue: Subscriber) -> AsyncIterator[Message]:
+        """The ``start`` event first (the SDK requires it), then the process's output until its end.
+        A client gone before ``start`` was sent must not leave its output queue subscribed."""
+        try:
+            yield {"event": {"start": {"pid": proc.pid}}}
+        except BaseException:
+            proc.unsubscribe(queue)
+            raise
+        async for event in self._follow(proc, queue):
+            yield event
+
     @staticmethod
     async def _follow(proc: ManagedProcess, queue: Subscriber) -> AsyncIterator[Message]:
         try:
@@ -114,12 +125,7 @@ class ProcessService:
         queue = proc.subscribe()  # before the first await: no output is missed
         if ctx.deadline is not None:
             proc.kill_at(ctx.deadline)
-        try:
-            yield {"event": {"start": {"pid": proc.pid}}}
-        except BaseException:
-            proc.unsubscribe(queue)
-            raise
-        async for event in self._follow(proc, queue):
+        async for event in self._announce_and_follow(proc, queue):
             yield event
 
     async def connect(self, msg: Message, ctx: CallContext) -> AsyncIterator[Message]:
@@ -135,12 +141,7 @@ class ProcessService:
             yield {"event": {"end": retained}}
             return
         queue = proc.subscribe()
-        try:
-            yield {"event": {"start": {"pid": proc.pid}}}
-        except BaseException:
-            proc.unsubscribe(queue)
-            raise
-        async for event in self._follow(proc, queue):
+        async for event in self._announce_and_follow(proc, queue):
             yield event
 
     # ---- unary
