@@ -63,6 +63,16 @@ class Settings(BaseModel):
         60.0, ge=0, description="vm: seconds a sandbox stays paused in RAM before it is saved to disk and QEMU ends (0 = at once)"
     )
     firecracker: str | None = Field(None, description="vm: path of a firecracker binary; used instead of QEMU where real KVM exists")
+    snapshot_store: str | None = Field(
+        None,
+        description="where snapshots are published: file:///dir or s3://bucket[/prefix]; unset = "
+        "file://<state_dir>/snapshot-store, empty string = no publishing. S3 keys come only from the "
+        "environment (AENV_S3_ACCESS_KEY_ID / AENV_S3_SECRET_ACCESS_KEY, else AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)",
+    )
+    snapshot_store_endpoint: str | None = Field(
+        None, description="S3 endpoint URL for an s3:// snapshot store (e.g. http://127.0.0.1:8333); unset = AWS"
+    )
+    snapshot_store_region: str | None = Field(None, description="S3 region (default: AWS_REGION or us-east-1)")
 
     @field_validator("state_dir", "cache_dir", mode="after")
     @classmethod
@@ -85,6 +95,13 @@ class Settings(BaseModel):
     @property
     def snapshots_dir(self) -> Path:
         return self.state_dir / "snapshots"
+
+    @property
+    def snapshot_store_url(self) -> str | None:
+        """The snapshot repository's URL, or None when publishing is off (``snapshot_store = ""``)."""
+        if self.snapshot_store is None:
+            return f"file://{self.state_dir / 'snapshot-store'}"
+        return self.snapshot_store.strip() or None
 
 
 _LIST_FIELDS = {"api_keys", "insecure_registries"}

@@ -109,7 +109,7 @@ EXPECT: dict[str, str | None] = {
 
 def test_every_point_is_covered() -> None:
     """A new fault point without a crash case here is a gap in the proof."""
-    # pull.layer: test_crash_pull.py; ns.slirp.started: below; publish.layer: needs an S3 publisher (not yet)
+    # pull.layer: test_crash_pull.py; ns.slirp.started: below; publish.layer: test_crash_publish.py (S3)
     assert set(POINTS) - set(CASES) == {"pull.layer", "publish.layer", "ns.slirp.started"}
 
 

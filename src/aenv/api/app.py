@@ -42,6 +42,18 @@ def ensure_base_template(settings: Settings, catalog: TemplateCatalog) -> None:
     log.info("template base registered from %s", rootfs)
 
 
+def _snapshot_repository(settings: Settings) -> Any:
+    """The snapshot repository from ``snapshot_store`` (keys from the environment), or None if off."""
+    from aenv.snapshots.repository import describe_store, repository_from_settings
+
+    repository = repository_from_settings(settings)
+    if repository is None:
+        log.info("snapshot repository: off (snapshot_store is empty)")
+    else:
+        log.info("snapshot repository: %s", describe_store(repository.url))
+    return repository
+
+
 def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_base: bool = True) -> Any:
     """Build the ASGI app. ``runtime`` may be injected (tests); otherwise chosen from settings."""
     holder: dict[str, Orchestrator] = {}
@@ -62,7 +74,12 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
             await asyncio.to_thread(register_if_built, settings, catalog)  # code-interpreter-v1, if built
         rt = runtime or make_runtime(settings)
         orch = Orchestrator(settings, store, rt, catalog)
+        repository = _snapshot_repository(settings)
+        if repository is not None:
+            orch.snapshots.attach_repository(repository)
         await orch.start()
+        if repository is not None:
+            orch.snapshots.resume_publishing()
         from aenv.images import ImageBuilder, evict_periodically
 
         builder = ImageBuilder(settings)
@@ -82,6 +99,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
             for task in list(app.state.background):
                 task.cancel()
             await proxy.aclose()
+            await orch.snapshots.aclose()
             await orch.close()
             await builder.aclose()
             store.close()

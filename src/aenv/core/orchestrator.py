@@ -231,7 +231,7 @@ class Orchestrator:
     async def _create(self, req: CreateRequest) -> LiveSandbox:
         timeout = req.timeout if req.timeout is not None else self.settings.default_timeout
         self._check_timeout(timeout)
-        template = self.templates.resolve(req.template)
+        template = await self.snapshots.resolve_template(req.template)  # may fetch a snapshot from the repository
         if len(self._live) >= self.settings.max_sandboxes:
             raise CapacityError(f"sandbox limit of {self.settings.max_sandboxes} reached", retry_after=5)
         if self._starting >= self.settings.max_concurrent_starts:

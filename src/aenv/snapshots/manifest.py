@@ -40,6 +40,10 @@ class Manifest:
     parent: str | None = None
     runtime_data: dict[str, Any] = field(default_factory=dict)
     created_at: float = 0.0
+    name: str | None = None
+    # Where each layer goes in the snapshot directory and what the server needs to adopt it
+    # (``paths``, ``own_layers``, template alias, resources); see ``aenv.snapshots.publish``.
+    meta: dict[str, Any] = field(default_factory=dict)
 
     def to_bytes(self) -> bytes:
         body = {"magic": MAGIC, "version": VERSION, **asdict(self)}
@@ -60,8 +64,10 @@ class Manifest:
         try:
             layers = [LayerRef(**layer) for layer in body["layers"]]
             for layer in layers:
-                if not _DIGEST.match(layer.digest):
+                if not isinstance(layer.digest, str) or not _DIGEST.match(layer.digest):
                     raise ManifestError(f"bad layer digest {layer.digest!r}")
+                if not isinstance(layer.name, str) or not isinstance(layer.size, int) or layer.size < 0:
+                    raise ManifestError(f"bad layer entry {layer!r}")
             return cls(
                 snapshot_id=str(body["snapshot_id"]),
                 mode=str(body["mode"]),
@@ -71,6 +77,10 @@ class Manifest:
                 parent=body.get("parent"),
                 runtime_data=dict(body.get("runtime_data") or {}),
                 created_at=float(body.get("created_at") or 0.0),
+                name=body.get("name") if isinstance(body.get("name"), str) else None,
+                meta=dict(body.get("meta") or {}),
             )
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, ManifestError):
+                raise
             raise ManifestError(f"malformed manifest: {exc}") from None

@@ -9,16 +9,20 @@ layer shared by several snapshots is stored once; ``delete`` frees only layers n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
+import time
+from collections.abc import Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from aenv.core.faults import fault_point
-from aenv.snapshots.manifest import LayerRef, Manifest
+from aenv.snapshots.manifest import LayerRef, Manifest, ManifestError
 
 _CHUNK = 8 << 20
 # Same tree, same bytes: sorted entries, pax headers without atime/ctime (reading a file changes them).
@@ -29,7 +33,11 @@ _TAR_DETERMINISTIC = (
 
 
 def make_store(url: str, **options: Any) -> Any:
-    """An obstore store from ``file:///dir``, ``memory:///`` or ``s3://bucket`` (+ endpoint/keys options)."""
+    """An obstore store from ``file:///dir``, ``memory:///`` or ``s3://bucket[/prefix]``.
+
+    S3 options: ``endpoint``, ``access_key_id``, ``secret_access_key``, ``session_token``, ``region``.
+    Requests are retried a few times within ``retry_timeout`` seconds (default 30), not obstore's
+    3 minutes: a create that looks a snapshot up must fail in reasonable time when the store is down."""
     from obstore.store import LocalStore, MemoryStore, S3Store
 
     if url.startswith("file://"):
@@ -39,18 +47,67 @@ def make_store(url: str, **options: Any) -> Any:
     if url.startswith("memory://"):
         return MemoryStore()
     if url.startswith("s3://"):
-        bucket = url[len("s3://") :].strip("/")
-        client_options: Any = {"allow_http": True} if str(options.get("endpoint", "")).startswith("http://") else {}
+        bucket, _, prefix = url[len("s3://") :].strip("/").partition("/")
+        if not bucket or "@" in bucket:
+            raise ValueError("an s3 snapshot store is s3://bucket[/prefix] (keys go in the environment, not the URL)")
+        endpoint = options.get("endpoint")
+        client_options: Any = {"connect_timeout": timedelta(seconds=5)}
+        if str(endpoint or "").startswith("http://"):
+            client_options["allow_http"] = True
+        extra = {  # only what is set: obstore refuses None and reads AWS_* itself for what is missing
+            k: options[k] for k in ("endpoint", "access_key_id", "secret_access_key", "session_token") if options.get(k)
+        }
         return S3Store(
             bucket,
-            endpoint=options.get("endpoint"),
-            access_key_id=options.get("access_key_id"),
-            secret_access_key=options.get("secret_access_key"),
-            region=options.get("region", "us-east-1"),
+            prefix=prefix or None,
+            region=options.get("region") or "us-east-1",
             virtual_hosted_style_request=False,
             client_options=client_options,
+            retry_config={
+                "max_retries": 3,
+                "retry_timeout": timedelta(seconds=float(options.get("retry_timeout", 30))),
+                "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5), "base": 2},
+            },
+            **extra,
         )
     raise ValueError(f"unsupported snapshot store URL {url!r} (use file://, memory:// or s3://)")
+
+
+def s3_credentials(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """S3 keys from the environment only (never from the config file, never logged):
+    ``AENV_S3_ACCESS_KEY_ID`` / ``AENV_S3_SECRET_ACCESS_KEY`` / ``AENV_S3_SESSION_TOKEN``, else the
+    standard ``AWS_*`` names. Empty when neither is set (obstore then tries its own sources)."""
+    env = os.environ if environ is None else environ
+    for prefix in ("AENV_S3_", "AWS_"):
+        key, secret = env.get(f"{prefix}ACCESS_KEY_ID"), env.get(f"{prefix}SECRET_ACCESS_KEY")
+        if key and secret:
+            out = {"access_key_id": key, "secret_access_key": secret}
+            if env.get(f"{prefix}SESSION_TOKEN"):
+                out["session_token"] = env[f"{prefix}SESSION_TOKEN"]
+            return out
+    return {}
+
+
+def describe_store(url: str) -> str:
+    """The store URL fit for a log line (no query, no user info)."""
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{rest.split('?', 1)[0].rpartition('@')[2]}"
+
+
+def repository_from_settings(settings: Any, environ: Mapping[str, str] | None = None) -> SnapshotRepository | None:
+    """The configured repository (``Settings.snapshot_store_url``), or None when publishing is off."""
+    url = settings.snapshot_store_url
+    if url is None:
+        return None
+    env = os.environ if environ is None else environ
+    options: dict[str, Any] = {}
+    if url.startswith("s3://"):
+        options = {
+            "endpoint": settings.snapshot_store_endpoint or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL"),
+            "region": settings.snapshot_store_region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION"),
+            **s3_credentials(env),
+        }
+    return SnapshotRepository(make_store(url, **options), settings.state_dir / "snapshot-scratch", url=url)
 
 
 def _sha256_file(path: Path) -> str:
@@ -87,54 +144,83 @@ def unpack_dir(archive: Path, dest: Path) -> None:
         raise OSError(f"unpacking {archive} failed")
 
 
+def layer_key(digest: str) -> str:
+    return f"layers/{digest.replace(':', '/')}"
+
+
 class SnapshotRepository:
-    def __init__(self, store: Any, scratch: Path) -> None:
+    """Layers under ``layers/sha256/<hex>``, manifests under ``manifests/<snapshot id>.json``.
+
+    Crash safety comes from the order of writes: every layer is complete in the store (one PUT, or a
+    multipart upload that only becomes visible when completed) before the manifest naming it is
+    written, and a manifest is one PUT. So a reader sees a snapshot whole or not at all; a publish
+    that died half-way leaves at most layers no manifest names, which the next publish of the same
+    snapshot reuses and ``collect_garbage`` frees once they are older than its grace period."""
+
+    def __init__(self, store: Any, scratch: Path, url: str = "") -> None:
         self.store = store
         self.scratch = scratch
+        self.url = url
         scratch.mkdir(parents=True, exist_ok=True)
+
+    def clean_scratch(self) -> None:
+        """Drop temporary files a killed process left in the scratch dir (call before any work)."""
+        for p in self.scratch.glob("*"):
+            if p.name.startswith(("layer-", "get-")):
+                with contextlib.suppress(OSError):
+                    p.unlink()
 
     # ---- layers ---------------------------------------------------------------------------------
     async def put_layer(self, name: str, path: Path) -> LayerRef:
-        """Store a directory or file as a content-addressed layer (no upload if already present)."""
+        """Store a directory or file as a content-addressed layer (no upload if already present).
+
+        A directory is packed into the scratch dir first; a file (snapshot files never change once
+        written) is hashed and uploaded in place, without a copy."""
         import obstore
 
         fd, tmp_name = tempfile.mkstemp(dir=self.scratch, prefix="layer-")
         os.close(fd)
         tmp = Path(tmp_name)
         try:
-            if path.is_dir():
+            is_dir = path.is_dir()
+            if is_dir:
                 await asyncio.to_thread(pack_dir, path, tmp)
-            else:
-                await asyncio.to_thread(shutil.copyfile, path, tmp)
-            digest = await asyncio.to_thread(_sha256_file, tmp)
-            size = tmp.stat().st_size
+            src = tmp if is_dir else path
+            digest = await asyncio.to_thread(_sha256_file, src)
+            size = src.stat().st_size
             fault_point("publish.layer")
-            key = f"layers/{digest.replace(':', '/')}"
-            try:
-                await obstore.head_async(self.store, key)
-            except FileNotFoundError:
-                with tmp.open("rb") as fh:
-                    await obstore.put_async(self.store, key, fh)
-            return LayerRef(name=name + (".tar.zst" if path.is_dir() else ""), digest=digest, size=size)
+            if not await self.layer_exists(digest):
+                with src.open("rb") as fh:
+                    await obstore.put_async(self.store, layer_key(digest), fh)
+            return LayerRef(name=name + (".tar.zst" if is_dir else ""), digest=digest, size=size)
         finally:
             tmp.unlink(missing_ok=True)
 
-    async def get_layer(self, layer: LayerRef, dest: Path) -> None:
-        """Fetch a layer, verify its digest, and unpack (directories) or place (files) it at ``dest``."""
+    async def layer_exists(self, digest: str) -> bool:
         import obstore
 
-        key = f"layers/{layer.digest.replace(':', '/')}"
+        try:
+            await obstore.head_async(self.store, layer_key(digest))
+            return True
+        except FileNotFoundError:
+            return False
+
+    async def get_layer(self, layer: LayerRef, dest: Path) -> None:
+        """Fetch a layer, verify its size and digest, and unpack (directories) or place (files) it at
+        ``dest``. Nothing is written at ``dest`` unless the bytes check out."""
+        import obstore
+
         fd, tmp_name = tempfile.mkstemp(dir=self.scratch, prefix="get-")
         os.close(fd)
         tmp = Path(tmp_name)
         try:
-            result = await obstore.get_async(self.store, key)
+            result = await obstore.get_async(self.store, layer_key(layer.digest))
             with tmp.open("wb") as fh:
                 async for chunk in result.stream():
                     fh.write(chunk)
             got = await asyncio.to_thread(_sha256_file, tmp)
-            if got != layer.digest:
-                raise OSError(f"layer {layer.digest} is corrupt in the store (got {got})")
+            if got != layer.digest or tmp.stat().st_size != layer.size:
+                raise OSError(f"layer {layer.digest} is corrupt in the store (got {got}, {tmp.stat().st_size} bytes)")
             if layer.name.endswith(".tar.zst"):
                 await asyncio.to_thread(unpack_dir, tmp, dest)
             else:
@@ -144,16 +230,33 @@ class SnapshotRepository:
             tmp.unlink(missing_ok=True)
 
     # ---- manifests ------------------------------------------------------------------------------
+    @staticmethod
+    def _manifest_key(snapshot_id: str) -> str:
+        if not snapshot_id or "/" in snapshot_id or snapshot_id.startswith(".") or len(snapshot_id) > 128:
+            raise ValueError(f"invalid snapshot id {snapshot_id!r}")
+        return f"manifests/{snapshot_id}.json"
+
     async def put_manifest(self, manifest: Manifest) -> None:
+        """Write the manifest: call it last, once every layer it names is stored (one PUT: atomic)."""
         import obstore
 
-        await obstore.put_async(self.store, f"manifests/{manifest.snapshot_id}.json", manifest.to_bytes())
+        await obstore.put_async(self.store, self._manifest_key(manifest.snapshot_id), manifest.to_bytes())
 
     async def get_manifest(self, snapshot_id: str) -> Manifest:
+        """The manifest of a snapshot (FileNotFoundError if the store has none, ManifestError if bad)."""
         import obstore
 
-        result = await obstore.get_async(self.store, f"manifests/{snapshot_id}.json")
-        return Manifest.from_bytes(bytes(await result.bytes_async()))
+        result = await obstore.get_async(self.store, self._manifest_key(snapshot_id))
+        manifest = Manifest.from_bytes(bytes(await result.bytes_async()))
+        if manifest.snapshot_id != snapshot_id:
+            raise ManifestError(f"manifest of {snapshot_id} names snapshot {manifest.snapshot_id!r}")
+        return manifest
+
+    async def find_manifest(self, snapshot_id: str) -> Manifest | None:
+        try:
+            return await self.get_manifest(snapshot_id)
+        except FileNotFoundError:
+            return None
 
     async def list_manifests(self) -> list[str]:
         import obstore
@@ -161,27 +264,55 @@ class SnapshotRepository:
         out = []
         async for batch in obstore.list(self.store, prefix="manifests/"):
             for meta in batch:
-                out.append(Path(meta["path"]).stem)
+                if meta["path"].endswith(".json"):
+                    out.append(Path(meta["path"]).stem)
         return out
+
+    async def _referenced(self) -> set[str]:
+        """Digests some manifest names. A manifest that cannot be read counts as naming nothing."""
+        used: set[str] = set()
+        for other in await self.list_manifests():
+            try:
+                used |= {layer.digest for layer in (await self.get_manifest(other)).layers}
+            except (FileNotFoundError, ManifestError, ValueError):
+                continue
+        return used
 
     async def delete(self, snapshot_id: str) -> int:
         """Delete a manifest and every layer no other manifest references. Returns layers freed."""
         import obstore
 
         victim = await self.get_manifest(snapshot_id)
-        await obstore.delete_async(self.store, f"manifests/{snapshot_id}.json")
-        still_used: set[str] = set()
-        for other in await self.list_manifests():
-            try:
-                still_used |= {layer.digest for layer in (await self.get_manifest(other)).layers}
-            except Exception:
-                continue
+        await obstore.delete_async(self.store, self._manifest_key(snapshot_id))
+        still_used = await self._referenced()
         freed = 0
-        for layer in victim.layers:
-            if layer.digest not in still_used:
-                try:
-                    await obstore.delete_async(self.store, f"layers/{layer.digest.replace(':', '/')}")
+        for digest in {layer.digest for layer in victim.layers} - still_used:
+            try:
+                await obstore.delete_async(self.store, layer_key(digest))
+                freed += 1
+            except FileNotFoundError:
+                pass
+        return freed
+
+    async def collect_garbage(self, grace_s: float) -> int:
+        """Free layers no manifest names that are older than ``grace_s`` seconds: what a publish
+        killed half-way left behind. The grace period protects a publish in progress elsewhere (its
+        layers land before its manifest). Returns layers freed."""
+        import obstore
+
+        cutoff = time.time() - grace_s
+        candidates: list[str] = []
+        async for batch in obstore.list(self.store, prefix="layers/"):
+            for meta in batch:
+                if meta["last_modified"].timestamp() < cutoff:
+                    candidates.append(meta["path"])
+        if not candidates:
+            return 0
+        used = {layer_key(d) for d in await self._referenced()}
+        freed = 0
+        for key in candidates:
+            if key not in used:
+                with contextlib.suppress(FileNotFoundError):
+                    await obstore.delete_async(self.store, key)
                     freed += 1
-                except FileNotFoundError:
-                    pass
         return freed
