@@ -20,7 +20,7 @@ say() { printf '\033[1;34m==>\033[0m %s\n' "$*" >&2; }
 APT_PACKAGES=(
   python3-venv ca-certificates
   # ns runtime and sandbox networking
-  util-linux iproute2 iptables slirp4netns uidmap procps psmisc e2fsprogs
+  util-linux iproute2 iptables slirp4netns uidmap procps psmisc e2fsprogs btrfs-progs
   # images: base template, local registry for tests, cross-checks
   mmdebstrap docker-registry skopeo umoci busybox-static zstd
   # vm runtime: QEMU, disk tools, guest kernel build

@@ -52,6 +52,10 @@ class Settings(BaseModel):
     default_cpu_count: int = Field(2, gt=0)
     default_memory_mb: int = Field(512, gt=0)
     default_disk_mb: int = Field(2048, gt=0)
+    ns_disk_quota: bool = Field(
+        True, description="ns: enforce each sandbox's disk size (a btrfs volume on the sandboxes dir, one subvolume + quota per sandbox)"
+    )
+    ns_volume_mb: int = Field(0, ge=0, description="ns: size of that sparse volume image; 0 = min(64 GiB, half the free space)")
     pids_limit: int = Field(4096, gt=0, description="max processes per sandbox")
     max_metadata_bytes: int = Field(16384, gt=0, description="largest metadata map accepted at create")
     metrics_public: bool = Field(True, description="serve /metrics without an API key")
@@ -63,6 +67,9 @@ class Settings(BaseModel):
         60.0, ge=0, description="vm: seconds a sandbox stays paused in RAM before it is saved to disk and QEMU ends (0 = at once)"
     )
     firecracker: str | None = Field(None, description="vm: path of a firecracker binary; used instead of QEMU where real KVM exists")
+    vm_guest_aslr: bool = Field(
+        False, description="vm under TCG: keep address-space randomisation in the guest (every new process then costs ~4x more: TCG retranslates its code)"
+    )
     snapshot_store: str | None = Field(
         None,
         description="where snapshots are published: file:///dir or s3://bucket[/prefix]; unset = "

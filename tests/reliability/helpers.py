@@ -19,7 +19,8 @@ from pathlib import Path
 
 import httpx
 
-from aenv.testing.server import API_KEY, Server, start_server, stop_server
+from aenv.runtime.ns.disk import IMAGE_NAME, POOL_NAME, loop_device_for
+from aenv.testing.server import API_KEY, Server, release_ns_volume, start_server, stop_server
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 HEADERS = {"X-API-KEY": API_KEY}
@@ -125,10 +126,19 @@ def processes_of(state_dir: Path, ids: Iterable[str]) -> dict[int, str]:
 
 
 def mounts_under(path: Path) -> list[str]:
-    """Host mounts (in the test's own mount namespace) at or below ``path``."""
+    """Host mounts (in the test's own mount namespace) at or below ``path``, except the ns
+    runtime's sandboxes volume (``<state>/sandboxes``, see ``aenv.runtime.ns.disk``): it is the
+    state dir's storage while a server runs, not a sandbox's leftover. Servers unmount it when they
+    stop; ``ServerFactory.close`` makes sure."""
     p = str(path.resolve())
+    volume = f" {p}/sandboxes "
     with open("/proc/self/mountinfo") as fh:
-        return [line.strip() for line in fh if f" {p}/" in line or f" {p} " in line]
+        return [line.strip() for line in fh if (f" {p}/" in line or f" {p} " in line) and volume not in line]
+
+
+def pool_dirs(state_dir: Path) -> list[Path]:
+    """Where a server keeps its warm pool (now on the sandboxes volume; formerly ``<state>/ns-pool``)."""
+    return [state_dir / "sandboxes" / POOL_NAME, state_dir / "ns-pool"]
 
 
 def slirps_with_dead_target(parents: set[int] | None = None) -> set[int]:
@@ -191,7 +201,7 @@ def leaks(state_dir: Path, dead_ids: Iterable[str], live_ids: Iterable[str] = ()
     dead, live = set(dead_ids), set(live_ids)
     deadline = time.monotonic() + settle
     while True:
-        pool = {d.name for d in (state_dir / "ns-pool").glob("*")} if (state_dir / "ns-pool").is_dir() else set()
+        pool = {d.name for pd in pool_dirs(state_dir) if pd.is_dir() for d in pd.glob("*")}
         allowed = live | pool
         found = Leaks(
             processes={
@@ -199,7 +209,7 @@ def leaks(state_dir: Path, dead_ids: Iterable[str], live_ids: Iterable[str] = ()
             },
             cgroups=cgroups_of(state_dir, dead) - allowed,
             mounts=mounts_under(state_dir),
-            dirs={d.name for d in (state_dir / "sandboxes").glob("*")} - live
+            dirs={d.name for d in (state_dir / "sandboxes").glob("*") if d.name != POOL_NAME} - live
             if (state_dir / "sandboxes").is_dir() else set(),
         )
         # live sandboxes' processes match by overlay or state path (their launcher): keep only the rest
@@ -256,13 +266,19 @@ class ServerFactory:
             if srv.proc.poll() is None:
                 _kill_all_sandboxes(srv)
                 stop_server(srv)
-        if any((self.state_dir / d).is_dir() and any((self.state_dir / d).iterdir())
-               for d in ("sandboxes", "ns-pool")):
+        if loop_device_for(self.state_dir / IMAGE_NAME) is not None or any(
+                d.is_dir() and any(x for x in d.iterdir() if x.name != POOL_NAME or any(x.iterdir()))
+                for d in (self.state_dir / "sandboxes", *pool_dirs(self.state_dir))):
+            # (an attached ns volume that is not mounted is held by sandboxes still running)
             # Something survived a crash the test did not clean up: a clean server reconciles it.
             with contextlib.suppress(Exception):
                 srv = start_server(self.tmp, self.runtime, {**self.base_env, "AENV_FAULTS": "", "AENV_POOL_SIZE": "0"})
                 _kill_all_sandboxes(srv)
                 stop_server(srv)
+        release_ns_volume(self.state_dir)  # a SIGKILLed server's volume, if nothing reconciled it
+        volume = f" {(self.state_dir / 'sandboxes').resolve()} "
+        with open("/proc/self/mountinfo") as fh:
+            assert not any(volume in line for line in fh), f"the ns volume of {self.state_dir} is still mounted"
 
 
 def _kill_all_sandboxes(srv: Server) -> None:

@@ -20,7 +20,8 @@ import httpx
 import pytest
 from e2b import CommandExitException, Sandbox
 
-from aenv.testing.server import Server
+from aenv.runtime.ns import disk
+from aenv.testing.server import API_KEY, Server
 from tests.reliability.helpers import ServerFactory, sdk_kwargs
 
 PIDS_LIMIT = 300
@@ -246,11 +247,67 @@ def test_fork_bomb_hits_pids_limit(sbx: Sandbox, iso_server: Server, neighbour: 
     assert int(out[1]) < PIDS_LIMIT
 
 
-def test_disk_writes_bounded(sbx: Sandbox) -> None:
-    out = root(sbx, f"dd if=/dev/zero of=/home/user/fill bs=1M count={DISK_MB * 2} 2>&1; echo rc=$?; "
-                    "du -sm /home/user/fill; rm -f /home/user/fill", timeout=300)
-    written_mb = int(out.strip().splitlines()[-1].split()[0]) if out.strip() else 0
-    if "No space left" not in out and written_mb >= DISK_MB * 2:
-        pytest.xfail(f"the {os.environ.get('AENV_TEST_RUNTIME', 'ns')} runtime has no per-sandbox disk quota: "
-                     f"wrote {written_mb} MiB with disk_mb={DISK_MB}")
-    assert "No space left" in out and written_mb <= DISK_MB + 16, out
+def _disk_quota(server: Server) -> str:
+    with httpx.Client(base_url=server.url, headers={"X-API-KEY": API_KEY}, trust_env=False) as c:
+        return str(c.get("/aenv/info").json().get("capabilities", {}).get("disk quota", "unknown"))
+
+
+def _allocated(path: Path) -> int:
+    return path.stat().st_blocks * 512
+
+
+def test_disk_writes_bounded(iso: dict[str, str], iso_server: Server, neighbour: Sandbox, runtime_name: str) -> None:
+    if runtime_name != "ns":
+        s = Sandbox.create("base", timeout=600, **iso)
+        try:
+            out = root(s, f"dd if=/dev/zero of=/home/user/fill bs=1M count={DISK_MB * 2} 2>&1; echo rc=$?; "
+                          "du -sm /home/user/fill; rm -f /home/user/fill", timeout=300)
+        finally:
+            s.kill()
+        written_mb = int(out.strip().splitlines()[-1].split()[0]) if out.strip() else 0
+        if "No space left" not in out and written_mb >= DISK_MB * 2:
+            pytest.xfail(f"the {runtime_name} runtime has no per-sandbox disk quota: "
+                         f"wrote {written_mb} MiB with disk_mb={DISK_MB}")
+        assert "No space left" in out and written_mb <= DISK_MB + 16, out
+        return
+
+    # ns: each sandbox root is a btrfs subvolume limited to its disk size (aenv.runtime.ns.disk)
+    quota = _disk_quota(iso_server)
+    if quota.startswith("unavailable"):
+        pytest.skip(f"ns disk quota: {quota}")
+    image = iso_server.state_dir / disk.IMAGE_NAME
+    s = Sandbox.create("base", timeout=600, **iso)
+    ns_root = iso_server.state_dir / "sandboxes" / s.sandbox_id / "ns"
+    subvol, fs = disk.subvolume_id(ns_root), disk.fs_uuid(ns_root)
+    assert subvol is not None and fs is not None, f"{ns_root} is not a quota subvolume ({quota})"
+    try:
+        root(s, "head -c 20M /dev/urandom > /home/user/keep && sha256sum /home/user/keep > /home/user/keep.sum")
+        before = _allocated(image) if image.exists() else 0
+        out = root(s, f"dd if=/dev/zero of=/home/user/fill bs=1M count={DISK_MB * 2} conv=fsync 2>&1; "
+                      "echo rc=$?; du -sm /home/user/fill", timeout=300)
+        written_mb = int(out.strip().splitlines()[-1].split()[0])
+        # a clean failure inside the sandbox, at the limit
+        assert "Disk quota exceeded" in out or "No space left" in out, out
+        assert "rc=0" not in out and written_mb <= DISK_MB, out
+        # what was written before is intact; the sandbox keeps working and can free space again
+        assert "keep: OK" in root(s, "cd /home/user && sha256sum -c keep.sum")
+        # the host disk took at most the quota (the image is sparse; the file never got 2x DISK_MB)
+        os.sync()  # qgroup numbers move at transaction commit
+        if image.exists():
+            assert _allocated(image) - before < (DISK_MB + 64) << 20
+        used = disk.qgroup_referenced(fs, subvol)
+        assert used is not None and (DISK_MB - 48) << 20 <= used <= DISK_MB << 20, used
+        assert root(s, "rm /home/user/fill && echo again > /home/user/after && cat /home/user/after").strip() == "again"
+        # the neighbour and the server never noticed
+        neighbour.files.write("/home/user/n.txt", "still writing")
+        assert neighbour.files.read("/home/user/n.txt") == "still writing"
+        _still_serving(iso_server, neighbour)
+    finally:
+        s.kill()
+    # deleting the sandbox drops its subvolume; the btrfs cleaner frees it and its qgroup goes
+    assert not ns_root.exists()
+    deadline = time.monotonic() + 90
+    while (left := disk.qgroup_referenced(fs, subvol)) not in (None, 0):
+        assert time.monotonic() < deadline, f"qgroup 0/{subvol} still holds {left} bytes"
+        os.sync()
+        time.sleep(1)

@@ -1,4 +1,4 @@
-"""``aenv doctor``: what this host can do, and why — runtimes, accelerator, cgroups, CRIU."""
+"""``aenv doctor``: what this host can do, and why — runtimes, accelerator, cgroups, CRIU, disk quota."""
 
 from __future__ import annotations
 
@@ -28,6 +28,13 @@ def _criu() -> str:
     return f"{st.reason}; ns snapshots, fork and rollback are filesystem-only"
 
 
+def _disk_quota(settings: Settings) -> str:
+    """The same volume the ns runtime uses (``disk.py``): the live one, or a real trial of it."""
+    from aenv.runtime.ns.disk import probe
+
+    return probe(settings.state_dir, settings.sandboxes_dir, settings.ns_disk_quota, settings.ns_volume_mb)
+
+
 def collect(settings: Settings) -> dict[str, Any]:
     from aenv.runtime.select import vm_unavailable_reason
 
@@ -42,6 +49,7 @@ def collect(settings: Settings) -> dict[str, Any]:
         "auto picks": "vm" if vm_reason is None else "ns",
         "qemu": shutil.which("qemu-system-x86_64") or "absent",
         "criu": _criu(),
+        "ns disk quota": _disk_quota(settings),
         "isolation note": "ns sandboxes share the host kernel (weaker isolation than vm); see README SECURITY",
         "state dir": str(settings.state_dir),
         "cache dir": str(settings.cache_dir),

@@ -73,7 +73,22 @@ def start_server(tmp: Path, runtime: str, extra_env: dict[str, str] | None = Non
     raise RuntimeError(f"aenv serve did not become healthy:\n{server.log_tail()}")
 
 
+def release_ns_volume(state_dir: Path) -> None:
+    """Unmount the ns runtime's sandboxes volume of ``state_dir`` unless a running server holds it.
+
+    A server unmounts it itself at a clean shutdown; this covers one that was SIGKILLed (tests do
+    that on purpose), so a temp state dir never leaves a mount behind."""
+    from aenv.runtime.ns.disk import DiskQuota
+
+    DiskQuota(state_dir, state_dir / "sandboxes").release()
+
+
 def stop_server(server: Server, sig: int = signal.SIGTERM) -> None:
+    _stop(server, sig)
+    release_ns_volume(server.state_dir)
+
+
+def _stop(server: Server, sig: int) -> None:
     if server.proc.poll() is None:
         try:
             os.killpg(server.proc.pid, sig)

@@ -3,13 +3,18 @@
 Sources of truth, all findable without the store:
 
 * ``<sandboxes_dir>/<id>/ns/ns.json`` - one per sandbox handed out (pid + start time, cgroup, slirp);
-* ``<pool_dir>/<pool-id>/ns.json``    - pooled sandboxes of a previous server run (always orphans);
+* ``<pool_dir>/<pool-id>/ns.json``    - pooled sandboxes of a previous server run (always orphans;
+                                        the pool dir is ``<sandboxes_dir>/.ns-pool``, formerly
+                                        ``<state>/ns-pool``);
 * ``<hierarchy>/aenv/<name>``         - cgroups; their members are the sandbox's processes.
 
 Anything whose name is not in ``known`` is killed (init + slirp by pid *and* start time, then every
 member of its cgroup) and its cgroup and directory are removed. There are no host-side mounts or
 veths to clean: mounts live in the sandbox's own mount namespace and slirp4netns uses a tap inside
-the sandbox's netns.
+the sandbox's netns. The sandboxes volume (``disk.py``) is not a leftover: it is mounted while a
+server runs and ``NsRuntime.close`` unmounts it (sandboxes that outlive the server keep it alive in
+their own mount namespaces); directories on it are removed with ``remove_tree`` (a quota subvolume
+is dropped at once).
 """
 
 from __future__ import annotations
@@ -18,11 +23,12 @@ import asyncio
 import contextlib
 import json
 import logging
-import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from aenv.runtime.ns.cgroups import Cgroup, Layout, list_names
+from aenv.runtime.ns.disk import remove_tree
 from aenv.runtime.ns.network import kill_slirps_serving
 from aenv.runtime.ns.sandbox import STATE_FILE, NsSandbox
 
@@ -44,9 +50,11 @@ def _load(path: Path) -> dict[str, object] | None:
     return data if isinstance(data, dict) else None
 
 
-async def reconcile(layout: Layout, sandboxes_dir: Path, pool_dir: Path, known: set[str],
+async def reconcile(layout: Layout, sandboxes_dir: Path, pool_dir: Path | Iterable[Path], known: set[str],
                     keep: set[str] | None = None) -> ReconcileReport:
-    """Kill and remove every ns sandbox not in ``known`` (nor in ``keep``, e.g. the live pool)."""
+    """Kill and remove every ns sandbox not in ``known`` (nor in ``keep``, e.g. the live pool).
+    ``pool_dir`` may be several directories (the current pool dir and a legacy one)."""
+    pool_dirs = [pool_dir] if isinstance(pool_dir, Path) else list(pool_dir)
     keep = set(keep or ()) | set(known)
     report = ReconcileReport()
     handled: set[str] = set()
@@ -55,12 +63,13 @@ async def reconcile(layout: Layout, sandboxes_dir: Path, pool_dir: Path, known: 
     if sandboxes_dir.is_dir():
         for d in sandboxes_dir.iterdir():
             # only directories the ns runtime made (another runtime's sandboxes are left alone)
-            if d.is_dir() and d.name not in keep and (d / "ns").is_dir():
+            if d.is_dir() and not d.name.startswith(".") and d.name not in keep and (d / "ns").is_dir():
                 candidates.append((d / "ns" / STATE_FILE, d))
-    if pool_dir.is_dir():
-        for d in pool_dir.iterdir():
-            if d.is_dir() and d.name not in keep:
-                candidates.append((d / STATE_FILE, d))
+    for pd in pool_dirs:
+        if pd.is_dir():
+            for d in pd.iterdir():
+                if d.is_dir() and d.name not in keep:
+                    candidates.append((d / STATE_FILE, d))
 
     served: set[int] = set()  # pids of the orphans' processes, to find slirps ns.json never recorded
     for state_file, top in candidates:
@@ -75,7 +84,7 @@ async def reconcile(layout: Layout, sandboxes_dir: Path, pool_dir: Path, known: 
             await sbx.aclose(remove_dir=top)
             handled.add(sbx.cgroup.name)
             report.killed.append(sbx.name)
-        await asyncio.to_thread(shutil.rmtree, top, True)
+        await asyncio.to_thread(remove_tree, top)
         report.dirs_removed.append(str(top))
 
     for name in sorted(list_names(layout) - keep - handled):

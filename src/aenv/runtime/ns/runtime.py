@@ -9,6 +9,9 @@ Create path:
     pool miss -> launch under the real ID (unshare, overlay, agent, envd), ``GET /health``,
                  ``POST /init``                                                        (~0.3 s)
 Either way the key becomes hot and the pool refills in the background.
+
+Disk: every sandbox directory (pool and handed-out) lives on the sandboxes dir, which is a btrfs
+volume with one quota-limited subvolume per sandbox when the host allows it (``disk.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import json
 import logging
 import os
 import secrets
-import shutil
 import tempfile
 import time
 from dataclasses import replace
@@ -31,6 +33,7 @@ from aenv.core.errors import RuntimeFailure, SandboxNotFound, SandboxUnreachable
 from aenv.mux import MuxError, MuxStream
 from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec, SnapshotResult, TemplateImage
 from aenv.runtime.ns import cgroups
+from aenv.runtime.ns.disk import POOL_NAME, DiskQuota, remove_tree
 from aenv.runtime.ns.envd_client import EnvdError, init_payload
 from aenv.runtime.ns.network import Slirp, host_ipv4_addresses, slirp_available
 from aenv.runtime.ns.pool import WarmPool
@@ -44,7 +47,7 @@ from aenv.runtime.tools import ensure_tools
 
 log = logging.getLogger("aenv.runtime.ns")
 
-POOL_DIR = "ns-pool"
+LEGACY_POOL_DIR = "ns-pool"  # <state>/ns-pool before the pool moved onto the sandboxes volume
 POOL_NICE = 19  # pooled sandboxes start at the lowest priority; reset to 0 at hand-out
 
 
@@ -84,7 +87,10 @@ class NsRuntime:
         self.zygote: Zygote | None = None
         self.layout: cgroups.Layout | None = None
         self.host_addrs: list[str] = []
-        self.pool_dir = settings.state_dir / POOL_DIR
+        # on the same filesystem as the sandboxes: hand-out renames a pooled root into place
+        self.pool_dir = settings.sandboxes_dir / POOL_NAME
+        self.disk = DiskQuota(settings.state_dir, settings.sandboxes_dir, enabled=settings.ns_disk_quota,
+                              size_mb=settings.ns_volume_mb)
         self._sandboxes: dict[str, NsSandbox] = {}
         self._specs: dict[str, SandboxSpec] = {}
         self.pool = WarmPool(self.pool_size, self._launch_pooled)
@@ -100,6 +106,7 @@ class NsRuntime:
         if self.tools is None:
             self.tools = await asyncio.to_thread(ensure_tools, self.settings)
         self.host_addrs = await asyncio.to_thread(host_ipv4_addresses)
+        await asyncio.to_thread(self.disk.setup)  # mounts the sandboxes volume (before any launch)
         self.settings.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         self.pool_dir.mkdir(parents=True, exist_ok=True)
         if self.zygote is None and os.environ.get("AENV_NS_ZYGOTE", "1") != "0":
@@ -120,6 +127,8 @@ class NsRuntime:
                 with contextlib.suppress(Exception):
                     await sbx._session.aclose()
         self._sandboxes.clear()
+        await self.snapshots.drain()
+        await asyncio.to_thread(self.disk.release)  # unmounts the volume unless another runtime uses it
         if self.layout is not None:
             await asyncio.to_thread(cgroups.remove_scope_if_empty, self.layout)
 
@@ -129,7 +138,8 @@ class NsRuntime:
         await self.start()
         assert self.layout is not None
         keep = self.pool.names() | set(self._sandboxes)
-        return await reconcile(self.layout, self.settings.sandboxes_dir, self.pool_dir, set(known_ids), keep)
+        return await reconcile(self.layout, self.settings.sandboxes_dir,
+                               [self.pool_dir, self.settings.state_dir / LEGACY_POOL_DIR], set(known_ids), keep)
 
     def warm(self, template: TemplateImage, allow_internet: bool = True) -> None:
         """Mark a template hot: the pool starts filling for it now (non-blocking)."""
@@ -150,12 +160,14 @@ class NsRuntime:
             self.tools = await asyncio.to_thread(ensure_tools, self.settings)
 
     def _opts(self, template: TemplateImage, allow_internet: bool, limits: tuple[int, int, int],
-              nice: int = 0) -> LaunchOptions:
+              nice: int = 0, disk_mb: int | None = None) -> LaunchOptions:
         assert self.tools is not None
         if allow_internet and not slirp_available():
             raise RuntimeFailure("internet access needs slirp4netns and iptables on the host (apt-get install slirp4netns iptables)")
         return LaunchOptions(template=template, tools=self.tools, allow_internet=allow_internet,
-                             default_limits=limits, debug_log=self.debug_log, nice=nice, zygote=self.zygote)
+                             default_limits=limits, debug_log=self.debug_log, nice=nice, zygote=self.zygote,
+                             disk=self.disk if self.disk.active else None,
+                             disk_mb=self.settings.default_disk_mb if disk_mb is None else disk_mb)
 
     async def _launch_pooled(self, template: TemplateImage, allow_internet: bool) -> NsSandbox:
         assert self.layout is not None
@@ -179,8 +191,8 @@ class NsRuntime:
         await self.start()
         assert self.layout is not None
         await self._ensure_tools()
-        opts = replace(self._opts(template, spec.allow_internet, (spec.cpu_count, spec.memory_mb, spec.pids_limit)),
-                       snapshot_layers=snapshot_layers)
+        opts = replace(self._opts(template, spec.allow_internet, (spec.cpu_count, spec.memory_mb, spec.pids_limit),
+                                  disk_mb=spec.disk_mb), snapshot_layers=snapshot_layers)
         return await NsSandbox.launch(name, root, self.layout, opts, self.host_addrs, timeout=self.launch_timeout)
 
     async def _launch_ready(self, spec: SandboxSpec, template: TemplateImage, snapshot_layers: tuple[str, ...],
@@ -204,10 +216,11 @@ class NsRuntime:
             if sbx is not None and sbx is prelaunched:
                 await asyncio.to_thread(sbx.rename, sid, root)
             elif sbx is not None:
-                await asyncio.to_thread(self._hand_out, sbx, sid, root, limits)
+                await asyncio.to_thread(self._hand_out, sbx, sid, root, limits, spec.disk_mb)
             else:
                 await self._ensure_tools()
-                opts = replace(self._opts(template, spec.allow_internet, limits), snapshot_layers=snapshot_layers)
+                opts = replace(self._opts(template, spec.allow_internet, limits, disk_mb=spec.disk_mb),
+                               snapshot_layers=snapshot_layers)
                 sbx = await NsSandbox.launch(sid, root, self.layout, opts, self.host_addrs,
                                              timeout=self.launch_timeout)
             await sbx.init_envd(init_payload(
@@ -227,7 +240,9 @@ class NsRuntime:
         self._specs[sid] = spec
         return self._state(sbx, spec.workdir)
 
-    def _hand_out(self, sbx: NsSandbox, sid: str, root: Path, limits: tuple[int, int, int]) -> None:
+    def _hand_out(self, sbx: NsSandbox, sid: str, root: Path, limits: tuple[int, int, int], disk_mb: int) -> None:
+        if sbx.opts is not None and sbx.opts.disk is not None and sbx.opts.disk_mb != disk_mb:
+            sbx.opts.disk.limit(sbx.paths.root, disk_mb)  # pooled at the default size
         sbx.cgroup.set_limits(*limits)
         sbx.cgroup.set_weight(low=False)
         sbx.reprioritize(0)
@@ -303,7 +318,7 @@ class NsRuntime:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(cg.remove)
             if workdir is not None:
-                await asyncio.to_thread(shutil.rmtree, workdir, True)
+                await asyncio.to_thread(remove_tree, workdir)
 
     def _from_state_file(self, sandbox_id: str) -> NsSandbox | None:
         """The sandbox as its own ``ns.json`` describes it. Needed when the server died after the
@@ -341,7 +356,7 @@ class NsRuntime:
         sbx = self._get(sandbox_id)
         spec = self._specs.get(sandbox_id)
         usage = await asyncio.to_thread(sbx.cgroup.usage)
-        disk = await asyncio.to_thread(_disk_usage, sbx.paths.upper)
+        disk = await asyncio.to_thread(self._disk_used, sbx)
         now = time.monotonic()
         cpu_count = spec.cpu_count if spec else self.settings.default_cpu_count
         pct = 0.0
@@ -356,6 +371,10 @@ class NsRuntime:
             mem_used=max(0, usage.mem_used - usage.mem_cache), mem_total=mem_total, mem_cache=usage.mem_cache,
             disk_used=disk, disk_total=(spec.disk_mb if spec else self.settings.default_disk_mb) * 1024 * 1024,
         )
+
+    def _disk_used(self, sbx: NsSandbox) -> int:
+        used = self.disk.usage(sbx.paths.root)  # the quota's own count (upper + work + run)
+        return used if used is not None else _disk_usage(sbx.paths.upper)
 
     # ---- SnapshotCapable (see snapshot.py) -------------------------------------------------------
     async def snapshot(self, sandbox_id: str, into: Path, mode: str) -> SnapshotResult:
@@ -386,6 +405,7 @@ class NsRuntime:
             "fork": process,
             "rollback": process,
             "criu": status.describe(),
+            "disk quota": self.disk.describe(),
             "pool_size": self.pool_size,
         }
 

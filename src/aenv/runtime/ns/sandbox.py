@@ -3,7 +3,8 @@
 Ownership (released in reverse order by ``aclose``, which is idempotent and finishes under
 cancellation):
 
-    directory  <dir>/ (upper, work, run, ns.json)         removed last
+    directory  <dir>/ (upper, work, run, ns.json)         removed last; with disk quotas a btrfs
+                                                           subvolume limited to the disk size (disk.py)
     cgroup     <hierarchy>/aenv/<name>                     rmdir after every member died
     process    unshare (stage 1, our child) -> init (PID 1 of the sandbox: the agent)
     process    slirp4netns (internet mode only)
@@ -37,6 +38,7 @@ from aenv.mux import MuxSession, MuxStream, StreamClosed
 from aenv.mux.session import open_unix_session
 from aenv.runtime.base import TemplateImage
 from aenv.runtime.ns.cgroups import Cgroup, Layout
+from aenv.runtime.ns.disk import DiskQuota, remove_tree
 from aenv.runtime.ns.envd_client import ENVD_PORT, EnvdError, request
 from aenv.runtime.ns.network import RESOLV_CONF, Slirp, install_firewall, kill_slirps_serving
 from aenv.runtime.ns.process import ProcRef, Reaped
@@ -102,6 +104,9 @@ class LaunchOptions:
     # Snapshot layers (``<snapshot>/upper`` dirs) stacked over the template's lowers, top first.
     # A sandbox started from a snapshot runs on them; see ``snapshot.py``.
     snapshot_layers: tuple[str, ...] = ()
+    # Disk quota: the root is made a subvolume limited to ``disk_mb`` before upper/work exist.
+    disk: DiskQuota | None = None
+    disk_mb: int = 0
 
     def lowers(self) -> list[str]:
         return [*self.snapshot_layers, *_lowers(self.template)]
@@ -181,6 +186,8 @@ class NsSandbox:
         cpu, mem, pids = opts.default_limits
 
         def prepare() -> None:
+            if opts.disk is not None:
+                opts.disk.make_root(self.paths.root, opts.disk_mb)
             self.paths.prepare()
             self.cgroup.create()
             self.cgroup.set_limits(cpu, mem, pids)
@@ -388,4 +395,4 @@ class NsSandbox:
             self.cgroup.remove()
         for d in (self.paths.root, remove_dir):
             if d is not None:
-                shutil.rmtree(d, ignore_errors=True)
+                remove_tree(d)  # a quota subvolume goes at once, whatever its size

@@ -24,7 +24,8 @@ whose overlay mount options would not fit in one page, are compacted at snapshot
 snapshot's ``upper`` is the merge of every snapshot layer below it plus the sandbox's upper, and it
 rests on the template lowers alone. **Rollback** keeps the sandbox's ID, token, directory and cgroup
 name: the new sandbox starts under a temporary name while the old one is killed, then is renamed
-into place (see ``NsSnapshots.rollback``).
+into place (see ``NsSnapshots.rollback``). Rollback only ever moves *whole* sandbox roots: with disk
+quotas each root is a btrfs subvolume, and nothing inside one can be renamed out of it (``disk.py``).
 
 **Full mode** (processes + memory) needs CRIU >= 4.2, detected at run time (``criu.py``); without it
 a full snapshot is refused with StateError (→ 409), never silently downgraded. Fork asks for the best
@@ -50,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 from aenv.core.errors import InvalidRequest, RuntimeFailure, StateError
 from aenv.runtime.base import RuntimeState, SandboxSpec, SnapshotResult
 from aenv.runtime.ns import criu
+from aenv.runtime.ns.disk import remove_tree
 
 if TYPE_CHECKING:
     from aenv.runtime.ns.runtime import NsRuntime
@@ -301,8 +303,8 @@ class NsSnapshots:
         Filesystem mode starts the new sandbox (snapshot layers, empty upper) under a temporary
         name *while* the old one is being killed, then swaps directories and renames the cgroup
         into place, as a pool hand-out does: the call costs about max(stop, start), not their sum.
-        The old upper is kept aside until the swap succeeded; if anything fails, the sandbox is
-        restarted on its own files and the error is raised."""
+        The old root is kept aside (whole: it may be a quota subvolume) until the swap succeeded; if
+        anything fails, the sandbox is restarted on its own files and the error is raised."""
         layers, lowers = stack_of(snapshot, result)
         sbx = self.rt._get(sandbox_id)
         root = sbx.paths.root
@@ -323,7 +325,7 @@ class NsSnapshots:
                 await asyncio.to_thread(os.rename, root, aside)
                 state = await self.rt._launch_ready(spec, template, layers, root=root, prelaunched=new)
             else:
-                await asyncio.to_thread(_set_aside, root, aside)
+                await asyncio.to_thread(os.rename, root, aside)
                 state = await self._restore_full(spec, snapshot, result, layers, lowers, root=root)
         except Exception:
             log.warning("sandbox=%s rollback to %s failed; restarting it on its own files", sandbox_id, snapshot.name)
@@ -344,11 +346,16 @@ class NsSnapshots:
         return state
 
     def _discard(self, path: Path) -> None:
-        """Remove a set-aside upper in the background (its size must not add to rollback latency);
+        """Remove a set-aside root in the background (its size must not add to rollback latency);
         reconciliation removes it if the server dies first."""
-        task = asyncio.get_running_loop().create_task(asyncio.to_thread(shutil.rmtree, path, True))
+        task = asyncio.get_running_loop().create_task(asyncio.to_thread(remove_tree, path))
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
+
+    async def drain(self) -> None:
+        """Wait for background removals (``NsRuntime.close`` before releasing the volume)."""
+        if self._cleanups:
+            await asyncio.gather(*self._cleanups, return_exceptions=True)
 
     async def _restore_full(self, spec: SandboxSpec, snapshot: Path, result: SnapshotResult,
                             layers: tuple[str, ...], lowers: tuple[Path, ...], root: Path | None = None) -> RuntimeState:
@@ -377,12 +384,15 @@ class NsSnapshots:
         cg = Cgroup(rt.layout, sid)
         below = [*layers[1:], *map(str, lowers)]
         opts = replace(rt._opts(replace(spec.template, lowers=lowers), False,
-                                (spec.cpu_count, spec.memory_mb, spec.pids_limit)), snapshot_layers=layers[1:])
+                                (spec.cpu_count, spec.memory_mb, spec.pids_limit), disk_mb=spec.disk_mb),
+                       snapshot_layers=layers[1:])
         sbx = NsSandbox(sid, paths, cg, opts)
         sbx.lowers, sbx.snapshot_depth = below, len(layers) - 1
 
         def prepare_and_restore() -> int:
             shutil.rmtree(paths.upper, ignore_errors=True)
+            if opts.disk is not None:  # the quota subvolume must exist before the copy lands in it
+                opts.disk.make_root(paths.root, spec.disk_mb)
             paths.root.mkdir(parents=True, exist_ok=True)
             copy_tree(snapshot / UPPER, paths.upper)
             paths.prepare()
@@ -426,24 +436,13 @@ def _clean_capture(into: Path) -> None:
             shutil.rmtree(into / name)
 
 
-def _set_aside(root: Path, aside: Path) -> None:
-    """Move a stopped sandbox's upper to ``aside`` and empty the rest (work, run, mount point), so it
-    can be relaunched in place."""
-    aside.mkdir(parents=True)
-    if (root / "upper").exists():
-        os.rename(root / "upper", aside / "upper")
-    for name in ("work", "run", "rootfs"):
-        shutil.rmtree(root / name, ignore_errors=True)
-
-
 def _take_back(root: Path, aside: Path) -> None:
-    """Undo ``_set_aside`` (or the swap) after a failed start: the old upper goes back into ``root``,
-    everything else there is made fresh. A no-op for the upper if it never left ``root``."""
-    if (aside / "upper").exists():
-        shutil.rmtree(root / "upper", ignore_errors=True)
+    """Undo the set-aside after a failed start: the old root (moved whole to ``aside``) goes back
+    into place over whatever the failed start left there; work, run and the mount point are made
+    fresh, the upper is kept. A no-op for the upper if the root never left."""
+    if aside.exists():
+        remove_tree(root)
+        os.rename(aside, root)
     for name in ("work", "run", "rootfs"):
         shutil.rmtree(root / name, ignore_errors=True)
     root.mkdir(parents=True, exist_ok=True)
-    if (aside / "upper").exists():
-        os.rename(aside / "upper", root / "upper")
-    shutil.rmtree(aside, ignore_errors=True)
