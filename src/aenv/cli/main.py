@@ -48,7 +48,7 @@ def serve(
     AENV_<NAME> environment variable: state_dir, cache_dir, host, port, runtime, default_timeout,
     max_timeout, api_keys (comma list), max_sandboxes, max_concurrent_starts, pool_size, pids_limit,
     registry_mirrors ("docker.io=http://127.0.0.1:5000"), insecure_registries, layer_cache_bytes,
-    snapshot_store (file:///dir or s3://bucket[/prefix]; "" = off; default <state_dir>/snapshot-store),
+    snapshot_store (file:///dir or s3://bucket or s3://bucket/prefix; "" = off; default <state_dir>/snapshot-store),
     snapshot_store_endpoint, snapshot_store_region. S3 keys: AENV_S3_ACCESS_KEY_ID and
     AENV_S3_SECRET_ACCESS_KEY (or the standard AWS_* names), from the environment only.
     """
