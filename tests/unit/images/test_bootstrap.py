@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -45,3 +48,25 @@ def test_reuses_existing_and_refuses_non_root(tmp_path: Path, monkeypatch: pytes
         bootstrap.ensure_base_rootfs(s, mirror="http://m/debian")
     path.mkdir(parents=True)
     assert bootstrap.ensure_base_rootfs(s, mirror="http://m/debian") == path
+
+
+def test_profile_hook_reads_euid_and_keeps_semantics(tmp_path: Path) -> None:
+    """The /etc/profile rewrite: bash takes $EUID (no `id` fork), dash still falls back to id."""
+    hook = next(a for a in bootstrap.mmdebstrap_argv(Path("/t"), "http://m/debian") if "etc/profile" in a)
+    root = tmp_path / "root"
+    (root / "etc").mkdir(parents=True)
+    (root / "etc/profile").write_text(
+        'if [ "$(id -u)" -eq 0 ]; then\n  PATH="/sbin:/bin"\nelse\n  PATH="/bin"\nfi\nexport PATH\n'
+    )
+    cmd = hook.removeprefix("--customize-hook=")
+    subprocess.run(["sh", "-c", cmd, "hook", str(root)], check=True)
+    text = (root / "etc/profile").read_text()
+    assert '"${EUID:-$(id -u)}"' in text and '"$(id -u)"' not in text
+    expect = "/sbin:/bin" if os.geteuid() == 0 else "/bin"
+    for shell in ("bash", "dash"):
+        if shutil.which(shell) is None:
+            continue
+        out = subprocess.run(
+            [shell, "-c", f". {root}/etc/profile; echo $PATH"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        assert out == expect, shell

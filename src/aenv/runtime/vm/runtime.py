@@ -51,7 +51,7 @@ from . import disk
 from . import template as templates
 from .accel import AccelChoice, choose_accel, qemu_binary
 from .artifacts import GuestArtifacts, ensure
-from .config import Accel, Drive, VmConfigError, config_from_json
+from .config import Accel, Drive, VmConfigError, accel_append, config_from_json
 from .initramfs import BUSYBOX
 from .kernel import SOURCE_TARBALL, find_kernel
 from .machine import Machine, MachineError
@@ -155,6 +155,7 @@ class VmRuntime:
         self.templates_dir = self.vm_dir / "templates"
         self.run_root = run_root or _short_run_root(self.vm_dir / "run")
         self.accel: AccelChoice | None = None
+        self.guest_append: tuple[str, ...] = ()  # accelerator-specific kernel words, set by start()
         self.pool = RestorePool(self.pool_size, self._spawn_warm)
         self._templates: dict[str, templates.VmTemplate] = {}
         self._template_locks: dict[str, asyncio.Lock] = {}
@@ -175,7 +176,11 @@ class VmRuntime:
             if self._started:
                 return
             self.accel = choose_accel(force=self.force_accel)
-            log.info("vm runtime: accelerator %s (%s)", self.accel.accel, self.accel.reason)
+            self.guest_append = accel_append(self.accel.accel, self.settings.vm_guest_aslr)
+            log.info(
+                "vm runtime: accelerator %s (%s); guest kernel words %s",
+                self.accel.accel, self.accel.reason, " ".join(self.guest_append) or "(defaults)",
+            )  # fmt: skip
             if self.settings.firecracker:
                 from .firecracker import unavailable_reason as firecracker_reason
 
@@ -220,7 +225,7 @@ class VmRuntime:
         """The snapshot for this template and shape, built on first use (one build per key)."""
         await self.start()
         assert self.accel is not None and self.artifacts is not None
-        key = templates.template_key(spec.template, self._shape(spec), self.accel, self.artifacts)
+        key = templates.template_key(spec.template, self._shape(spec), self.accel, self.artifacts, self.guest_append)
         if (tpl := self._templates.get(key)) is not None:
             return tpl
         lock = self._template_locks.setdefault(key, asyncio.Lock())
@@ -241,6 +246,7 @@ class VmRuntime:
                         boot_timeout=self.boot_timeout,
                         shm_dir=self.shm_dir,
                         run_root=self.run_root,
+                        append=self.guest_append,
                     )
                 finally:
                     self._building.discard(boot_name)  # fmt: skip
@@ -318,17 +324,23 @@ class VmRuntime:
             )
 
     async def _warm_paths(self, sbx: VmSandbox) -> None:
-        """Run the request paths a new sandbox's first calls take (start a process, read a file)
-        once in a pool entry, so that TCG has translated that guest code before a create hands
-        the entry out (a first ``commands.run`` otherwise costs ~1 s more than later ones).
-        Best effort: a failure only costs the speed-up."""
+        """Run the request paths a new sandbox's first calls take (``/init`` with clock and seed,
+        start a process as ``user`` the way the SDK does, read a file) once in a pool entry, so
+        that TCG has translated that guest code before a create hands the entry out (a first
+        ``commands.run`` otherwise costs ~1 s more than later ones). The hand-out's own ``/init``
+        replaces what this one set. Best effort: a failure only costs the speed-up."""
         msg = json.dumps(
             {"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "true"]}}
         ).encode()  # as the SDK
         envelope = len(msg).to_bytes(5, "big") + msg  # Connect envelope: flags 0, 4-byte length
+        as_user = {"Authorization": "Basic " + base64.b64encode(b"user:").decode()}
         t0 = time.perf_counter()
         try:
-            await _envd_raw(sbx, "POST", "/process.Process/Start", envelope, "application/connect+json")
+            await _envd_raw(sbx, "POST", "/init", json.dumps(host_facts()).encode())
+            for headers in (as_user, None):
+                await _envd_raw(
+                    sbx, "POST", "/process.Process/Start", envelope, "application/connect+json", headers
+                )
             await _envd_raw(sbx, "GET", "/files?path=/etc/hostname&username=root", None)
         except (MuxError, OSError, RuntimeFailure) as exc:
             log.debug("vm %s: warm-up request failed: %s", sbx.name, exc)
@@ -833,10 +845,16 @@ def _short_run_root(preferred: Path) -> Path:
 
 
 async def _envd_raw(
-    sbx: VmSandbox, method: str, path: str, body: bytes | None, content_type: str = "application/json"
+    sbx: VmSandbox,
+    method: str,
+    path: str,
+    body: bytes | None,
+    content_type: str = "application/json",
+    extra_headers: dict[str, str] | None = None,
 ) -> tuple[int, dict[str, str], bytes]:
     """One HTTP/1.1 request to envd over a fresh mux stream: (status, lower-case headers, body)."""
     lines = [f"{method} {path} HTTP/1.1", "Host: localhost", "Connection: close"]
+    lines += [f"{k}: {v}" for k, v in (extra_headers or {}).items()]
     if body is not None:
         lines += [f"Content-Type: {content_type}", f"Content-Length: {len(body)}"]
     async with asyncio.timeout(30):

@@ -33,7 +33,7 @@ from aenv.runtime.base import TemplateImage
 from . import disk
 from .accel import AccelChoice
 from .artifacts import GuestArtifacts
-from .config import Drive, VmConfig, config_from_json, config_to_json
+from .config import Drive, VmConfig, config_from_json, config_to_json, default_append
 from .initramfs import config_disk_bytes
 from .machine import Machine
 from .sandbox import VmSandbox, run_paths
@@ -61,11 +61,15 @@ def agent_args(tpl: TemplateImage) -> list[str]:
     return args
 
 
-def template_key(tpl: TemplateImage, shape: Shape, accel: AccelChoice, art: GuestArtifacts) -> str:
+def template_key(
+    tpl: TemplateImage, shape: Shape, accel: AccelChoice, art: GuestArtifacts, append: tuple[str, ...] = ()
+) -> str:
+    """Everything that shapes the booted guest, kernel command line included (a template booted
+    with other kernel words is another template)."""
     h = hashlib.sha256()
     facts = [
         MANIFEST_VERSION, tpl.template_id, str(tpl.rootfs), [str(p) for p in tpl.lowers], asdict(shape),
-        accel.accel, accel.tsc_khz, art.key(), agent_args(tpl),
+        accel.accel, accel.tsc_khz, art.key(), agent_args(tpl), default_append(), list(append),
     ]  # fmt: skip
     h.update(json.dumps(facts, sort_keys=True, default=str).encode())
     return f"{tpl.template_id[:24]}-{h.hexdigest()[:12]}"
@@ -108,7 +112,14 @@ class VmTemplate:
 
 
 def _boot_config(
-    key: str, tdir: Path, shape: Shape, accel: AccelChoice, art: GuestArtifacts, shm_dir: Path, boot_dir: Path
+    key: str,
+    tdir: Path,
+    shape: Shape,
+    accel: AccelChoice,
+    art: GuestArtifacts,
+    shm_dir: Path,
+    boot_dir: Path,
+    append: tuple[str, ...] = (),
 ) -> VmConfig:
     p = run_paths(boot_dir)
     return VmConfig(
@@ -130,6 +141,7 @@ def _boot_config(
             Drive(tdir / "config.raw", "config", "raw", read_only=True),
         ),
         network="user",
+        append=append,
     )
 
 
@@ -171,9 +183,11 @@ async def build(
     boot_timeout: float = 180.0,
     shm_dir: Path = SHM_DIR,
     run_root: Path | None = None,
+    append: tuple[str, ...] = (),
 ) -> VmTemplate:
-    """Boot the template once, wait for envd, snapshot, stop. Cleans up everything on failure."""
-    key = template_key(tpl, shape, accel, art)
+    """Boot the template once, wait for envd, snapshot, stop. Cleans up everything on failure.
+    ``append``: extra kernel words (:func:`~.config.accel_append`), part of the key."""
+    key = template_key(tpl, shape, accel, art, append)
     tdir = templates_dir / key
     # Sockets and console of the boot VM live in a short run dir (AF_UNIX paths are limited).
     boot_dir = (run_root or tdir) / boot_dir_name(key)
@@ -182,7 +196,7 @@ async def build(
     tdir.mkdir(parents=True)
     boot_dir.mkdir(parents=True)
     shm_dir.mkdir(parents=True, exist_ok=True)
-    cfg = _boot_config(key, tdir, shape, accel, art, shm_dir, boot_dir)
+    cfg = _boot_config(key, tdir, shape, accel, art, shm_dir, boot_dir, append)
     result = VmTemplate(key, tdir, cfg)
     sbx: VmSandbox | None = None
     t0 = time.perf_counter()
