@@ -74,6 +74,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
             await asyncio.to_thread(register_if_built, settings, catalog)  # code-interpreter-v1, if built
         rt = runtime or make_runtime(settings)
         orch = Orchestrator(settings, store, rt, catalog)
+        orch.on_running.append(proxy.prewarm)
         repository = _snapshot_repository(settings)
         if repository is not None:
             orch.snapshots.attach_repository(repository)

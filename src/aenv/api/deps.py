@@ -7,6 +7,7 @@ from fastapi import Request
 from aenv.core.orchestrator import Orchestrator
 
 
-def orchestrator(request: Request) -> Orchestrator:
+async def orchestrator(request: Request) -> Orchestrator:
+    # async: FastAPI runs a plain ``def`` dependency in its thread pool, a thread hop per request.
     orch: Orchestrator = request.app.state.orchestrator
     return orch

@@ -26,7 +26,7 @@ from aenv.store.sqlite import TemplateRow
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
-def catalog(request: Request) -> TemplateCatalog:
+async def catalog(request: Request) -> TemplateCatalog:  # async: no thread-pool hop
     cat: TemplateCatalog = request.app.state.catalog
     return cat
 

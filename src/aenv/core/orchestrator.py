@@ -16,6 +16,7 @@ import hmac
 import logging
 import shutil
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from aenv.core.models import CreateRequest, ListQuery, SandboxState, require_sta
 from aenv.core.templates import TemplateCatalog
 from aenv.mux import MuxStream, StreamRefused
 from aenv.runtime.base import ResourceSample, Runtime, RuntimeState, SandboxSpec
-from aenv.store.sqlite import SandboxRow, Store, now
+from aenv.store.sqlite import SandboxRow, Store, TemplateRow, now
 
 log = logging.getLogger("aenv.core")
 
@@ -79,6 +80,9 @@ class Orchestrator:
         self._tasks: list[asyncio.Task[None]] = []
         self._seq = 0
         self._idempotency: dict[str, asyncio.Future[LiveSandbox]] = {}
+        # Called with a sandbox ID when it becomes usable (created, resumed); must not block. The proxy
+        # opens its first envd stream there, ahead of the client's first request.
+        self.on_running: list[Callable[[str], None]] = []
         self.repository: Any = None  # aenv.snapshots.SnapshotRepository when publishing is configured
         from aenv.core.snapshots import SnapshotFlows
 
@@ -191,8 +195,9 @@ class Orchestrator:
             hours = self.settings.max_timeout / 3600
             raise InvalidRequest(f"Timeout cannot be greater than {hours:g} hours")
 
-    def _spec_for(self, row: SandboxRow) -> SandboxSpec:
-        template = self.templates.resolve(row.template_id)
+    def _spec_for(self, row: SandboxRow, template: TemplateRow | None = None) -> SandboxSpec:
+        if template is None or template.id != row.template_id:
+            template = self.templates.resolve(row.template_id)
         return SandboxSpec(
             sandbox_id=row.id,
             template=self.templates.image(template),
@@ -265,7 +270,7 @@ class Orchestrator:
             if snapshot is not None:
                 row.lineage_head = snapshot.id
                 row.depends_on = [snapshot.id]
-            spec = self._spec_for(row)
+            spec = self._spec_for(row, template)  # the row just resolved: no second lookup
             sbx = LiveSandbox(row=row, spec=spec)
             self._live[sandbox_id] = sbx
             self.store.put_sandbox(row)
@@ -291,6 +296,7 @@ class Orchestrator:
                 sandbox_id, state=row.state, started_at=row.started_at, end_at=row.end_at, runtime_state=state.data
             )
             log.info("sandbox=%s created template=%s runtime=%s", sandbox_id, template.id, self.runtime.name)
+            self._notify_running(sandbox_id)
             return sbx
         finally:
             self._starting -= 1
@@ -376,6 +382,14 @@ class Orchestrator:
             sbx.id, state=sbx.row.state, paused_at=None, end_at=sbx.row.end_at, runtime_state=state.data
         )
         log.info("sandbox=%s resumed", sbx.id)
+        self._notify_running(sbx.id)
+
+    def _notify_running(self, sandbox_id: str) -> None:
+        for hook in self.on_running:
+            try:
+                hook(sandbox_id)
+            except Exception:  # noqa: BLE001 - a hook is an optimisation, never a reason to fail
+                log.exception("sandbox=%s on_running hook failed", sandbox_id)
 
     async def open_stream(self, sandbox_id: str, port: int) -> MuxStream:
         """A byte stream into the sandbox for the proxy. Paused sandboxes resume first when autoResume is on."""

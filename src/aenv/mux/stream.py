@@ -81,6 +81,11 @@ class MuxStream:
         return self._closed
 
     @property
+    def buffered(self) -> int:
+        """Bytes received and not read yet."""
+        return self._buffered
+
+    @property
     def at_eof(self) -> bool:
         return self._eof_received and not self._chunks
 
