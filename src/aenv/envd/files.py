@@ -46,6 +46,11 @@ def error_response(status: int, message: str) -> Response:
     return Response(json.dumps({"code": status, "message": message}), status, media_type="application/json")
 
 
+_NOT_A_FILE_TARGET = frozenset(
+    {errno.EIO, errno.ENXIO, errno.ENODEV, errno.ELOOP, errno.EFBIG, errno.ESPIPE, errno.EOPNOTSUPP}
+)
+
+
 def _os_error(exc: OSError, path: str) -> HTTPError:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return HTTPError(507, f"not enough disk space to write '{path}'")
@@ -55,6 +60,12 @@ def _os_error(exc: OSError, path: str) -> HTTPError:
         return HTTPError(400, f"invalid path '{path}': {exc.strerror}")
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return HTTPError(403, f"permission denied for '{path}': {exc.strerror}")
+    if exc.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.EBUSY, errno.ETXTBSY):
+        return HTTPError(409, f"cannot write '{path}': {exc.strerror}")
+    if exc.errno in _NOT_A_FILE_TARGET:
+        # Special files (/proc/self/mem, device nodes, sockets) refuse plain writes: the
+        # request named something that cannot take a file's content, not a server fault.
+        return HTTPError(400, f"'{path}' cannot be written as a file: {exc.strerror}")
     return HTTPError(500, f"error writing '{path}': {exc.strerror or exc}")
 
 

@@ -137,7 +137,11 @@ class DirWatcher:
         self._inotify = None
         self._dirs.clear()
 
-    def _add(self, path: str, rel: str) -> None:
+    def _add(self, path: str, rel: str, announce: bool = False) -> None:
+        """Watch ``path`` (and, when recursive, its subdirectories). ``announce``: the directory is
+        new, so whatever already appeared in it before its watch existed is reported as created
+        (``mkdir -p a/b && touch a/b/f`` is otherwise lost between the parent's event and the
+        new watch). A file created in that window may be reported twice, never not at all."""
         assert self._inotify is not None
         wd = self._inotify.add_watch(path, _WATCH_MASK)
         self._dirs[wd] = rel
@@ -147,10 +151,18 @@ class DirWatcher:
             entries = list(os.scandir(path))
         except OSError:
             return
+        names = NameCache() if announce else None
         for ent in entries:
+            child = os.path.join(rel, ent.name) if rel else ent.name
+            if names is not None:
+                event: Message = {"name": child, "type": "EVENT_TYPE_CREATE"}
+                if self.include_entry:
+                    with contextlib.suppress(OSError):
+                        event["entry"] = entry_info(ent.path, names)
+                self.on_event(event)
             if ent.is_dir(follow_symlinks=False):
                 with contextlib.suppress(OSError):
-                    self._add(ent.path, os.path.join(rel, ent.name) if rel else ent.name)
+                    self._add(ent.path, child, announce)
 
     def _on_readable(self) -> None:
         if self._inotify is None:
@@ -181,12 +193,13 @@ class DirWatcher:
                 continue  # the parent's watch already reported it
             rel = os.path.join(rel_dir, ev.name) if ev.name else (rel_dir or ".")
             full = os.path.join(self.root, rel) if rel != "." else self.root
-            if self.recursive and ev.mask & F.ISDIR and ev.mask & (F.CREATE | F.MOVED_TO):
-                with contextlib.suppress(OSError):
-                    self._add(full, rel)
+            new_dir = self.recursive and bool(ev.mask & F.ISDIR) and bool(ev.mask & (F.CREATE | F.MOVED_TO))
             for op in split_ops(ev.mask):
                 event: Message = {"name": rel, "type": op}
                 if self.include_entry and op in _WITH_ENTRY:
                     with contextlib.suppress(OSError):
                         event["entry"] = entry_info(full, names)
                 self.on_event(event)
+            if new_dir:  # after the directory's own event, so clients see parent before children
+                with contextlib.suppress(OSError):
+                    self._add(full, rel, announce=True)

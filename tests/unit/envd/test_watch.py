@@ -103,3 +103,24 @@ async def test_queue_overflow_fails_the_watch(tmp_path: Path) -> None:
     watcher._on_readable()
     assert [e.code for e in errors] == ["internal"]
     assert watcher._inotify is None  # closed
+
+
+async def test_content_of_a_new_dir_made_before_its_watch_is_reported(tmp_path: Path) -> None:
+    """`mkdir -p a/b && echo > a/b/f` in one go: the watcher only learns about `a` afterwards (the
+    loop has not run yet), so `a/b` and `a/b/f` exist before any watch on them. They must still be
+    reported as created, with their entries."""
+    events: list[dict] = []  # type: ignore[type-arg]
+    watcher = DirWatcher(str(tmp_path), recursive=True, include_entry=True, on_event=events.append)
+    watcher.start()
+    try:
+        (tmp_path / "a" / "b").mkdir(parents=True)
+        (tmp_path / "a" / "b" / "f.txt").write_text("x")
+        await _until(events, lambda ev: any(e["name"] == "a/b/f.txt" for e in ev))
+        (tmp_path / "a" / "b" / "later.txt").write_text("y")  # and the new watches are live
+        await _until(events, lambda ev: any(e["name"] == "a/b/later.txt" for e in ev))
+    finally:
+        watcher.close()
+    names = [e["name"] for e in events if e["type"] == "EVENT_TYPE_CREATE"]
+    assert names.index("a") < names.index("a/b") < names.index("a/b/f.txt")
+    created = next(e for e in events if e["name"] == "a/b/f.txt")
+    assert created["entry"]["path"] == str(tmp_path / "a" / "b" / "f.txt")
