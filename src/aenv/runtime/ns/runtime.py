@@ -176,8 +176,10 @@ class NsRuntime:
         s = self.settings
         opts = self._opts(template, allow_internet, (s.default_cpu_count, s.default_memory_mb, s.pids_limit),
                           nice=POOL_NICE)
-        return await NsSandbox.launch(name, self.pool_dir / name, self.layout, opts, self.host_addrs,
-                                      timeout=self.launch_timeout)
+        sbx = await NsSandbox.launch(name, self.pool_dir / name, self.layout, opts, self.host_addrs,
+                                     timeout=self.launch_timeout)
+        await sbx.warm_up()
+        return sbx
 
     # ---- Runtime protocol -----------------------------------------------------------------------
     async def create(self, spec: SandboxSpec) -> RuntimeState:

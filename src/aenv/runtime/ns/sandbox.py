@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import shutil
 import stat
@@ -39,11 +40,13 @@ from aenv.mux.session import open_unix_session
 from aenv.runtime.base import TemplateImage
 from aenv.runtime.ns.cgroups import Cgroup, Layout
 from aenv.runtime.ns.disk import DiskQuota, remove_tree
-from aenv.runtime.ns.envd_client import ENVD_PORT, EnvdError, request
+from aenv.runtime.ns.envd_client import ENVD_PORT, EnvdError, request, warm_up_request
 from aenv.runtime.ns.network import RESOLV_CONF, Slirp, install_firewall, kill_slirps_serving
 from aenv.runtime.ns.process import ProcRef, Reaped
 from aenv.runtime.ns.zygote import Zygote
 from aenv.runtime.tools import launch_argv
+
+log = logging.getLogger(__name__)
 
 STATE_FILE = "ns.json"
 RUN_MOUNT = "/.aenv-run"
@@ -236,6 +239,19 @@ class NsSandbox:
         status, body = await request(await self.open_stream(ENVD_PORT, timeout), "GET", "/health")
         if status != 204:
             raise EnvdError(f"envd /health answered {status}", status, body)
+
+    async def warm_up(self, user: str = "user") -> None:
+        """Run the SDK's first call once (see :func:`warm_up_request`); best effort, never raises."""
+        try:
+            stream = await self.open_stream(ENVD_PORT)
+            try:
+                await stream.write(warm_up_request(user))
+                while await stream.read(65536):
+                    pass
+            finally:
+                await stream.aclose()
+        except Exception as exc:  # noqa: BLE001 - a failed warm-up only costs its speed-up
+            log.debug("sandbox %s: warm-up failed: %s", self.name, exc)
 
     async def init_envd(self, payload: dict[str, Any]) -> None:
         status, body = await request(await self.open_stream(ENVD_PORT), "POST", "/init", payload)
