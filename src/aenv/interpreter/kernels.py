@@ -78,6 +78,9 @@ class Context(ABC):
         self.env = env
         self.lock = asyncio.Lock()
         self.current: asyncio.Task[None] | None = None  # the execution holding the lock, if any
+        # Set by ``abandon``: an interrupt that arrived while ``run`` was still starting its code
+        # (no process or execute request yet) is delivered as soon as there is something to stop.
+        self.interrupt_pending = False
 
     @abstractmethod
     async def start(self) -> None: ...
@@ -90,6 +93,11 @@ class Context(ABC):
 
     @abstractmethod
     async def interrupt(self) -> None: ...
+
+    async def abandon(self) -> None:
+        """The client of the running execution is gone: interrupt it now, or as soon as it starts."""
+        self.interrupt_pending = True
+        await self.interrupt()
 
     @abstractmethod
     async def _restart(self) -> None: ...
@@ -142,6 +150,7 @@ class PythonContext(Context):
     async def run(
         self, code: str, persistent_env: dict[str, str], temp_env: dict[str, str], sink: Sink
     ) -> None:
+        self.interrupt_pending = False
         if not await self._km.is_alive():
             log.warning("context %s: kernel died; restarting it", self.info.id)
             await self._restart()
@@ -161,6 +170,8 @@ class PythonContext(Context):
         msg_id = self._kc.execute(
             code, silent=silent, store_history=not silent, allow_stdin=False, stop_on_error=True
         )
+        if self.interrupt_pending and not silent:
+            await self.interrupt()
         while True:
             try:
                 msg = await self._kc.get_iopub_msg(timeout=LIVENESS_POLL)
@@ -221,6 +232,7 @@ class BashContext(Context):
     async def run(
         self, code: str, persistent_env: dict[str, str], temp_env: dict[str, str], sink: Sink
     ) -> None:
+        self.interrupt_pending = False
         self._count += 1
         sink(m.count_line(self._count))
         env = {**self.env, **persistent_env, **temp_env}
@@ -235,6 +247,9 @@ class BashContext(Context):
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
         )
+        if self.interrupt_pending:  # abandoned while the process was being spawned
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGINT)
 
         async def pump(stream: asyncio.StreamReader, name: str) -> None:
             while line := await stream.readline():

@@ -159,7 +159,7 @@ class Service:
             return
         if started.is_set():
             log.info("context %s: client disconnected, interrupting", ctx.info.id)
-            await ctx.interrupt()
+            await ctx.abandon()
         else:
             task.cancel()
 
