@@ -135,9 +135,12 @@ def test_sandbox_route_bodies(client: httpx.Client, victim: str, route: str, dat
                        headers={"Content-Type": "application/json"})
     check(resp, route)
     if route == "fork" and resp.status_code in (200, 201):
-        for child in resp.json().get("sandboxes", resp.json() if isinstance(resp.json(), list) else []):
-            if isinstance(child, dict) and "sandboxID" in child:
-                client.delete(f"/sandboxes/{child['sandboxID']}")
+        # a list of {"sandbox": {...}, "mode": ..., "snapshotID": ...}: remove the children again
+        payload = resp.json()
+        for child in payload if isinstance(payload, list) else payload.get("sandboxes", []):
+            sandbox = child.get("sandbox", child) if isinstance(child, dict) else {}
+            if isinstance(sandbox, dict) and "sandboxID" in sandbox:
+                client.delete(f"/sandboxes/{sandbox['sandboxID']}")
 
 
 @FUZZ

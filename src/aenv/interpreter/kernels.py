@@ -209,6 +209,13 @@ class PythonContext(Context):
                 await km.shutdown_kernel(now=True)
 
 
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT back to its default. A process started in the background
+    of a shell (``cmd &``, as CI runners and nohup do) inherits SIGINT *ignored*, through exec, and
+    then an interrupt would not stop the user's code."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class BashContext(Context):
     """``bash -c`` per run in the context's cwd; output streamed line by line."""
 
@@ -246,6 +253,7 @@ class BashContext(Context):
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
+            preexec_fn=_default_sigint,
         )
         if self.interrupt_pending:  # abandoned while the process was being spawned
             with contextlib.suppress(ProcessLookupError):
