@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -118,8 +119,25 @@ async def amain(args: argparse.Namespace, envd_pid: int | None = None) -> None:
     await serve(args.channel, accept)
 
 
+_INHERITED_IGNORES = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT)
+
+
+def restore_default_signals() -> list[int]:
+    """Undo ignored dispositions inherited from whoever started the server (``nohup`` ignores
+    SIGHUP, a shell's ``cmd &`` ignores SIGINT and SIGQUIT). Ignores survive exec, so without this
+    every process in the sandbox would start with them: Ctrl-C or a hang-up would do nothing.
+    Returns the signals reset."""
+    reset = []
+    for sig in _INHERITED_IGNORES:
+        if signal.getsignal(sig) == signal.SIG_IGN:
+            signal.signal(sig, signal.SIG_DFL)
+            reset.append(int(sig))
+    return reset
+
+
 def main(argv: list[str] | None = None, *, envd_by_fork: bool = False) -> int:
     """``envd_by_fork``: the zygote path, where envd is forked from this already-imported process."""
+    restore_default_signals()
     args = parse_args(argv)
     logging.basicConfig(
         level=logging.INFO,
