@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import hashlib
 import json
 import os
@@ -75,59 +74,23 @@ def _timed(fn: Callable[[], object], n: int) -> list[float]:
 
 async def _cold_boot(state_dir: Path, idle_pss_after: float | None) -> tuple[float, int | None]:
     """(ms from QEMU exec until envd answers, PSS kB after ``idle_pss_after`` s idle or None)."""
-    from aenv.runtime.vm import disk
-    from aenv.runtime.vm.config import Drive, config_from_json
-    from aenv.runtime.vm.machine import Machine
-    from aenv.runtime.vm.sandbox import VmSandbox, run_paths
+    from bench.vmboot import QemuColdBoot
 
-    manifest = sorted((state_dir / "vm" / "templates").glob("*/manifest.json"))[0]
-    cfg0 = config_from_json(json.loads(manifest.read_text())["config"])
-    run = Path(tempfile.mkdtemp(prefix="aenv-bvm-"))
-    shm = Path(tempfile.mkdtemp(prefix="aenv-bvm-", dir="/dev/shm"))
-    p = run_paths(run)
-    m: Machine | None = None
-    try:
-        root = await disk.create_overlay(manifest.parent / "base.qcow2", run / "root.qcow2")
-        drives = tuple(Drive(root, "root") if d.serial == "root" else d for d in cfg0.drives)
-        cfg = dataclasses.replace(
-            cfg0, name="bench-vm-coldboot", qmp_socket=p["qmp"], channel_socket=p["chan"],
-            serial_log=p["console"], mem_path=shm / "ram", mem_share=True, drives=drives,
-            incoming=False, start_paused=False,
-        )  # fmt: skip
-        t0 = time.perf_counter()
-        m = await Machine.spawn(cfg, stderr_path=p["stderr"], owned=[cfg.mem_path])
-        sbx = VmSandbox(cfg.name, m, run, "bench")
-        await sbx.wait_envd(300)
-        took = (time.perf_counter() - t0) * 1000
-        pss = None
-        if idle_pss_after is not None:
-            await asyncio.sleep(idle_pss_after)
-            pss = pss_kb(m.pid)
-        await sbx.drop_session()
-        return took, pss
-    finally:
-        if m is not None:
-            await m.kill()
-        shutil.rmtree(run, ignore_errors=True)
-        shutil.rmtree(shm, ignore_errors=True)
+    return await QemuColdBoot(state_dir, timeout=300).boot(idle_pss_after)
 
 
 def _kill_qemu_of(state: Path) -> None:
     """SIGKILL every QEMU whose command line names this state dir or its short run root."""
     import signal
 
+    from aenv.runtime.vm.runtime import qemu_cmdlines
+
     run_root = hashlib.sha256(str(state.absolute() / "vm" / "run").encode()).hexdigest()[:10]
     markers = (str(state.absolute()).encode(), f"/aenv-vm-{run_root}/".encode())
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            cmd = (d / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"qemu-system" in cmd.split(b"\0", 1)[0] and any(m in cmd for m in markers):
+    for pid, cmd in qemu_cmdlines().items():
+        if any(m in cmd for m in markers):
             try:
-                os.kill(int(d.name), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 

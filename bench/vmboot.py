@@ -20,6 +20,7 @@ from aenv.runtime.vm import disk
 from aenv.runtime.vm.config import Drive, VmConfig, config_from_json
 from aenv.runtime.vm.machine import Machine
 from aenv.runtime.vm.sandbox import VmSandbox, run_paths
+from bench.density import pss_kb
 
 
 class QemuColdBoot:
@@ -35,9 +36,11 @@ class QemuColdBoot:
         self._n = 0
 
     def once(self) -> float:
-        return asyncio.run(self._boot())
+        return asyncio.run(self.boot())[0]
 
-    async def _boot(self) -> float:
+    async def boot(self, idle_pss_after: float | None = None) -> tuple[float, int | None]:
+        """(ms from QEMU exec until envd answers ``/health``, PSS kB of the QEMU after
+        ``idle_pss_after`` s idle, or None when not asked)."""
         self._n += 1
         run = Path(tempfile.mkdtemp(prefix="aenv-qb-"))
         shm = Path(tempfile.mkdtemp(prefix="aenv-qb-", dir="/dev/shm"))
@@ -53,8 +56,15 @@ class QemuColdBoot:
             )
             t0 = time.perf_counter()
             m = await Machine.spawn(cfg, stderr_path=p["stderr"], owned=[cfg.mem_path])
-            await VmSandbox(cfg.name, m, run, "bench").wait_envd(self.timeout)
-            return (time.perf_counter() - t0) * 1000
+            sbx = VmSandbox(cfg.name, m, run, "bench")
+            await sbx.wait_envd(self.timeout)
+            took = (time.perf_counter() - t0) * 1000
+            pss = None
+            if idle_pss_after is not None:
+                await asyncio.sleep(idle_pss_after)
+                pss = pss_kb(m.pid)
+            await sbx.drop_session()
+            return took, pss
         finally:
             if m is not None:
                 await m.kill()

@@ -13,7 +13,6 @@ import hashlib
 import os
 import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,16 +55,9 @@ pytestmark = [
 
 
 def _qemu_pids(*markers: str) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "qemu-system"], capture_output=True, text=True, check=False).stdout
-    pids = []
-    for raw in out.split():
-        try:
-            cmd = Path(f"/proc/{raw}/cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if any(m in cmd for m in markers):
-            pids.append(int(raw))
-    return pids
+    from aenv.runtime.vm.runtime import qemu_cmdlines
+
+    return [pid for pid, cmd in qemu_cmdlines().items() if any(m.encode() in cmd for m in markers)]
 
 
 @pytest.fixture(scope="module")

@@ -704,7 +704,7 @@ class VmRuntime:
         keep |= {r.run_dir.name for r in self._released.values()}
         keep |= {str(k) for k in known_ids if k in self._sandboxes}
         report: dict[str, list[str]] = {"killed": [], "removed": []}
-        procs = await asyncio.to_thread(_qemu_cmdlines)
+        procs = await asyncio.to_thread(qemu_cmdlines)
         for entry in sorted(self.run_root.iterdir()) if self.run_root.is_dir() else []:
             if entry.name in keep:
                 continue
@@ -901,8 +901,8 @@ def _kill_recorded(state: RuntimeState) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def _qemu_cmdlines() -> dict[int, bytes]:
-    """pid → raw command line of every QEMU process we can see."""
+def qemu_cmdlines() -> dict[int, bytes]:
+    """pid → raw command line of every QEMU process we can see (reconcile, bench and test cleanup)."""
     out: dict[int, bytes] = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
