@@ -7,6 +7,7 @@ status line. Reads are bounded.
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any, Protocol
 
@@ -28,12 +29,16 @@ class EnvdError(RuntimeError):
         self.body = body[:512]
 
 
-def build_request(method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> bytes:
+CONNECT_JSON = "application/connect+json"
+
+
+def build_request(method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None,
+                  content_type: str = "application/json") -> bytes:
     lines = [f"{method} {path} HTTP/1.1", "Host: localhost", "Connection: close"]
     for k, v in (headers or {}).items():
         lines.append(f"{k}: {v}")
     if body is not None:
-        lines.append("Content-Type: application/json")
+        lines.append(f"Content-Type: {content_type}")
         lines.append(f"Content-Length: {len(body)}")
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + (body or b"")
 
@@ -63,18 +68,22 @@ async def request(stream: _Stream, method: str, path: str, payload: Any = None,
     return parse_status(raw)
 
 
-def warm_up_request(user: str = "user") -> bytes:
-    """A Connect ``Process.Start`` of ``bash -l -c true`` as ``user``, the SDK's first call in every
-    sandbox. A pool runs it once per entry before hand-out: the first spawn in a fresh envd pays for
-    lazy imports, page-cache and dynamic-linker misses (~3 ms), which then no client sees."""
-    import base64
+def as_user(user: str) -> dict[str, str]:
+    """The header by which the SDK names the user a call runs as (Basic auth, empty password)."""
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:".encode()).decode()}
 
+
+def first_call_body() -> bytes:
+    """The Connect envelope of ``Process.Start`` of ``bash -l -c true``: the SDK's first call."""
     msg = json.dumps({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "true"]}}).encode()
-    body = len(msg).to_bytes(5, "big") + msg  # Connect envelope: flags 0, 4-byte length
-    auth = "Basic " + base64.b64encode(f"{user}:".encode()).decode()
-    lines = ["POST /process.Process/Start HTTP/1.1", "Host: localhost", "Connection: close",
-             "Content-Type: application/connect+json", f"Content-Length: {len(body)}", f"Authorization: {auth}"]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+    return len(msg).to_bytes(5, "big") + msg  # Connect envelope: flags 0, 4-byte length
+
+
+def warm_up_request(user: str = "user") -> bytes:
+    """The SDK's first call in every sandbox, as ``user``. A pool runs it once per entry before
+    hand-out: the first spawn in a fresh envd pays for lazy imports, page-cache and dynamic-linker
+    misses (~3 ms), which then no client sees."""
+    return build_request("POST", "/process.Process/Start", first_call_body(), as_user(user), CONNECT_JSON)
 
 
 def init_payload(*, sandbox_id: str, template_id: str, env_vars: dict[str, str], access_token: str | None,

@@ -329,18 +329,13 @@ class VmRuntime:
         that TCG has translated that guest code before a create hands the entry out (a first
         ``commands.run`` otherwise costs ~1 s more than later ones). The hand-out's own ``/init``
         replaces what this one set. Best effort: a failure only costs the speed-up."""
-        msg = json.dumps(
-            {"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "true"]}}
-        ).encode()  # as the SDK
-        envelope = len(msg).to_bytes(5, "big") + msg  # Connect envelope: flags 0, 4-byte length
-        as_user = {"Authorization": "Basic " + base64.b64encode(b"user:").decode()}
+        from aenv.runtime.ns.envd_client import CONNECT_JSON, as_user, first_call_body
+
         t0 = time.perf_counter()
         try:
             await _envd_raw(sbx, "POST", "/init", json.dumps(host_facts()).encode())
-            for headers in (as_user, None):
-                await _envd_raw(
-                    sbx, "POST", "/process.Process/Start", envelope, "application/connect+json", headers
-                )
+            for headers in (as_user("user"), None):
+                await _envd_raw(sbx, "POST", "/process.Process/Start", first_call_body(), CONNECT_JSON, headers)
             await _envd_raw(sbx, "GET", "/files?path=/etc/hostname&username=root", None)
         except (MuxError, OSError, RuntimeFailure) as exc:
             log.debug("vm %s: warm-up request failed: %s", sbx.name, exc)
@@ -853,14 +848,13 @@ async def _envd_raw(
     extra_headers: dict[str, str] | None = None,
 ) -> tuple[int, dict[str, str], bytes]:
     """One HTTP/1.1 request to envd over a fresh mux stream: (status, lower-case headers, body)."""
-    lines = [f"{method} {path} HTTP/1.1", "Host: localhost", "Connection: close"]
-    lines += [f"{k}: {v}" for k, v in (extra_headers or {}).items()]
-    if body is not None:
-        lines += [f"Content-Type: {content_type}", f"Content-Length: {len(body)}"]
+    from aenv.runtime.ns.envd_client import build_request
+
+    request = build_request(method, path, body, extra_headers, content_type)
     async with asyncio.timeout(30):
         stream = await sbx.open_stream(ENVD_PORT, timeout=30)
         try:
-            await stream.write(("\r\n".join(lines) + "\r\n\r\n").encode() + (body or b""))
+            await stream.write(request)
             raw = b""
             while len(raw) < 1 << 20 and (chunk := await stream.read(65536)):
                 raw += chunk
