@@ -11,8 +11,8 @@ import httpx
 import pytest
 from e2b import (
     CommandExitException,
-    FileType,
     FilesystemEventType,
+    FileType,
     NotFoundException,
     PtySize,
     Sandbox,

@@ -29,6 +29,9 @@ log = logging.getLogger("aenv.agent")
 Connector = Callable[[int], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
 
 ENVD_PORT = 49983
+# envd's own unix socket, next to the mux socket in the run dir (ns only): the host connects there
+# directly for envd traffic; the mux carries everything else.
+ENVD_SOCKET = "envd.sock"
 _ENVD_WAIT = 60.0  # envd may still be starting (slow under a burst of starts) or restarting
 
 

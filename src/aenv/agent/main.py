@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from aenv.agent.channel import ENVD_PORT, make_local_connector, serve
+from aenv.agent.channel import ENVD_PORT, ENVD_SOCKET, make_local_connector, serve
 from aenv.agent.supervisor import Reaper, Supervised, spawn
 
 log = logging.getLogger("aenv.agent")
@@ -70,7 +70,12 @@ def child_env(template_env: dict[str, str]) -> dict[str, str]:
 
 
 def envd_args(args: argparse.Namespace) -> list[str]:
-    return ["--host", "127.0.0.1", "--port", str(args.envd_port), "--default-user", args.default_user]
+    argv = ["--host", "127.0.0.1", "--port", str(args.envd_port), "--default-user", args.default_user]
+    kind, _, path = args.channel.partition(":")
+    if kind == "unix-listen" and envd_module() == "aenv.envd":
+        # Beside the mux socket: the ns host reaches envd there without the agent's relay.
+        argv += ["--uds", os.path.join(os.path.dirname(path), ENVD_SOCKET)]
+    return argv
 
 
 def fork_envd(args: argparse.Namespace, env: dict[str, str]) -> int:

@@ -25,7 +25,7 @@ from urllib.parse import parse_qs
 
 from aenv.core.errors import NotFound, PortNotOpen
 from aenv.core.orchestrator import Orchestrator
-from aenv.mux import MuxError, MuxStream, StreamRefused
+from aenv.mux import ByteStream, MuxError, StreamRefused
 
 log = logging.getLogger("aenv.proxy")
 
@@ -224,12 +224,12 @@ class ChunkedDecoder:
 class _Idle:
     __slots__ = ("stream", "since")
 
-    def __init__(self, stream: MuxStream, since: float) -> None:
+    def __init__(self, stream: ByteStream, since: float) -> None:
         self.stream = stream
         self.since = since
 
 
-def _usable(stream: MuxStream) -> bool:
+def _usable(stream: ByteStream) -> bool:
     # A stream whose mux session ended (sandbox paused, killed, rolled back or restarted under the
     # same ID) is closed; one the sandbox side hung up on is at EOF; one with unread bytes is confused.
     return not (stream.closed or stream.at_eof or stream.buffered)
@@ -244,7 +244,7 @@ class UpstreamPool:
         self._opening: dict[tuple[str, int], asyncio.Task[None]] = {}  # prewarms in flight
         self._releases = 0
 
-    async def acquire(self, sandbox_id: str, port: int) -> tuple[MuxStream, bool]:
+    async def acquire(self, sandbox_id: str, port: int) -> tuple[ByteStream, bool]:
         """A stream to ``port`` in the sandbox and whether it was reused."""
         key = (sandbox_id, port)
         stream = await self._take_idle(key)
@@ -257,7 +257,7 @@ class UpstreamPool:
             return stream, True
         return await self.open(sandbox_id, port), False
 
-    async def _take_idle(self, key: tuple[str, int]) -> MuxStream | None:
+    async def _take_idle(self, key: tuple[str, int]) -> ByteStream | None:
         idle = self._idle.get(key)
         if idle:
             now = time.monotonic()
@@ -285,10 +285,10 @@ class UpstreamPool:
             return
         await self.release(*key, stream)
 
-    async def open(self, sandbox_id: str, port: int) -> MuxStream:
+    async def open(self, sandbox_id: str, port: int) -> ByteStream:
         return await self._get().open_stream(sandbox_id, port)
 
-    async def release(self, sandbox_id: str, port: int, stream: MuxStream) -> None:
+    async def release(self, sandbox_id: str, port: int, stream: ByteStream) -> None:
         if not _usable(stream):
             await stream.aclose()
             return
@@ -337,7 +337,7 @@ class _Exchange:
 
     __slots__ = ("stream", "gone", "finished", "body_sent", "started", "reusable")
 
-    def __init__(self, stream: MuxStream, body_sent: bool) -> None:
+    def __init__(self, stream: ByteStream, body_sent: bool) -> None:
         self.stream = stream
         self.gone = False  # the client disconnected
         self.finished = False  # the response is complete: a disconnect now changes nothing
@@ -382,7 +382,7 @@ async def _pump_and_watch(receive: Receive, chunked: bool, more_body: bool, ex: 
 _HEAD_END = re.compile(rb"\r?\n\r?\n")
 
 
-async def _relay_response(method: str, send: Send, stream: MuxStream, ex: _Exchange) -> None:
+async def _relay_response(method: str, send: Send, stream: ByteStream, ex: _Exchange) -> None:
     """Read the response from ``stream`` and pass it to the client; sets ``ex.reusable`` at a clean end."""
     buf = bytearray()
     while True:  # informational (1xx) responses are dropped

@@ -34,7 +34,7 @@ from aenv.core.faults import fault_point
 from aenv.core.ids import new_id, new_token
 from aenv.core.models import CreateRequest, ListQuery, SandboxState, require_state
 from aenv.core.templates import TemplateCatalog
-from aenv.mux import MuxStream, StreamRefused
+from aenv.mux import ByteStream, StreamRefused
 from aenv.runtime.base import ResourceSample, Runtime, RuntimeState, SandboxSpec
 from aenv.store.sqlite import SandboxRow, Store, TemplateRow, now
 
@@ -391,7 +391,7 @@ class Orchestrator:
             except Exception:  # noqa: BLE001 - a hook is an optimisation, never a reason to fail
                 log.exception("sandbox=%s on_running hook failed", sandbox_id)
 
-    async def open_stream(self, sandbox_id: str, port: int) -> MuxStream:
+    async def open_stream(self, sandbox_id: str, port: int) -> ByteStream:
         """A byte stream into the sandbox for the proxy. Paused sandboxes resume first when autoResume is on."""
         sbx = self._live.get(sandbox_id)
         if sbx is None or not sbx.state.visible and sbx.state is not SandboxState.RESUMING:

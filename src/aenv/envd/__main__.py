@@ -1,9 +1,12 @@
-"""``python -m aenv.envd --host 127.0.0.1 --port 49983 [--default-user user]``."""
+"""``python -m aenv.envd --host 127.0.0.1 --port 49983 [--uds PATH] [--default-user user]``."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
+import socket
 
 from aenv.envd import ENVD_VERSION
 
@@ -14,6 +17,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=49983)
     parser.add_argument(
         "--default-user", default="user", help="user for requests that name none (root if absent)"
+    )
+    parser.add_argument(
+        "--uds",
+        default=None,
+        help="also serve on this unix socket: the ns host connects to it directly, one connection per "
+        "request stream, instead of through the agent's mux relay (one process hop less each way)",
     )
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
@@ -26,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     from aenv.envd.identity import SandboxState
 
     app = build_app(SandboxState(default_user=args.default_user))
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
@@ -38,7 +47,21 @@ def main(argv: list[str] | None = None) -> None:
         log_level=args.log_level,
         timeout_keep_alive=330,  # longer than the SDK pool's 300 s keep-alive expiry
     )
+    sockets = [config.bind_socket()]
+    if args.uds:
+        sockets.append(bind_unix(args.uds))
+    uvicorn.Server(config).run(sockets=sockets)
 
+
+def bind_unix(path: str) -> socket.socket:
+    """A listening unix socket at ``path`` (a stale one from an earlier envd is replaced), owner-only."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(path)
+    os.chmod(path, 0o600)
+    sock.listen(256)
+    return sock
 
 if __name__ == "__main__":
     main()

@@ -6,9 +6,10 @@ from the tools mount. See ``protocol`` for the wire format, ``session`` for the 
 
 from aenv.mux.protocol import MuxError, ProtocolError
 from aenv.mux.session import MuxSession, open_unix_session
-from aenv.mux.stream import MuxStream, StreamClosed, StreamRefused
+from aenv.mux.stream import ByteStream, MuxStream, StreamClosed, StreamRefused
 
 __all__ = [
+    "ByteStream",
     "MuxError",
     "MuxSession",
     "MuxStream",

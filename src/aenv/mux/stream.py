@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from aenv.mux.protocol import MAX_PAYLOAD, WINDOW_SIZE, Frame, FrameType, MuxError, ProtocolError, u32
 
@@ -18,6 +18,23 @@ class StreamClosed(MuxError):
 
 class StreamRefused(MuxError):
     """The accepting side could not connect to the requested port."""
+
+
+class ByteStream(Protocol):
+    """What callers of a stream into a sandbox rely on: a ``MuxStream`` or a ``DirectStream``."""
+
+    port: int
+
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def buffered(self) -> int: ...
+    @property
+    def at_eof(self) -> bool: ...
+    async def read(self, n: int = ...) -> bytes: ...
+    async def write(self, data: bytes | bytearray | memoryview) -> None: ...
+    async def write_eof(self) -> None: ...
+    async def aclose(self) -> None: ...
 
 
 class MuxStream:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from aenv.mux.stream import MuxStream
+from aenv.mux.stream import ByteStream
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ class Runtime(Protocol):
         initialised (env vars, access token, identity). Raises RuntimeFailure on any failure, after
         cleaning up everything it started."""
 
-    async def open_stream(self, sandbox_id: str, port: int) -> MuxStream:
+    async def open_stream(self, sandbox_id: str, port: int) -> ByteStream:
         """A fresh byte stream to TCP ``port`` inside the sandbox (49983 = envd).
         Raises SandboxNotFound / SandboxUnreachable."""
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from aenv.core.errors import PortNotOpen, SandboxNotFound, SandboxUnreachable
-from aenv.mux import MuxError, MuxStream, StreamRefused
+from aenv.mux import ByteStream, MuxError, StreamRefused
 
 
 async def open_checked(
     sandbox_id: str,
     port: int,
-    opener: Callable[[int], Awaitable[MuxStream]],
+    opener: Callable[[int], Awaitable[ByteStream]],
     alive: Callable[[], bool],
     channel_errors: tuple[type[BaseException], ...] = (),
-) -> MuxStream:
+) -> ByteStream:
     """Open a stream to ``port``: a refusal by the agent means the port is closed (the sandbox is fine);
     any other channel failure means the sandbox is gone if ``alive()`` says so, else unreachable."""
     failures: tuple[type[BaseException], ...] = (MuxError, OSError, *channel_errors)

@@ -1,10 +1,19 @@
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
-from aenv.runtime.ns.envd_client import EnvdError, build_request, init_payload, parse_status, request
+from aenv.runtime.ns.envd_client import (
+    EnvdError,
+    build_request,
+    init_payload,
+    parse_status,
+    read_response,
+    request,
+    response_complete,
+)
 
 
 class FakeStream:
@@ -52,3 +61,39 @@ async def test_request_reads_to_eof_and_closes() -> None:
     body = s.sent.partition(b"\r\n\r\n")[2]
     assert json.loads(body) == {"envVars": {"A": "1"}, "accessToken": None, "defaultUser": "user",
                                 "defaultWorkdir": None, "sandboxId": "s1", "templateId": "t"}
+
+
+@pytest.mark.parametrize(("raw", "complete"), [
+    (b"HTTP/1.1 204 No Content\r\nServer: x\r\n\r\n", True),
+    (b"HTTP/1.1 204 No Content\r\nServer: x\r\n", False),  # head not finished
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nabc", False),
+    (b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nabcde", True),
+    (b"HTTP/1.1 400 Bad\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n", False),
+    (b"HTTP/1.1 400 Bad\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n", True),
+    (b"HTTP/1.1 200 OK\r\n\r\nuntil EOF", False),  # neither length nor chunked: only EOF tells
+    (b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n", False),
+])
+def test_response_complete(raw: bytes, complete: bool) -> None:
+    assert response_complete(raw) is complete
+
+
+class HangingStream(FakeStream):
+    """Answers, then never sends EOF (a peer slow to close): the read must not wait for it."""
+
+    async def read(self, n: int = 65536) -> bytes:
+        if self._reply:
+            return self._reply.pop(0)
+        await asyncio.Event().wait()
+        return b""
+
+
+async def test_read_response_stops_at_a_complete_answer() -> None:
+    s = HangingStream(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nbody")
+    async with asyncio.timeout(5):
+        assert await read_response(s) == (200, b"body")
+    assert s.closed
+
+
+async def test_read_response_without_length_reads_to_eof() -> None:
+    s = FakeStream(b"HTTP/1.1 200 OK\r\nServer: x\r\n\r\nall of it")
+    assert await read_response(s) == (200, b"all of it")

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from aenv.runtime.base import TemplateImage
 from aenv.agent import launch as launcher
+from aenv.runtime.base import TemplateImage
 from aenv.runtime.ns.sandbox import LaunchOptions, agent_argv
 
 

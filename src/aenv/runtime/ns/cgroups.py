@@ -197,9 +197,11 @@ class Cgroup:
         else:
             _write(self.dir("cpu") / "cpu.shares", "2" if low else "1024")
 
-    def pids(self) -> list[int]:
+    def pids(self, controller: str | None = None) -> list[int]:
+        """Members of every hierarchy (what kill and reconcile need), or of ``controller``'s alone
+        (one read instead of one per hierarchy: the launcher joins all of them before forking)."""
         out: set[int] = set()
-        for d in self.dirs():
+        for d in self.dirs() if controller is None else [self.dir(controller)]:
             with contextlib.suppress(OSError):
                 out.update(int(x) for x in _read(d / "cgroup.procs").split())
         return sorted(out)

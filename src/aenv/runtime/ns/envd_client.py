@@ -1,8 +1,10 @@
 """Just enough HTTP/1.1 to talk to envd over a mux stream during start-up (``/health``, ``/init``).
 
 The runtime must not depend on the server's HTTP stack (it knows nothing about HTTP by design), and
-these two requests are tiny: one request per stream with ``Connection: close``, read to EOF, parse the
-status line. Reads are bounded.
+these two requests are tiny: one request per stream with ``Connection: close``, read until the answer
+is complete (``Content-Length``, a bodiless status, or the end of a chunked body; otherwise EOF), parse
+the status line. Reads are bounded. Not waiting for envd's close saves the close's round trip through
+agent and mux on every create.
 """
 
 from __future__ import annotations
@@ -53,19 +55,63 @@ def parse_status(raw: bytes) -> tuple[int, bytes]:
     return int(status_line[1]), body
 
 
-async def request(stream: _Stream, method: str, path: str, payload: Any = None,
-                  headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+async def send_request(stream: _Stream, method: str, path: str, payload: Any = None,
+                       headers: dict[str, str] | None = None) -> None:
+    """Write one request; :func:`read_response` collects the answer (callers overlap work between)."""
     body = None if payload is None else json.dumps(payload).encode()
+    await stream.write(build_request(method, path, body, headers))
+
+
+def response_complete(raw: bytes) -> bool:
+    """Whether ``raw`` holds a whole HTTP/1.1 response (False when only EOF can tell)."""
+    head, sep, body = raw.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    lines = head.split(b"\r\n")
+    status = lines[0].split()
+    if len(status) >= 2 and status[1] in (b"204", b"304"):
+        return True
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        if name == b"content-length":
+            try:
+                return len(body) >= int(value.strip())
+            except ValueError:
+                return False
+        if name == b"transfer-encoding" and b"chunked" in value.lower():
+            return body.endswith(b"0\r\n\r\n")
+    return False
+
+
+async def read_response(stream: _Stream, *, to_eof: bool = False) -> tuple[int, bytes]:
+    """Read one answer, then close the stream (envd closes its side itself: ``Connection: close``).
+
+    ``to_eof`` waits for envd's close instead of stopping at a complete answer. :func:`request` does:
+    over the vm runtime's serial mux, a stream closed by the host before the guest's side had
+    closed broke the *next* stream's request (it got an empty answer; not yet understood), so only
+    the ns hand-out's ``/init`` (on a direct envd connection) stops early."""
     try:
-        await stream.write(build_request(method, path, body, headers))
         raw = b""
         while chunk := await stream.read(65536):
             raw += chunk
             if len(raw) > _MAX_RESPONSE:
                 raise EnvdError("response too large")
+            if not to_eof and response_complete(raw):
+                break
     finally:
         await stream.aclose()
     return parse_status(raw)
+
+
+async def request(stream: _Stream, method: str, path: str, payload: Any = None,
+                  headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    try:
+        await send_request(stream, method, path, payload, headers)
+    except BaseException:
+        await stream.aclose()
+        raise
+    return await read_response(stream, to_eof=True)
 
 
 def as_user(user: str) -> dict[str, str]:

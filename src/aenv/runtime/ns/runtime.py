@@ -18,19 +18,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
 import secrets
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from aenv.config import Settings
 from aenv.core.errors import RuntimeFailure, SandboxNotFound, SandboxUnreachable, StateError
-from aenv.mux import MuxError, MuxStream
+from aenv.mux import ByteStream, MuxError
 from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec, SnapshotResult, TemplateImage
 from aenv.runtime.ns import cgroups
 from aenv.runtime.ns.disk import POOL_NAME, DiskQuota, remove_tree
@@ -123,9 +125,7 @@ class NsRuntime:
             await self.zygote.aclose()
             self.zygote = None
         for sbx in list(self._sandboxes.values()):
-            if sbx._session is not None:
-                with contextlib.suppress(Exception):
-                    await sbx._session.aclose()
+            await sbx.drop_connections()
         self._sandboxes.clear()
         await self.snapshots.drain()
         await asyncio.to_thread(self.disk.release)  # unmounts the volume unless another runtime uses it
@@ -214,13 +214,15 @@ class NsRuntime:
         root = root or spec.workdir / "ns"
         sbx = prelaunched or (
             self.pool.take(spec.template, spec.allow_internet) if use_pool and not snapshot_layers else None)
+        hand_out: Callable[[], None] | None = None
         try:
             if sbx is not None and sbx is prelaunched:
                 await asyncio.to_thread(sbx.rename, sid, root)
             elif sbx is not None:
                 # Inline, not in a thread: a handful of small writes and one rename (~1 ms), cheaper
-                # than the thread hop, and it is the create's hot path.
-                self._hand_out(sbx, sid, root, limits, spec.disk_mb)
+                # than the thread hop, and it is the create's hot path. It runs while envd handles
+                # /init (see init_envd's ``meanwhile``).
+                hand_out = functools.partial(self._hand_out, sbx, sid, root, limits, spec.disk_mb)
             else:
                 await self._ensure_tools()
                 opts = replace(self._opts(template, spec.allow_internet, limits, disk_mb=spec.disk_mb),
@@ -230,7 +232,7 @@ class NsRuntime:
             await sbx.init_envd(init_payload(
                 sandbox_id=sid, template_id=spec.template.template_id, env_vars=dict(spec.env_vars),
                 access_token=spec.access_token, default_user=spec.template.user or None,
-                default_workdir=spec.template.workdir))
+                default_workdir=spec.template.workdir), meanwhile=hand_out)
         except BaseException as exc:
             if sbx is not None:
                 await sbx.aclose(remove_dir=None if in_place else spec.workdir)
@@ -247,7 +249,8 @@ class NsRuntime:
     def _hand_out(self, sbx: NsSandbox, sid: str, root: Path, limits: tuple[int, int, int], disk_mb: int) -> None:
         if sbx.opts is not None and sbx.opts.disk is not None and sbx.opts.disk_mb != disk_mb:
             sbx.opts.disk.limit(sbx.paths.root, disk_mb)  # pooled at the default size
-        sbx.cgroup.set_limits(*limits)
+        if sbx.opts is None or sbx.opts.default_limits != limits:  # pooled at the default limits
+            sbx.cgroup.set_limits(*limits)
         sbx.cgroup.set_weight(low=False)
         sbx.reprioritize(0)
         sbx.rename(sid, root)
@@ -271,7 +274,7 @@ class NsRuntime:
             return None
         return NsSandbox.from_state(self.layout, state.data)
 
-    async def open_stream(self, sandbox_id: str, port: int) -> MuxStream:
+    async def open_stream(self, sandbox_id: str, port: int) -> ByteStream:
         sbx = self._get(sandbox_id)
         return await open_checked(sandbox_id, port, sbx.open_stream, sbx.alive)
 
@@ -281,12 +284,9 @@ class NsRuntime:
             await asyncio.to_thread(sbx.cgroup.freeze)
         except OSError as exc:
             raise RuntimeFailure(f"sandbox {sandbox_id}: freeze failed: {exc}", sandbox_id=sandbox_id) from exc
-        # End the mux session: the proxy's idle keep-alive streams must not be reused into a frozen
-        # sandbox (a request would hang instead of getting 502); envd keeps processes whose client left.
-        session, sbx._session = sbx._session, None
-        if session is not None:
-            with contextlib.suppress(Exception):
-                await session.aclose()
+        # The proxy's idle keep-alive streams must not be reused into a frozen sandbox (a request
+        # would hang instead of getting 502); envd keeps processes whose client left.
+        await sbx.drop_connections()
         return self._state(sbx, self._workdir(sandbox_id))
 
     async def resume(self, sandbox_id: str, state: RuntimeState) -> RuntimeState:

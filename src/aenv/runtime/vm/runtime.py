@@ -43,7 +43,7 @@ from typing import Any
 
 from aenv.config import Settings
 from aenv.core.errors import RuntimeFailure, SandboxNotFound, SandboxUnreachable, StateError
-from aenv.mux import MuxError, MuxStream
+from aenv.mux import ByteStream, MuxError
 from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec, SnapshotResult
 from aenv.runtime.streams import open_checked
 
@@ -515,7 +515,7 @@ class VmRuntime:
             raise SandboxNotFound(sandbox_id)
         return sbx
 
-    async def open_stream(self, sandbox_id: str, port: int) -> MuxStream:
+    async def open_stream(self, sandbox_id: str, port: int) -> ByteStream:
         sbx = self._get(sandbox_id)
         return await open_checked(
             sandbox_id, port, sbx.open_stream, lambda: sbx.machine.alive, channel_errors=(MachineError,)
