@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from collections.abc import Awaitable, Callable
 
 from aenv.mux.protocol import (
@@ -50,8 +51,12 @@ class MuxSession:
         self._accept = accept
         self.name = name
         self._streams: dict[int, MuxStream] = {}
-        # The opening side uses odd IDs, the accepting side even ones, so both could open.
-        self._next_id = 2 if accept is not None else 1
+        # The opening side uses odd IDs, the accepting side even ones, so both could open. Each
+        # session starts at a random point: frames a peer still emits for a previous session's
+        # streams (a vm guest restored from a snapshot replays what was queued when it was taken)
+        # then name no stream of this one and are dropped, instead of ending a new stream that
+        # happens to reuse the ID.
+        self._next_id = secrets.randbelow(1 << 30) * 2 + (2 if accept is not None else 1)
         self._send_lock = asyncio.Lock()
         self._reader_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()

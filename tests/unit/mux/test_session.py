@@ -117,3 +117,25 @@ def test_decode_rejects_garbage() -> None:
     big[8:12] = (10**7).to_bytes(4, "big")
     with pytest.raises(ProtocolError, match="exceeds"):
         decode_header(bytes(big))
+
+
+async def test_frames_of_a_previous_session_do_not_end_a_new_stream() -> None:
+    """A vm guest restored from a snapshot may replay frames its agent queued for the snapshot's
+    session (a late CLOSE, say). Sessions start their IDs at random points, so such a frame names no
+    stream of the new session and is dropped."""
+    server, port = await _echo_server()
+    old_host, old_agent = await _pair({7: port})
+    host, agent = await _pair({7: port})
+    try:
+        old_stream = await old_host.open(7)
+        stream = await host.open(7)
+        assert stream.stream_id % 2 == 1 and stream.stream_id != old_stream.stream_id
+        # the agent side replays the old session's CLOSE on the new channel
+        await agent._send(Frame(FrameType.CLOSE, old_stream.stream_id))
+        await stream.write(b"still here")
+        assert await stream.read() == b"still here"
+        assert not stream.closed
+    finally:
+        for s in (old_host, old_agent, host, agent):
+            await s.aclose()
+        server.close()

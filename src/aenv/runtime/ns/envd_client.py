@@ -84,20 +84,15 @@ def response_complete(raw: bytes) -> bool:
     return False
 
 
-async def read_response(stream: _Stream, *, to_eof: bool = False) -> tuple[int, bytes]:
-    """Read one answer, then close the stream (envd closes its side itself: ``Connection: close``).
-
-    ``to_eof`` waits for envd's close instead of stopping at a complete answer. :func:`request` does:
-    over the vm runtime's serial mux, a stream closed by the host before the guest's side had
-    closed broke the *next* stream's request (it got an empty answer; not yet understood), so only
-    the ns hand-out's ``/init`` (on a direct envd connection) stops early."""
+async def read_response(stream: _Stream) -> tuple[int, bytes]:
+    """Read one answer, then close the stream (envd closes its side itself: ``Connection: close``)."""
     try:
         raw = b""
         while chunk := await stream.read(65536):
             raw += chunk
             if len(raw) > _MAX_RESPONSE:
                 raise EnvdError("response too large")
-            if not to_eof and response_complete(raw):
+            if response_complete(raw):
                 break
     finally:
         await stream.aclose()
@@ -111,7 +106,7 @@ async def request(stream: _Stream, method: str, path: str, payload: Any = None,
     except BaseException:
         await stream.aclose()
         raise
-    return await read_response(stream, to_eof=True)
+    return await read_response(stream)
 
 
 def as_user(user: str) -> dict[str, str]:
