@@ -11,6 +11,7 @@ import concurrent.futures
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,18 +100,40 @@ def concurrent_creates(ctx: Ctx) -> dict[str, Any]:
 
 
 def round_trip(ctx: Ctx) -> dict[str, Any]:
-    """``commands.run("true")`` in a running sandbox vs ``docker exec CID true`` in a running container."""
+    """``commands.run("true")`` in a running sandbox vs ``docker exec CID true`` in a running container,
+    two ways: back to back (blocks of 10 calls, the blocks alternating between systems) and one call
+    after 100 ms of quiet. The second costs more for every system on a VM host: the vCPUs halted and
+    must be woken (one wake-up per process on the path), caches are cold. An agent loop sees both:
+    bursts of tool calls, and single calls after the LLM thought."""
     sbx = _sandbox()
     cid = ctx.docker.start_idle() if ctx.docker is not None else None
     try:
         sbx.commands.run("true")
-        systems = [(ctx.system, lambda: timed(lambda: sbx.commands.run("true")))]
+        calls: list[tuple[str, Callable[[], float]]] = [(ctx.system, lambda: timed(lambda: sbx.commands.run("true")))]
         if ctx.docker is not None and cid is not None:
             docker = ctx.docker
-            systems.append(("docker", lambda: timed(lambda: docker.docker("exec", cid, "true"))))
-        samples = alternate(ctx.n(10, 100, vm=50), systems)
+            calls.append(("docker", lambda: timed(lambda: docker.docker("exec", cid, "true"))))
+        block = 10
+
+        def burst(one: Callable[[], float]) -> Callable[[], list[float]]:
+            return lambda: [one() for _ in range(block)]
+
+        def after_quiet(one: Callable[[], float]) -> Callable[[], float]:
+            def call() -> float:
+                time.sleep(0.1)
+                return one()
+
+            return call
+
+        bursts = alternate(ctx.n(1, 10, vm=5), [(name, burst(fn)) for name, fn in calls])
+        quiet = alternate(ctx.n(5, 30, vm=15), [(name, after_quiet(fn)) for name, fn in calls])
         notes = {"docker": "`docker exec CID true`"}
-        rows = [row("commands.run(true) round trip", k, v, note=notes.get(k, "")) for k, v in samples.items()]
+        rows = []
+        for name, blocks in bursts.items():
+            flat = [x for b in blocks for x in b]
+            rows.append(row("commands.run(true) back to back", name, flat, note=notes.get(name, "")))
+        for name, samples in quiet.items():
+            rows.append(row("commands.run(true) after 100 ms quiet", name, samples, note=notes.get(name, "")))
         return scenario("command round trip in a running sandbox", rows)
     finally:
         sbx.kill()

@@ -12,9 +12,10 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 Row = dict[str, Any]
+T = TypeVar("T")
 
 
 def ms_since(t0: float) -> float:
@@ -59,12 +60,12 @@ def scenario(title: str, rows: Iterable[Row], notes: Iterable[str] = ()) -> dict
 
 
 def alternate(
-    n: int, systems: list[tuple[str, Callable[[], float]]], limits: dict[str, int] | None = None
-) -> dict[str, list[float]]:
+    n: int, systems: list[tuple[str, Callable[[], T]]], limits: dict[str, int] | None = None
+) -> dict[str, list[T]]:
     """``n`` rounds; each round samples every system once, the order flipped every other round so drift
     and warm-up effects fall on all systems alike. ``limits`` caps a slow system's samples (it then takes
     part in the first rounds only). Returns samples per system name."""
-    out: dict[str, list[float]] = {name: [] for name, _ in systems}
+    out: dict[str, list[T]] = {name: [] for name, _ in systems}
     for i in range(n):
         for name, fn in systems if i % 2 == 0 else list(reversed(systems)):
             if limits is None or len(out[name]) < limits.get(name, n):

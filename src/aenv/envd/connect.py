@@ -334,7 +334,8 @@ class ServerStreamEndpoint:
             return
 
         await _start(send, 200, STREAM_CONTENT_TYPE)
-        streamer = asyncio.create_task(self._stream(msg, ctx, send))
+        ended: list[bool] = []  # set by _stream once it sent the end of the stream itself
+        streamer = asyncio.create_task(self._stream(msg, ctx, send, ended))
         watcher = asyncio.create_task(_wait_disconnect(receive))
         timeout = None
         if ctx.deadline is not None:
@@ -357,7 +358,8 @@ class ServerStreamEndpoint:
             for task in (streamer, watcher):
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-        await _body(send, end_stream_envelope(error), more=False)
+        if not ended:
+            await _body(send, end_stream_envelope(error), more=False)
 
     @staticmethod
     def _single_message(body: bytes) -> Message:
@@ -369,10 +371,19 @@ class ServerStreamEndpoint:
             raise InvalidArgument(f"expected exactly one request message, got {len(messages)}")
         return decode_message(messages[0])
 
-    async def _stream(self, msg: Message, ctx: CallContext, send: Send) -> None:
-        source = self.handler(msg, ctx)
-        async for item in with_keepalive(source, ctx.keepalive_interval, self.keepalive):
-            await _body(send, encode_envelope(item), more=True)
+    async def _stream(self, msg: Message, ctx: CallContext, send: Send, ended: list[bool]) -> None:
+        """Every message, then the end of the stream from this same task: a finished process's end
+        event and the stream's end leave back to back, and the reader wakes once for both instead
+        of again after the task hand-offs and clean-up in ``__call__``."""
+        error: EnvdError | None = None
+        try:
+            source = self.handler(msg, ctx)
+            async for item in with_keepalive(source, ctx.keepalive_interval, self.keepalive):
+                await _body(send, encode_envelope(item), more=True)
+        except Exception as exc:  # noqa: BLE001 - ends the stream with the error, as __call__ would
+            error = as_envd_error(exc)
+        ended.append(True)
+        await _body(send, end_stream_envelope(error), more=False)
 
 
 class ClientStreamEndpoint:

@@ -17,6 +17,24 @@ from aenv.envd.errors import InvalidArgument, Unauthenticated
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
+_ACCOUNT_FILES = ("/etc/passwd", "/etc/group")
+_USERS: dict[str, tuple[tuple[tuple[int, int, int, int], ...], User]] = {}
+
+
+def _account_files_stamp() -> tuple[tuple[int, int, int, int], ...]:
+    """What identifies the current contents of passwd and group: (device, inode, size, mtime) each
+    (an edit in place changes mtime and usually size; ``useradd`` replaces the file: a new inode)."""
+    out = []
+    for path in _ACCOUNT_FILES:
+        try:
+            st = os.stat(path)
+        except OSError:
+            out.append((0, 0, -1, 0))
+        else:
+            out.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class User:
     name: str
@@ -27,13 +45,25 @@ class User:
 
     @classmethod
     def lookup(cls, name: str) -> User:
-        """Find ``name`` in the sandbox's passwd; raises ``KeyError`` if absent."""
+        """Find ``name`` in the sandbox's passwd; raises ``KeyError`` if absent.
+
+        Every process start and file call names a user; the answer is kept while ``/etc/passwd``
+        and ``/etc/group`` are unchanged (two stats instead of reading both files each time), so a
+        ``useradd`` in the sandbox is seen at once."""
+        stamp = _account_files_stamp()
+        cached = _USERS.get(name)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
         entry = pwd.getpwnam(name)
         try:
             groups = tuple(os.getgrouplist(name, entry.pw_gid))
         except OSError:
             groups = (entry.pw_gid,)
-        return cls(entry.pw_name, entry.pw_uid, entry.pw_gid, entry.pw_dir or "/", groups)
+        user = cls(entry.pw_name, entry.pw_uid, entry.pw_gid, entry.pw_dir or "/", groups)
+        if len(_USERS) >= 64:
+            _USERS.clear()
+        _USERS[name] = (stamp, user)
+        return user
 
     @classmethod
     def root(cls) -> User:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from aenv.envd.errors import InvalidArgument, Unauthenticated
@@ -57,3 +59,32 @@ def test_process_env_order() -> None:
     assert env["E2B_SANDBOX_ID"] == "override"
     assert env["E2B_TEMPLATE_ID"] == "t"
     assert "PATH" in env
+
+
+def test_user_lookup_is_cached_until_passwd_or_group_change(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pwd as pwd_mod
+
+    from aenv.envd import identity
+
+    passwd, group = tmp_path / "passwd", tmp_path / "group"
+    passwd.write_text("user:x:1000:1000::/home/user:/bin/bash\n")
+    group.write_text("user:x:1000:\n")
+    monkeypatch.setattr(identity, "_ACCOUNT_FILES", (str(passwd), str(group)))
+    monkeypatch.setattr(identity, "_USERS", {})
+    calls: list[str] = []
+
+    def getpwnam(name: str) -> pwd_mod.struct_passwd:
+        calls.append(name)
+        home = "/home/user2" if "renamed" in passwd.read_text() else "/home/user"
+        return pwd_mod.struct_passwd((name, "x", 1000, 1000, "", home, "/bin/bash"))
+
+    monkeypatch.setattr(identity.pwd, "getpwnam", getpwnam)
+    monkeypatch.setattr(identity.os, "getgrouplist", lambda name, gid: [gid, 27])
+    first = identity.User.lookup("user")
+    assert identity.User.lookup("user") == first and calls == ["user"]
+    assert first.groups == (1000, 27)
+    passwd.write_text("user:x:1000:1000:renamed:/home/user2:/bin/bash\n")  # useradd/usermod
+    assert identity.User.lookup("user").home == "/home/user2" and calls == ["user", "user"]
+    group.write_text("user:x:1000:\nextra:x:2000:user\n")
+    identity.User.lookup("user")
+    assert calls == ["user", "user", "user"]
