@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -193,6 +193,8 @@ class Store:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
+        self._templates: dict[str, TemplateRow] = {}  # get_template's answers, see there
+        self._templates_version = -1
         try:
             self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
             self._db.row_factory = sqlite3.Row
@@ -270,20 +272,37 @@ class Store:
         cols = ",".join(data)
         marks = ",".join("?" for _ in data)
         with self._tx() as db:
+            self._templates.clear()
             if row.alias:
                 # An alias moves to the newest template that claims it (like a docker tag).
                 db.execute("UPDATE templates SET alias=NULL WHERE alias=? AND id<>?", (row.alias, row.id))
             db.execute(f"INSERT OR REPLACE INTO templates({cols}) VALUES ({marks})", tuple(data.values()))
 
     def get_template(self, id_or_alias: str) -> TemplateRow | None:
-        rows = self._query("SELECT * FROM templates WHERE id=? OR alias=? ORDER BY id=? DESC", (id_or_alias,) * 3)
-        return _from_db(TemplateRow, rows[0]) if rows else None
+        """By ID or alias. Every create asks, so found rows are kept until this store writes or deletes
+        a template, or another connection changes the database (``PRAGMA data_version``: e.g. ``aenv
+        template build --register`` while the server runs); each caller gets its own copy."""
+        with self._lock:
+            version = self._db.execute("PRAGMA data_version").fetchone()[0]
+            if version != self._templates_version:
+                self._templates.clear()
+                self._templates_version = version
+            cached = self._templates.get(id_or_alias)
+            if cached is None:
+                rows = self._query(
+                    "SELECT * FROM templates WHERE id=? OR alias=? ORDER BY id=? DESC", (id_or_alias,) * 3
+                )
+                if not rows:
+                    return None
+                cached = self._templates[id_or_alias] = _from_db(TemplateRow, rows[0])
+            return replace(cached)
 
     def list_templates(self) -> list[TemplateRow]:
         return [_from_db(TemplateRow, r) for r in self._query("SELECT * FROM templates ORDER BY created_at")]
 
     def delete_template(self, template_id: str) -> None:
         with self._tx() as db:
+            self._templates.clear()
             db.execute("DELETE FROM templates WHERE id=?", (template_id,))
 
     # ---- snapshots ------------------------------------------------------------------------------

@@ -1,0 +1,67 @@
+"""The metadata store: rows round-trip (JSON and bool columns), and the template cache never serves a
+row that this store or another connection has since changed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from aenv.store.sqlite import SandboxRow, Store, TemplateRow
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    s = Store(tmp_path / "aenv.db")
+    yield s
+    s.close()
+
+
+def template(tid: str, rootfs: str, alias: str | None = None) -> TemplateRow:
+    return TemplateRow(id=tid, kind="bootstrap", rootfs=rootfs, cpu_count=2, memory_mb=512, disk_mb=1024,
+                       created_at=1.0, alias=alias, lowers=["/l1"], config={"env": {"A": "1"}})
+
+
+def test_sandbox_row_round_trip(store: Store) -> None:
+    row = SandboxRow(id="s1", template_id="base", state="running", runtime="ns", started_at=1.5, end_at=2.5,
+                     cpu_count=2, memory_mb=512, disk_mb=1024, auto_resume=True, allow_internet=False,
+                     metadata={"k": "v"}, runtime_state={"pid": 7, "lowers": ["/a"]}, depends_on=["snap1"])
+    store.put_sandbox(row)
+    assert store.get_sandbox("s1") == row
+    row.metadata["k"] = "changed after the put"
+    assert store.get_sandbox("s1").metadata == {"k": "v"}  # type: ignore[union-attr]
+
+
+def test_template_lookup_by_id_or_alias_returns_copies(store: Store) -> None:
+    store.put_template(template("base-1", "/r1", alias="base"))
+    first = store.get_template("base")
+    assert first is not None and first.id == "base-1"
+    first.rootfs = "/mutated by a caller"
+    assert store.get_template("base").rootfs == "/r1"  # type: ignore[union-attr]
+    assert store.get_template("base-1").rootfs == "/r1"  # type: ignore[union-attr]
+    assert store.get_template("nope") is None
+
+
+def test_template_cache_follows_own_writes(store: Store) -> None:
+    store.put_template(template("base-1", "/r1", alias="base"))
+    assert store.get_template("base").id == "base-1"  # type: ignore[union-attr]
+    store.put_template(template("base-2", "/r2", alias="base"))  # the alias moves, like a docker tag
+    assert store.get_template("base").id == "base-2"  # type: ignore[union-attr]
+    assert store.get_template("base-1").alias is None  # type: ignore[union-attr]
+    store.delete_template("base-2")
+    assert store.get_template("base") is None
+
+
+def test_template_cache_sees_another_connections_writes(store: Store, tmp_path: Path) -> None:
+    assert store.get_template("ci") is None
+    store.put_template(template("ci-1", "/old", alias="ci"))
+    assert store.get_template("ci").rootfs == "/old"  # type: ignore[union-attr]
+    other = Store(tmp_path / "aenv.db")  # e.g. `aenv template build --register` beside the server
+    try:
+        other.put_template(template("ci-1", "/rebuilt", alias="ci"))
+        assert store.get_template("ci").rootfs == "/rebuilt"  # type: ignore[union-attr]
+        other.delete_template("ci-1")
+        assert store.get_template("ci") is None
+    finally:
+        other.close()
