@@ -304,3 +304,37 @@ async def test_paused_vm_released_after_idle_then_adopted_and_resumed(
     assert "hostTime=set" in new.sandbox("rel").host_facts
     await new.kill("rel", resumed)
     assert not run_dir.exists()
+
+
+async def test_memory_pressure_releases_paused_vms_longest_paused_first(
+    make_runtime: Callable[[], VmRuntime], tmp_path: Path
+) -> None:
+    """Below ``vm_memory_low_mb`` available (here: a mark no host reaches, so always), paused VMs go
+    to disk at once instead of after their idle period, the longest-paused first; running ones stay.
+    A released one resumes from disk with its processes' state."""
+    from aenv.runtime.vm.runtime import RELEASED_STATE
+
+    rt = make_runtime()
+    rt.release_after = 3600.0  # the idle release would never come within the test
+    rt.memory_low_mb = 1e12
+    rt.pressure_interval = 3600.0  # rounds are driven by hand below
+    tpl = _template(tmp_path)
+    states = {sid: await rt.create(_spec(tmp_path, sid, tpl)) for sid in ("mp1", "mp2", "mp3")}
+    await rt.pause("mp2")
+    await asyncio.sleep(0.05)
+    await rt.pause("mp1")
+    assert await rt.relieve_pressure() == ["mp2", "mp1"]
+    for sid in ("mp1", "mp2"):
+        assert (Path(states[sid].data["run_dir"]) / RELEASED_STATE).is_file()
+        with pytest.raises(ProcessLookupError):
+            os.kill(states[sid].data["pid"], 0)
+    assert await _health(rt, "mp3") in (200, 204)  # running: untouched
+    assert await rt.relieve_pressure() == []
+    rt.memory_low_mb = 0  # off: a paused VM stays in RAM
+    await rt.pause("mp3")
+    assert await rt.relieve_pressure() == []
+    resumed = await rt.resume("mp1", rt._state_any("mp1"))
+    assert resumed.data["pid"] != states["mp1"].data["pid"]
+    assert await _health(rt, "mp1") in (200, 204)
+    for sid in ("mp1", "mp2", "mp3"):
+        await rt.kill(sid)

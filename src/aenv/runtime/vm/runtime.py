@@ -47,7 +47,7 @@ from aenv.mux import ByteStream, MuxError
 from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec, SnapshotResult
 from aenv.runtime.streams import open_checked
 
-from . import disk
+from . import disk, pressure
 from . import template as templates
 from .accel import AccelChoice, choose_accel, qemu_binary
 from .artifacts import GuestArtifacts, ensure
@@ -165,6 +165,10 @@ class VmRuntime:
         self._start_lock = asyncio.Lock()
         self._started = False
         self.release_after = settings.vm_release_paused_after
+        self.memory_low_mb = settings.vm_memory_low_mb  # see pressure.py
+        self.pressure_interval = 1.0
+        self._paused_since: dict[str, float] = {}  # paused and still in RAM: when it was paused
+        self._pressure_task: asyncio.Task[None] | None = None
         self.firecracker_status: str | None = None  # why the configured firecracker is (not) used
         self._released: dict[str, Released] = {}
         self._release_tasks: dict[str, asyncio.Task[None]] = {}
@@ -203,10 +207,17 @@ class VmRuntime:
                 d.mkdir(parents=True, exist_ok=True)
             (self.shm_dir / OWNER_FILE).write_text(str(self.settings.state_dir))
             await asyncio.to_thread(sweep_orphan_ram, self.shm_dir.parent)
+            if self.memory_low_mb > 0:
+                self._pressure_task = asyncio.create_task(self._watch_pressure(), name="vm-memory-pressure")
             self._started = True
 
     async def close(self) -> None:
         """Kill pooled processes and drop channels; handed-out sandboxes keep running."""
+        if self._pressure_task is not None:
+            self._pressure_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._pressure_task
+            self._pressure_task = None
         for t in list(self._release_tasks.values()):
             t.cancel()
         for t in list(self._release_tasks.values()):
@@ -556,12 +567,15 @@ class VmRuntime:
             return self._state_any(sandbox_id)
 
     def _schedule_release(self, sandbox_id: str) -> None:
+        """A paused VM in RAM: released after ``release_after`` s, or earlier under memory pressure."""
         self._cancel_release(sandbox_id)
+        self._paused_since[sandbox_id] = time.monotonic()
         self._release_tasks[sandbox_id] = asyncio.create_task(
             self._release_later(sandbox_id), name=f"vm-release-{sandbox_id}"
         )
 
     def _cancel_release(self, sandbox_id: str) -> None:
+        self._paused_since.pop(sandbox_id, None)
         task = self._release_tasks.pop(sandbox_id, None)
         if task is not None and task is not asyncio.current_task():
             task.cancel()
@@ -572,13 +586,48 @@ class VmRuntime:
             if self._release_tasks.get(sandbox_id) is not asyncio.current_task():
                 return  # resumed, killed or re-paused meanwhile
             self._release_tasks.pop(sandbox_id, None)
-            sbx = self._sandboxes.get(sandbox_id)
+            if not await self._release_if_paused(sandbox_id):
+                self._paused_since.pop(sandbox_id, None)  # not a paused VM in RAM any more
+
+    async def _release_if_paused(self, sandbox_id: str) -> bool:
+        """Release ``sandbox_id`` if it is still a stopped VM in RAM (lock held). Failures are logged:
+        the VM then simply stays paused in RAM."""
+        sbx = self._sandboxes.get(sandbox_id)
+        try:
+            if sbx is None or await sbx.machine.status() not in ("paused", "postmigrate"):
+                return False
+            await self._release_locked(sandbox_id)
+            return True
+        except (MachineError, OSError) as exc:
+            log.warning("sandbox %s: could not release paused VM memory: %s", sandbox_id, exc)
+            return False
+
+    async def _watch_pressure(self) -> None:
+        """Every ``pressure_interval`` s: while the host is below ``vm_memory_low_mb`` available,
+        release paused VMs, the longest-paused first (see pressure.py)."""
+        while True:
+            await asyncio.sleep(self.pressure_interval)
             try:
-                if sbx is None or await sbx.machine.status() not in ("paused", "postmigrate"):
-                    return
-                await self._release_locked(sandbox_id)
-            except (MachineError, OSError) as exc:
-                log.warning("sandbox %s: could not release paused VM memory: %s", sandbox_id, exc)
+                await self.relieve_pressure()
+            except Exception as exc:  # noqa: BLE001 - the watch must outlive one bad round
+                log.warning("vm memory pressure round failed: %s", exc)
+
+    async def relieve_pressure(self) -> list[str]:
+        """One round: release paused VMs while memory is low. Returns the IDs released."""
+        released: list[str] = []
+        for sandbox_id in pressure.release_order(self._paused_since):
+            available = await asyncio.to_thread(pressure.mem_available_mb)
+            if not pressure.under_pressure(available, self.memory_low_mb):
+                break
+            async with self._lock(sandbox_id):
+                if sandbox_id not in self._paused_since:
+                    continue  # resumed or killed meanwhile
+                self._cancel_release(sandbox_id)
+                if await self._release_if_paused(sandbox_id):
+                    released.append(sandbox_id)
+                    log.info("sandbox %s: released under memory pressure (%.0f MB available, mark %.0f MB)",
+                             sandbox_id, available or 0, self.memory_low_mb)
+        return released
 
     async def _release_locked(self, sandbox_id: str) -> None:
         """Save the (stopped) VM fully to its run dir and end QEMU; disk overlays stay. The state
@@ -595,6 +644,7 @@ class VmRuntime:
         await sbx.drop_session()
         await sbx.machine.kill(keep=list(sbx.run_dir.glob("root*.qcow2")))
         self._sandboxes.pop(sandbox_id, None)
+        self._paused_since.pop(sandbox_id, None)
         self._released[sandbox_id] = rel
         size = rel.state_file.stat().st_size
         log.info(
