@@ -338,3 +338,32 @@ async def test_memory_pressure_releases_paused_vms_longest_paused_first(
     assert await _health(rt, "mp1") in (200, 204)
     for sid in ("mp1", "mp2", "mp3"):
         await rt.kill(sid)
+
+
+async def test_image_layers_are_merged_into_the_vm_disk(
+    make_runtime: Callable[[], VmRuntime], tmp_path: Path
+) -> None:
+    """An image template's lowers (top first, with overlay whiteouts) become one ext4 tree, as the ns
+    runtime's overlay shows them: what the top layer adds is there, what it whites out is gone."""
+    import stat
+
+    base = _template(tmp_path)
+    middle, top = tmp_path / "layer-middle", tmp_path / "layer-top"
+    (middle / "etc").mkdir(parents=True)
+    (middle / "etc" / "motd").write_text("from the middle layer\n")
+    (top / "etc").mkdir(parents=True)
+    (top / "etc" / "layer.txt").write_text("from the top layer\n")
+    os.mknod(top / "etc" / "motd", stat.S_IFCHR | 0o600, os.makedev(0, 0))  # whiteout of the middle's file
+    tpl = TemplateImage("layered", base.rootfs, lowers=(top, middle, base.rootfs))
+    rt = make_runtime()
+    await rt.create(_spec(tmp_path, "lay", tpl))
+
+    async def get(path: str) -> tuple[int, bytes]:
+        stream = await rt.open_stream("lay", 49983)
+        return await request(stream, "GET", f"/files?path={path}&username=root")
+
+    assert await get("/etc/layer.txt") == (200, b"from the top layer\n")
+    assert (await get("/etc/motd"))[0] == 404
+    assert (await get("/etc/passwd"))[0] == 200  # the bottom layer is there too
+    assert not any(p.name == "merged-layers" for p in rt.templates_dir.rglob("merged-layers"))
+    await rt.kill("lay")

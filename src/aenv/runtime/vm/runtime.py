@@ -21,7 +21,7 @@ paused, the VM is saved fully into its run dir (``released.full``) and QEMU ends
 holds no RAM; resume restores it into a new QEMU. Kill ends QEMU and removes the run dir.
 Restart: ``adopt`` re-attaches to the recorded QEMU (pidfd + QMP) or, for a released sandbox,
 finds its state file; ``reconcile`` kills and removes whatever under the run root nobody owns.
-Still missing (see the issue): template lowers, the Firecracker driver's agent channel.
+Still missing (see the issue): the Firecracker driver's agent channel.
 """
 
 from __future__ import annotations

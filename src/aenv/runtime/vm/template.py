@@ -201,9 +201,16 @@ async def build(
     sbx: VmSandbox | None = None
     t0 = time.perf_counter()
     try:
-        if tpl.lowers:
-            log.warning("template %s: extra lowers are not merged into the VM disk yet", tpl.template_id)
-        raw = await disk.make_ext4(tpl.rootfs, tdir / "base.raw", size_mb=shape.disk_mb, label="aenv-root")
+        source = tpl.rootfs
+        if len(tpl.lowers) > 1 or (tpl.lowers and tpl.lowers[0] != tpl.rootfs):
+            # An image's layers (top first, overlay whiteouts) merged as overlayfs would show them:
+            # the VM's disk is one ext4 tree. A copy, made once per template build and removed.
+            from aenv.images.flatten import flatten_layers
+
+            source = await asyncio.to_thread(flatten_layers, tpl.lowers, tdir / "merged-layers")
+        raw = await disk.make_ext4(source, tdir / "base.raw", size_mb=shape.disk_mb, label="aenv-root")
+        if source != tpl.rootfs:
+            await asyncio.to_thread(shutil.rmtree, source, True)
         await disk.to_qcow2(raw, tdir / "base.qcow2")
         raw.unlink()
         await disk.create_overlay(tdir / "base.qcow2", result.disk)
