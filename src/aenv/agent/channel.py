@@ -116,15 +116,41 @@ class _SerialWriter:
         return None
 
 
+class SerialReaders:
+    """The reader the serial pump feeds (in the loop thread). When the host goes away the current one
+    gets EOF, ending its session, and later bytes go to a fresh one: half a frame the old host left
+    behind can never swallow the next host's HELLO."""
+
+    def __init__(self) -> None:
+        self.current = asyncio.StreamReader(limit=1 << 20)
+
+    def feed(self, data: bytes) -> None:
+        self.current.feed_data(data)
+
+    def host_gone(self) -> None:
+        old = self.renew()
+        old.feed_eof()
+
+    def renew(self) -> asyncio.StreamReader:
+        old, self.current = self.current, asyncio.StreamReader(limit=1 << 20)
+        return old
+
+
 async def serve_serial(path: str, accept: Connector, ready: Callable[[], None] | None = None) -> None:
-    """Run mux sessions over a virtio-serial port forever, surviving host disconnects."""
+    """Run mux sessions over a virtio-serial port forever, surviving host disconnects.
+
+    A host that goes away may leave half a frame behind (it was paused or killed mid-write); the next
+    host's HELLO would then be read as the rest of that frame and the channel would hang. So when the
+    port reports the host gone (``read`` returns 0), the session ends and the next bytes go to a
+    fresh session."""
     loop = asyncio.get_running_loop()
     fd = os.open(path, os.O_RDWR | os.O_NOCTTY)
-    current: list[asyncio.StreamReader] = []
+    readers = SerialReaders()
     stop = threading.Event()
 
     def pump() -> None:
         # read() == 0 means "no host attached" on virtio-serial, not end of file.
+        attached = False
         while not stop.is_set():
             try:
                 data = os.read(fd, 65536)
@@ -135,10 +161,13 @@ async def serve_serial(path: str, accept: Connector, ready: Callable[[], None] |
                 time.sleep(0.05)
                 continue
             if not data:
+                if attached:
+                    attached = False
+                    loop.call_soon_threadsafe(readers.host_gone)
                 time.sleep(0.002)
                 continue
-            if current:
-                loop.call_soon_threadsafe(current[-1].feed_data, data)
+            attached = True
+            loop.call_soon_threadsafe(readers.feed, data)  # in order: after any host_gone
 
     thread = threading.Thread(target=pump, name="serial-reader", daemon=True)
     thread.start()
@@ -146,16 +175,15 @@ async def serve_serial(path: str, accept: Connector, ready: Callable[[], None] |
         ready()
     try:
         while True:
-            reader = asyncio.StreamReader(limit=1 << 20)
-            current.append(reader)
-            if len(current) > 1:
-                del current[0]
+            reader = readers.current
             session = MuxSession(reader, _SerialWriter(fd), accept=accept, name="agent-serial")  # type: ignore[arg-type]
             try:
                 await session.run()
             finally:
                 await session.aclose()
-            log.warning("serial session ended; starting a new one")
+            if readers.current is reader:  # ended by itself (a protocol error): the next bytes start afresh
+                readers.renew()
+                log.warning("serial session ended; starting a new one")
             await asyncio.sleep(0.01)
     finally:
         stop.set()

@@ -125,3 +125,24 @@ async def test_other_ports_fail_fast_after_the_grace() -> None:
     accept = make_local_connector(frozenset(), any_port_until=time.monotonic() - 1)
     with pytest.raises(ConnectionRefusedError):
         await asyncio.wait_for(accept(port), 1)
+
+
+async def test_serial_readers_drop_what_a_departed_host_left_half_written() -> None:
+    """Half a frame from a host that went away (paused or killed mid-write) must not be completed by
+    the next host's bytes: they go to a fresh reader, and the old one's session sees EOF."""
+    from aenv.agent.channel import SerialReaders
+    from aenv.mux.protocol import Frame, FrameType, u16
+
+    readers = SerialReaders()
+    first = readers.current
+    hello = Frame(FrameType.HELLO, 0, u16(1)).encode()
+    readers.feed(Frame(FrameType.DATA, 7, b"x" * 100).encode()[:20])  # cut mid-frame
+    readers.host_gone()
+    readers.feed(hello)
+    assert await first.read() == Frame(FrameType.DATA, 7, b"x" * 100).encode()[:20]
+    assert first.at_eof()
+    assert readers.current is not first
+    assert await readers.current.readexactly(len(hello)) == hello
+    second = readers.current
+    readers.renew()  # a session that ended by itself: the next bytes start afresh too
+    assert readers.current is not second

@@ -1,10 +1,9 @@
 """Just enough HTTP/1.1 to talk to envd over a mux stream during start-up (``/health``, ``/init``).
 
 The runtime must not depend on the server's HTTP stack (it knows nothing about HTTP by design), and
-these two requests are tiny: one request per stream with ``Connection: close``, read until the answer
-is complete (``Content-Length``, a bodiless status, or the end of a chunked body; otherwise EOF), parse
-the status line. Reads are bounded. Not waiting for envd's close saves the close's round trip through
-agent and mux on every create.
+these two requests are tiny: one request per stream with ``Connection: close``, read to EOF (or, for
+the ns hand-out's ``/init``, until the answer is complete: ``Content-Length``, a bodiless status or the
+end of a chunked body), parse the status line. Reads are bounded.
 """
 
 from __future__ import annotations
@@ -84,15 +83,20 @@ def response_complete(raw: bytes) -> bool:
     return False
 
 
-async def read_response(stream: _Stream) -> tuple[int, bytes]:
-    """Read one answer, then close the stream (envd closes its side itself: ``Connection: close``)."""
+async def read_response(stream: _Stream, *, to_eof: bool = False) -> tuple[int, bytes]:
+    """Read one answer, then close the stream (envd closes its side itself: ``Connection: close``).
+
+    By default the read stops at a complete answer: the ns hand-out's ``/init`` (on a direct envd
+    connection) does not wait for envd's close. ``to_eof`` waits for it, so no frame of this stream
+    is still on its way when the call returns: over the vm runtime's serial mux, a guest's late
+    frames for an early-closed stream were seen to stall the next session after a pause/resume."""
     try:
         raw = b""
         while chunk := await stream.read(65536):
             raw += chunk
             if len(raw) > _MAX_RESPONSE:
                 raise EnvdError("response too large")
-            if response_complete(raw):
+            if not to_eof and response_complete(raw):
                 break
     finally:
         await stream.aclose()
@@ -106,7 +110,7 @@ async def request(stream: _Stream, method: str, path: str, payload: Any = None,
     except BaseException:
         await stream.aclose()
         raise
-    return await read_response(stream)
+    return await read_response(stream, to_eof=True)
 
 
 def as_user(user: str) -> dict[str, str]:

@@ -552,10 +552,12 @@ class VmRuntime:
                 return self._state_any(sandbox_id)
             sbx = self._get(sandbox_id)
             try:
-                await sbx.machine.pause()
-                # End the mux session: idle keep-alive streams of the proxy must not be reused into
-                # a stopped guest (they would hang); envd keeps processes whose client went away.
+                # End the mux session first: idle keep-alive streams of the proxy must not be reused
+                # into a stopped guest (they would hang), and the guest, still running, sees the host
+                # go and drops any frame left half-delivered (agent.channel.SerialReaders). envd keeps
+                # processes whose client went away.
                 await sbx.drop_session()
+                await sbx.machine.pause()
                 if self.release_after <= 0:
                     await self._release_locked(sandbox_id)
             except MachineError as exc:
