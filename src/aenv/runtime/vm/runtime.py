@@ -43,7 +43,7 @@ from typing import Any
 
 from aenv.config import Settings
 from aenv.core.errors import RuntimeFailure, SandboxNotFound, SandboxUnreachable, StateError
-from aenv.mux import ByteStream, MuxError
+from aenv.mux import ByteStream, MuxError, MuxStream
 from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec, SnapshotResult
 from aenv.runtime.streams import open_checked
 
@@ -891,6 +891,25 @@ def _short_run_root(preferred: Path) -> Path:
     return Path(tempfile.gettempdir()) / f"aenv-vm-{digest}"
 
 
+async def _open_envd(sbx: VmSandbox, first_timeout: float = 15.0, timeout: float = 30.0) -> MuxStream:
+    """A stream to envd. An OPEN the guest has not answered within ``first_timeout`` gets a second
+    chance on a fresh channel: dropping the session makes the guest agent start its reader afresh
+    (agent.channel.SerialReaders), so whatever stalled the old session (seen in CI after a pause and
+    resume, cause not pinned down) cannot stall this one. Used where no other stream of the sandbox
+    is in use: ``/init`` after a restore, resume or fork, and the pool warm-up."""
+    try:
+        return await sbx.open_stream(ENVD_PORT, timeout=first_timeout)
+    except (TimeoutError, MuxError) as exc:
+        status = "unknown"
+        with contextlib.suppress(Exception):
+            status = await sbx.machine.status()
+        log.warning("vm %s: envd stream not opened (%r, machine %s); retrying on a fresh channel",
+                    sbx.name, exc, status)
+        await sbx.drop_session()
+        await asyncio.sleep(0.05)
+        return await sbx.open_stream(ENVD_PORT, timeout=timeout)
+
+
 async def _envd_raw(
     sbx: VmSandbox,
     method: str,
@@ -903,8 +922,8 @@ async def _envd_raw(
     from aenv.runtime.ns.envd_client import build_request
 
     request = build_request(method, path, body, extra_headers, content_type)
-    async with asyncio.timeout(30):
-        stream = await sbx.open_stream(ENVD_PORT, timeout=30)
+    async with asyncio.timeout(60):
+        stream = await _open_envd(sbx)
         try:
             await stream.write(request)
             raw = b""
