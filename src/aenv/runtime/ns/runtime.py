@@ -43,7 +43,7 @@ from aenv.runtime.ns.process import ProcRef
 from aenv.runtime.ns.reconcile import ReconcileReport, reconcile
 from aenv.runtime.ns.sandbox import STATE_FILE, LaunchOptions, NsSandbox
 from aenv.runtime.ns.snapshot import NsSnapshots
-from aenv.runtime.ns.zygote import Zygote
+from aenv.runtime.ns.zygote import Zygote, socket_path_for, sweep_stale_sockets
 from aenv.runtime.streams import open_checked
 from aenv.runtime.tools import ensure_tools
 
@@ -112,9 +112,9 @@ class NsRuntime:
         self.settings.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         self.pool_dir.mkdir(parents=True, exist_ok=True)
         if self.zygote is None and os.environ.get("AENV_NS_ZYGOTE", "1") != "0":
-            # unix socket paths are short (108 bytes): keep it out of deep state dirs
-            sock = Path(tempfile.gettempdir()) / f"aenv-zygote-{os.getpid()}-{id(self):x}.sock"
-            self.zygote = Zygote(self.tools, sock)
+            tmp = Path(tempfile.gettempdir())
+            await asyncio.to_thread(sweep_stale_sockets, tmp)
+            self.zygote = Zygote(self.tools, socket_path_for(tmp, os.getpid(), id(self)))
             await self.zygote.ensure()
         self._started = True
 

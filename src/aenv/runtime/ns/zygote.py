@@ -23,6 +23,29 @@ log = logging.getLogger("aenv.ns")
 READY_TIMEOUT = 60.0
 
 
+SOCKET_PREFIX = "aenv-zygote-"
+
+
+def socket_path_for(directory: Path, owner_pid: int, tag: int) -> Path:
+    """``<dir>/aenv-zygote-<server pid>-<tag>.sock``: unix socket paths are short (108 bytes), so it
+    lives in the temp dir, not in a deep state dir; the server's pid in the name lets a later server
+    remove it if this one dies without :meth:`Zygote.aclose` (see :func:`sweep_stale_sockets`)."""
+    return directory / f"{SOCKET_PREFIX}{owner_pid}-{tag:x}.sock"
+
+
+def sweep_stale_sockets(directory: Path) -> list[Path]:
+    """Remove zygote sockets whose server process is gone (killed servers leave them behind)."""
+    removed = []
+    for path in directory.glob(f"{SOCKET_PREFIX}*.sock"):
+        pid_text = path.name[len(SOCKET_PREFIX):].split("-", 1)[0]
+        if not pid_text.isdigit() or os.path.exists(f"/proc/{pid_text}"):
+            continue
+        with contextlib.suppress(OSError):
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
 class Zygote:
     def __init__(self, tools: Path, socket_path: Path) -> None:
         self.tools = tools
