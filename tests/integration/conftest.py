@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from aenv.runtime.vm.frozen import remove_tree
 from aenv.testing.server import API_KEY, Server, start_server, stop_server
 
 __all__ = ["API_KEY", "Server", "start_server", "stop_server"]
@@ -47,7 +47,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, runtime_name: str) -> Itera
     stop_server(srv)
     # vm: the template RAM of this state dir lives in /dev/shm (see VmRuntime.shm_dir); free it now.
     digest = hashlib.sha256(str(srv.state_dir.absolute()).encode()).hexdigest()[:10]
-    shutil.rmtree(Path("/dev/shm") / f"aenv-{digest}", ignore_errors=True)
+    remove_tree(Path("/dev/shm") / f"aenv-{digest}")  # unmounts its frozen-RAM ramfs
 
 
 @pytest.fixture(scope="session")

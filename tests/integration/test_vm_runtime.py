@@ -24,6 +24,7 @@ from aenv.config import Settings, default_cache_dir
 from aenv.runtime.base import SandboxSpec, TemplateImage
 from aenv.runtime.ns.envd_client import request
 from aenv.runtime.tools import ensure_tools
+from aenv.runtime.vm.frozen import is_frozen_store, remove_tree
 from aenv.runtime.vm.kernel import find_kernel
 from aenv.runtime.vm.runtime import VmRuntime
 
@@ -75,7 +76,7 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Pat
     shm = Path("/dev/shm") / f"aenv-test-{secrets.token_hex(4)}"
     tools = ensure_tools(Settings(state_dir=state, cache_dir=CACHE))
     yield state, shm, tools
-    shutil.rmtree(shm, ignore_errors=True)
+    remove_tree(shm)
 
 
 def _no_qemu_under(path: Path) -> None:
@@ -367,3 +368,53 @@ async def test_image_layers_are_merged_into_the_vm_disk(
     assert (await get("/etc/passwd"))[0] == 200  # the bottom layer is there too
     assert not any(p.name == "merged-layers" for p in rt.templates_dir.rglob("merged-layers"))
     await rt.kill("lay")
+
+
+def _data_map(path: Path) -> tuple[list[tuple[int, int]], str]:
+    """The file's allocated ranges (SEEK_DATA/SEEK_HOLE) and its content digest."""
+    import hashlib
+
+    ranges: list[tuple[int, int]] = []
+    with path.open("rb") as f:
+        fd, size, pos = f.fileno(), os.fstat(f.fileno()).st_size, 0
+        while pos < size:
+            try:
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError:
+                break
+            pos = os.lseek(fd, start, os.SEEK_HOLE)
+            ranges.append((start, pos))
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    return ranges, digest
+
+
+async def test_a_sandbox_giving_memory_back_cannot_change_its_template(
+    make_runtime: Callable[[], VmRuntime], tmp_path: Path
+) -> None:
+    """QEMU 7.2 punches a hole in the RAM *file* when a guest gives memory back, even with the
+    file mapped private (the template, under every sandbox of it). Inflate one sandbox's
+    balloon from the host: its template RAM must not change, and QEMU must have tried and been
+    refused (so the test would see a punch if the store allowed one)."""
+    rt = make_runtime()
+    tpl = _template(tmp_path)
+    spec = _spec(tmp_path, "giver", tpl)
+    vt = await rt.template_for(spec)
+    assert is_frozen_store(vt.mem_path)
+    await rt.create(spec)
+    await rt.create(_spec(tmp_path, "neighbour", tpl))
+    before = _data_map(vt.mem_path)
+
+    machine = rt.sandbox("giver").machine
+    await machine.execute("balloon", {"value": 96 * 2**20})
+    for _ in range(200):
+        if (await machine.execute("query-balloon"))["actual"] <= 128 * 2**20:
+            break
+        await asyncio.sleep(0.1)
+    assert (await machine.execute("query-balloon"))["actual"] <= 128 * 2**20, "the guest never inflated"
+    await machine.execute("balloon", {"value": 256 * 2**20})
+
+    assert _data_map(vt.mem_path) == before
+    refused = (rt.sandbox("giver").run_dir / "qemu.stderr").read_text(errors="replace")
+    assert "ram_block_discard_range" in refused, "QEMU never tried to discard: the test proved nothing"
+    assert await _health(rt, "neighbour") in (200, 204)
+    assert await _health(rt, "giver") in (200, 204)

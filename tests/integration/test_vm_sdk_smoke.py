@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from typing import Any
 import pytest
 
 from aenv.config import Settings
+from aenv.runtime.vm.frozen import remove_tree
 from aenv.testing.server import API_KEY, Server, start_server, stop_server
 
 ENV = {
@@ -92,7 +92,7 @@ def vm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
         stop_server(srv)
         for pid in _qemu_pids(*markers):
             os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(Path("/dev/shm") / f"aenv-{hashlib.sha256(state.encode()).hexdigest()[:10]}", True)
+        remove_tree(Path("/dev/shm") / f"aenv-{hashlib.sha256(state.encode()).hexdigest()[:10]}")
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)

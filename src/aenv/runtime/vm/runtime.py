@@ -47,7 +47,7 @@ from aenv.mux import ByteStream, MuxError, MuxStream
 from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec, SnapshotResult
 from aenv.runtime.streams import open_checked
 
-from . import disk, pressure
+from . import disk, frozen, pressure
 from . import template as templates
 from .accel import AccelChoice, choose_accel, qemu_binary
 from .artifacts import GuestArtifacts, ensure
@@ -149,6 +149,8 @@ class VmRuntime:
         # Template RAM files: per state dir, so two servers (or test runs) never share or clobber them.
         digest = hashlib.sha256(str(settings.state_dir).encode()).hexdigest()[:10]
         self.shm_dir = shm_dir or templates.SHM_DIR.with_name(f"aenv-{digest}")
+        # Template RAM files, mapped share=off by every sandbox: a ramfs, so none can punch them.
+        self.frozen_dir = self.shm_dir / "frozen"
         self.boot_timeout = boot_timeout
         self.warm_timeout = warm_timeout
         self.vm_dir = settings.state_dir / "vm"
@@ -207,6 +209,7 @@ class VmRuntime:
                 d.mkdir(parents=True, exist_ok=True)
             (self.shm_dir / OWNER_FILE).write_text(str(self.settings.state_dir))
             await asyncio.to_thread(sweep_orphan_ram, self.shm_dir.parent)
+            await asyncio.to_thread(frozen.ensure, self.frozen_dir)
             if self.memory_low_mb > 0:
                 self._pressure_task = asyncio.create_task(self._watch_pressure(), name="vm-memory-pressure")
             self._started = True
@@ -244,6 +247,9 @@ class VmRuntime:
             if (tpl := self._templates.get(key)) is not None:
                 return tpl
             tpl = await asyncio.to_thread(templates.load, self.templates_dir, key)
+            if tpl is not None and not frozen.is_frozen_store(tpl.mem_path):
+                log.warning("template %s: RAM file %s not in the frozen store; rebuilding", key, tpl.mem_path)
+                tpl = None
             if tpl is None:
                 boot_name = templates.boot_dir_name(key)
                 self._building.add(boot_name)
@@ -255,7 +261,7 @@ class VmRuntime:
                         self.accel,
                         self.artifacts,
                         boot_timeout=self.boot_timeout,
-                        shm_dir=self.shm_dir,
+                        shm_dir=self.frozen_dir,
                         run_root=self.run_root,
                         append=self.guest_append,
                     )
@@ -269,7 +275,7 @@ class VmRuntime:
         clean-up; sandboxes still running from them keep their open files."""
         self._templates.clear()
         await asyncio.to_thread(shutil.rmtree, self.templates_dir, True)
-        await asyncio.to_thread(shutil.rmtree, self.shm_dir, True)
+        await asyncio.to_thread(frozen.remove_tree, self.shm_dir)
 
     async def _spawn_restore(self, name: str, template_key: str, allow_internet: bool) -> VmSandbox:
         """A QEMU process waiting for this template's device state (not yet restored)."""
@@ -875,7 +881,7 @@ def sweep_orphan_ram(shm_root: Path) -> list[Path]:
         except OSError:
             continue
         if not owner.exists():
-            shutil.rmtree(d, ignore_errors=True)
+            frozen.remove_tree(d)
             removed.append(d)
     if removed:
         log.info("vm: removed template RAM of deleted state dirs: %s", [str(p) for p in removed])

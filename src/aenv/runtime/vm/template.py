@@ -9,8 +9,9 @@ What a built template is, on disk under ``<state_dir>/vm/templates/<key>/``::
     device.state       QEMU device state (x-ignore-shared, ~50 KB)
     manifest.json      the config the template booted with, so restores use the same shape
 
-and guest RAM in ``/dev/shm/aenv/<key>.mem`` (``share=on`` while booting; afterwards only ever
-mapped ``share=off``, so it never changes again). ``key`` hashes everything that shapes the guest:
+and guest RAM in ``<RAM dir>/frozen/<key>.mem``, a ramfs (``frozen.py``): ``share=on`` while
+booting; afterwards only ever mapped ``share=off``, and on a filesystem that refuses the hole
+punches QEMU would make for a guest giving memory back, so it never changes again. ``key`` hashes everything that shapes the guest:
 template id and rootfs, CPU/RAM/disk, accelerator, guest artifacts and the agent arguments.
 """
 
