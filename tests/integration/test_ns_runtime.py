@@ -9,8 +9,6 @@ Needs root, cgroups and Debian's busybox-static; skips otherwise. No wall-clock 
 from __future__ import annotations
 
 import asyncio
-import base64
-import json
 import os
 import shutil
 import socket
@@ -27,6 +25,7 @@ from aenv.runtime.base import RuntimeState, SandboxSpec, TemplateImage
 from aenv.runtime.ns import NsRuntime
 from aenv.runtime.ns.envd_client import request
 from aenv.runtime.ns.network import slirp_available
+from tests.fixtures.envd import run_cmd
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module")]
 
@@ -103,57 +102,6 @@ def spec_for(settings: Settings, template: TemplateImage, **kw: object) -> Sandb
 
 
 # ---- talking to envd ------------------------------------------------------------------------------
-
-
-def _dechunk(body: bytes) -> bytes:
-    out = b""
-    while body:
-        size_line, _, rest = body.partition(b"\r\n")
-        size = int(size_line.split(b";")[0], 16)
-        if size == 0:
-            break
-        out += rest[:size]
-        body = rest[size + 2:]
-    return out
-
-
-async def run_cmd(rt: NsRuntime, sid: str, cmd: str, user: str = "root") -> tuple[int, str, str]:
-    """processs.Process/Start over Connect JSON through the mux; returns (exit code, stdout, stderr)."""
-    payload = json.dumps({"process": {"cmd": "/bin/sh", "args": ["-c", cmd]}, "stdin": False}).encode()
-    envelope = b"\x00" + len(payload).to_bytes(4, "big") + payload
-    auth = base64.b64encode(f"{user}:".encode()).decode()
-    head = (
-        "POST /process.Process/Start HTTP/1.1\r\nHost: localhost\r\n"
-        "Content-Type: application/connect+json\r\nConnect-Protocol-Version: 1\r\n"
-        f"Authorization: Basic {auth}\r\nContent-Length: {len(envelope)}\r\nConnection: close\r\n\r\n"
-    ).encode()
-    stream = await rt.open_stream(sid, ENVD)
-    await stream.write(head + envelope)
-    raw = b""
-    async with asyncio.timeout(60):
-        while chunk := await stream.read():
-            raw += chunk
-    await stream.aclose()
-    headers, _, body = raw.partition(b"\r\n\r\n")
-    assert b" 200 " in headers.split(b"\r\n")[0], raw[:300]
-    if b"chunked" in headers.lower():
-        body = _dechunk(body)
-    code, out, err = None, b"", b""
-    while body:
-        flags, size = body[0], int.from_bytes(body[1:5], "big")
-        msg = json.loads(body[5:5 + size] or b"{}")
-        body = body[5 + size:]
-        if flags & 0x02:
-            assert "error" not in msg, msg
-            continue
-        event = msg.get("event", {})
-        if "data" in event:
-            out += base64.b64decode(event["data"].get("stdout", ""))
-            err += base64.b64decode(event["data"].get("stderr", ""))
-        if "end" in event:
-            code = int(event["end"].get("exitCode", 0))
-    assert code is not None, raw[:500]
-    return code, out.decode(errors="replace"), err.decode(errors="replace")
 
 
 async def health(rt: NsRuntime, sid: str) -> int:

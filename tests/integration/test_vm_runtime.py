@@ -27,6 +27,7 @@ from aenv.runtime.tools import ensure_tools
 from aenv.runtime.vm.frozen import is_frozen_store, remove_tree
 from aenv.runtime.vm.kernel import find_kernel
 from aenv.runtime.vm.runtime import VmRuntime
+from tests.fixtures.envd import run_cmd
 
 BUSYBOX = Path("/bin/busybox")
 CACHE = Path(os.environ.get("AENV_CACHE_DIR") or default_cache_dir())
@@ -220,44 +221,60 @@ async def test_restart_adopts_running_and_reconciles_orphans(
 
 
 async def test_snapshot_fork_rollback(make_runtime: Callable[[], VmRuntime], tmp_path: Path) -> None:
-    from aenv.runtime.vm.runtime import FULL_STATE, SNAP_DISK
+    """Layered snapshots (device state + changed pages over the template's frozen RAM): the
+    guest's RAM (a tmpfs file, a sleeping process) comes back in a fork and after a rollback;
+    the source keeps running; a child can be snapshotted again; the base RAM is stored once."""
+    from aenv.runtime.vm.runtime import BASE_RAM, DEVICE_STATE, MEM_LAYER, SNAP_DISK
 
     rt = make_runtime()
     tpl = _template(tmp_path)
     await rt.create(_spec(tmp_path, "src", tpl))
     src = rt.sandbox("src")
-    # (RAM and disk continuity across a full save is proven at machine level, test_vm_machine.py)
+    code, marker, _ = await run_cmd(rt, "src", "echo ram-$$-$RANDOM > /dev/shm/m; sleep 1000 & cat /dev/shm/m")
+    assert code == 0 and marker.startswith("ram-")
     snap = tmp_path / "snap1"
     t0 = time.perf_counter()
     result = await rt.snapshot("src", snap, "full")
     snap_ms = (time.perf_counter() - t0) * 1000
-    assert result.mode == "full" and (snap / SNAP_DISK).is_file() and (snap / FULL_STATE).is_file()
+    assert result.mode == "full" and result.data["format"] == "layered"
+    for name in (SNAP_DISK, DEVICE_STATE, MEM_LAYER, BASE_RAM):
+        assert (snap / name).is_file(), name
+    vt = await rt.template_for(_spec(tmp_path, "x", tpl))
+    assert os.path.samefile(snap / BASE_RAM, vt.ram_image)  # a link, not a copy
     assert src.disk_generation == 1
-    assert await _health(rt, "src") in (200, 204)  # the source keeps running
+    layer_mb = (snap / MEM_LAYER).stat().st_size / 2**20
     print(
         f"\n[vm-rt] snapshot of a running sandbox {snap_ms:.0f} ms (paused {result.data['paused_ms']} ms), "
-        f"RAM stream {(snap / FULL_STATE).stat().st_size // 2**20} MiB"
+        f"RAM layer {layer_mb:.1f} MiB"
     )
+    assert layer_mb < 200  # changed pages only, not the guest's 256 MiB
+    await run_cmd(rt, "src", "echo after-snapshot > /dev/shm/m")  # the source keeps running
 
     t0 = time.perf_counter()
-    _, states = await rt.fork(
-        "src", [_spec(tmp_path, f"kid{i}", tpl) for i in range(2)], tmp_path / "scratch"
-    )
+    _, states = await rt.fork("src", [_spec(tmp_path, f"kid{i}", tpl) for i in range(2)], tmp_path / "scratch")
     print(f"[vm-rt] fork into 2 children {(time.perf_counter() - t0) * 1000:.0f} ms")
     assert all(not isinstance(s, BaseException) for s in states), states
     assert src.disk_generation == 2
     for i in range(2):
-        assert await _health(rt, f"kid{i}") in (200, 204)
-    await rt.snapshot("kid0", tmp_path / "snap-kid", "full")  # a child can be snapshotted in turn
+        _, out, _ = await run_cmd(rt, f"kid{i}", "cat /dev/shm/m; ps | grep -c '[s]leep 1000'")
+        assert out.split() == ["after-snapshot", "1"], out
+    await run_cmd(rt, "kid0", "echo kid0 > /dev/shm/m")
+    _, out, _ = await run_cmd(rt, "kid1", "cat /dev/shm/m")
+    assert out.strip() == "after-snapshot"  # children do not share memory
+    kid_snap = await rt.snapshot("kid0", tmp_path / "snap-kid", "full")  # a restored child, again
+    assert kid_snap.data["format"] == "layered"
 
     t0 = time.perf_counter()
     await rt.rollback("src", _spec(tmp_path, "src", tpl), snap, result)
     print(f"[vm-rt] rollback {(time.perf_counter() - t0) * 1000:.0f} ms")
-    assert await _health(rt, "src") in (200, 204)
+    _, out, _ = await run_cmd(rt, "src", "cat /dev/shm/m; ps | grep -c '[s]leep 1000'")
+    assert out.split() == [marker.strip(), "1"], out
     assert rt.sandbox("src") is not src
-    assert (rt.shm_dir / "sbx-kid1.mem").exists()
+
+    await rt.create_from_snapshot(_spec(tmp_path, "grandkid", tpl), tmp_path / "snap-kid", kid_snap)
+    _, out, _ = await run_cmd(rt, "grandkid", "cat /dev/shm/m")
+    assert out.strip() == "kid0"
     await rt.kill("kid1")
-    assert not (rt.shm_dir / "sbx-kid1.mem").exists()  # a restored child's own RAM file goes with it
     report = await rt.reconcile(set(rt._sandboxes))
     assert report == {"killed": [], "removed": []}
 

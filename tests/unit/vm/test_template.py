@@ -44,7 +44,7 @@ def _built(tmp_path: Path) -> templates.VmTemplate:
     (tdir / "boot").mkdir(parents=True)
     cfg = templates._boot_config(key, tdir, SHAPE, TCG, ART, tmp_path / "shm", tdir / "boot")
     tpl = templates.VmTemplate(key, tdir, cfg)
-    for p in (tpl.device_state, tpl.disk, tpl.empty_overlay, tdir / "config.raw"):
+    for p in (tpl.device_state, tpl.disk, tpl.empty_overlay, tdir / "config.raw", tpl.ram_image):
         p.write_bytes(b"x")
     (tmp_path / "shm").mkdir()
     tpl.mem_path.write_bytes(b"")
@@ -57,7 +57,10 @@ def test_manifest_roundtrip_and_completeness(tmp_path: Path) -> None:
     loaded = templates.load(tmp_path, tpl.key)
     assert loaded is not None and loaded.cfg == tpl.cfg
     assert json.loads((tpl.dir / "manifest.json").read_text())["version"] == templates.MANIFEST_VERSION
-    tpl.mem_path.unlink()  # /dev/shm was wiped (reboot): the template must be rebuilt
+    assert tpl.mem_path.name.startswith(f"{tpl.key}.") and tpl.ram_id == tpl.mem_path.name[: -len(".mem")]
+    tpl.mem_path.unlink()  # /dev/shm was wiped (reboot): the RAM comes back from ram.img
+    assert templates.load(tmp_path, tpl.key) is not None
+    tpl.ram_image.unlink()  # and without that image the template must be rebuilt
     assert templates.load(tmp_path, tpl.key) is None
     assert templates.load(tmp_path, "other") is None
 

@@ -92,6 +92,8 @@ def build_argv(cfg: VmConfig) -> list[str]:
             "-netdev", _kv("user", id="net", restrict=cfg.network == "restricted"),
             "-device", _kv("virtio-net-device", netdev="net", mac=cfg.mac),
         ]  # fmt: skip
+    if not cfg.send_configuration:
+        argv += ["-global", "migration.send-configuration=off"]
     if cfg.incoming:
         argv += ["-S", "-incoming", "defer"]
     elif cfg.start_paused:

@@ -73,6 +73,9 @@ class VmConfig:
     append: tuple[str, ...] = ()  # extra kernel command-line words
     qemu_binary: str = "qemu-system-x86_64"
     channel_name: str = "aenv"  # must match initramfs.CHANNEL_NAME
+    # False: the process reads migration streams without a configuration section, i.e. device
+    # state saved by ``xen-save-devices-state`` (a layered snapshot). Not part of the shape.
+    send_configuration: bool = True
 
     def __post_init__(self) -> None:
         if self.memory_mb < 64:

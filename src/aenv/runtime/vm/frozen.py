@@ -113,3 +113,31 @@ def remove_tree(root: Path) -> None:
         if proc.returncode != 0:
             subprocess.run(["umount", "-l", str(mp)], capture_output=True, check=False)
     shutil.rmtree(root, ignore_errors=True)
+
+
+def copy_sparse(src: Path, dst: Path) -> int:
+    """Copy ``src`` to ``dst`` (atomically) writing only its data ranges (guest RAM files are
+    mostly holes); returns the bytes copied. Used both ways: a template's frozen RAM to its disk
+    image (so snapshots layered on it survive a reboot) and an image back into the store."""
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    copied = 0
+    with src.open("rb") as fin, tmp.open("wb") as fout:
+        size = os.fstat(fin.fileno()).st_size
+        fout.truncate(size)
+        pos = 0
+        while pos < size:
+            try:
+                start = os.lseek(fin.fileno(), pos, os.SEEK_DATA)
+            except OSError:  # ENXIO: only a hole is left
+                break
+            end = os.lseek(fin.fileno(), start, os.SEEK_HOLE)
+            while start < end:  # copy_file_range refuses tmpfs <-> disk: plain reads and writes
+                chunk = os.pread(fin.fileno(), min(end - start, 8 * 2**20), start)
+                if not chunk:
+                    raise OSError(f"{src}: unexpected end at {start}")
+                os.pwrite(fout.fileno(), chunk, start)
+                start += len(chunk)
+                copied += len(chunk)
+            pos = end
+    os.rename(tmp, dst)
+    return copied

@@ -29,6 +29,7 @@ from typing import Any, Self
 
 from .cmdline import build_argv
 from .config import VmConfig
+from .memlayer import Mapping, find_mapping
 from .qmp import QMPClient, QMPError
 
 log = logging.getLogger(__name__)
@@ -304,6 +305,24 @@ class Machine:
         os.rename(tmp, path)
         self.timings.extra["save_full_ms"] = _ms(t0)
         return self.timings.extra["save_full_ms"]
+
+    async def save_devices(self, path: Path) -> float:
+        """Write the device and vCPU state, without any RAM, to ``path``
+        (``xen-save-devices-state``; the machine must be stopped and stays so). Pairs with a RAM
+        layer read from the stopped process (``memlayer``): together they are a snapshot of a
+        ``share=off`` machine in milliseconds. The stream has no configuration section, so the
+        restoring process needs ``send_configuration=False``. Returns ms."""
+        if await self.status() == "running":
+            raise MachineError(f"vm {self.cfg.name}: stop the machine before saving its devices")
+        tmp = path.with_name(f".{path.name}.tmp")
+        t0 = time.perf_counter()
+        await self.execute("xen-save-devices-state", {"filename": str(tmp)})
+        os.rename(tmp, path)
+        return _ms(t0)
+
+    def ram_mapping(self) -> Mapping:
+        """Where this QEMU maps guest RAM (its ``mem_path``) in its address space."""
+        return find_mapping(self.pid, self.cfg.mem_path)
 
     async def checkpoint_disk(self, serial: str, new_overlay: Path) -> float:
         """Freeze the current top image of drive ``serial`` and send further writes to a new

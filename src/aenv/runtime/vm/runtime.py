@@ -47,7 +47,7 @@ from aenv.mux import ByteStream, MuxError, MuxStream
 from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec, SnapshotResult
 from aenv.runtime.streams import open_checked
 
-from . import disk, frozen, pressure
+from . import disk, frozen, memlayer, pressure
 from . import template as templates
 from .accel import AccelChoice, choose_accel, qemu_binary
 from .artifacts import GuestArtifacts, ensure
@@ -64,6 +64,10 @@ EXPERIMENTAL_ENV = "AENV_VM_EXPERIMENTAL"
 OWNER_FILE = ".state-dir"
 SNAP_DISK = "disk.qcow2"  # in a snapshot dir: the root disk, flattened onto the template disk
 FULL_STATE = "vm.full"  # in a snapshot dir: device state + guest RAM (classic migration stream)
+# A layered snapshot (the default for a VM on a frozen RAM file): no RAM stream, but
+DEVICE_STATE = "devices.state"  # device + vCPU state (xen-save-devices-state, ~60 KB)
+MEM_LAYER = "mem.layer"  # the pages the VM changed against its base RAM (memlayer)
+BASE_RAM = "base.ram"  # that base RAM (hard link of the template's ram.img: stored once)
 RELEASED_STATE = "released.full"  # in a run dir: a paused sandbox saved to disk, its QEMU ended
 
 
@@ -247,9 +251,11 @@ class VmRuntime:
             if (tpl := self._templates.get(key)) is not None:
                 return tpl
             tpl = await asyncio.to_thread(templates.load, self.templates_dir, key)
-            if tpl is not None and not frozen.is_frozen_store(tpl.mem_path):
+            if tpl is not None and tpl.mem_path.parent != self.frozen_dir:
                 log.warning("template %s: RAM file %s not in the frozen store; rebuilding", key, tpl.mem_path)
                 tpl = None
+            if tpl is not None:
+                await self._frozen_ram(tpl.ram_id, tpl.ram_image)  # back from disk after a reboot
             if tpl is None:
                 boot_name = templates.boot_dir_name(key)
                 self._building.add(boot_name)
@@ -290,7 +296,22 @@ class VmRuntime:
         except BaseException:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise
-        return VmSandbox(name, machine, run_dir, template_key)
+        sbx = VmSandbox(name, machine, run_dir, template_key)
+        sbx.base_ram, sbx.ram_image = tpl.mem_path, tpl.ram_image
+        return sbx
+
+    async def _frozen_ram(self, ram_id: str, image: Path) -> Path:
+        """The frozen RAM file ``ram_id`` in the store, copied from its on-disk ``image`` when the
+        store lacks it (a reboot emptied /dev/shm, or a snapshot from another machine)."""
+        mem = self.frozen_dir / f"{ram_id}.mem"
+        if not mem.is_file():
+            if not image.is_file():
+                raise RuntimeFailure(f"RAM {ram_id}: neither in the frozen store nor on disk ({image})")
+            t0 = time.perf_counter()
+            n = await asyncio.to_thread(frozen.copy_sparse, image, mem)
+            log.info("vm: RAM %s back in the frozen store (%.0f MB in %.0f ms)", ram_id, n / 1e6,
+                     (time.perf_counter() - t0) * 1000)  # fmt: skip
+        return mem
 
     async def _spawn_warm(self, name: str, template_key: str, allow_internet: bool) -> VmSandbox:
         """A pool entry: restored, resumed and with envd answering, so that a create only has to
@@ -415,7 +436,57 @@ class VmRuntime:
             return await self._snapshot_locked(sandbox_id, into, mode)
 
     async def _snapshot_locked(self, sandbox_id: str, into: Path, mode: str) -> SnapshotResult:
-        """Always a full snapshot (device state + RAM + disk): a VM's memory is as cheap to save as
+        await self.start()
+        sbx = await self._loaded_locked(sandbox_id)
+        if sbx.base_ram is not None and sbx.machine.cfg.mem_path == sbx.base_ram and not sbx.machine.cfg.mem_share:
+            return await self._snapshot_layered(sandbox_id, sbx, into)
+        return await self._snapshot_stream(sandbox_id, into)
+
+    async def _snapshot_layered(self, sandbox_id: str, sbx: VmSandbox, into: Path) -> SnapshotResult:
+        """Full snapshot (processes, memory, files) of a VM on a frozen RAM file, paused only
+        for a disk checkpoint, the device state and a read of the pages it changed
+        (:mod:`memlayer`); the RAM itself is not streamed. Layer file, base RAM link and the
+        disk flatten are written after the VM runs on."""
+        tpl = await self._template_by_key(sbx.template_key)
+        assert sbx.base_ram is not None and sbx.ram_image is not None
+        into.mkdir(parents=True, exist_ok=True)
+        machine = sbx.machine
+        was_running = await machine.status() == "running"
+        t0 = time.perf_counter()
+        try:
+            await machine.pause()
+            frozen_top = sbx.disk_top()
+            await machine.checkpoint_disk("root", frozen_top.with_name(f"root.{sbx.disk_generation + 1}.qcow2"))
+            sbx.disk_generation += 1
+            await machine.save_devices(into / DEVICE_STATE)
+            where = machine.ram_mapping()
+            runs = memlayer.private_runs(machine.pid, where)
+            pages = memlayer.read_pages(machine.pid, where, runs)
+        except (MachineError, memlayer.LayerError, OSError) as exc:
+            raise RuntimeFailure(f"sandbox {sandbox_id}: snapshot failed: {exc}", sandbox_id=sandbox_id) from exc
+        finally:
+            if was_running and machine.alive:
+                with contextlib.suppress(MachineError):
+                    await machine.resume()
+        paused_ms = (time.perf_counter() - t0) * 1000
+        await asyncio.to_thread(memlayer.save, into / MEM_LAYER, runs, pages)
+        await asyncio.to_thread(_link_or_copy, sbx.ram_image, into / BASE_RAM)
+        await disk.flatten_onto(frozen_top, tpl.disk, into / SNAP_DISK)
+        log.info(
+            "sandbox %s: snapshot into %s (paused %.1f ms, %.1f MB of changed RAM)",
+            sandbox_id, into, paused_ms, len(pages) / 1e6,
+        )  # fmt: skip
+        return SnapshotResult(
+            mode="full",
+            layers=(SNAP_DISK, DEVICE_STATE, MEM_LAYER, BASE_RAM),
+            data={
+                "template_key": tpl.key, "format": "layered", "ram_id": sbx.base_ram.name.removesuffix(".mem"),
+                "paused_ms": round(paused_ms, 1), "ram_layer_bytes": len(pages),
+            },
+        )  # fmt: skip
+
+    async def _snapshot_stream(self, sandbox_id: str, into: Path) -> SnapshotResult:
+        """Full snapshot (device state + RAM + disk): a VM's memory is as cheap to save as
         its files, and a disk without the matching page cache is not safe to boot from a template
         RAM image. The sandbox is paused for the disk checkpoint and the RAM write (~0.5 s for a
         small guest under TCG), then continues."""
@@ -427,8 +498,8 @@ class VmRuntime:
         t0 = time.perf_counter()
         try:
             await sbx.machine.pause()
-            frozen = sbx.disk_top()
-            new_top = frozen.with_name(f"root.{sbx.disk_generation + 1}.qcow2")
+            frozen_top = sbx.disk_top()
+            new_top = frozen_top.with_name(f"root.{sbx.disk_generation + 1}.qcow2")
             await sbx.machine.checkpoint_disk("root", new_top)
             sbx.disk_generation += 1
             await sbx.machine.save_full(into / FULL_STATE)
@@ -442,7 +513,7 @@ class VmRuntime:
                     await sbx.machine.resume()
         paused_ms = (time.perf_counter() - t0) * 1000
         # The frozen chain no longer changes: flatten it onto the template disk while the VM runs.
-        await disk.flatten_onto(frozen, tpl.disk, into / SNAP_DISK)
+        await disk.flatten_onto(frozen_top, tpl.disk, into / SNAP_DISK)
         log.info("sandbox %s: snapshot into %s (paused %.0f ms)", sandbox_id, into, paused_ms)
         return SnapshotResult(
             mode="full",
@@ -453,30 +524,45 @@ class VmRuntime:
     async def create_from_snapshot(
         self, spec: SandboxSpec, snapshot: Path, result: SnapshotResult
     ) -> RuntimeState:
-        """A new sandbox (ID, token, identity from ``spec``) resumed from a full snapshot."""
+        """A new sandbox (ID, token, identity from ``spec``) resumed from a full snapshot.
+
+        Layered snapshot: a QEMU that maps the snapshot's base RAM ``share=off`` gets the
+        snapshot's changed pages written into its private mapping, then loads the device state.
+        Stream snapshot (older, or of a VM restored from a full save): a fresh RAM file filled by
+        a classic migration."""
         await self.start()
         sid = spec.sandbox_id
         if sid in self._sandboxes:
             raise StateError(f"sandbox {sid} already exists", sandbox_id=sid)
         key = str(result.data.get("template_key", ""))
         tpl = await self._template_by_key(key)
+        layered = result.data.get("format") == "layered"
         run_dir = self.run_root / sid
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
         sbx: VmSandbox | None = None
         try:
             await disk.create_overlay(snapshot / SNAP_DISK, run_paths(run_dir)["root"])
-            # Fresh, empty RAM file: a full migration skips zero pages, so the target must read as
-            # zeros (never map the template file here). share=on keeps a later fast snapshot possible.
-            mem = self.shm_dir / f"sbx-{sid}.mem"
-            with contextlib.suppress(FileNotFoundError):
-                mem.unlink()
-            cfg = replace(
-                child_config(tpl.cfg, sid, run_dir, spec.allow_internet), mem_share=True, mem_path=mem
-            )
-            machine = await Machine.spawn(cfg, stderr_path=run_paths(run_dir)["stderr"], owned=[mem])
-            sbx = VmSandbox(sid, machine, run_dir, key)
-            await machine.restore(snapshot / FULL_STATE, ignore_shared=False)
+            base = child_config(tpl.cfg, sid, run_dir, spec.allow_internet)
+            if layered:
+                ram = await self._frozen_ram(str(result.data["ram_id"]), snapshot / BASE_RAM)
+                cfg = replace(base, mem_path=ram, send_configuration=False)
+                machine = await Machine.spawn(cfg, stderr_path=run_paths(run_dir)["stderr"])
+                sbx = VmSandbox(sid, machine, run_dir, key)
+                sbx.base_ram, sbx.ram_image = ram, snapshot / BASE_RAM
+                runs, pages = await asyncio.to_thread(memlayer.load, snapshot / MEM_LAYER)
+                await asyncio.to_thread(memlayer.write_pages, machine.pid, machine.ram_mapping(), runs, pages)
+                await machine.restore(snapshot / DEVICE_STATE)
+            else:
+                # Fresh, empty RAM file: a full migration skips zero pages, so the target must read
+                # as zeros (never map the template file here).
+                mem = self.shm_dir / f"sbx-{sid}.mem"
+                with contextlib.suppress(FileNotFoundError):
+                    mem.unlink()
+                cfg = replace(base, mem_share=True, mem_path=mem)
+                machine = await Machine.spawn(cfg, stderr_path=run_paths(run_dir)["stderr"], owned=[mem])
+                sbx = VmSandbox(sid, machine, run_dir, key)
+                await machine.restore(snapshot / FULL_STATE, ignore_shared=False)
             sbx.restored = True
             await self._init_envd(sbx, spec)
         except BaseException as exc:
@@ -484,7 +570,7 @@ class VmRuntime:
                 await sbx.aclose()
             else:
                 shutil.rmtree(run_dir, ignore_errors=True)
-            if isinstance(exc, (MachineError, disk.DiskError)):
+            if isinstance(exc, (MachineError, disk.DiskError, memlayer.LayerError, KeyError)):
                 raise RuntimeFailure(
                     f"sandbox {sid}: restore from snapshot failed: {exc}", sandbox_id=sid
                 ) from exc
@@ -811,6 +897,8 @@ class VmRuntime:
             str(data.get("name", sandbox_id)), machine, run_dir, str(data.get("template_key", ""))
         )
         sbx.restored = True
+        if data.get("base_ram") and data.get("ram_image"):
+            sbx.base_ram, sbx.ram_image = Path(data["base_ram"]), Path(data["ram_image"])
         # Disk checkpoints of earlier snapshots stacked root.N.qcow2 overlays; QEMU writes the top one.
         sbx.disk_generation = _disk_generation(run_dir)
         self._sandboxes[sandbox_id] = sbx
@@ -946,6 +1034,15 @@ async def _envd_raw(
         k, _, v = ln.partition(":")
         headers[k.strip().lower()] = v.strip()
     return status, headers, rest
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """A hard link (same filesystem: no copy, the repository stores it once anyway), else a sparse copy."""
+    dst.unlink(missing_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        frozen.copy_sparse(src, dst)
 
 
 def _rm_dirs(*dirs: Path | None) -> None:

@@ -69,7 +69,12 @@ class VmSandbox:
         self.restored = False
         self.host_facts = ""  # envd's answer to the last clock/RNG refresh, e.g. "hostTime=set,seed=write+addentropy+reseed"
         self.disk_generation = 0  # root overlays stacked by snapshots: root.qcow2, root.1.qcow2, ...
-        self.channel_timeout = 180.0  # a booting guest needs seconds under TCG to open its port  # device state loaded and running (pool entries are handed out so)
+        self.channel_timeout = 180.0  # a booting guest needs seconds under TCG to open its port
+        # Layered RAM (memlayer): the frozen file this VM maps share=off, and the on-disk image of
+        # the same contents (a template's ram.img or a snapshot's base RAM). None: the VM owns its
+        # RAM file (restored from a full save), and a snapshot must stream all of it.
+        self.base_ram: Path | None = None
+        self.ram_image: Path | None = None
         self._closed = False
 
     async def session(self) -> MuxSession:
@@ -138,6 +143,8 @@ class VmSandbox:
             "template_key": self.template_key,
             "host_facts": self.host_facts,
             "config": config_to_json(cfg),
+            "base_ram": str(self.base_ram) if self.base_ram else None,
+            "ram_image": str(self.ram_image) if self.ram_image else None,
         }
 
     async def aclose(self, extra_dir: Path | None = None) -> None:

@@ -7,9 +7,12 @@ What a built template is, on disk under ``<state_dir>/vm/templates/<key>/``::
     empty.qcow2        empty overlay on disk.qcow2: copied per sandbox (the 0.1 ms path)
     config.raw         agent arguments (env, user, start command) read by the guest /init
     device.state       QEMU device state (x-ignore-shared, ~50 KB)
+    ram.img            the frozen guest RAM, sparse, on disk: snapshots layered on this RAM
+                       (``memlayer``) need exactly it, so it must outlive /dev/shm (a reboot)
     manifest.json      the config the template booted with, so restores use the same shape
 
-and guest RAM in ``<RAM dir>/frozen/<key>.mem``, a ramfs (``frozen.py``): ``share=on`` while
+and guest RAM in ``<RAM dir>/frozen/<key>.<random>.mem`` (a new name per build: a snapshot names
+the RAM it is layered on, and a rebuilt template's RAM differs), a ramfs (``frozen.py``): ``share=on`` while
 booting; afterwards only ever mapped ``share=off``, and on a filesystem that refuses the hole
 punches QEMU would make for a guest giving memory back, so it never changes again. ``key`` hashes everything that shapes the guest:
 template id and rootfs, CPU/RAM/disk, accelerator, guest artifacts and the agent arguments.
@@ -23,6 +26,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -35,13 +39,14 @@ from . import disk
 from .accel import AccelChoice
 from .artifacts import GuestArtifacts
 from .config import Drive, VmConfig, config_from_json, config_to_json, default_append
+from .frozen import copy_sparse
 from .initramfs import config_disk_bytes
 from .machine import Machine
 from .sandbox import VmSandbox, run_paths
 
 log = logging.getLogger(__name__)
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
 SHM_DIR = Path("/dev/shm/aenv")
 
 
@@ -98,9 +103,19 @@ class VmTemplate:
     def mem_path(self) -> Path:
         return self.cfg.mem_path
 
+    @property
+    def ram_id(self) -> str:
+        """Names this build's RAM contents (what a layered snapshot records)."""
+        return self.mem_path.name.removesuffix(".mem")
+
+    @property
+    def ram_image(self) -> Path:
+        return self.dir / "ram.img"
+
     def complete(self) -> bool:
-        """Every file a restore needs exists (a pruned tools image or wiped /dev/shm means rebuild)."""
-        needed = [self.device_state, self.disk, self.empty_overlay, self.mem_path, self.cfg.kernel]
+        """Every file a restore needs exists on disk (a pruned tools image means rebuild). The RAM
+        file in /dev/shm may be gone (a reboot): it is copied back from ``ram.img``."""
+        needed = [self.device_state, self.disk, self.empty_overlay, self.ram_image, self.cfg.kernel]
         needed += [d.path for d in self.cfg.drives if d.serial != "root"]
         if self.cfg.initrd is not None:
             needed.append(self.cfg.initrd)
@@ -130,7 +145,7 @@ def _boot_config(
         qmp_socket=p["qmp"],
         channel_socket=p["chan"],
         serial_log=p["console"],
-        mem_path=shm_dir / f"{key}.mem",
+        mem_path=shm_dir / f"{key}.{secrets.token_hex(4)}.mem",
         mem_share=True,
         memory_mb=shape.memory_mb,
         cpu_count=min(shape.cpu_count, 16),
@@ -226,6 +241,7 @@ async def build(
         await sbx.drop_session()
         snap_ms = await machine.snapshot(result.device_state)
         await machine.kill()
+        await asyncio.to_thread(copy_sparse, cfg.mem_path, result.ram_image)
         await disk.create_overlay(result.disk, result.empty_overlay)
         with contextlib.suppress(OSError):
             shutil.copyfile(cfg.serial_log, tdir / "boot-console.log")  # type: ignore[arg-type]
