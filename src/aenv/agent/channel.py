@@ -176,7 +176,9 @@ async def serve_serial(path: str, accept: Connector, ready: Callable[[], None] |
     try:
         while True:
             reader = readers.current
-            session = MuxSession(reader, _SerialWriter(fd), accept=accept, name="agent-serial")  # type: ignore[arg-type]
+            session = MuxSession(
+                reader, _SerialWriter(fd), accept=accept, name="agent-serial", on_hello=apply_host_facts  # type: ignore[arg-type]
+            )
             try:
                 await session.run()
             finally:
@@ -188,6 +190,24 @@ async def serve_serial(path: str, accept: Connector, ready: Callable[[], None] |
     finally:
         stop.set()
         os.close(fd)
+
+
+def apply_host_facts(extra: bytes) -> None:
+    """The vm host's HELLO extension, ``{"hostTime": unix seconds, "seed": base64}``: set the wall
+    clock and reseed the kernel CRNG. A VM's clock stands still while it is stopped or saved, and
+    a restored or forked copy shares its snapshot's CRNG state; every new host session follows a
+    restore, fork or resume, and this runs before the session's first stream is opened."""
+    import base64
+    import json
+
+    from aenv.envd.identity import MAX_SEED_BYTES, reseed_rng, set_wall_clock
+
+    facts = json.loads(extra)
+    host_time, seed = facts.get("hostTime"), base64.b64decode(facts.get("seed") or "")
+    if isinstance(host_time, (int, float)) and host_time > 0:
+        set_wall_clock(float(host_time))
+    if seed:
+        reseed_rng(seed[:MAX_SEED_BYTES])
 
 
 async def serve(channel: str, accept: Connector, ready: Callable[[], None] | None = None) -> None:

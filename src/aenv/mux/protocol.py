@@ -9,7 +9,9 @@ Frame::
 
 Types (O = the opening side, usually the host; A = the accepting side, the in-sandbox agent):
 
-    HELLO     both   first frame on a fresh channel; payload = protocol version (u16). Resets all streams.
+    HELLO     both   first frame on a fresh channel; payload = protocol version (u16), then optional bytes
+                     for the receiver's ``on_hello`` (the vm host sends its wall time and fresh random
+                     bytes, applied by the guest before any stream of the session). Resets all streams.
     OPEN      O→A    open a stream to TCP port (payload u16) inside the sandbox
     OPEN_OK   A→O    the port answered; data may flow
     OPEN_ERR  A→O    payload = utf-8 reason; the stream is gone
@@ -99,6 +101,13 @@ def parse_u16(payload: bytes) -> int:
     if len(payload) != 2:
         raise ProtocolError("expected a 2-byte payload", payload)
     return int(struct.unpack("!H", payload)[0])
+
+
+def parse_hello(payload: bytes) -> tuple[int, bytes]:
+    """(protocol version, extension bytes) of a HELLO payload."""
+    if len(payload) < 2:
+        raise ProtocolError("HELLO without a version", payload)
+    return int(struct.unpack_from("!H", payload)[0]), payload[2:]
 
 
 def parse_u32(payload: bytes) -> int:

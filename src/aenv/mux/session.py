@@ -24,6 +24,7 @@ from aenv.mux.protocol import (
     MuxError,
     ProtocolError,
     decode_header,
+    parse_hello,
     parse_u16,
     parse_u32,
     u16,
@@ -45,7 +46,13 @@ class MuxSession:
         *,
         accept: Connector | None = None,
         name: str = "mux",
+        hello_extra: bytes = b"",
+        on_hello: Callable[[bytes], None] | None = None,
     ) -> None:
+        """``hello_extra``: bytes sent after the version in our HELLO; ``on_hello``: called with the
+        peer's, synchronously in the reader, so it runs before any later frame of the session."""
+        self._hello_extra = hello_extra
+        self._on_hello = on_hello
         self._reader = reader
         self._writer = writer
         self._accept = accept
@@ -69,7 +76,7 @@ class MuxSession:
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> MuxSession:
-        await self._send(Frame(FrameType.HELLO, 0, u16(VERSION)))
+        await self._send(Frame(FrameType.HELLO, 0, u16(VERSION) + self._hello_extra))
         self._reader_task = asyncio.create_task(self._read_loop(), name=f"{self.name}-reader")
         return self
 
@@ -195,9 +202,14 @@ class MuxSession:
 
     async def _dispatch(self, ftype: FrameType, stream_id: int, payload: bytes) -> None:
         if ftype is FrameType.HELLO:
-            version = parse_u16(payload)
+            version, extra = parse_hello(payload)
             if version != VERSION:
                 raise ProtocolError(f"peer speaks mux version {version}, we speak {VERSION}")
+            if extra and self._on_hello is not None:
+                try:
+                    self._on_hello(extra)
+                except Exception as exc:  # noqa: BLE001 - a bad extension must not end the session
+                    log.warning("%s: HELLO extension not applied: %s", self.name, exc)
             if not self._peer_hello_seen:
                 self._peer_hello_seen = True
                 return

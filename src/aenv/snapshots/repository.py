@@ -162,6 +162,10 @@ class SnapshotRepository:
         self.scratch = scratch
         self.url = url
         scratch.mkdir(parents=True, exist_ok=True)
+        # Digests of files already hashed, by identity: snapshot files never change once written,
+        # and a vm snapshot's base RAM (hundreds of MB) is one hard-linked file shared by every
+        # snapshot of that template, hashed once instead of at every publish.
+        self._file_digests: dict[tuple[int, int, int, int], str] = {}
 
     def clean_scratch(self) -> None:
         """Drop temporary files a killed process left in the scratch dir (call before any work)."""
@@ -186,8 +190,14 @@ class SnapshotRepository:
             if is_dir:
                 await asyncio.to_thread(pack_dir, path, tmp)
             src = tmp if is_dir else path
-            digest = await asyncio.to_thread(_sha256_file, src)
-            size = src.stat().st_size
+            st = src.stat()
+            ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            digest = None if is_dir else self._file_digests.get(ident)
+            if digest is None:
+                digest = await asyncio.to_thread(_sha256_file, src)
+                if not is_dir:
+                    self._file_digests[ident] = digest
+            size = st.st_size
             fault_point("publish.layer")
             if not await self.layer_exists(digest):
                 with src.open("rb") as fh:

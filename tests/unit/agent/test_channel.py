@@ -146,3 +146,22 @@ async def test_serial_readers_drop_what_a_departed_host_left_half_written() -> N
     second = readers.current
     readers.renew()  # a session that ended by itself: the next bytes start afresh too
     assert readers.current is not second
+
+
+def test_host_facts_set_the_clock_and_reseed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import base64
+    import json
+
+    from aenv.agent import channel
+    from aenv.envd import identity
+
+    done: list[object] = []
+    monkeypatch.setattr(identity, "set_wall_clock", lambda t: done.append(("clock", t)))
+    monkeypatch.setattr(identity, "reseed_rng", lambda seed: done.append(("seed", seed)) or ["write"])
+    channel.apply_host_facts(json.dumps({"hostTime": 1234.5, "seed": base64.b64encode(b"abc").decode()}).encode())
+    assert done == [("clock", 1234.5), ("seed", b"abc")]
+    done.clear()
+    channel.apply_host_facts(b'{"hostTime": -1}')  # nonsense time: the clock is left alone
+    assert done == []
+    with pytest.raises(ValueError):
+        channel.apply_host_facts(b"not json")  # the session logs it and goes on (test_session.py)

@@ -139,3 +139,61 @@ async def test_frames_of_a_previous_session_do_not_end_a_new_stream() -> None:
         for s in (old_host, old_agent, host, agent):
             await s.aclose()
         server.close()
+
+
+async def test_hello_extension_reaches_the_peer_before_its_first_stream() -> None:
+    """The vm host's HELLO carries clock and seed; the agent must apply them before it accepts the
+    session's first stream (a resumed guest's first command must see the right time)."""
+    server, port = await _echo_server()
+    a, b = socket.socketpair()
+    events: list[str] = []
+
+    async def accept(p: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        events.append(f"open {p}")
+        return await asyncio.open_connection("127.0.0.1", port)
+
+    hr, hw = await asyncio.open_unix_connection(sock=a)
+    ar, aw = await asyncio.open_unix_connection(sock=b)
+    agent = MuxSession(
+        ar, aw, accept=accept, name="agent", on_hello=lambda extra: events.append(extra.decode())
+    )
+    host = MuxSession(
+        hr, hw, name="host", hello_extra=b'{"hostTime": 1}', on_hello=lambda e: events.append("host?")
+    )
+    try:
+        await agent.start()
+        await host.start()
+        stream = await host.open(7)
+        await stream.write(b"x")
+        assert await stream.read() == b"x"
+        assert events == ['{"hostTime": 1}', "open 7"]  # the agent sent no extension: no host call
+    finally:
+        await host.aclose()
+        await agent.aclose()
+        server.close()
+
+
+async def test_a_failing_hello_extension_does_not_end_the_session() -> None:
+    server, port = await _echo_server()
+    a, b = socket.socketpair()
+
+    async def accept(p: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection("127.0.0.1", port)
+
+    def broken(extra: bytes) -> None:
+        raise ValueError("not json")
+
+    hr, hw = await asyncio.open_unix_connection(sock=a)
+    ar, aw = await asyncio.open_unix_connection(sock=b)
+    agent = MuxSession(ar, aw, accept=accept, name="agent", on_hello=broken)
+    host = MuxSession(hr, hw, name="host", hello_extra=b"garbage")
+    try:
+        await agent.start()
+        await host.start()
+        stream = await host.open(7)
+        await stream.write(b"y")
+        assert await stream.read() == b"y"
+    finally:
+        await host.aclose()
+        await agent.aclose()
+        server.close()

@@ -73,3 +73,26 @@ def test_manifest_validation() -> None:
     raw = m.to_bytes().replace(b'"layers":[]', b'"layers":[{"name":"a","digest":"md5:1","size":1}]')
     with pytest.raises(ManifestError, match="digest"):
         Manifest.from_bytes(raw)
+
+
+async def test_a_file_and_its_hard_links_are_hashed_once(
+    repo: SnapshotRepository, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A vm snapshot's base RAM is one hard-linked file in every snapshot of a template: publishing
+    the next snapshot must not read its hundreds of MB again. A rewritten file is hashed anew."""
+    import os
+
+    from aenv.snapshots import repository
+
+    hashed: list[Path] = []
+    real = repository._sha256_file
+    monkeypatch.setattr(repository, "_sha256_file", lambda p: hashed.append(p) or real(p))
+    base = tmp_path / "ram.img"
+    base.write_bytes(b"ram" * 1000)
+    os.link(base, tmp_path / "base.ram")
+    a = await repo.put_layer("base.ram", base)
+    b = await repo.put_layer("base.ram", tmp_path / "base.ram")
+    assert a.digest == b.digest and hashed == [base]
+    base.write_bytes(b"other")
+    c = await repo.put_layer("base.ram", base)
+    assert c.digest != a.digest and len(hashed) == 2

@@ -60,7 +60,8 @@ def test_layer_round_trip_into_another_process(tmp_path: Path) -> None:
     layer = tmp_path / "mem.layer"
     size = memlayer.save(layer, runs, data)
     assert size == layer.stat().st_size
-    assert memlayer.load(layer) == (runs, data)
+    got_runs, got_data = memlayer.load(layer)
+    assert got_runs == runs and bytes(got_data) == data
 
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD, str(base), str(PAGES * PAGE), str(PAGE)],
@@ -105,3 +106,24 @@ def test_bad_layers_are_refused(tmp_path: Path) -> None:
         memlayer.write_pages(os.getpid(), memlayer.Mapping(0, PAGE), [(0, 2)], b"\0" * PAGE)
     with pytest.raises(LayerError, match="RAM has"):
         memlayer.write_pages(os.getpid(), memlayer.Mapping(0, PAGE), [(1, 1)], b"\0" * PAGE)
+
+
+def test_thousands_of_runs_cross_the_per_call_batch(tmp_path: Path) -> None:
+    """A guest's changed pages come scattered: more runs than one process_vm_readv takes."""
+    n = 2 * 1500
+    path = tmp_path / "big.mem"
+    path.write_bytes(b"\0" * n * PAGE)
+    with path.open("rb") as f:
+        m = mmap.mmap(f.fileno(), n * PAGE, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    try:
+        for page in range(0, n, 2):
+            m[page * PAGE : page * PAGE + 4] = page.to_bytes(4, "little")
+        where = memlayer.find_mapping(os.getpid(), path)
+        runs = memlayer.private_runs(os.getpid(), where)
+        assert len(runs) == 1500 and all(count == 1 for _, count in runs)
+        data = memlayer.read_pages(os.getpid(), where, runs)
+        assert [int.from_bytes(data[i * PAGE : i * PAGE + 4], "little") for i in range(1500)] == list(range(0, n, 2))
+        memlayer.write_pages(os.getpid(), where, runs, bytes(PAGE) * 1500)  # writes batch the same way
+        assert m[2 * PAGE : 2 * PAGE + 4] == b"\0\0\0\0"
+    finally:
+        m.close()

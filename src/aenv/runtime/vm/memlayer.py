@@ -18,6 +18,8 @@ QEMU process's owner, can read and write its memory), so it is unit-tested on th
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import re
 import struct
@@ -92,22 +94,46 @@ def _chunks(runs: Iterable[Run]) -> Iterator[Run]:
             yield first + off, min(step, count - off)
 
 
-def read_pages(pid: int, mapping: Mapping, runs: list[Run]) -> bytes:
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_IOV_MAX = 1024
+
+
+def _vm_io(pid: int, mapping: Mapping, runs: list[Run], buf: bytearray | memoryview, write: bool) -> None:
+    """``process_vm_readv``/``writev``: up to 1024 runs per system call, straight between the
+    process's pages and ``buf`` (a guest's changed pages come in thousands of short runs, and
+    one ``pread`` of ``/proc/PID/mem`` each cost ~10x more)."""
+    call = _libc.process_vm_writev if write else _libc.process_vm_readv
+    view = buf if isinstance(buf, memoryview) else memoryview(buf)
+    local_base = ctypes.addressof(ctypes.c_char.from_buffer(view)) if len(view) else 0
+    runs = list(_chunks(runs))
+    pos = 0
+    for i in range(0, len(runs), _IOV_MAX):
+        batch = runs[i : i + _IOV_MAX]
+        total = sum(c for _, c in batch) * PAGE
+        local = _IoVec(local_base + pos, total)
+        remote = (_IoVec * len(batch))(*(_IoVec(mapping.start + f * PAGE, c * PAGE) for f, c in batch))
+        done = call(pid, ctypes.byref(local), 1, remote, len(batch), 0)
+        if done != total:
+            err = ctypes.get_errno()
+            what = "write" if write else "read"
+            raise LayerError(
+                f"memory of {pid}: {what} {done} of {total} bytes ({os.strerror(err) if err else 'short'})"
+            )
+        pos += total
+
+
+def read_pages(pid: int, mapping: Mapping, runs: list[Run]) -> bytearray:
     """The bytes of ``runs`` in ``mapping``, concatenated (stop the vCPUs first)."""
-    fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
-    try:
-        parts = []
-        for first, count in _chunks(runs):
-            data = os.pread(fd, count * PAGE, mapping.start + first * PAGE)
-            if len(data) != count * PAGE:
-                raise LayerError(f"memory of {pid}: short read at page {first}")
-            parts.append(data)
-        return b"".join(parts)
-    finally:
-        os.close(fd)
+    buf = bytearray(pages_of(runs) * PAGE)
+    _vm_io(pid, mapping, runs, buf, write=False)
+    return buf
 
 
-def write_pages(pid: int, mapping: Mapping, runs: list[Run], data: bytes | memoryview) -> None:
+def write_pages(pid: int, mapping: Mapping, runs: list[Run], data: bytes | bytearray | memoryview) -> None:
     """Write ``data`` (as from :func:`read_pages`) into ``runs`` of the process's mapping: each
     written page becomes a private copy, the file under it stays as it is."""
     view = memoryview(data)
@@ -115,19 +141,10 @@ def write_pages(pid: int, mapping: Mapping, runs: list[Run], data: bytes | memor
         raise LayerError("page data does not match the runs")
     if runs and (runs[-1][0] + runs[-1][1]) * PAGE > mapping.size:
         raise LayerError(f"layer reaches page {runs[-1][0] + runs[-1][1]}, RAM has {mapping.size // PAGE}")
-    fd = os.open(f"/proc/{pid}/mem", os.O_RDWR)
-    try:
-        pos = 0
-        for first, count in _chunks(runs):
-            n = count * PAGE
-            if os.pwrite(fd, view[pos : pos + n], mapping.start + first * PAGE) != n:
-                raise LayerError(f"memory of {pid}: short write at page {first}")
-            pos += n
-    finally:
-        os.close(fd)
+    _vm_io(pid, mapping, runs, view if not view.readonly else bytearray(view), write=True)
 
 
-def save(path: Path, runs: list[Run], data: bytes) -> int:
+def save(path: Path, runs: list[Run], data: bytes | bytearray) -> int:
     """Write a layer file atomically; returns its size."""
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("wb") as f:
@@ -139,9 +156,11 @@ def save(path: Path, runs: list[Run], data: bytes) -> int:
     return size
 
 
-def load(path: Path) -> tuple[list[Run], bytes]:
-    """Runs and page data of a layer file (validated)."""
-    raw = path.read_bytes()
+def load(path: Path) -> tuple[list[Run], memoryview]:
+    """Runs and page data of a layer file (validated; the data is writable, no copy to write it on)."""
+    with path.open("rb") as f:
+        raw = bytearray(os.fstat(f.fileno()).st_size)
+        f.readinto(raw)
     if len(raw) < _HEAD.size:
         raise LayerError(f"{path}: not a RAM layer (too short)")
     magic, page, nruns = _HEAD.unpack_from(raw)
@@ -160,7 +179,7 @@ def load(path: Path) -> tuple[list[Run], bytes]:
         raise LayerError(
             f"{path}: page data is {len(raw) - body} bytes, runs need {sum(c for _, c in runs) * PAGE}"
         )
-    return runs, raw[body:]
+    return runs, memoryview(raw)[body:]
 
 
 def pages_of(runs: list[Run]) -> int:

@@ -27,7 +27,6 @@ Still missing (see the issue): the Firecracker driver's agent channel.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import hashlib
 import json
@@ -56,7 +55,7 @@ from .initramfs import BUSYBOX
 from .kernel import SOURCE_TARBALL, find_kernel
 from .machine import Machine, MachineError
 from .pool import RestorePool
-from .sandbox import ENVD_PORT, VmSandbox, child_config, run_paths
+from .sandbox import ENVD_PORT, VmSandbox, child_config, host_facts, run_paths
 
 log = logging.getLogger("aenv.runtime.vm")
 
@@ -71,14 +70,6 @@ BASE_RAM = "base.ram"  # that base RAM (hard link of the template's ram.img: sto
 RELEASED_STATE = "released.full"  # in a run dir: a paused sandbox saved to disk, its QEMU ended
 
 
-SEED_BYTES = 64
-
-
-def host_facts() -> dict[str, Any]:
-    """``POST /init`` fields that every restored, forked or resumed guest needs: the host's wall
-    time (the guest clock stands still while its snapshot or its stopped VM waits) and fresh host
-    random bytes (forks of one snapshot share the kernel CRNG state until reseeded)."""
-    return {"hostTime": time.time(), "seed": base64.b64encode(os.urandom(SEED_BYTES)).decode()}
 
 
 def unavailable_reason(settings: Settings) -> str | None:
@@ -343,10 +334,6 @@ class VmRuntime:
         payload.update(host_facts())
         await self._post_init(sbx, spec.sandbox_id, payload)
 
-    async def _refresh_guest(self, sbx: VmSandbox, sandbox_id: str) -> None:
-        """Clock and RNG after a resume: only the host facts, identity unchanged."""
-        await self._post_init(sbx, sandbox_id, host_facts())
-
     async def _post_init(self, sbx: VmSandbox, sandbox_id: str, payload: dict[str, Any]) -> None:
         """``POST /init``; envd's ``X-Aenv-Host-Facts`` answer says whether clock and RNG were
         really set (kept on the sandbox, a warning when not)."""
@@ -453,15 +440,30 @@ class VmRuntime:
         machine = sbx.machine
         was_running = await machine.status() == "running"
         t0 = time.perf_counter()
-        try:
-            await machine.pause()
-            frozen_top = sbx.disk_top()
-            await machine.checkpoint_disk("root", frozen_top.with_name(f"root.{sbx.disk_generation + 1}.qcow2"))
-            sbx.disk_generation += 1
-            await machine.save_devices(into / DEVICE_STATE)
+        steps: dict[str, float] = {}
+
+        def read_ram() -> tuple[list[memlayer.Run], bytearray]:
+            t1 = time.perf_counter()
             where = machine.ram_mapping()
             runs = memlayer.private_runs(machine.pid, where)
             pages = memlayer.read_pages(machine.pid, where, runs)
+            steps["ram_ms"] = (time.perf_counter() - t1) * 1000
+            return runs, pages
+
+        try:
+            await machine.pause()
+            frozen_top = sbx.disk_top()
+            # With the vCPUs stopped (and block I/O drained) nothing writes guest RAM: read it in a
+            # thread while QEMU checkpoints the disk and writes the device state.
+            ram = asyncio.create_task(asyncio.to_thread(read_ram))
+            try:
+                steps["disk_ms"] = await machine.checkpoint_disk(
+                    "root", frozen_top.with_name(f"root.{sbx.disk_generation + 1}.qcow2")
+                )
+                sbx.disk_generation += 1
+                steps["devices_ms"] = await machine.save_devices(into / DEVICE_STATE)
+            finally:
+                runs, pages = await ram  # never resume the VM while its RAM is being read
         except (MachineError, memlayer.LayerError, OSError) as exc:
             raise RuntimeFailure(f"sandbox {sandbox_id}: snapshot failed: {exc}", sandbox_id=sandbox_id) from exc
         finally:
@@ -469,12 +471,19 @@ class VmRuntime:
                 with contextlib.suppress(MachineError):
                     await machine.resume()
         paused_ms = (time.perf_counter() - t0) * 1000
-        await asyncio.to_thread(memlayer.save, into / MEM_LAYER, runs, pages)
-        await asyncio.to_thread(_link_or_copy, sbx.ram_image, into / BASE_RAM)
-        await disk.flatten_onto(frozen_top, tpl.disk, into / SNAP_DISK)
+        t1 = time.perf_counter()
+
+        def write_ram() -> None:
+            memlayer.save(into / MEM_LAYER, runs, pages)
+            _link_or_copy(sbx.ram_image, into / BASE_RAM)  # type: ignore[arg-type]
+
+        # The VM runs on meanwhile; RAM layer and disk flatten are independent files.
+        await asyncio.gather(asyncio.to_thread(write_ram), disk.flatten_onto(frozen_top, tpl.disk, into / SNAP_DISK))
+        steps["files_ms"] = (time.perf_counter() - t1) * 1000
         log.info(
-            "sandbox %s: snapshot into %s (paused %.1f ms, %.1f MB of changed RAM)",
-            sandbox_id, into, paused_ms, len(pages) / 1e6,
+            "sandbox %s: snapshot into %s (paused %.1f ms, %.1f MB of changed RAM in %d runs; %s)",
+            sandbox_id, into, paused_ms, len(pages) / 1e6, len(runs),
+            ", ".join(f"{k} {v:.1f}" for k, v in steps.items()),
         )  # fmt: skip
         return SnapshotResult(
             mode="full",
@@ -787,7 +796,8 @@ class VmRuntime:
                 else:
                     sbx = self._get(sandbox_id)
                     await sbx.machine.resume()
-                await self._refresh_guest(sbx, sandbox_id)
+                # Clock and RNG: the next session's HELLO carries them (paused VMs have none).
+                await sbx.drop_session()
             except MachineError as exc:
                 raise RuntimeFailure(
                     f"sandbox {sandbox_id}: resume failed: {exc}", sandbox_id=sandbox_id

@@ -9,9 +9,13 @@ disconnects, restores and forks, and a new host session starts with HELLO.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import json
 import logging
+import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +27,15 @@ from .machine import Machine
 log = logging.getLogger(__name__)
 
 ENVD_PORT = 49983
+SEED_BYTES = 64
+
+
+def host_facts() -> dict[str, Any]:
+    """What every restored, forked or resumed guest needs from the host: its wall time (the guest
+    clock stands still while its snapshot or its stopped VM waits) and fresh random bytes (forks
+    of one snapshot share the kernel CRNG state until reseeded). Sent in each new session's HELLO
+    and in ``POST /init``."""
+    return {"hostTime": time.time(), "seed": base64.b64encode(os.urandom(SEED_BYTES)).decode()}
 
 
 def run_paths(run_dir: Path) -> dict[str, Path]:
@@ -83,7 +96,11 @@ class VmSandbox:
             if self._session is None or self._session.closed:
                 await self.machine.wait_guest_channel(self.channel_timeout)
                 reader, writer = await self.machine.open_channel()
-                self._session = await MuxSession(reader, writer, name=f"vm-{self.name}").start()
+                # The guest applies the HELLO's clock and seed before it serves any stream of this
+                # session (agent.channel.apply_host_facts): a resume needs no request of its own.
+                self._session = await MuxSession(
+                    reader, writer, name=f"vm-{self.name}", hello_extra=json.dumps(host_facts()).encode()
+                ).start()
             return self._session
 
     async def open_stream(self, port: int, timeout: float = 10.0) -> MuxStream:
