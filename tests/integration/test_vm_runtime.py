@@ -288,7 +288,7 @@ async def test_paused_vm_released_after_idle_then_adopted_and_resumed(
     """Paused longer than ``vm_release_paused_after``: saved to disk, QEMU ended (no RAM held);
     a new runtime (server restart) adopts it from its recorded state and resume restores it, with
     the guest clock set to host time."""
-    from aenv.runtime.vm.runtime import RELEASED_STATE
+    from aenv.runtime.vm.runtime import RELEASED_LAYERED, is_released
 
     rt = make_runtime()
     rt.release_after = 0.5
@@ -301,10 +301,11 @@ async def test_paused_vm_released_after_idle_then_adopted_and_resumed(
     paused = await rt.pause("rel")
     assert "released" not in paused.data
     for _ in range(600):
-        if (run_dir / RELEASED_STATE).is_file() and "rel" not in rt._sandboxes:
+        if is_released(run_dir) and "rel" not in rt._sandboxes:
             break
         await asyncio.sleep(0.05)
-    assert (run_dir / RELEASED_STATE).is_file()
+    assert (run_dir / RELEASED_LAYERED).is_file()  # device state + changed pages, not all of RAM
+    assert (run_dir / "released.layer").stat().st_size < 100 * 2**20
     await asyncio.sleep(0.1)
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
@@ -320,9 +321,16 @@ async def test_paused_vm_released_after_idle_then_adopted_and_resumed(
     await asyncio.sleep(2.0)  # the saved guest clock falls behind meanwhile
     resumed = await new.resume("rel", paused)
     assert resumed.data["pid"] != pid
-    assert not (run_dir / RELEASED_STATE).exists()
-    _, out, _ = await run_cmd(new, "rel", "date +%s")  # the new session's HELLO set the clock
-    assert abs(int(out) - time.time()) < 2, out
+    assert not is_released(run_dir)
+    _, out, _ = await run_cmd(new, "rel", "date +%s; echo kept > /dev/shm/k")  # HELLO set the clock
+    assert abs(int(out.split()[0]) - time.time()) < 2, out
+    # released again and back: the restored VM's base image (linked in its run dir) is reused
+    new.release_after = 0
+    await new.pause("rel")
+    assert is_released(run_dir) and "rel" in new._released
+    resumed = await new.resume("rel", resumed)
+    _, out, _ = await run_cmd(new, "rel", "cat /dev/shm/k")
+    assert out.strip() == "kept"
     await new.kill("rel", resumed)
     assert not run_dir.exists()
 
@@ -333,7 +341,7 @@ async def test_memory_pressure_releases_paused_vms_longest_paused_first(
     """Below ``vm_memory_low_mb`` available (here: a mark no host reaches, so always), paused VMs go
     to disk at once instead of after their idle period, the longest-paused first; running ones stay.
     A released one resumes from disk with its processes' state."""
-    from aenv.runtime.vm.runtime import RELEASED_STATE
+    from aenv.runtime.vm.runtime import is_released
 
     rt = make_runtime()
     rt.release_after = 3600.0  # the idle release would never come within the test
@@ -346,7 +354,7 @@ async def test_memory_pressure_releases_paused_vms_longest_paused_first(
     await rt.pause("mp1")
     assert await rt.relieve_pressure() == ["mp2", "mp1"]
     for sid in ("mp1", "mp2"):
-        assert (Path(states[sid].data["run_dir"]) / RELEASED_STATE).is_file()
+        assert is_released(Path(states[sid].data["run_dir"]))
         with pytest.raises(ProcessLookupError):
             os.kill(states[sid].data["pid"], 0)
     assert await _health(rt, "mp3") in (200, 204)  # running: untouched

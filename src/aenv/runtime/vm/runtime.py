@@ -68,6 +68,10 @@ DEVICE_STATE = "devices.state"  # device + vCPU state (xen-save-devices-state, ~
 MEM_LAYER = "mem.layer"  # the pages the VM changed against its base RAM (memlayer)
 BASE_RAM = "base.ram"  # that base RAM (hard link of the template's ram.img: stored once)
 RELEASED_STATE = "released.full"  # in a run dir: a paused sandbox saved to disk, its QEMU ended
+# A released VM on a frozen base RAM is saved layered instead: device state, changed pages, a link
+# of the base RAM image, and last this marker (JSON: which base RAM), whose presence means released.
+RELEASED_LAYERED = "released.json"
+_RELEASED_FILES = ("released.devices", "released.layer", "released.base")
 
 
 
@@ -104,6 +108,13 @@ class Released:
     def state_file(self) -> Path:
         return self.run_dir / RELEASED_STATE
 
+    @property
+    def marker(self) -> Path:
+        return self.run_dir / RELEASED_LAYERED
+
+    def files(self) -> list[Path]:
+        return [self.state_file, self.marker, *(self.run_dir / n for n in _RELEASED_FILES)]
+
     def state(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -112,6 +123,11 @@ class Released:
             "released": str(self.state_file),
             "disk_generation": self.disk_generation,
         }
+
+
+def is_released(run_dir: Path) -> bool:
+    """A complete saved state (stream or layered marker) is in ``run_dir``."""
+    return (run_dir / RELEASED_STATE).is_file() or (run_dir / RELEASED_LAYERED).is_file()
 
 
 def _disk_generation(run_dir: Path) -> int:
@@ -742,27 +758,47 @@ class VmRuntime:
             spec.allow_internet if spec else sbx.machine.cfg.network == "user",
         )  # fmt: skip
         t0 = time.perf_counter()
-        await sbx.machine.save_full(rel.state_file)
+        if sbx.base_ram is not None and sbx.ram_image is not None and not sbx.machine.cfg.mem_share:
+            size = await self._save_layered(sbx, rel)
+        else:
+            await sbx.machine.save_full(rel.state_file)
+            size = rel.state_file.stat().st_size
         t_saved = time.perf_counter()
         await sbx.drop_session()
-        await sbx.machine.kill(keep=list(sbx.run_dir.glob("root*.qcow2")))
+        await sbx.machine.kill(keep=[*sbx.run_dir.glob("root*.qcow2"), *(p for p in rel.files() if p.exists())])
         self._sandboxes.pop(sandbox_id, None)
         self._paused_since.pop(sandbox_id, None)
         self._released[sandbox_id] = rel
-        size = rel.state_file.stat().st_size
         log.info(
             "sandbox %s: paused VM released to disk (%.1f MB saved in %.0f ms, QEMU ended in %.0f ms)",
             sandbox_id, size / 1e6, (t_saved - t0) * 1000, (time.perf_counter() - t_saved) * 1000,
         )  # fmt: skip
+
+    async def _save_layered(self, sbx: VmSandbox, rel: Released) -> int:
+        """The stopped VM as device state + changed pages (+ its base RAM image, linked), the
+        marker last; returns the bytes written. A few MB instead of all touched RAM."""
+        assert sbx.base_ram is not None and sbx.ram_image is not None
+        machine = sbx.machine
+        devices, layer, base = (rel.run_dir / n for n in _RELEASED_FILES)
+        await machine.save_devices(devices)
+
+        def write() -> int:
+            where = machine.ram_mapping()
+            runs = memlayer.private_runs(machine.pid, where)
+            size = memlayer.save(layer, runs, memlayer.read_pages(machine.pid, where, runs))
+            _link_or_copy(sbx.ram_image, base)  # type: ignore[arg-type]
+            tmp = rel.marker.with_name(f".{rel.marker.name}.tmp")
+            tmp.write_text(json.dumps({"ram_id": sbx.base_ram.name.removesuffix(".mem")}))  # type: ignore[union-attr]
+            os.rename(tmp, rel.marker)
+            return size + devices.stat().st_size
+
+        return await asyncio.to_thread(write)
 
     async def _load_released(self, sandbox_id: str, run: bool) -> VmSandbox:
         """A new QEMU from a released sandbox's state file, paused (``run=False``) or running.
         The state file is removed only once the VM is back; on failure it stays released."""
         rel = self._released[sandbox_id]
         tpl = await self._template_by_key(rel.template_key)
-        mem = self.shm_dir / f"sbx-{sandbox_id}.mem"
-        with contextlib.suppress(FileNotFoundError):
-            mem.unlink()  # a full migration skips zero pages: the target RAM must read as zeros
         top = run_paths(rel.run_dir)["root"]
         if rel.disk_generation:
             top = top.with_name(f"root.{rel.disk_generation}.qcow2")
@@ -770,20 +806,43 @@ class VmRuntime:
         drives = tuple(
             Drive(top, d.serial, d.format, d.read_only) if d.serial == "root" else d for d in base.drives
         )
-        cfg = replace(base, mem_share=True, mem_path=mem, drives=drives)
         t0 = time.perf_counter()
-        machine = await Machine.spawn(cfg, stderr_path=run_paths(rel.run_dir)["stderr"], owned=[mem])
-        try:
-            await machine.restore(rel.state_file, resume=run, ignore_shared=False)
-        except BaseException:
-            await machine.kill(keep=list(rel.run_dir.glob("root*.qcow2")))
-            raise
-        sbx = VmSandbox(rel.name, machine, rel.run_dir, rel.template_key)
+        keep = [*rel.run_dir.glob("root*.qcow2"), *(p for p in rel.files() if p.exists())]
+        if rel.marker.is_file():
+            devices, layer, base_image = (rel.run_dir / n for n in _RELEASED_FILES)
+            ram_id = str(json.loads(rel.marker.read_text())["ram_id"])
+            ram = await self._frozen_ram(ram_id, base_image)
+            cfg = replace(base, mem_path=ram, send_configuration=False, drives=drives)
+            machine = await Machine.spawn(cfg, stderr_path=run_paths(rel.run_dir)["stderr"])
+            try:
+                runs, pages = await asyncio.to_thread(memlayer.load, layer)
+                await asyncio.to_thread(memlayer.write_pages, machine.pid, machine.ram_mapping(), runs, pages)
+                await machine.restore(devices, resume=run)
+            except BaseException:
+                await machine.kill(keep=keep)
+                raise
+            sbx = VmSandbox(rel.name, machine, rel.run_dir, rel.template_key)
+            # The base image stays linked in the run dir while this VM maps its RAM.
+            sbx.base_ram, sbx.ram_image = ram, base_image
+        else:
+            mem = self.shm_dir / f"sbx-{sandbox_id}.mem"
+            with contextlib.suppress(FileNotFoundError):
+                mem.unlink()  # a full migration skips zero pages: the target RAM must read as zeros
+            cfg = replace(base, mem_share=True, mem_path=mem, drives=drives)
+            machine = await Machine.spawn(cfg, stderr_path=run_paths(rel.run_dir)["stderr"], owned=[mem])
+            try:
+                await machine.restore(rel.state_file, resume=run, ignore_shared=False)
+            except BaseException:
+                await machine.kill(keep=keep)
+                raise
+            sbx = VmSandbox(rel.name, machine, rel.run_dir, rel.template_key)
         sbx.restored = True
         sbx.disk_generation = rel.disk_generation
         self._sandboxes[sandbox_id] = sbx
         del self._released[sandbox_id]
-        rel.state_file.unlink(missing_ok=True)
+        for p in rel.files():
+            if p.name != "released.base":
+                p.unlink(missing_ok=True)
         log.info("sandbox %s: restored from disk in %.0f ms", sandbox_id, (time.perf_counter() - t0) * 1000)
         return sbx
 
@@ -887,7 +946,7 @@ class VmRuntime:
                 log.warning("sandbox %s: cannot adopt, bad state: %s", sandbox_id, exc)
                 return False
             cfg, pid, run_dir = None, -1, Path(str(data.get("run_dir", "")))
-        if (run_dir / RELEASED_STATE).is_file():
+        if is_released(run_dir):
             # Released to disk (or killed after its state was complete): no process to attach.
             _kill_recorded(state)
             self._released[sandbox_id] = Released(
@@ -1048,6 +1107,8 @@ async def _envd_raw(
 
 def _link_or_copy(src: Path, dst: Path) -> None:
     """A hard link (same filesystem: no copy, the repository stores it once anyway), else a sparse copy."""
+    if dst.exists() and os.path.samefile(src, dst):
+        return  # e.g. a resumed VM's base image, released again
     dst.unlink(missing_ok=True)
     try:
         os.link(src, dst)
