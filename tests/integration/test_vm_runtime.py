@@ -275,8 +275,12 @@ async def test_snapshot_fork_rollback(make_runtime: Callable[[], VmRuntime], tmp
     assert rt.sandbox("src") is not src
 
     await rt.create_from_snapshot(_spec(tmp_path, "grandkid", tpl), tmp_path / "snap-kid", kid_snap)
-    _, out, _ = await run_cmd(rt, "grandkid", "cat /dev/shm/m")
-    assert out.strip() == "kid0"
+    _, out, _ = await run_cmd(rt, "grandkid", "cat /dev/shm/m; echo $E2B_SANDBOX_ID")
+    assert out.split() == ["kid0", "grandkid"]
+    # a rollback onto another sandbox's snapshot must still give the guest this sandbox's identity
+    await rt.rollback("kid0", _spec(tmp_path, "kid0", tpl), snap, result)
+    _, out, _ = await run_cmd(rt, "kid0", "cat /dev/shm/m; echo $E2B_SANDBOX_ID")
+    assert out.split() == [marker.strip(), "kid0"]
     await rt.kill("kid1")
     report = await rt.reconcile(set(rt._sandboxes))
     assert report == {"killed": [], "removed": []}
