@@ -227,7 +227,8 @@ async def test_snapshot_fork_rollback(make_runtime: Callable[[], VmRuntime], tmp
     """Layered snapshots (device state + changed pages over the template's frozen RAM): the
     guest's RAM (a tmpfs file, a sleeping process) comes back in a fork and after a rollback;
     the source keeps running; a child can be snapshotted again; the base RAM is stored once."""
-    from aenv.runtime.vm.runtime import BASE_RAM, DEVICE_STATE, MEM_LAYER, SNAP_DISK
+    from aenv.runtime.vm import runtime as vm_runtime
+    from aenv.runtime.vm.runtime import BASE_RAM, DEVICE_STATE, SNAP_DISK
 
     rt = make_runtime()
     tpl = _template(tmp_path)
@@ -240,12 +241,13 @@ async def test_snapshot_fork_rollback(make_runtime: Callable[[], VmRuntime], tmp
     result = await rt.snapshot("src", snap, "full")
     snap_ms = (time.perf_counter() - t0) * 1000
     assert result.mode == "full" and result.data["format"] == "layered"
-    for name in (SNAP_DISK, DEVICE_STATE, MEM_LAYER, BASE_RAM):
+    assert result.data["mem_layers"] == ["mem.0.layer"]  # restored from the template: one layer
+    for name in (SNAP_DISK, DEVICE_STATE, "mem.0.layer", BASE_RAM):
         assert (snap / name).is_file(), name
     vt = await rt.template_for(_spec(tmp_path, "x", tpl))
     assert os.path.samefile(snap / BASE_RAM, vt.ram_image)  # a link, not a copy
     assert src.disk_generation == 1
-    layer_mb = (snap / MEM_LAYER).stat().st_size / 2**20
+    layer_mb = (snap / "mem.0.layer").stat().st_size / 2**20
     print(
         f"\n[vm-rt] snapshot of a running sandbox {snap_ms:.0f} ms (paused {result.data['paused_ms']} ms), "
         f"RAM layer {layer_mb:.1f} MiB"
@@ -266,6 +268,12 @@ async def test_snapshot_fork_rollback(make_runtime: Callable[[], VmRuntime], tmp
     assert out.strip() == "after-snapshot"  # children do not share memory
     kid_snap = await rt.snapshot("kid0", tmp_path / "snap-kid", "full")  # a restored child, again
     assert kid_snap.data["format"] == "layered"
+    # incremental: the fork point's layer (linked, not copied) + only what kid0 changed since
+    assert kid_snap.data["mem_layers"] == ["mem.0.layer", "mem.1.layer"]
+    assert os.path.samefile(tmp_path / "snap-kid" / "mem.0.layer", tmp_path / "scratch" / "mem.0.layer")
+    own, parent = ((tmp_path / "snap-kid" / f"mem.{i}.layer").stat().st_size for i in (1, 0))
+    print(f"[vm-rt] child snapshot: own layer {own / 2**20:.1f} MiB over its parent's {parent / 2**20:.1f} MiB")
+    assert own < parent
 
     t0 = time.perf_counter()
     await rt.rollback("src", _spec(tmp_path, "src", tpl), snap, result)
@@ -281,6 +289,16 @@ async def test_snapshot_fork_rollback(make_runtime: Callable[[], VmRuntime], tmp
     await rt.rollback("kid0", _spec(tmp_path, "kid0", tpl), snap, result)
     _, out, _ = await run_cmd(rt, "kid0", "cat /dev/shm/m; echo $E2B_SANDBOX_ID")
     assert out.split() == [marker.strip(), "kid0"]
+    # past the chain limit a snapshot is compacted into one layer again
+    old_max, vm_runtime.MEM_CHAIN_MAX = vm_runtime.MEM_CHAIN_MAX, 2
+    try:
+        deep = await rt.snapshot("grandkid", tmp_path / "snap-deep", "full")
+    finally:
+        vm_runtime.MEM_CHAIN_MAX = old_max
+    assert deep.data["mem_layers"] == ["mem.0.layer"]
+    await rt.create_from_snapshot(_spec(tmp_path, "deep", tpl), tmp_path / "snap-deep", deep)
+    _, out, _ = await run_cmd(rt, "deep", "cat /dev/shm/m; ps | grep -c '[s]leep 1000'")
+    assert out.split() == ["kid0", "1"]
     await rt.kill("kid1")
     report = await rt.reconcile(set(rt._sandboxes))
     assert report == {"killed": [], "removed": []}

@@ -122,8 +122,35 @@ def test_thousands_of_runs_cross_the_per_call_batch(tmp_path: Path) -> None:
         runs = memlayer.private_runs(os.getpid(), where)
         assert len(runs) == 1500 and all(count == 1 for _, count in runs)
         data = memlayer.read_pages(os.getpid(), where, runs)
-        assert [int.from_bytes(data[i * PAGE : i * PAGE + 4], "little") for i in range(1500)] == list(range(0, n, 2))
+        assert [int.from_bytes(data[i * PAGE : i * PAGE + 4], "little") for i in range(1500)] == list(
+            range(0, n, 2)
+        )
         memlayer.write_pages(os.getpid(), where, runs, bytes(PAGE) * 1500)  # writes batch the same way
         assert m[2 * PAGE : 2 * PAGE + 4] == b"\0\0\0\0"
     finally:
         m.close()
+
+
+def test_delta_against_a_parent_chain(tmp_path: Path) -> None:
+    """Child pages identical to the parent's are left out; changed and new ones are kept; a page
+    the parent had changed and the child no longer has reads as the base again."""
+    base = _base(tmp_path)  # page i holds byte i % 251 + 1
+
+    def pages(*items: tuple[int, int]) -> tuple[list[tuple[int, int]], bytes]:
+        return memlayer.runs_of([p for p, _ in items]), b"".join(bytes([v]) * PAGE for _, v in items)
+
+    grand = pages((1, 100), (2, 101), (7, 102))
+    parent_own = pages((2, 110), (3, 111))  # over grand: page 2 changed, page 3 new
+    chain = memlayer.page_map([grand, parent_own])
+    assert sorted(chain) == [1, 2, 3, 7] and chain[2].tobytes() == bytes([110]) * PAGE
+    child = pages((1, 100), (2, 110), (3, 150), (9, 160))  # 1, 2 as in the chain; 7 back to base
+    runs, data = memlayer.delta(*child, chain, base)
+    assert runs == [(3, 1), (7, 1), (9, 1)]
+    assert data[:PAGE] == bytes([150]) * PAGE
+    assert data[PAGE : 2 * PAGE] == bytes([7 % 251 + 1]) * PAGE  # the base page
+    assert data[2 * PAGE :] == bytes([160]) * PAGE
+    # applying chain + delta gives exactly the child's pages (and base elsewhere)
+    result = memlayer.page_map([grand, parent_own, (runs, data)])
+    for page, value in ((1, 100), (2, 110), (3, 150), (9, 160)):
+        assert result[page].tobytes() == bytes([value]) * PAGE
+    assert memlayer.runs_of([]) == [] and memlayer.runs_of([4, 5, 6, 9]) == [(4, 3), (9, 1)]

@@ -184,3 +184,52 @@ def load(path: Path) -> tuple[list[Run], memoryview]:
 
 def pages_of(runs: list[Run]) -> int:
     return sum(c for _, c in runs)
+
+
+# ---- layers on layers ---------------------------------------------------------------------------
+# A snapshot of a VM that was itself restored from a snapshot stores only what changed against that
+# parent: its private pages whose bytes differ from the parent's layers (applied in order over the
+# base RAM), plus pages the parent had changed that now read as the base again. Restoring applies
+# the chain oldest first. Past a chosen depth a snapshot writes all its private pages instead (the
+# chain is compacted into one layer): restores then read fewer files.
+
+
+def page_map(layers: list[tuple[list[Run], bytes | bytearray | memoryview]]) -> dict[int, memoryview]:
+    """Page index -> its bytes after applying ``layers`` in order (later layers win). No copies."""
+    pages: dict[int, memoryview] = {}
+    for runs, data in layers:
+        view = memoryview(data)
+        pos = 0
+        for first, count in runs:
+            for page in range(first, first + count):
+                pages[page] = view[pos : pos + PAGE]
+                pos += PAGE
+    return pages
+
+
+def runs_of(pages: list[int]) -> list[Run]:
+    """Sorted page indexes as runs."""
+    runs: list[Run] = []
+    for page in pages:
+        if runs and runs[-1][0] + runs[-1][1] == page:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((page, 1))
+    return runs
+
+
+def delta(
+    runs: list[Run], data: bytes | bytearray, parent: dict[int, memoryview], base: Path
+) -> tuple[list[Run], bytearray]:
+    """The layer that turns ``parent`` (a :func:`page_map` over the base RAM file ``base``) into
+    the RAM whose private pages are ``runs``/``data``: pages whose bytes differ from the parent's,
+    and the parent's pages that are no longer private (they read as ``base`` again)."""
+    current = page_map([(runs, data)])
+    changed = [p for p, view in current.items() if parent.get(p) != view]
+    reverted = [p for p in parent if p not in current]
+    out = bytearray()
+    with base.open("rb") as f:
+        for page in sorted(changed + reverted):
+            view = current.get(page)
+            out += view if view is not None else os.pread(f.fileno(), PAGE, page * PAGE)
+    return runs_of(sorted(changed + reverted)), out

@@ -66,6 +66,10 @@ FULL_STATE = "vm.full"  # in a snapshot dir: device state + guest RAM (classic m
 # A layered snapshot (the default for a VM on a frozen RAM file): no RAM stream, but
 DEVICE_STATE = "devices.state"  # device + vCPU state (xen-save-devices-state, ~60 KB)
 MEM_LAYER = "mem.layer"  # the pages the VM changed against its base RAM (memlayer)
+# A snapshot of a VM restored from a snapshot stores mem.<n>.layer: only its changes against the
+# parent's layers (linked in as mem.0 ... mem.<n-1>). At this depth it stores all its pages in one
+# layer again (compaction): deeper chains cost every restore one more file to read and apply.
+MEM_CHAIN_MAX = 8
 BASE_RAM = "base.ram"  # that base RAM (hard link of the template's ram.img: stored once)
 RELEASED_STATE = "released.full"  # in a run dir: a paused sandbox saved to disk, its QEMU ended
 # A released VM on a frozen base RAM is saved layered instead: device state, changed pages, a link
@@ -489,25 +493,39 @@ class VmRuntime:
                     await machine.resume()
         paused_ms = (time.perf_counter() - t0) * 1000
         t1 = time.perf_counter()
+        chain = list(sbx.mem_chain)
+        if len(chain) + 1 > MEM_CHAIN_MAX or not all(p.is_file() for p in chain):
+            chain = []  # compact: this snapshot's layer holds every private page
+        names = [f"mem.{i}.layer" for i in range(len(chain) + 1)]
+        own_bytes = len(pages)
 
         def write_ram() -> None:
-            memlayer.save(into / MEM_LAYER, runs, pages)
+            nonlocal own_bytes
+            own_runs, own = runs, pages
+            if chain:
+                parent = memlayer.page_map([memlayer.load(p) for p in chain])
+                own_runs, own = memlayer.delta(runs, pages, parent, sbx.base_ram)  # type: ignore[arg-type]
+            for src, name in zip(chain, names, strict=False):
+                _link_or_copy(src, into / name)
+            memlayer.save(into / names[-1], own_runs, own)
+            own_bytes = len(own)
             _link_or_copy(sbx.ram_image, into / BASE_RAM)  # type: ignore[arg-type]
 
         # The VM runs on meanwhile; RAM layer and disk flatten are independent files.
         await asyncio.gather(asyncio.to_thread(write_ram), disk.flatten_onto(frozen_top, tpl.disk, into / SNAP_DISK))
         steps["files_ms"] = (time.perf_counter() - t1) * 1000
         log.info(
-            "sandbox %s: snapshot into %s (paused %.1f ms, %.1f MB of changed RAM in %d runs; %s)",
-            sandbox_id, into, paused_ms, len(pages) / 1e6, len(runs),
-            ", ".join(f"{k} {v:.1f}" for k, v in steps.items()),
+            "sandbox %s: snapshot into %s (paused %.1f ms; %.1f MB private RAM in %d runs, %.1f MB new "
+            "in layer %d; %s)", sandbox_id, into, paused_ms, len(pages) / 1e6, len(runs), own_bytes / 1e6,
+            len(chain), ", ".join(f"{k} {v:.1f}" for k, v in steps.items()),
         )  # fmt: skip
         return SnapshotResult(
             mode="full",
-            layers=(SNAP_DISK, DEVICE_STATE, MEM_LAYER, BASE_RAM),
+            layers=(SNAP_DISK, DEVICE_STATE, *names, BASE_RAM),
             data={
                 "template_key": tpl.key, "format": "layered", "ram_id": sbx.base_ram.name.removesuffix(".mem"),
-                "paused_ms": round(paused_ms, 1), "ram_layer_bytes": len(pages), "sandbox_id": sandbox_id,
+                "mem_layers": names, "paused_ms": round(paused_ms, 1), "ram_layer_bytes": own_bytes,
+                "sandbox_id": sandbox_id,
             },
         )  # fmt: skip
 
@@ -593,8 +611,9 @@ class VmRuntime:
                 machine = await Machine.spawn(cfg, stderr_path=run_paths(run_dir)["stderr"])
                 sbx = VmSandbox(sid, machine, run_dir, key)
                 sbx.base_ram, sbx.ram_image = ram, snapshot / BASE_RAM
-                runs, pages = await asyncio.to_thread(memlayer.load, snapshot / MEM_LAYER)
-                await asyncio.to_thread(memlayer.write_pages, machine.pid, machine.ram_mapping(), runs, pages)
+                sbx.mem_chain = await asyncio.to_thread(
+                    _apply_layers, machine, snapshot, list(result.data.get("mem_layers") or [MEM_LAYER]), run_dir
+                )
                 await machine.restore(snapshot / DEVICE_STATE)
             else:
                 # Fresh, empty RAM file: a full migration skips zero pages, so the target must read
@@ -814,7 +833,8 @@ class VmRuntime:
             size = memlayer.save(layer, runs, memlayer.read_pages(machine.pid, where, runs))
             _link_or_copy(sbx.ram_image, base)  # type: ignore[arg-type]
             tmp = rel.marker.with_name(f".{rel.marker.name}.tmp")
-            tmp.write_text(json.dumps({"ram_id": sbx.base_ram.name.removesuffix(".mem")}))  # type: ignore[union-attr]
+            marker = {"ram_id": sbx.base_ram.name.removesuffix(".mem"), "mem_chain": [p.name for p in sbx.mem_chain]}  # type: ignore[union-attr]
+            tmp.write_text(json.dumps(marker))
             os.rename(tmp, rel.marker)
             return size + devices.stat().st_size
 
@@ -836,7 +856,8 @@ class VmRuntime:
         keep = [*rel.run_dir.glob("root*.qcow2"), *(p for p in rel.files() if p.exists())]
         if rel.marker.is_file():
             devices, layer, base_image = (rel.run_dir / n for n in _RELEASED_FILES)
-            ram_id = str(json.loads(rel.marker.read_text())["ram_id"])
+            marker = json.loads(rel.marker.read_text())
+            ram_id = str(marker["ram_id"])
             ram = await self._frozen_ram(ram_id, base_image)
             cfg = replace(base, mem_path=ram, send_configuration=False, drives=drives)
             machine = await Machine.spawn(cfg, stderr_path=run_paths(rel.run_dir)["stderr"])
@@ -850,6 +871,7 @@ class VmRuntime:
             sbx = VmSandbox(rel.name, machine, rel.run_dir, rel.template_key)
             # The base image stays linked in the run dir while this VM maps its RAM.
             sbx.base_ram, sbx.ram_image = ram, base_image
+            sbx.mem_chain = [rel.run_dir / str(n) for n in marker.get("mem_chain") or []]
         else:
             mem = self.shm_dir / f"sbx-{sandbox_id}.mem"
             with contextlib.suppress(FileNotFoundError):
@@ -994,6 +1016,7 @@ class VmRuntime:
         sbx.restored = True
         if data.get("base_ram") and data.get("ram_image"):
             sbx.base_ram, sbx.ram_image = Path(data["base_ram"]), Path(data["ram_image"])
+            sbx.mem_chain = [Path(p) for p in data.get("mem_chain") or []]
         # Disk checkpoints of earlier snapshots stacked root.N.qcow2 overlays; QEMU writes the top one.
         sbx.disk_generation = _disk_generation(run_dir)
         self._sandboxes[sandbox_id] = sbx
@@ -1129,6 +1152,20 @@ async def _envd_raw(
         k, _, v = ln.partition(":")
         headers[k.strip().lower()] = v.strip()
     return status, headers, rest
+
+
+def _apply_layers(machine: Machine, snapshot: Path, names: list[str], run_dir: Path) -> list[Path]:
+    """Write a snapshot's RAM layers, oldest first, into a waiting QEMU; link them into the run dir
+    (the VM's parent chain for its own snapshots, kept even if the snapshot is deleted)."""
+    where = machine.ram_mapping()
+    chain = []
+    for i, name in enumerate(names):
+        runs, pages = memlayer.load(snapshot / name)
+        memlayer.write_pages(machine.pid, where, runs, pages)
+        link = run_dir / f"mem.{i}.layer"
+        _link_or_copy(snapshot / name, link)
+        chain.append(link)
+    return chain
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:

@@ -88,6 +88,9 @@ class VmSandbox:
         # RAM file (restored from a full save), and a snapshot must stream all of it.
         self.base_ram: Path | None = None
         self.ram_image: Path | None = None
+        # The RAM layers (oldest first, links in the run dir) this VM was restored from: the parent
+        # a later snapshot stores its changes against. Empty: restored from the template itself.
+        self.mem_chain: list[Path] = []
         self._closed = False
 
     async def session(self) -> MuxSession:
@@ -162,6 +165,7 @@ class VmSandbox:
             "config": config_to_json(cfg),
             "base_ram": str(self.base_ram) if self.base_ram else None,
             "ram_image": str(self.ram_image) if self.ram_image else None,
+            "mem_chain": [str(p) for p in self.mem_chain],
         }
 
     async def aclose(self, extra_dir: Path | None = None) -> None:
