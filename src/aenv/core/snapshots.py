@@ -590,10 +590,12 @@ def _short(exc: BaseException) -> str:
 
 
 def _du(path: Path) -> int:
+    """Disk used by a snapshot directory. A hard-linked file (a vm snapshot's base RAM, shared with
+    its template and every other snapshot of it; parent RAM layers) counts its share only."""
     total = 0
     for p in path.rglob("*"):
         with contextlib.suppress(OSError):
             st = p.lstat()
-            total += st.st_blocks * 512
+            total += st.st_blocks * 512 // max(1, st.st_nlink)
     return total
 
