@@ -246,8 +246,6 @@ def _server(runtime: str, url: str | None, run: dict[str, Any]) -> Iterator[tupl
         yield url.rstrip("/"), Path(env_state) if env_state else None
         return
     extra = {"AENV_POOL_SIZE": "4"}
-    if runtime == "vm":
-        extra["AENV_VM_EXPERIMENTAL"] = "1"
     tmp = Path(tempfile.mkdtemp(prefix="aenv-bench-"))
     server = start_server(tmp, runtime, extra)
     try:
@@ -263,7 +261,7 @@ def _server(runtime: str, url: str | None, run: dict[str, Any]) -> Iterator[tupl
 
 
 def _remove_vm_shm(state_dir: Path) -> None:
-    """The vm runtime keeps template RAM in ``/dev/shm/aenv-<hash of state dir>`` across restarts (512 MB
+    """The vm runtime keeps template RAM in ``/dev/shm/aenv-<hash of state dir>`` (a ramfs inside) across restarts (512 MB
     each); a bench server's state dir is thrown away, so its RAM files go too — only if the directory
     says it belongs to that state dir."""
     import hashlib
@@ -271,14 +269,15 @@ def _remove_vm_shm(state_dir: Path) -> None:
     shm = Path("/dev/shm") / f"aenv-{hashlib.sha256(str(state_dir).encode()).hexdigest()[:10]}"
     with contextlib.suppress(OSError):
         if (shm / ".state-dir").read_text().strip() == str(state_dir):
-            shutil.rmtree(shm, ignore_errors=True)
+            from aenv.runtime.vm.frozen import remove_tree
+
+            remove_tree(shm)  # unmounts its frozen-RAM ramfs too
 
 
 def _vm_unusable() -> str | None:
     from aenv.config import load_settings
-    from aenv.runtime.vm.runtime import EXPERIMENTAL_ENV, unavailable_reason
+    from aenv.runtime.vm.runtime import unavailable_reason
 
-    os.environ.setdefault(EXPERIMENTAL_ENV, "1")  # --runtime vm is the explicit opt-in
     return unavailable_reason(load_settings())
 
 

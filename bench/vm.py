@@ -28,10 +28,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from aenv.runtime.vm.frozen import remove_tree
 from aenv.testing.server import API_KEY, Server, start_server, stop_server
 from bench.density import pss_kb, vm_pids
-
-ENV = {"AENV_VM_EXPERIMENTAL": "1"}
 
 
 def _stats(samples: list[float]) -> dict[str, Any]:
@@ -108,7 +107,7 @@ def run(smoke: bool) -> dict[str, Any]:
     r = res["results"]
     srv: Server | None = None
     try:
-        srv = start_server(tmp, "vm", extra_env={**ENV, "AENV_POOL_SIZE": "1"})
+        srv = start_server(tmp, "vm", extra_env={"AENV_POOL_SIZE": "1"})
         _sdk_env(srv)
         t0 = time.perf_counter()
         Sandbox.create("base", timeout=300).kill()  # builds the template snapshot
@@ -130,7 +129,7 @@ def run(smoke: bool) -> dict[str, Any]:
             s.kill()
         stop_server(srv)
 
-        srv = start_server(tmp, "vm", extra_env={**ENV, "AENV_POOL_SIZE": "0"})  # same state: template reused
+        srv = start_server(tmp, "vm", extra_env={"AENV_POOL_SIZE": "0"})  # same state: template reused
         _sdk_env(srv)
         r["create_first_command_cold_ms"] = _stats(_create_first_command(n, pause_between=1.0))
         stop_server(srv)
@@ -149,7 +148,7 @@ def run(smoke: bool) -> dict[str, Any]:
             stop_server(srv)
         _kill_qemu_of(state)
         digest = hashlib.sha256(str(state.absolute()).encode()).hexdigest()[:10]
-        shutil.rmtree(Path("/dev/shm") / f"aenv-{digest}", ignore_errors=True)
+        remove_tree(Path("/dev/shm") / f"aenv-{digest}")
         shutil.rmtree(tmp, ignore_errors=True)
     res["meta"]["loadavg_end"] = os.getloadavg()
     return res

@@ -41,7 +41,9 @@ class Settings(BaseModel):
     cache_dir: Path = Field(default_factory=default_cache_dir, description="rebuildable artefacts")
     host: str = Field("127.0.0.1", description="bind address; anything else without api_keys is loudly warned")
     port: int = Field(8000, ge=0, le=65535)
-    runtime: Literal["ns", "vm", "auto"] = Field("auto", description="sandbox runtime")
+    runtime: Literal["ns", "vm", "auto"] = Field(
+        "auto", description="sandbox runtime: ns, vm, or auto (vm where the host has hardware KVM, else ns)"
+    )
     default_timeout: int = Field(300, gt=0, description="sandbox TTL in seconds when the client gives none")
     max_timeout: int = Field(86400, gt=0, description="largest TTL a client may ask for, seconds")
     api_keys: list[str] = Field(default_factory=list, description="accepted X-API-KEY values; empty = no auth")

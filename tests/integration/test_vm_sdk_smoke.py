@@ -24,7 +24,6 @@ from aenv.runtime.vm.frozen import remove_tree
 from aenv.testing.server import API_KEY, Server, start_server, stop_server
 
 ENV = {
-    "AENV_VM_EXPERIMENTAL": "1",
     "AENV_POOL_SIZE": "1",
     "AENV_VM_RELEASE_PAUSED_AFTER": "0",
 }
@@ -33,17 +32,9 @@ ENV = {
 def _unavailable() -> str | None:
     if os.geteuid() != 0:
         return "the vm runtime needs root"
-    from aenv.runtime.vm.runtime import EXPERIMENTAL_ENV, unavailable_reason
+    from aenv.runtime.vm.runtime import unavailable_reason
 
-    old = os.environ.get(EXPERIMENTAL_ENV)
-    os.environ[EXPERIMENTAL_ENV] = "1"
-    try:
-        return unavailable_reason(Settings())
-    finally:
-        if old is None:
-            os.environ.pop(EXPERIMENTAL_ENV, None)
-        else:
-            os.environ[EXPERIMENTAL_ENV] = old
+    return unavailable_reason(Settings())
 
 
 _reason = _unavailable()

@@ -36,9 +36,10 @@ def _disk_quota(settings: Settings) -> str:
 
 
 def collect(settings: Settings) -> dict[str, Any]:
-    from aenv.runtime.select import vm_unavailable_reason
+    from aenv.runtime.select import auto_choice, vm_unavailable_reason
 
     vm_reason = vm_unavailable_reason(settings)
+    auto, auto_why = auto_choice(settings)
     report: dict[str, Any] = {
         "kernel": os.uname().release,
         "root": os.geteuid() == 0,
@@ -46,7 +47,7 @@ def collect(settings: Settings) -> dict[str, Any]:
         "overlayfs": "yes" if "overlay" in Path("/proc/filesystems").read_text() else "no",
         "ns runtime": "usable" if os.geteuid() == 0 else "needs root",
         "vm runtime": "usable" if vm_reason is None else f"unavailable: {vm_reason}",
-        "auto picks": "vm" if vm_reason is None else "ns",
+        "auto picks": f"{auto}: {auto_why}",
         "qemu": shutil.which("qemu-system-x86_64") or "absent",
         "criu": _criu(),
         "ns disk quota": _disk_quota(settings),

@@ -59,7 +59,6 @@ from .sandbox import ENVD_PORT, VmSandbox, child_config, host_facts, run_paths
 
 log = logging.getLogger("aenv.runtime.vm")
 
-EXPERIMENTAL_ENV = "AENV_VM_EXPERIMENTAL"
 OWNER_FILE = ".state-dir"
 SNAP_DISK = "disk.qcow2"  # in a snapshot dir: the root disk, flattened onto the template disk
 FULL_STATE = "vm.full"  # in a snapshot dir: device state + guest RAM (classic migration stream)
@@ -92,8 +91,6 @@ def unavailable_reason(settings: Settings) -> str | None:
         return "/dev/shm missing"
     if find_kernel(settings.cache_dir) is None and not SOURCE_TARBALL.is_file():
         return "no guest kernel and no linux-source-6.1 to build one"
-    if os.environ.get(EXPERIMENTAL_ENV) != "1":
-        return f"VM runtime is still incomplete; set {EXPERIMENTAL_ENV}=1 to use it"
     return None
 
 
