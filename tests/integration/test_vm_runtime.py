@@ -234,7 +234,9 @@ async def test_snapshot_fork_rollback(make_runtime: Callable[[], VmRuntime], tmp
     tpl = _template(tmp_path)
     await rt.create(_spec(tmp_path, "src", tpl))
     src = rt.sandbox("src")
-    code, marker, _ = await run_cmd(rt, "src", "echo ram-$$-$RANDOM > /dev/shm/m; sleep 1000 & cat /dev/shm/m")
+    code, marker, _ = await run_cmd(
+        rt, "src", "echo ram-$$-$RANDOM > /dev/shm/m; sleep 1000 & cat /dev/shm/m"
+    )
     assert code == 0 and marker.startswith("ram-")
     snap = tmp_path / "snap1"
     t0 = time.perf_counter()
@@ -256,7 +258,9 @@ async def test_snapshot_fork_rollback(make_runtime: Callable[[], VmRuntime], tmp
     await run_cmd(rt, "src", "echo after-snapshot > /dev/shm/m")  # the source keeps running
 
     t0 = time.perf_counter()
-    _, states = await rt.fork("src", [_spec(tmp_path, f"kid{i}", tpl) for i in range(2)], tmp_path / "scratch")
+    _, states = await rt.fork(
+        "src", [_spec(tmp_path, f"kid{i}", tpl) for i in range(2)], tmp_path / "scratch"
+    )
     print(f"[vm-rt] fork into 2 children {(time.perf_counter() - t0) * 1000:.0f} ms")
     assert all(not isinstance(s, BaseException) for s in states), states
     assert src.disk_generation == 2
@@ -272,7 +276,9 @@ async def test_snapshot_fork_rollback(make_runtime: Callable[[], VmRuntime], tmp
     assert kid_snap.data["mem_layers"] == ["mem.0.layer", "mem.1.layer"]
     assert os.path.samefile(tmp_path / "snap-kid" / "mem.0.layer", tmp_path / "scratch" / "mem.0.layer")
     own, parent = ((tmp_path / "snap-kid" / f"mem.{i}.layer").stat().st_size for i in (1, 0))
-    print(f"[vm-rt] child snapshot: own layer {own / 2**20:.1f} MiB over its parent's {parent / 2**20:.1f} MiB")
+    print(
+        f"[vm-rt] child snapshot: own layer {own / 2**20:.1f} MiB over its parent's {parent / 2**20:.1f} MiB"
+    )
     assert own < parent
 
     t0 = time.perf_counter()

@@ -83,6 +83,7 @@ class VmSandbox:
         self.host_facts = ""  # envd's answer to the last clock/RNG refresh, e.g. "hostTime=set,seed=write+addentropy+reseed"
         self.disk_generation = 0  # root overlays stacked by snapshots: root.qcow2, root.1.qcow2, ...
         self.channel_timeout = 180.0  # a booting guest needs seconds under TCG to open its port
+        self.first_ping = 1.5  # a new session's PING is answered in ms (a cold restore: ~100s of ms)
         # Layered RAM (memlayer): the frozen file this VM maps share=off, and the on-disk image of
         # the same contents (a template's ram.img or a snapshot's base RAM). None: the VM owns its
         # RAM file (restored from a full save), and a snapshot must stream all of it.
@@ -97,14 +98,37 @@ class VmSandbox:
         """The live mux session, reconnecting if the previous one ended."""
         async with self._session_lock:
             if self._session is None or self._session.closed:
-                await self.machine.wait_guest_channel(self.channel_timeout)
-                reader, writer = await self.machine.open_channel()
-                # The guest applies the HELLO's clock and seed before it serves any stream of this
-                # session (agent.channel.apply_host_facts): a resume needs no request of its own.
-                self._session = await MuxSession(
-                    reader, writer, name=f"vm-{self.name}", hello_extra=json.dumps(host_facts()).encode()
-                ).start()
+                self._session = await self._connect()
             return self._session
+
+    async def _connect(self) -> MuxSession:
+        """A new session whose guest end has answered a PING.
+
+        QEMU's virtio-serial port stops passing guest data for good (``throttled``) when the guest
+        writes in the moment after the host left: a write that fails on the closed socket throttles
+        the port, and a new connection does not unthrottle it; only the host closing again does.
+        That happens whenever the guest answers something while a pause, a server stop or a dropped
+        session disconnects (seen: 2 in 25 resumes hung 10 s). So a session that cannot get a PONG
+        within ``first_ping`` is closed and opened once more, which also gives an agent reader stuck
+        mid-frame a fresh start (agent.channel.SerialReaders)."""
+        for attempt, wait in enumerate((self.first_ping, self.channel_timeout)):
+            await self.machine.wait_guest_channel(self.channel_timeout)
+            reader, writer = await self.machine.open_channel()
+            # The guest applies the HELLO's clock and seed before it serves any stream of this
+            # session (agent.channel.apply_host_facts): a resume needs no request of its own.
+            session = await MuxSession(
+                reader, writer, name=f"vm-{self.name}", hello_extra=json.dumps(host_facts()).encode()
+            ).start()
+            try:
+                await session.ping(timeout=wait)
+                return session
+            except (TimeoutError, MuxError) as exc:
+                await session.aclose()
+                if attempt:
+                    raise
+                log.warning("vm %s: guest did not answer a new session in %.1f s (%r); reconnecting",
+                            self.name, wait, exc)  # fmt: skip
+        raise AssertionError("unreachable")
 
     async def open_stream(self, port: int, timeout: float = 10.0) -> MuxStream:
         s = await self.session()
