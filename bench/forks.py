@@ -40,6 +40,7 @@ def snapshot_dirty(ctx: Ctx) -> dict[str, Any]:
     """Snapshot (mode filesystem) of a sandbox with 0/10/100 MB written vs `docker commit`."""
     reps = ctx.n(1, 5, vm=3)
     ours: dict[int, list[float]] = {mb: [] for mb in DIRTY_MB}
+    paused: dict[int, list[float]] = {mb: [] for mb in DIRTY_MB}
     theirs: dict[int, list[float]] = {mb: [] for mb in DIRTY_MB}
     sizes: dict[int, float] = {}
     for i in range(reps):
@@ -49,6 +50,7 @@ def snapshot_dirty(ctx: Ctx) -> dict[str, Any]:
                 if who == "aenv":
                     r = snapshots.scenario_snapshot_dirty(ctx.client, [size], 1)[f"{size} MB"]
                     ours[size].append(r["p50_ms"])
+                    paused[size] += r.get("paused", [])
                     sizes[size] = r["snapshot_mb"]
                 elif (docker := ctx.heavy_docker()) is not None:
                     theirs[size].append(_docker_commit_dirty(docker, size))
@@ -56,6 +58,9 @@ def snapshot_dirty(ctx: Ctx) -> dict[str, Any]:
     for mb in DIRTY_MB:
         rows.append(row(f"snapshot, {mb} MB dirty", ctx.system, ours[mb],
                         note=f"mode filesystem, snapshot {sizes.get(mb, 0)} MB"))
+        if paused[mb]:
+            rows.append(row(f"snapshot, {mb} MB dirty: sandbox stopped for", ctx.system, paused[mb],
+                            note="`pausedMs` of the snapshot: vCPUs stopped until they run again"))
         if theirs[mb]:
             rows.append(row(f"snapshot, {mb} MB dirty", "docker", theirs[mb], note="`docker commit`"))
     return scenario("snapshot latency against dirty data", rows)

@@ -84,6 +84,7 @@ def scenario_snapshot_dirty(client: AenvClient, sizes_mb: list[int], reps: int) 
     out: dict[str, Any] = {}
     for mb in sizes_mb:
         lat: list[float] = []
+        paused: list[float] = []
         size = 0
         for _ in range(reps):
             sbx = Sandbox.create("base", timeout=600)
@@ -94,10 +95,12 @@ def scenario_snapshot_dirty(client: AenvClient, sizes_mb: list[int], reps: int) 
                 snap = client.snapshot(sbx.sandbox_id, mode="filesystem")
                 lat.append(_ms(t0))
                 size = snap.size_bytes
+                if snap.paused_ms is not None:
+                    paused.append(snap.paused_ms)
             finally:
                 sbx.kill()
             client.delete_snapshot(snap.snapshot_id)
-        out[f"{mb} MB"] = {**_summary(lat), "snapshot_mb": round(size / 1e6, 1)}
+        out[f"{mb} MB"] = {**_summary(lat), "snapshot_mb": round(size / 1e6, 1), "paused": paused}
     return out
 
 

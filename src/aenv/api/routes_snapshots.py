@@ -47,6 +47,9 @@ def snapshot_json(row: SnapshotRow, orch: Orchestrator, detail: bool = False) ->
         "createdAt": iso(row.created_at),
         "sizeBytes": row.size_bytes,
     }
+    paused = (row.result or {}).get("data", {}).get("paused_ms")
+    if isinstance(paused, (int, float)):
+        out["pausedMs"] = paused  # aenv: how long the sandbox was stopped to take it
     if detail:
         flows = orch.snapshots
         out["children"] = flows.children(row.id)

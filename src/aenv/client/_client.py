@@ -25,13 +25,16 @@ class Snapshot:
     names: list[str] = field(default_factory=list)
     size_bytes: int = 0
     created_at: str = ""
+    paused_ms: float | None = None  # how long the sandbox was stopped to take it (when the runtime says)
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Snapshot:
+        paused = d.get("pausedMs")
         return cls(snapshot_id=d["snapshotID"], mode=d["mode"], sandbox_id=d.get("sandboxID"),
                    parent_id=d.get("parentID"), names=list(d.get("names") or []),
-                   size_bytes=int(d.get("sizeBytes") or 0), created_at=d.get("createdAt", ""), raw=d)
+                   size_bytes=int(d.get("sizeBytes") or 0), created_at=d.get("createdAt", ""),
+                   paused_ms=float(paused) if isinstance(paused, (int, float)) else None, raw=d)
 
 
 @dataclass(frozen=True)

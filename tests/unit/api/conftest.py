@@ -72,7 +72,8 @@ class FakeRuntime:
         self.calls.append(("snapshot", sandbox_id))
         got = mode if mode in self.modes else "filesystem"
         (into / "state").write_text(f"{sandbox_id}:{got}")
-        return SnapshotResult(mode=got, layers=("state",))
+        data = {"paused_ms": 1.5} if got == "full" else {}  # the vm runtime reports how long it stopped
+        return SnapshotResult(mode=got, layers=("state",), data=data)
 
     async def create_from_snapshot(self, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
         self.calls.append(("restore", spec.sandbox_id))

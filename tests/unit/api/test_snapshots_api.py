@@ -17,8 +17,10 @@ def test_snapshot_lineage_and_start_from_snapshot(client: TestClient, runtime: F
     sid = _create(client)
     s1 = client.post(f"/sandboxes/{sid}/snapshots", json={"name": "step-1"}).json()
     assert s1["names"] == ["step-1"] and s1["mode"] == "full" and s1["parentID"] is None
+    assert s1["pausedMs"] == 1.5  # what the runtime reported, when it did
     s2 = client.post(f"/sandboxes/{sid}/snapshots", json={"memory": False}).json()
     assert s2["mode"] == "filesystem" and s2["parentID"] == s1["snapshotID"]
+    assert "pausedMs" not in s2
     detail = client.get(f"/snapshots/{s2['snapshotID']}").json()
     assert detail["lineage"] == [s2["snapshotID"], s1["snapshotID"]]
     assert client.get(f"/snapshots/{s1['snapshotID']}").json()["children"] == [s2["snapshotID"]]

@@ -25,6 +25,7 @@ def test_snapshot_fork_rollback_delete(client: TestClient, runtime: FakeRuntime,
     sid = _sandbox(client)
     snap = aenv_client.snapshot(sid, name="n1", mode="filesystem")
     assert snap.mode == "filesystem" and snap.sandbox_id == sid and snap.names == ["n1"]
+    assert snap.paused_ms is None  # the runtime reported no stop for a filesystem snapshot
     assert [s.snapshot_id for s in aenv_client.list_snapshots(sandbox_id=sid)] == [snap.snapshot_id]
     assert aenv_client.get_snapshot(snap.snapshot_id).snapshot_id == snap.snapshot_id
     fork = aenv_client.fork(sid, 3)
@@ -51,3 +52,8 @@ def test_unreachable() -> None:
 
     with AenvClient("http://127.0.0.1:1", transport=httpx.MockTransport(refuse)) as c, pytest.raises(ServerUnreachable):
         c.list_snapshots()
+
+
+def test_snapshot_reports_how_long_the_sandbox_was_stopped(client: TestClient, aenv_client: AenvClient) -> None:
+    snap = aenv_client.snapshot(_sandbox(client))  # full: the fake runtime says 1.5 ms
+    assert snap.paused_ms == 1.5 and aenv_client.get_snapshot(snap.snapshot_id).paused_ms == 1.5
