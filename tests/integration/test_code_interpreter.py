@@ -47,7 +47,9 @@ def sbx(e2b_env: dict[str, str], interpreter_template: str) -> Iterator[Any]:
     from e2b import SandboxException
     from e2b_code_interpreter import Sandbox
 
-    sandbox = Sandbox.create(interpreter_template, timeout=600)
+    # vm: the first sandbox of a template boots and snapshots it once its service listens (~1-2 min
+    # under TCG); the SDK's default 60 s request timeout is for creates, not for that build.
+    sandbox = Sandbox.create(interpreter_template, timeout=600, request_timeout=900)
     yield sandbox
     with contextlib.suppress(SandboxException):
         sandbox.kill()

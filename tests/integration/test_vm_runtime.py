@@ -115,7 +115,12 @@ def _template(tmp_path: Path) -> TemplateImage:
     """The same rootfs path for every test (it is part of the template key)."""
     if not _ROOTFS:
         _ROOTFS.append(_busybox_rootfs(tmp_path / "rootfs"))
-    return TemplateImage("busybox", _ROOTFS[0], env={"FROM_TEMPLATE": "1"})
+    return TemplateImage(
+        "busybox",
+        _ROOTFS[0],
+        env={"FROM_TEMPLATE": "1"},
+        start_cmd="echo $FROM_TEMPLATE > /tmp/started-by-template",
+    )
 
 
 def _spec(tmp_path: Path, sid: str, template: TemplateImage, **kw: object) -> SandboxSpec:
@@ -153,6 +158,9 @@ async def test_template_create_pause_kill(make_runtime: Callable[[], VmRuntime],
         await _health(runtime, "sbx1")
         print(f"[vm-rt]   /health over the mux {(time.perf_counter() - t1) * 1000:.1f} ms")
     assert state.data["pid"] > 0 and Path(state.data["qmp"]).exists()
+    # the template's image env and start command reach the guest agent (its config disk)
+    _, out, _ = await run_cmd(runtime, "sbx1", "echo $FROM_TEMPLATE; cat /tmp/started-by-template")
+    assert out.split() == ["1", "1"], out
 
     await runtime.pause("sbx1")
     assert await runtime.sandbox("sbx1").machine.status() == "paused"

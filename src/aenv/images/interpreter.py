@@ -54,6 +54,8 @@ SITE_DIR = f"usr/local/lib/python{PYTHON_VERSION}/dist-packages"
 SERVICE_PACKAGE = "aenv_interpreter"
 SERVICE_LOG = "/var/log/aenv-interpreter.log"
 START_CMD = f"exec python3 -m {SERVICE_PACKAGE} --port 49999 --user user --log {SERVICE_LOG}"
+# Listening on its port: a vm template is snapshotted only then (runtime/vm/template.wait_ready).
+READY_CMD = "python3 -c \"import socket; socket.create_connection(('127.0.0.1', 49999), 1)\""
 PIP_TIMEOUT = 900
 
 Log = Callable[[str], None]
@@ -298,7 +300,7 @@ def register_interpreter_template(catalog: TemplateCatalog, layers: InterpreterL
         kind="bootstrap",
         rootfs=layers.base,
         lowers=layers.lowers,
-        config={"start_cmd": START_CMD},
+        config={"start_cmd": START_CMD, "ready_cmd": READY_CMD},
         source="aenv:code-interpreter (ipykernel from PyPI)",
         template_id=TEMPLATE_NAME,
         size_bytes=_tree_size(layers.packages),

@@ -97,3 +97,21 @@ async def test_read_response_stops_at_a_complete_answer() -> None:
 async def test_read_response_without_length_reads_to_eof() -> None:
     s = FakeStream(b"HTTP/1.1 200 OK\r\nServer: x\r\n\r\nall of it")
     assert await read_response(s) == (200, b"all of it")
+
+
+def test_exit_code_and_dechunk() -> None:
+    import json
+
+    from aenv.runtime.ns.envd_client import dechunk, exit_code, process_body
+
+    def env(msg: dict[str, object], flags: int = 0) -> bytes:
+        raw = json.dumps(msg).encode()
+        return bytes([flags]) + len(raw).to_bytes(4, "big") + raw
+
+    body = env({"event": {"start": {"pid": 7}}}) + env({"event": {"end": {"exitCode": 3}}}) + env({}, flags=2)
+    assert exit_code(body) == 3
+    assert exit_code(env({"event": {"end": {}}})) == 0  # proto3 JSON omits a zero exit code
+    assert exit_code(env({"event": {"start": {"pid": 7}}})) is None  # no end event yet
+    chunked = b"".join(f"{len(p):x}\r\n".encode() + p + b"\r\n" for p in (body[:10], body[10:])) + b"0\r\n\r\n"
+    assert dechunk(chunked) == body
+    assert process_body("/bin/sh", ["-c", "true"])[5:] == b'{"process": {"cmd": "/bin/sh", "args": ["-c", "true"]}}'

@@ -82,3 +82,10 @@ def test_config_disk_bytes_roundtrip_through_sh(tmp_path: Path) -> None:
     assert out.split(b"\0")[:-1] == [a.encode() for a in args]
     with pytest.raises(initramfs.InitramfsError):
         initramfs.config_disk_bytes(["a\0b"])
+
+
+def test_init_reads_the_config_disk_before_moving_sys_and_dev() -> None:
+    """The config disk is found through /sys/block; once /sys moves into the new root it is gone
+    (this once silently dropped every template's env and start command)."""
+    script = initramfs.render_init(["/agent", initramfs.PORT_PLACEHOLDER])
+    assert script.index("disk config") < script.index('mount --move "/$d"')

@@ -118,10 +118,72 @@ def as_user(user: str) -> dict[str, str]:
     return {"Authorization": "Basic " + base64.b64encode(f"{user}:".encode()).decode()}
 
 
+def process_body(cmd: str, args: list[str]) -> bytes:
+    """The Connect envelope (flags 0, 4-byte length) of ``Process.Start`` of ``cmd args``."""
+    msg = json.dumps({"process": {"cmd": cmd, "args": args}}).encode()
+    return len(msg).to_bytes(5, "big") + msg
+
+
 def first_call_body() -> bytes:
     """The Connect envelope of ``Process.Start`` of ``bash -l -c true``: the SDK's first call."""
-    msg = json.dumps({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "true"]}}).encode()
-    return len(msg).to_bytes(5, "big") + msg  # Connect envelope: flags 0, 4-byte length
+    return process_body("/bin/bash", ["-l", "-c", "true"])
+
+
+def dechunk(body: bytes) -> bytes:
+    """The payload of a ``Transfer-Encoding: chunked`` body (what arrived of it)."""
+    out = bytearray()
+    while body:
+        size_line, sep, rest = body.partition(b"\r\n")
+        if not sep:
+            break
+        try:
+            size = int(size_line.split(b";")[0], 16)
+        except ValueError:
+            break
+        if size == 0:
+            break
+        out += rest[:size]
+        body = rest[size + 2 :]
+    return bytes(out)
+
+
+async def run_process(stream: _Stream, cmd: str, args: list[str], user: str = "root") -> int | None:
+    """Run ``cmd args`` through envd's ``Process.Start`` on ``stream`` and wait for its end: the
+    exit code, or None if the answer had no end event (envd refused or the stream broke)."""
+    request = build_request("POST", "/process.Process/Start", process_body(cmd, args), as_user(user), CONNECT_JSON)
+    try:
+        await stream.write(request)
+        raw = b""
+        while len(raw) <= _MAX_RESPONSE and (chunk := await stream.read(65536)):
+            raw += chunk
+    finally:
+        await stream.aclose()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    if len(lines[0].split()) < 2 or lines[0].split()[1] != b"200":
+        return None
+    chunked = any(
+        ln.lower().startswith(b"transfer-encoding:") and b"chunked" in ln.lower() for ln in lines[1:]
+    )
+    return exit_code(dechunk(body) if chunked else body)
+
+
+def exit_code(stream_body: bytes) -> int | None:
+    """The exit code in a ``Process.Start`` answer (its Connect envelopes, de-chunked), or None
+    when the process's end event is not in it."""
+    code = None
+    pos = 0
+    while pos + 5 <= len(stream_body):
+        size = int.from_bytes(stream_body[pos + 1 : pos + 5], "big")
+        chunk = stream_body[pos + 5 : pos + 5 + size]
+        pos += 5 + size
+        try:
+            end = json.loads(chunk or b"{}").get("event", {}).get("end")
+        except (ValueError, AttributeError):
+            return None
+        if isinstance(end, dict):
+            code = int(end.get("exitCode", 0))
+    return code
 
 
 def warm_up_request(user: str = "user") -> bytes:

@@ -97,6 +97,15 @@ mount -t ext4 -o noatime "$r" /newroot || die "cannot mount root $r"
 t=$(disk tools) || die "no disk with serial 'tools'"
 mkdir -p /newroot/.aenv
 mount -t ext4 -o ro "$t" /newroot/.aenv || die "cannot mount tools $t"
+# Per-template agent arguments (env, default user, start command): a raw disk (serial 'config')
+# holding one shell-quoted line. Read it while /sys and /dev are still here, before they move.
+set --
+if c=$(disk config); then
+    extra=$(tr -d '\000' < "$c")
+    eval "set -- $extra"
+else
+    say "no config disk: the agent starts with its defaults"
+fi
 mkdir -p /dev/pts /dev/shm
 mount -t devpts -o gid=5,mode=620,ptmxmode=666 devpts /dev/pts
 mount -t tmpfs -o mode=1777 shm /dev/shm
@@ -105,12 +114,6 @@ for d in dev proc sys; do
     mount --move "/$d" "/newroot/$d" || die "cannot move /$d"
 done
 mount -t cgroup2 cgroup2 /newroot/sys/fs/cgroup 2>/dev/null
-# Per-template agent arguments: a raw disk (serial 'config') holding one shell-quoted line.
-set --
-if c=$(disk config); then
-    extra=$(tr -d '\000' < "$c")
-    eval "set -- $extra"
-fi
 say "switch_root uptime=$(cut -d' ' -f1 /newroot/proc/uptime)"
 exec switch_root /newroot __AGENT__ "$@"
 """

@@ -42,7 +42,7 @@ from .config import Drive, VmConfig, config_from_json, config_to_json, default_a
 from .frozen import copy_sparse
 from .initramfs import config_disk_bytes
 from .machine import Machine
-from .sandbox import VmSandbox, run_paths
+from .sandbox import ENVD_PORT, VmSandbox, run_paths
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,7 @@ def template_key(
     facts = [
         MANIFEST_VERSION, tpl.template_id, str(tpl.rootfs), [str(p) for p in tpl.lowers], asdict(shape),
         accel.accel, accel.tsc_khz, art.key(), agent_args(tpl), default_append(), list(append),
+        tpl.ready_cmd,  # the snapshot is taken once it passes
     ]  # fmt: skip
     h.update(json.dumps(facts, sort_keys=True, default=str).encode())
     return f"{tpl.template_id[:24]}-{h.hexdigest()[:12]}"
@@ -237,6 +238,8 @@ async def build(
         machine = await Machine.spawn(cfg, stderr_path=run_paths(boot_dir)["stderr"])
         sbx = VmSandbox(cfg.name, machine, boot_dir, key)
         await sbx.wait_envd(boot_timeout)
+        if tpl.ready_cmd:
+            await wait_ready(sbx, tpl.ready_cmd, boot_timeout)
         t_ready = time.perf_counter()
         await sbx.drop_session()
         snap_ms = await machine.snapshot(result.device_state)
@@ -263,6 +266,25 @@ async def build(
         if isinstance(exc, Exception):
             raise TemplateBuildError(f"template {tpl.template_id}: {exc}\nguest console:\n{console}") from exc
         raise
+
+
+async def wait_ready(sbx: VmSandbox, ready_cmd: str, timeout: float) -> None:
+    """Run the template's ready command until it exits 0, before the snapshot is taken. Every
+    sandbox restores the snapshot, so a start command that was still coming up (a code
+    interpreter service: ~40 s under TCG) would come up again, from the same point, in each of
+    them; a ready one is listening in all of them at once."""
+    from aenv.runtime.ns.envd_client import run_process
+
+    last: int | None = None
+    t0 = time.perf_counter()
+    async with asyncio.timeout(timeout):
+        while True:
+            stream = await sbx.open_stream(ENVD_PORT)
+            last = await run_process(stream, "/bin/sh", ["-c", ready_cmd])
+            if last == 0:
+                log.info("template ready command passed after %.1f s", time.perf_counter() - t0)
+                return
+            await asyncio.sleep(0.5)
 
 
 class TemplateBuildError(RuntimeError):
