@@ -2,7 +2,8 @@
 # One entry point for a fresh Debian/Ubuntu machine. Idempotent: every step checks before it acts.
 #
 #   scripts/setup.sh serve [aenv serve options]   set up, then run the server on 127.0.0.1:8000
-#   scripts/setup.sh test  [pytest options]       set up, then run the test suite (default: fast selection)
+#   scripts/setup.sh test  [pytest options]       set up, then run the test suite (default: the fast
+#                                                 selection, then its SDK tests again on the vm runtime)
 #   scripts/setup.sh deps                         set up only
 #
 # Steps: system packages (apt, as root; otherwise prints the exact apt line) → .venv in the repo root →
@@ -85,9 +86,12 @@ case "$mode" in
     exec .venv/bin/aenv serve "$@"
     ;;
   test)
-    say "running the test suite"
-    if [ $# -eq 0 ]; then set -- -m "not slow"; fi
-    exec .venv/bin/python -m pytest "$@"
+    if [ $# -gt 0 ]; then exec .venv/bin/python -m pytest "$@"; fi
+    say "running the test suite (ns runtime for the SDK tests)"
+    .venv/bin/python -m pytest -m "not slow"
+    # The SDK suite once more against the microVM runtime (skips with the reason where it cannot run).
+    say "running the SDK suite on the vm runtime"
+    AENV_TEST_RUNTIME=vm exec .venv/bin/python -m pytest -m "sdk and not slow" tests/integration
     ;;
   deps) ;;
   *) echo "usage: scripts/setup.sh serve|test|deps [args]" >&2; exit 2 ;;

@@ -33,9 +33,23 @@ def runtime_name() -> str:
     return os.environ.get("AENV_TEST_RUNTIME", "ns")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that drive the server (the SDK suite) are marked ``sdk``: CI runs them a second time
+    with ``AENV_TEST_RUNTIME=vm`` (``scripts/setup.sh test``)."""
+    for item in items:
+        if "server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.sdk)
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory, runtime_name: str) -> Iterator[Server]:
     _needs_root()
+    if runtime_name == "vm":
+        from aenv.config import Settings
+        from aenv.runtime.vm.runtime import unavailable_reason
+
+        if (why := unavailable_reason(Settings())) is not None:
+            pytest.skip(f"vm runtime unavailable: {why}")
     srv = start_server(tmp_path_factory.mktemp("aenv-server"), runtime_name)
     yield srv
     # Kill what the session left, then stop the server so it cleans up its runtime.
