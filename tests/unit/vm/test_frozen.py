@@ -56,3 +56,24 @@ def test_store_refuses_hole_punch_where_tmpfs_allows_it(tmp_path: Path) -> None:
 
 def test_remove_tree_of_a_missing_dir_is_a_no_op(tmp_path: Path) -> None:
     frozen.remove_tree(tmp_path / "absent")
+
+
+def test_copy_sparse_keeps_zero_pages_as_holes(tmp_path: Path) -> None:
+    """ramfs says every byte is data; a guest RAM image written from it must not be fully allocated."""
+    shm = Path("/dev/shm") / f"aenv-unit-copy-{os.getpid()}"
+    try:
+        frozen.ensure(shm)
+        src = shm / "ram.mem"
+        with src.open("wb") as f:
+            f.truncate(16 * 2**20)
+            f.seek(5 * 2**20)
+            f.write(b"page" * 1024)
+            f.seek(9 * 2**20)
+            f.write(bytes(2**20))  # explicit zeros: allocated in ramfs, not worth a block on disk
+        out = tmp_path / "ram.img"
+        copied = frozen.copy_sparse(src, out)
+        assert out.read_bytes() == src.read_bytes()
+        assert copied == 64 * 1024 and out.stat().st_blocks * 512 <= 128 * 1024
+        assert frozen.copy_sparse(out, shm / "back.mem") == copied  # and back into the store
+    finally:
+        frozen.remove_tree(shm)

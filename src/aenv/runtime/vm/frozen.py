@@ -32,6 +32,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 RAMFS_MAGIC = 0x858458F6
+_BLOCK = 64 * 1024
+_ZERO = bytes(_BLOCK)
 FS_OPTIONS = "mode=0700"
 
 
@@ -116,8 +118,8 @@ def remove_tree(root: Path) -> None:
 
 
 def copy_sparse(src: Path, dst: Path) -> int:
-    """Copy ``src`` to ``dst`` (atomically) writing only its data ranges (guest RAM files are
-    mostly holes); returns the bytes copied. Used both ways: a template's frozen RAM to its disk
+    """Copy ``src`` to ``dst`` (atomically) writing only its non-zero data (guest RAM files are
+    mostly holes or zero pages); returns the bytes written. Used both ways: a template's frozen RAM to its disk
     image (so snapshots layered on it survive a reboot) and an image back into the store."""
     tmp = dst.with_name(f".{dst.name}.tmp")
     copied = 0
@@ -135,9 +137,15 @@ def copy_sparse(src: Path, dst: Path) -> int:
                 chunk = os.pread(fin.fileno(), min(end - start, 8 * 2**20), start)
                 if not chunk:
                     raise OSError(f"{src}: unexpected end at {start}")
-                os.pwrite(fout.fileno(), chunk, start)
+                # ramfs reports no holes at all, and guest RAM is mostly zero pages: zero blocks
+                # stay holes in the copy (it was truncated to size, so they read as zeros).
+                view = memoryview(chunk)
+                for off in range(0, len(chunk), _BLOCK):
+                    block = view[off : off + _BLOCK]
+                    if block != _ZERO[: len(block)]:
+                        os.pwrite(fout.fileno(), block, start + off)
+                        copied += len(block)
                 start += len(chunk)
-                copied += len(chunk)
             pos = end
     os.rename(tmp, dst)
     return copied
