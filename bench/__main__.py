@@ -31,7 +31,7 @@ from typing import Any
 
 from rich.console import Console
 
-from aenv.testing.server import API_KEY, start_server, stop_server
+from aenv.testing.server import API_KEY, reap_vms, start_server, stop_server
 from bench import core, density, forks, report, rl
 from bench.context import Ctx
 
@@ -253,6 +253,7 @@ def _server(runtime: str, url: str | None, run: dict[str, Any]) -> Iterator[tupl
     finally:
         stop_server(server)
         if runtime == "vm":
+            reap_vms(server.state_dir)
             _remove_vm_shm(server.state_dir)
         if run.get("errors"):
             run["server_log"] = str(server.log_path)

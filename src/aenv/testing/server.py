@@ -88,6 +88,32 @@ def stop_server(server: Server, sig: int = signal.SIGTERM) -> None:
     release_ns_volume(server.state_dir)
 
 
+def reap_vms(state_dir: Path) -> list[int]:
+    """SIGKILL every QEMU that belongs to ``state_dir`` (its run dirs, template RAM or state paths
+    on the command line). VMs outlive their server on purpose (a restart adopts them); a test or
+    bench server whose state is thrown away must not leave them running, and one killed in the
+    middle of a template build or pool refill never got to end them itself."""
+    import hashlib
+
+    from aenv.runtime.vm.runtime import qemu_cmdlines
+
+    state = str(Path(state_dir).absolute())
+    markers = [
+        state.encode(),
+        f"/aenv-{hashlib.sha256(state.encode()).hexdigest()[:10]}/".encode(),  # its template RAM dir
+        f"/aenv-vm-{hashlib.sha256((state + '/vm/run').encode()).hexdigest()[:10]}/".encode(),  # short run root
+    ]
+    killed = []
+    for pid, cmd in qemu_cmdlines().items():
+        if any(m in cmd for m in markers):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+    return killed
+
+
 def _stop(server: Server, sig: int) -> None:
     if server.proc.poll() is None:
         try:

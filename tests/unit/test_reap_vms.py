@@ -1,0 +1,41 @@
+"""Test and bench servers' leftover QEMUs are found by their state dir and killed; others are not."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from aenv.testing.server import reap_vms
+
+
+def _fake_qemu(tmp_path: Path, *args: str) -> subprocess.Popen[bytes]:
+    exe = tmp_path / "qemu-system-x86_64"
+    if not exe.exists():
+        exe.symlink_to("/bin/sh")  # a process whose command line looks like a QEMU's
+    return subprocess.Popen([str(exe), "-c", "sleep 1000; :", "qemu", *args], start_new_session=True)
+
+
+def test_reap_vms_kills_only_the_state_dirs_qemus(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    shm_marker = f"/dev/shm/aenv-{hashlib.sha256(str(state).encode()).hexdigest()[:10]}/frozen/t.mem"
+    mine = [
+        _fake_qemu(tmp_path, f"{state}/vm/run/abc/q.sock"),
+        _fake_qemu(tmp_path, f"mem-path={shm_marker}"),  # a pool entry: only its template RAM names it
+    ]
+    other = _fake_qemu(tmp_path, "/somewhere/else/q.sock")
+    try:
+        time.sleep(0.1)  # exec done: /proc shows the new command lines
+        killed = reap_vms(state)
+        assert sorted(killed) == sorted(p.pid for p in mine)
+        for p in mine:
+            p.wait(timeout=5)
+        assert other.poll() is None
+    finally:
+        for p in (*mine, other):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, 9)  # the shell and its sleep
+            p.wait()
