@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+from collections.abc import Callable
 
 import pytest
 
@@ -23,18 +24,27 @@ async def _echo_server() -> tuple[asyncio.AbstractServer, int]:
     return server, server.sockets[0].getsockname()[1]
 
 
-async def _pair(ports: dict[int, int]) -> tuple[MuxSession, MuxSession]:
+async def _pair(
+    ports: dict[int, int],
+    *,
+    on_accept: Callable[[int], None] | None = None,
+    agent_on_hello: Callable[[bytes], None] | None = None,
+    host_hello: bytes = b"",
+    host_on_hello: Callable[[bytes], None] | None = None,
+) -> tuple[MuxSession, MuxSession]:
     a, b = socket.socketpair()
 
     async def accept(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if on_accept is not None:
+            on_accept(port)
         if port not in ports:
             raise ConnectionRefusedError(f"nothing on {port}")
         return await asyncio.open_connection("127.0.0.1", ports[port])
 
     hr, hw = await asyncio.open_unix_connection(sock=a)
     ar, aw = await asyncio.open_unix_connection(sock=b)
-    agent = MuxSession(ar, aw, accept=accept, name="agent")
-    host = MuxSession(hr, hw, name="host")
+    agent = MuxSession(ar, aw, accept=accept, name="agent", on_hello=agent_on_hello)
+    host = MuxSession(hr, hw, name="host", hello_extra=host_hello, on_hello=host_on_hello)
     await agent.start()
     await host.start()
     return host, agent
@@ -145,24 +155,15 @@ async def test_hello_extension_reaches_the_peer_before_its_first_stream() -> Non
     """The vm host's HELLO carries clock and seed; the agent must apply them before it accepts the
     session's first stream (a resumed guest's first command must see the right time)."""
     server, port = await _echo_server()
-    a, b = socket.socketpair()
     events: list[str] = []
-
-    async def accept(p: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        events.append(f"open {p}")
-        return await asyncio.open_connection("127.0.0.1", port)
-
-    hr, hw = await asyncio.open_unix_connection(sock=a)
-    ar, aw = await asyncio.open_unix_connection(sock=b)
-    agent = MuxSession(
-        ar, aw, accept=accept, name="agent", on_hello=lambda extra: events.append(extra.decode())
-    )
-    host = MuxSession(
-        hr, hw, name="host", hello_extra=b'{"hostTime": 1}', on_hello=lambda e: events.append("host?")
+    host, agent = await _pair(
+        {7: port},
+        on_accept=lambda p: events.append(f"open {p}"),
+        agent_on_hello=lambda extra: events.append(extra.decode()),
+        host_hello=b'{"hostTime": 1}',
+        host_on_hello=lambda e: events.append("host?"),
     )
     try:
-        await agent.start()
-        await host.start()
         stream = await host.open(7)
         await stream.write(b"x")
         assert await stream.read() == b"x"
@@ -175,21 +176,12 @@ async def test_hello_extension_reaches_the_peer_before_its_first_stream() -> Non
 
 async def test_a_failing_hello_extension_does_not_end_the_session() -> None:
     server, port = await _echo_server()
-    a, b = socket.socketpair()
-
-    async def accept(p: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        return await asyncio.open_connection("127.0.0.1", port)
 
     def broken(extra: bytes) -> None:
         raise ValueError("not json")
 
-    hr, hw = await asyncio.open_unix_connection(sock=a)
-    ar, aw = await asyncio.open_unix_connection(sock=b)
-    agent = MuxSession(ar, aw, accept=accept, name="agent", on_hello=broken)
-    host = MuxSession(hr, hw, name="host", hello_extra=b"garbage")
+    host, agent = await _pair({7: port}, agent_on_hello=broken, host_hello=b"garbage")
     try:
-        await agent.start()
-        await host.start()
         stream = await host.open(7)
         await stream.write(b"y")
         assert await stream.read() == b"y"

@@ -74,6 +74,15 @@ def _mount_points_under(root: Path) -> list[Path]:
     return sorted(set(points), key=lambda p: len(str(p)), reverse=True)
 
 
+def _empty(directory: Path) -> None:
+    """Remove everything inside ``directory`` (not the directory itself)."""
+    for child in directory.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)
+
+
 def ensure(path: Path) -> None:
     """Make ``path`` a ramfs mount (idempotent). Files already in a plain directory there (RAM
     files from before this store existed) are deleted first: they are not protected, and
@@ -81,11 +90,7 @@ def ensure(path: Path) -> None:
     if is_frozen_store(path):
         return
     path.mkdir(parents=True, exist_ok=True)
-    for child in path.iterdir():
-        if child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child, ignore_errors=True)
-        else:
-            child.unlink(missing_ok=True)
+    _empty(path)
     proc = subprocess.run(
         ["mount", "-t", "ramfs", "-o", FS_OPTIONS, "aenv-frozen-ram", str(path)],
         capture_output=True,
@@ -106,11 +111,8 @@ def remove_tree(root: Path) -> None:
         return
     for mp in _mount_points_under(root):
         # Delete the files first: a lazily detached ramfs keeps its pages until the last user goes.
-        for child in mp.iterdir() if mp.is_dir() else []:
-            if child.is_dir() and not child.is_symlink():
-                shutil.rmtree(child, ignore_errors=True)
-            else:
-                child.unlink(missing_ok=True)
+        if mp.is_dir():
+            _empty(mp)
         proc = subprocess.run(["umount", str(mp)], capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             subprocess.run(["umount", "-l", str(mp)], capture_output=True, check=False)

@@ -144,6 +144,18 @@ def write_pages(pid: int, mapping: Mapping, runs: list[Run], data: bytes | bytea
     _vm_io(pid, mapping, runs, view if not view.readonly else bytearray(view), write=True)
 
 
+def read_private(pid: int, mapping: Mapping) -> tuple[list[Run], bytearray]:
+    """Every page the process wrote in ``mapping``: its runs and their bytes (vCPUs stopped)."""
+    runs = private_runs(pid, mapping)
+    return runs, read_pages(pid, mapping, runs)
+
+
+def apply(pid: int, mapping: Mapping, layers: list[Path]) -> None:
+    """Write layer files into the process's mapping, oldest first (later layers win)."""
+    for path in layers:
+        write_pages(pid, mapping, *load(path))
+
+
 def save(path: Path, runs: list[Run], data: bytes | bytearray) -> int:
     """Write a layer file atomically; returns its size."""
     tmp = path.with_name(f".{path.name}.tmp")

@@ -462,11 +462,9 @@ class VmRuntime:
 
         def read_ram() -> tuple[list[memlayer.Run], bytearray]:
             t1 = time.perf_counter()
-            where = machine.ram_mapping()
-            runs = memlayer.private_runs(machine.pid, where)
-            pages = memlayer.read_pages(machine.pid, where, runs)
+            private = memlayer.read_private(machine.pid, machine.ram_mapping())
             steps["ram_ms"] = (time.perf_counter() - t1) * 1000
-            return runs, pages
+            return private
 
         try:
             await machine.pause()
@@ -825,9 +823,7 @@ class VmRuntime:
         await machine.save_devices(devices)
 
         def write() -> int:
-            where = machine.ram_mapping()
-            runs = memlayer.private_runs(machine.pid, where)
-            size = memlayer.save(layer, runs, memlayer.read_pages(machine.pid, where, runs))
+            size = memlayer.save(layer, *memlayer.read_private(machine.pid, machine.ram_mapping()))
             _link_or_copy(sbx.ram_image, base)  # type: ignore[arg-type]
             tmp = rel.marker.with_name(f".{rel.marker.name}.tmp")
             marker = {"ram_id": sbx.base_ram.name.removesuffix(".mem"), "mem_chain": [p.name for p in sbx.mem_chain]}  # type: ignore[union-attr]
@@ -859,8 +855,7 @@ class VmRuntime:
             cfg = replace(base, mem_path=ram, send_configuration=False, drives=drives)
             machine = await Machine.spawn(cfg, stderr_path=run_paths(rel.run_dir)["stderr"])
             try:
-                runs, pages = await asyncio.to_thread(memlayer.load, layer)
-                await asyncio.to_thread(memlayer.write_pages, machine.pid, machine.ram_mapping(), runs, pages)
+                await asyncio.to_thread(memlayer.apply, machine.pid, machine.ram_mapping(), [layer])
                 await machine.restore(devices, resume=run)
             except BaseException:
                 await machine.kill(keep=keep)
@@ -1154,14 +1149,10 @@ async def _envd_raw(
 def _apply_layers(machine: Machine, snapshot: Path, names: list[str], run_dir: Path) -> list[Path]:
     """Write a snapshot's RAM layers, oldest first, into a waiting QEMU; link them into the run dir
     (the VM's parent chain for its own snapshots, kept even if the snapshot is deleted)."""
-    where = machine.ram_mapping()
-    chain = []
-    for i, name in enumerate(names):
-        runs, pages = memlayer.load(snapshot / name)
-        memlayer.write_pages(machine.pid, where, runs, pages)
-        link = run_dir / f"mem.{i}.layer"
+    memlayer.apply(machine.pid, machine.ram_mapping(), [snapshot / name for name in names])
+    chain = [run_dir / f"mem.{i}.layer" for i in range(len(names))]
+    for name, link in zip(names, chain, strict=True):
         _link_or_copy(snapshot / name, link)
-        chain.append(link)
     return chain
 
 
