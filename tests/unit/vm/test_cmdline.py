@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from aenv.runtime.vm.cmdline import build_argv, kernel_append
-from aenv.runtime.vm.config import Drive, VmConfig, VmConfigError
+from aenv.runtime.vm.config import Drive, VmConfig, VmConfigError, config_from_json, config_to_json
 
 
 def _cfg(**kw: object) -> VmConfig:
@@ -89,6 +89,22 @@ def test_drives_by_serial() -> None:
         and "readonly=on" in drives[1]
     )
     assert "virtio-blk-device,drive=drive-root,serial=root" in _opt(argv, "-device")
+
+
+def test_sandbox_overlay_is_never_synced() -> None:
+    """A sandbox's own root overlay (child_config) is cache=unsafe: a snapshot's disk checkpoint
+    would otherwise wait for the old top image to be synced. Templates keep writeback."""
+    from aenv.runtime.vm.sandbox import child_config
+
+    tpl = _cfg(drives=(Drive(Path("/t/disk.qcow2"), "root"), Drive(Path("/t/tools.img"), "tools", "raw", True)))
+    child = child_config(tpl, "sb", Path("/run/sb"), allow_internet=True)
+    root, tools = child.drives
+    assert root.no_flush and root.path == Path("/run/sb/root.qcow2") and not tools.no_flush
+    drives = _opt(build_argv(child), "-drive")
+    assert "cache=unsafe" in drives[0] and "cache=writeback" in drives[1]
+    assert "cache=writeback" in _opt(build_argv(tpl), "-drive")[0]
+    assert child.shape() == tpl.shape()  # the cache mode is no part of what a restore must match
+    assert config_from_json(config_to_json(child)) == child
 
 
 def test_comma_in_path_is_escaped() -> None:

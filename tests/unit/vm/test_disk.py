@@ -38,6 +38,36 @@ async def test_ext4_qcow2_overlay_chain(tmp_path: Path) -> None:
 
 
 @needs_tools
+async def test_overlay_with_backing_names_the_new_backing(tmp_path: Path) -> None:
+    """The snapshot checkpoint's overlay: a copy of an empty overlay whose header names another
+    backing image (longer and shorter names), nothing else changed; qemu-img reads the chain."""
+    template_disk = tmp_path / "template.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(template_disk), "64M"], check=True)  # noqa: ASYNC221
+    empty = await disk.create_overlay(template_disk, tmp_path / "empty.qcow2")
+    top = tmp_path / "run" / ("deep-" * 20) / "root.qcow2"
+    top.parent.mkdir(parents=True)
+    disk.clone_overlay(empty, top)
+    for backing in (top, tmp_path / "r.qcow2"):
+        out = disk.overlay_with_backing(empty, backing, tmp_path / "next.qcow2")
+        info = subprocess.run(  # noqa: ASYNC221 - a test
+            ["qemu-img", "info", "-U", "--output=json", str(out)], check=True, capture_output=True, text=True
+        ).stdout
+        assert f'"backing-filename": "{backing}"' in info and '"virtual-size": 67108864' in info
+        assert len(out.read_bytes()) == len(empty.read_bytes())
+    chain = subprocess.run(  # noqa: ASYNC221
+        ["qemu-img", "info", "-U", "--backing-chain", str(disk.overlay_with_backing(empty, top, tmp_path / "n2.qcow2"))],
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    assert chain.count("image: ") == 3  # n2 -> root -> template
+    (tmp_path / "raw.img").write_bytes(bytes(4096))
+    with pytest.raises(disk.DiskError, match="not a qcow2"):
+        disk.overlay_with_backing(tmp_path / "raw.img", top, tmp_path / "bad.qcow2")
+    with pytest.raises(disk.DiskError, match="cannot name"):
+        disk.overlay_with_backing(empty, Path("/" + "x" * 2000), tmp_path / "bad.qcow2")
+    assert not (tmp_path / "bad.qcow2").exists()
+
+
+@needs_tools
 async def test_failure_has_stderr_and_no_leftovers(tmp_path: Path) -> None:
     with pytest.raises(disk.DiskError) as ei:
         await disk.to_qcow2(tmp_path / "missing.raw", tmp_path / "out.qcow2")

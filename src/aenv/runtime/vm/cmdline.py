@@ -47,7 +47,7 @@ def _drive_args(d: Drive) -> list[str]:
         id=d.drive_id,
         node_name=d.node_name,
         readonly=d.read_only,
-        cache="writeback",
+        cache="unsafe" if d.no_flush and not d.read_only else "writeback",
         discard=None if d.read_only else "unmap",
     )
     return ["-drive", drive, "-device", _kv("virtio-blk-device", drive=d.drive_id, serial=d.serial)]

@@ -135,6 +135,33 @@ def clone_overlay(empty_overlay: Path, out: Path) -> Path:
     return out
 
 
+QCOW2_MAGIC = b"QFI\xfb"
+_MAX_BACKING_NAME = 1023  # QEMU's limit for a qcow2 backing file name
+
+
+def overlay_with_backing(empty_overlay: Path, backing: Path, out: Path) -> Path:
+    """A copy of a pre-made empty qcow2 overlay whose header names ``backing`` instead: a new
+    overlay for a snapshot's disk checkpoint in ~0.1 ms, made before the guest stops, where
+    ``blockdev-snapshot-sync`` would create one (10-50 ms) while it is stopped. Virtual size and
+    backing format (qcow2) stay the pre-made overlay's, which is why the template's own empty
+    overlay is the model: every image in a sandbox's chain has its size and format."""
+    raw = bytearray(empty_overlay.read_bytes())
+    name = str(backing.absolute()).encode()
+    if raw[:4] != QCOW2_MAGIC or len(raw) < 104:
+        raise DiskError(f"{empty_overlay}: not a qcow2 image")
+    name_offset = int.from_bytes(raw[8:16], "big")
+    old_size = int.from_bytes(raw[16:20], "big")
+    cluster = 1 << int.from_bytes(raw[20:24], "big")
+    if not name_offset or len(name) > _MAX_BACKING_NAME or name_offset + len(name) > cluster:
+        raise DiskError(f"{empty_overlay}: cannot name backing file {backing} in its header")
+    raw[name_offset : name_offset + old_size] = bytes(old_size)  # the old name (inside cluster 0)
+    raw[name_offset : name_offset + len(name)] = name
+    raw[16:20] = len(name).to_bytes(4, "big")
+    with _replacing(out) as tmp:
+        tmp.write_bytes(raw)
+    return out
+
+
 async def image_info(path: Path) -> str:
     """``qemu-img info`` text, for diagnostics."""
     return await _run(["qemu-img", "info", "-U", str(path)])

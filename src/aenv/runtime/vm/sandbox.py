@@ -16,12 +16,13 @@ import logging
 import os
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from aenv.mux import MuxError, MuxSession, MuxStream
 
-from .config import Drive, VmConfig, config_to_json
+from .config import VmConfig, config_to_json
 from .machine import Machine
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ def child_config(tpl_cfg: VmConfig, name: str, run_dir: Path, allow_internet: bo
     """The restore-side config of a template: own sockets and root overlay, same shape."""
     p = run_paths(run_dir)
     drives = tuple(
-        Drive(p["root"], d.serial, d.format, d.read_only) if d.serial == "root" else d for d in tpl_cfg.drives
+        replace(d, path=p["root"], no_flush=True) if d.serial == "root" else d for d in tpl_cfg.drives
     )
     network = tpl_cfg.network
     if network != "none":
