@@ -235,6 +235,7 @@ async def test_snapshot_fork_rollback(make_runtime: Callable[[], VmRuntime], tmp
     """Layered snapshots (device state + changed pages over the template's frozen RAM): the
     guest's RAM (a tmpfs file, a sleeping process) comes back in a fork and after a rollback;
     the source keeps running; a child can be snapshotted again; the base RAM is stored once."""
+    from aenv.runtime.base import UNFINISHED_MARKER
     from aenv.runtime.vm import runtime as vm_runtime
     from aenv.runtime.vm.runtime import BASE_RAM, DEVICE_STATE, SNAP_DISK
 
@@ -251,6 +252,10 @@ async def test_snapshot_fork_rollback(make_runtime: Callable[[], VmRuntime], tmp
     result = await rt.snapshot("src", snap, "full")
     snap_ms = (time.perf_counter() - t0) * 1000
     assert result.mode == "full" and result.data["format"] == "layered"
+    # The call returns once the sandbox runs again; RAM layer and disk are written after it.
+    assert result.pending is not None and (snap / UNFINISHED_MARKER).exists()
+    await result.pending
+    assert not (snap / UNFINISHED_MARKER).exists() and result.data["ram_layer_bytes"] > 0
     assert result.data["mem_layers"] == ["mem.0.layer"]  # restored from the template: one layer
     for name in (SNAP_DISK, DEVICE_STATE, "mem.0.layer", BASE_RAM):
         assert (snap / name).is_file(), name
@@ -279,6 +284,8 @@ async def test_snapshot_fork_rollback(make_runtime: Callable[[], VmRuntime], tmp
     _, out, _ = await run_cmd(rt, "kid1", "cat /dev/shm/m")
     assert out.strip() == "after-snapshot"  # children do not share memory
     kid_snap = await rt.snapshot("kid0", tmp_path / "snap-kid", "full")  # a restored child, again
+    assert kid_snap.pending is not None
+    await kid_snap.pending
     assert kid_snap.data["format"] == "layered"
     # incremental: the fork point's layer (linked, not copied) + only what kid0 changed since
     assert kid_snap.data["mem_layers"] == ["mem.0.layer", "mem.1.layer"]
@@ -313,6 +320,11 @@ async def test_snapshot_fork_rollback(make_runtime: Callable[[], VmRuntime], tmp
     await rt.create_from_snapshot(_spec(tmp_path, "deep", tpl), tmp_path / "snap-deep", deep)
     _, out, _ = await run_cmd(rt, "deep", "cat /dev/shm/m; ps | grep -c '[s]leep 1000'")
     assert out.split() == ["kid0", "1"]
+    last = await rt.snapshot("deep", tmp_path / "snap-last", "full")
+    await rt.kill("deep")  # waits for the snapshot's files first: they are read from its disk chain
+    assert last.pending is not None and last.pending.done() and last.pending.exception() is None
+    assert (tmp_path / "snap-last" / SNAP_DISK).is_file()
+    assert not (tmp_path / "snap-last" / UNFINISHED_MARKER).exists()
     await rt.kill("kid1")
     report = await rt.reconcile(set(rt._sandboxes))
     assert report == {"killed": [], "removed": []}

@@ -93,6 +93,7 @@ class Orchestrator:
         self.settings.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         await self.runtime.start()
         await self._recover()
+        self.snapshots.discard_unfinished()
         self._tasks.append(asyncio.create_task(self._reaper(), name="aenv-reaper"))
         self._tasks.append(asyncio.create_task(self._sampler(), name="aenv-sampler"))
 

@@ -45,7 +45,7 @@ from aenv.core.errors import (
 from aenv.core.faults import fault_point
 from aenv.core.ids import is_valid_id, new_id, new_token
 from aenv.core.models import SandboxState, require_state
-from aenv.runtime.base import SnapshotCapable, SnapshotResult
+from aenv.runtime.base import UNFINISHED_MARKER, SnapshotCapable, SnapshotResult
 from aenv.store.sqlite import SnapshotRow, TemplateRow, now
 
 if TYPE_CHECKING:
@@ -75,6 +75,7 @@ class SnapshotFlows:
         self.publisher: Any = None  # optional: async callable(SnapshotRow) that uploads to the repository
         self._publish_slots: asyncio.Semaphore | None = None
         self._fetch_lock: asyncio.Lock | None = None
+        self._settling: dict[str, asyncio.Task[None]] = {}  # snapshot ID -> waits for its files
 
     @property
     def runtime(self) -> SnapshotCapable:
@@ -173,9 +174,65 @@ class SnapshotFlows:
         self.store.update_sandbox(sbx.id, lineage_head=snap_id)
         if not internal:
             self._register_template(row, sbx)
+        if result.pending is not None:
+            self._settle_later(row, result.pending, publish=not internal)
+        elif not internal:
             self._publish(row)
         log.info("sandbox=%s snapshot=%s mode=%s parent=%s", sbx.id, snap_id, row.mode, row.parent_id)
         return row
+
+    def _settle_later(self, row: SnapshotRow, pending: asyncio.Future[None], *, publish: bool) -> None:
+        """The runtime returned before the snapshot's files were all written (the vm runtime writes
+        RAM layer and disk while the sandbox runs on). When they are: record the final size and
+        result, then publish. If they cannot be: the snapshot is deleted, loudly."""
+
+        async def run() -> None:
+            try:
+                await pending
+            except Exception as exc:
+                log.error("snapshot=%s: its files could not be written (%s); deleting it", row.id, _short(exc))
+                self._discard(row)
+                return
+            if self.store.get_snapshot(row.id) is None:
+                return  # deleted meanwhile
+            row.size_bytes = _du(Path(row.dir))
+            row.result = {"layers": row.result.get("layers", []), "data": row.result.get("data", {})}
+            self.store.update_snapshot(row.id, result=row.result, size_bytes=row.size_bytes)
+            if publish:
+                self._publish(row)
+
+        task = asyncio.create_task(run(), name=f"aenv-snapshot-settle-{row.id}")
+        self._settling[row.id] = task
+        task.add_done_callback(lambda _: self._settling.pop(row.id, None))
+
+    async def _settled(self, snapshot_id: str, timeout: float = 60.0) -> None:
+        """Until the snapshot's files are written (or given up on: it is then discarded at the next
+        start, see :meth:`discard_unfinished`)."""
+        task = self._settling.get(snapshot_id)
+        if task is not None:
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(asyncio.shield(task), timeout)
+
+    def _discard(self, row: SnapshotRow) -> None:
+        """Forget a snapshot that never got complete files; its sandbox's lineage steps back."""
+        self.store.delete_template(row.id)
+        self.store.delete_snapshot(row.id)
+        shutil.rmtree(row.dir, ignore_errors=True)
+        live = self.orch._live.get(row.sandbox_id or "")
+        if live is not None and live.row.lineage_head == row.id:
+            live.row.lineage_head = row.parent_id
+            self.store.update_sandbox(live.id, lineage_head=row.parent_id)
+
+    def discard_unfinished(self) -> list[str]:
+        """At start-up: snapshots whose files a stopped server was still writing are incomplete
+        (the runtime marks them with UNFINISHED_MARKER until done); delete them."""
+        out = []
+        for row in self.store.list_snapshots():
+            if (Path(row.dir) / UNFINISHED_MARKER).exists():
+                log.warning("snapshot=%s was still being written when the server stopped; deleting it", row.id)
+                self._discard(row)
+                out.append(row.id)
+        return out
 
     def _register_template(self, row: SnapshotRow, sbx: LiveSandbox) -> None:
         """Make the snapshot startable by ID or name: it carries its image template's rootfs and config."""
@@ -274,7 +331,9 @@ class SnapshotFlows:
         return queued
 
     async def aclose(self) -> None:
-        """Stop background publishing (a restart resumes it)."""
+        """Let snapshots being written settle, stop background publishing (a restart resumes it)."""
+        for snapshot_id in list(self._settling):
+            await self._settled(snapshot_id)
         tasks = list(self._publish_tasks)
         for t in tasks:
             t.cancel()
@@ -549,6 +608,7 @@ class SnapshotFlows:
         return [other.id for other in self.store.list_snapshots() if uses(other)]
 
     async def delete(self, snapshot_id: str) -> None:
+        await self._settled(snapshot_id)
         row = self.get(snapshot_id)
         users = self.dependents(row.id)
         if users:

@@ -16,6 +16,7 @@ Every method is idempotent where that makes sense: ``kill`` of a dead sandbox re
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -66,6 +67,15 @@ class SnapshotResult:
     layers: tuple[str, ...] = ()
     parent_snapshot: str | None = None
     data: dict[str, Any] = field(default_factory=dict)
+    # Files the runtime is still writing after the call returned (the sandbox already runs on):
+    # awaiting it raises if they could not be written. ``data`` may gain entries until then. The
+    # runtime's own restores wait for it; the orchestrator waits before sizing or publishing.
+    pending: asyncio.Future[None] | None = field(default=None, compare=False, repr=False)
+
+
+# In a snapshot directory while ``SnapshotResult.pending`` runs: a snapshot that still has it after
+# a restart was cut short and is discarded.
+UNFINISHED_MARKER = ".unfinished"
 
 
 @dataclass

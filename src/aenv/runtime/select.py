@@ -44,7 +44,7 @@ def auto_choice(settings: Settings) -> tuple[str, str]:
 
 
 def make_runtime(settings: Settings) -> Runtime:
-    choice = settings.runtime
+    choice: str = settings.runtime
     if choice == "auto":
         choice, why = auto_choice(settings)
         log.info("runtime auto: chose %s (%s)", choice, why)

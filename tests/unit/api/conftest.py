@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +14,7 @@ from starlette.testclient import TestClient
 from aenv.api.app import create_app
 from aenv.config import Settings
 from aenv.core.errors import SandboxNotFound
-from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec, SnapshotResult
+from aenv.runtime.base import UNFINISHED_MARKER, ResourceSample, RuntimeState, SandboxSpec, SnapshotResult
 
 
 class FakeRuntime:
@@ -25,6 +26,10 @@ class FakeRuntime:
         self.sandboxes: dict[str, str] = {}
         self.calls: list[tuple[str, str]] = []
         self.fail_create = False
+        # True: snapshot() returns before its files are written, like the vm runtime; the test ends
+        # the write with finish_files().
+        self.defer_files = False
+        self._deferred: list[tuple[Any, Any, Path]] = []
 
     async def start(self) -> None: ...
 
@@ -73,7 +78,27 @@ class FakeRuntime:
         got = mode if mode in self.modes else "filesystem"
         (into / "state").write_text(f"{sandbox_id}:{got}")
         data = {"paused_ms": 1.5} if got == "full" else {}  # the vm runtime reports how long it stopped
-        return SnapshotResult(mode=got, layers=("state",), data=data)
+        if not self.defer_files:
+            return SnapshotResult(mode=got, layers=("state",), data=data)
+        (into / UNFINISHED_MARKER).touch()
+        loop = asyncio.get_running_loop()
+        pending = loop.create_future()
+        self._deferred.append((loop, pending, into))
+        return SnapshotResult(mode=got, layers=("state", "late"), data=data, pending=pending)
+
+    def finish_files(self, ok: bool = True) -> None:
+        """From the test's thread: end the oldest deferred snapshot write (10 kB more, or a failure)."""
+        loop, pending, into = self._deferred.pop(0)
+
+        def done() -> None:
+            if ok:
+                (into / "late").write_bytes(b"x" * 10_000)
+                (into / UNFINISHED_MARKER).unlink()
+                pending.set_result(None)
+            else:
+                pending.set_exception(OSError("disk full"))
+
+        loop.call_soon_threadsafe(done)
 
     async def create_from_snapshot(self, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
         self.calls.append(("restore", spec.sandbox_id))

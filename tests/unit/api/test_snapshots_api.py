@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from pathlib import Path
+
 from starlette.testclient import TestClient
 
+from aenv.api.app import create_app
+from aenv.config import Settings
+from aenv.runtime.base import UNFINISHED_MARKER
 from tests.unit.api.conftest import FakeRuntime
 
 
@@ -37,6 +44,60 @@ def test_snapshot_lineage_and_start_from_snapshot(client: TestClient, runtime: F
     client.delete(f"/sandboxes/{by_name}")
     assert client.delete(f"/templates/{s1['snapshotID']}").status_code == 204
     assert client.get(f"/snapshots/{s1['snapshotID']}").status_code == 404
+
+
+def _until(check: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_snapshot_files_written_after_the_call(client: TestClient, runtime: FakeRuntime, settings: Settings) -> None:
+    """A runtime may return before the snapshot's files are written (vm: the sandbox runs on while
+    its RAM layer and disk are written). The snapshot is usable at once; its size is recorded when
+    the files are done; if they fail, the snapshot is deleted and the lineage steps back."""
+    runtime.defer_files = True
+    sid = _create(client)
+    s1 = client.post(f"/sandboxes/{sid}/snapshots", json={"name": "a"}).json()
+    snap_dir = settings.snapshots_dir / s1["snapshotID"]
+    assert (snap_dir / UNFINISHED_MARKER).exists() and s1["sizeBytes"] < 10_000
+    runtime.finish_files()
+    _until(lambda: client.get(f"/snapshots/{s1['snapshotID']}").json()["sizeBytes"] >= 10_000)
+    assert not (snap_dir / UNFINISHED_MARKER).exists()
+
+    s2 = client.post(f"/sandboxes/{sid}/snapshots", json={"name": "b"}).json()
+    assert client.get(f"/sandboxes/{sid}").status_code == 200
+    runtime.finish_files(ok=False)
+    _until(lambda: client.get(f"/snapshots/{s2['snapshotID']}").status_code == 404)
+    assert not (settings.snapshots_dir / s2["snapshotID"]).exists()
+    assert client.post("/v2/sandboxes", json={"templateID": "b"}).status_code == 404  # its template went too
+    s3 = client.post(f"/sandboxes/{sid}/snapshots", json={}).json()
+    assert s3["parentID"] == s1["snapshotID"]  # not the failed one
+    runtime.finish_files()
+
+
+def test_unfinished_snapshot_discarded_at_start(settings: Settings, runtime: FakeRuntime, tmp_path: Path) -> None:
+    """A server stopped while a snapshot's files were still being written: at the next start the
+    snapshot (marked UNFINISHED_MARKER) is deleted instead of offered half-written."""
+    runtime.defer_files = True
+    app = create_app(settings, runtime=runtime, ensure_base=False)  # type: ignore[arg-type]
+    with TestClient(app) as c:
+        app.app.state.catalog.register(alias="base", kind="bootstrap", rootfs=tmp_path / "rootfs", template_id="base")  # type: ignore[attr-defined]
+        sid = _create(c)
+        done = c.post(f"/sandboxes/{sid}/snapshots", json={}).json()
+        runtime.finish_files()
+        _until(lambda: not (settings.snapshots_dir / done["snapshotID"] / UNFINISHED_MARKER).exists())
+        cut = c.post(f"/sandboxes/{sid}/snapshots", json={}).json()
+        # the server stops here, its write of ``cut`` cut short (as by a kill)
+        loop, pending, _ = runtime._deferred.pop()
+        loop.call_soon_threadsafe(pending.cancel)
+    app = create_app(settings, runtime=runtime, ensure_base=False)  # type: ignore[arg-type]
+    with TestClient(app) as c:
+        assert c.get(f"/snapshots/{cut['snapshotID']}").status_code == 404
+        assert not (settings.snapshots_dir / cut["snapshotID"]).exists()
+        assert c.get(f"/snapshots/{done['snapshotID']}").status_code == 200
+        assert c.get(f"/sandboxes/{sid}").json()["sandboxID"] == sid
 
 
 def test_full_snapshot_refused_when_runtime_cannot(client: TestClient, runtime: FakeRuntime) -> None:

@@ -36,6 +36,7 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,7 @@ from typing import Any
 from aenv.config import Settings
 from aenv.core.errors import RuntimeFailure, SandboxNotFound, SandboxUnreachable, StateError
 from aenv.mux import ByteStream, MuxError, MuxStream
-from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec, SnapshotResult
+from aenv.runtime.base import UNFINISHED_MARKER, ResourceSample, RuntimeState, SandboxSpec, SnapshotResult
 from aenv.runtime.streams import open_checked
 
 from . import disk, frozen, memlayer, pressure
@@ -188,6 +189,10 @@ class VmRuntime:
         self._release_tasks: dict[str, asyncio.Task[None]] = {}
         self._locks: dict[str, asyncio.Lock] = {}  # per sandbox: pause/resume/release/kill
         self._overlay_locks: dict[Path, asyncio.Lock] = {}  # per snapshot dir: its empty overlay
+        # Snapshot files still being written after the call returned: per snapshot dir, and the
+        # tasks reading each sandbox's disk chain (its kill or rollback must wait for them).
+        self._finishing: dict[Path, asyncio.Task[None]] = {}
+        self._finishing_of: dict[str, set[asyncio.Task[None]]] = {}
 
     # ---- host-wide lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
@@ -240,6 +245,9 @@ class VmRuntime:
             with contextlib.suppress(BaseException):
                 await t
         self._release_tasks.clear()
+        for t in list(self._finishing.values()):  # snapshot files: ~10-100 ms, let them land
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(t)
         await self.pool.aclose()
         for sbx in self._sandboxes.values():
             await sbx.drop_session()
@@ -487,42 +495,83 @@ class VmRuntime:
                 with contextlib.suppress(MachineError):
                     await machine.resume()
         paused_ms = (time.perf_counter() - t0) * 1000
-        t1 = time.perf_counter()
         chain = list(sbx.mem_chain)
         if len(chain) + 1 > MEM_CHAIN_MAX or not all(p.is_file() for p in chain):
             chain = []  # compact: this snapshot's layer holds every private page
         names = [f"mem.{i}.layer" for i in range(len(chain) + 1)]
-        own_bytes = len(pages)
+        base_ram, ram_image = sbx.base_ram, sbx.ram_image
+        data: dict[str, Any] = {
+            "template_key": tpl.key, "format": "layered", "ram_id": base_ram.name.removesuffix(".mem"),
+            "mem_layers": names, "paused_ms": round(paused_ms, 1), "sandbox_id": sandbox_id,
+        }  # fmt: skip
 
         def write_ram() -> None:
-            nonlocal own_bytes
             own_runs, own = runs, pages
             if chain:
                 parent = memlayer.page_map([memlayer.load(p) for p in chain])
-                own_runs, own = memlayer.delta(runs, pages, parent, sbx.base_ram)  # type: ignore[arg-type]
+                own_runs, own = memlayer.delta(runs, pages, parent, base_ram)
             for src, name in zip(chain, names, strict=False):
                 _link_or_copy(src, into / name)
             memlayer.save(into / names[-1], own_runs, own)
-            own_bytes = len(own)
-            _link_or_copy(sbx.ram_image, into / BASE_RAM)  # type: ignore[arg-type]
+            data["ram_layer_bytes"] = len(own)
+            _link_or_copy(ram_image, into / BASE_RAM)
 
-        # The VM runs on meanwhile; RAM layer and disk flatten are independent files.
-        await asyncio.gather(asyncio.to_thread(write_ram), disk.flatten_onto(frozen_top, tpl.disk, into / SNAP_DISK))
-        steps["files_ms"] = (time.perf_counter() - t1) * 1000
-        log.info(
-            "sandbox %s: snapshot into %s (paused %.1f ms; %.1f MB private RAM in %d runs, %.1f MB new "
-            "in layer %d; %s)", sandbox_id, into, paused_ms, len(pages) / 1e6, len(runs), own_bytes / 1e6,
-            len(chain), ", ".join(f"{k} {v:.1f}" for k, v in steps.items()),
-        )  # fmt: skip
+        async def write_files() -> None:
+            # The VM runs on meanwhile; RAM layer and disk flatten are independent files.
+            t1 = time.perf_counter()
+            await asyncio.gather(
+                asyncio.to_thread(write_ram), disk.flatten_onto(frozen_top, tpl.disk, into / SNAP_DISK)
+            )
+            steps["files_ms"] = (time.perf_counter() - t1) * 1000
+            log.info(
+                "sandbox %s: snapshot into %s (paused %.1f ms; %.1f MB private RAM in %d runs, %.1f MB new "
+                "in layer %d; %s)", sandbox_id, into, paused_ms, len(pages) / 1e6, len(runs),
+                data["ram_layer_bytes"] / 1e6, len(chain), ", ".join(f"{k} {v:.1f}" for k, v in steps.items()),
+            )  # fmt: skip
+
+        # The call returns now: the files follow while the sandbox runs (see SnapshotResult.pending).
+        pending = self._finish_later(sandbox_id, into, write_files())
         return SnapshotResult(
-            mode="full",
-            layers=(SNAP_DISK, DEVICE_STATE, *names, BASE_RAM),
-            data={
-                "template_key": tpl.key, "format": "layered", "ram_id": sbx.base_ram.name.removesuffix(".mem"),
-                "mem_layers": names, "paused_ms": round(paused_ms, 1), "ram_layer_bytes": own_bytes,
-                "sandbox_id": sandbox_id,
-            },
-        )  # fmt: skip
+            mode="full", layers=(SNAP_DISK, DEVICE_STATE, *names, BASE_RAM), data=data, pending=pending
+        )
+
+    def _finish_later(self, sandbox_id: str, into: Path, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run ``work`` (writing a snapshot's files) in the background. While it runs, the snapshot
+        dir holds UNFINISHED_MARKER (a restart discards such snapshots), restores of the snapshot
+        wait for it (:meth:`_files_ready`), and so do a kill or rollback of the sandbox, whose
+        disk chain it reads."""
+        marker = into / UNFINISHED_MARKER
+        marker.touch()
+
+        async def run() -> None:
+            try:
+                await work
+                marker.unlink()
+            finally:
+                self._finishing.pop(into, None)
+                self._finishing_of.get(sandbox_id, set()).discard(task)
+
+        task = asyncio.create_task(run(), name=f"vm-snapshot-files-{into.name}")
+        self._finishing[into] = task
+        self._finishing_of.setdefault(sandbox_id, set()).add(task)
+        return task
+
+    async def _files_ready(self, snapshot: Path) -> None:
+        """Until a snapshot's files are all written; raises if they never will be."""
+        task = self._finishing.get(snapshot)
+        if task is not None:
+            try:
+                await asyncio.shield(task)
+            except Exception as exc:
+                raise RuntimeFailure(f"snapshot {snapshot.name}: its files could not be written: {exc}") from exc
+        if (snapshot / UNFINISHED_MARKER).exists():
+            raise RuntimeFailure(f"snapshot {snapshot.name} is incomplete: the server stopped while writing it")
+
+    async def _snapshots_written(self, sandbox_id: str) -> None:
+        """Until no snapshot of this sandbox is still reading its disk chain."""
+        for task in list(self._finishing_of.pop(sandbox_id, ())):
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(task)
 
     async def _snapshot_stream(self, sandbox_id: str, into: Path) -> SnapshotResult:
         """Full snapshot (device state + RAM + disk): a VM's memory is as cheap to save as
@@ -589,6 +638,7 @@ class VmRuntime:
         sid = spec.sandbox_id
         if sid in self._sandboxes:
             raise StateError(f"sandbox {sid} already exists", sandbox_id=sid)
+        await self._files_ready(snapshot)
         key = str(result.data.get("template_key", ""))
         tpl = await self._template_by_key(key)
         layered = result.data.get("format") == "layered"
@@ -662,6 +712,7 @@ class VmRuntime:
     ) -> RuntimeState:
         """Same ID and token, state of ``snapshot``: end the current VM, restore the snapshot."""
         self._cancel_release(sandbox_id)
+        await self._snapshots_written(sandbox_id)
         old = self._sandboxes.pop(sandbox_id, None)
         self._specs.pop(sandbox_id, None)
         if old is not None:
@@ -924,6 +975,7 @@ class VmRuntime:
 
     async def kill(self, sandbox_id: str, state: RuntimeState | None = None) -> None:
         self._cancel_release(sandbox_id)
+        await self._snapshots_written(sandbox_id)
         self._locks.pop(sandbox_id, None)
         sbx = self._sandboxes.pop(sandbox_id, None)
         spec = self._specs.pop(sandbox_id, None)
