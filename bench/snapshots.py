@@ -86,6 +86,7 @@ def scenario_snapshot_dirty(client: AenvClient, sizes_mb: list[int], reps: int) 
         lat: list[float] = []
         paused: list[float] = []
         size = 0
+        mode = "filesystem"
         for _ in range(reps):
             sbx = Sandbox.create("base", timeout=600)
             try:
@@ -94,13 +95,14 @@ def scenario_snapshot_dirty(client: AenvClient, sizes_mb: list[int], reps: int) 
                 t0 = time.perf_counter()
                 snap = client.snapshot(sbx.sandbox_id, mode="filesystem")
                 lat.append(_ms(t0))
-                size = snap.size_bytes
+                mode = snap.mode
+                size = client.wait_written(snap.snapshot_id).size_bytes  # vm: files follow the call
                 if snap.paused_ms is not None:
                     paused.append(snap.paused_ms)
             finally:
                 sbx.kill()
             client.delete_snapshot(snap.snapshot_id)
-        out[f"{mb} MB"] = {**_summary(lat), "snapshot_mb": round(size / 1e6, 1), "paused": paused}
+        out[f"{mb} MB"] = {**_summary(lat), "snapshot_mb": round(size / 1e6, 1), "paused": paused, "mode": mode}
     return out
 
 

@@ -50,6 +50,8 @@ def snapshot_json(row: SnapshotRow, orch: Orchestrator, detail: bool = False) ->
     paused = (row.result or {}).get("data", {}).get("paused_ms")
     if isinstance(paused, (int, float)):
         out["pausedMs"] = paused  # aenv: how long the sandbox was stopped to take it
+    # aenv: the runtime is still writing its files (usable already; sizeBytes is final once false)
+    out["writing"] = orch.snapshots.is_writing(row.id)
     if detail:
         flows = orch.snapshots
         out["children"] = flows.children(row.id)

@@ -6,6 +6,7 @@ httpx errors are translated here, once, into the tree in ``_errors.py``.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Self
 
@@ -26,6 +27,7 @@ class Snapshot:
     size_bytes: int = 0
     created_at: str = ""
     paused_ms: float | None = None  # how long the sandbox was stopped to take it (when the runtime says)
+    writing: bool = False  # files still being written after the call (usable; size_bytes not final)
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -34,7 +36,8 @@ class Snapshot:
         return cls(snapshot_id=d["snapshotID"], mode=d["mode"], sandbox_id=d.get("sandboxID"),
                    parent_id=d.get("parentID"), names=list(d.get("names") or []),
                    size_bytes=int(d.get("sizeBytes") or 0), created_at=d.get("createdAt", ""),
-                   paused_ms=float(paused) if isinstance(paused, (int, float)) else None, raw=d)
+                   paused_ms=float(paused) if isinstance(paused, (int, float)) else None,
+                   writing=bool(d.get("writing", False)), raw=d)
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,16 @@ class AenvClient:
 
     def get_snapshot(self, snapshot_id: str) -> Snapshot:
         return Snapshot.from_json(self._request("GET", f"/snapshots/{snapshot_id}").json())
+
+    def wait_written(self, snapshot_id: str, timeout: float = 60.0) -> Snapshot:
+        """The snapshot once the server has written all its files (``writing`` false): its final
+        ``size_bytes``. It is usable before; this is for callers that want the size or the files."""
+        deadline = time.monotonic() + timeout
+        while (snap := self.get_snapshot(snapshot_id)).writing:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"snapshot {snapshot_id}: files still being written after {timeout:g} s")
+            time.sleep(0.02)
+        return snap
 
     def delete_snapshot(self, snapshot_id: str) -> None:
         """Raises ConflictError while a sandbox or another snapshot still uses it."""

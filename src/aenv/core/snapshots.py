@@ -205,6 +205,10 @@ class SnapshotFlows:
         self._settling[row.id] = task
         task.add_done_callback(lambda _: self._settling.pop(row.id, None))
 
+    def is_writing(self, snapshot_id: str) -> bool:
+        """The runtime is still writing this snapshot's files (see :meth:`_settle_later`)."""
+        return snapshot_id in self._settling
+
     async def _settled(self, snapshot_id: str, timeout: float = 60.0) -> None:
         """Until the snapshot's files are written (or given up on: it is then discarded at the next
         start, see :meth:`discard_unfinished`)."""

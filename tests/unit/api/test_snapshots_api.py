@@ -61,9 +61,10 @@ def test_snapshot_files_written_after_the_call(client: TestClient, runtime: Fake
     sid = _create(client)
     s1 = client.post(f"/sandboxes/{sid}/snapshots", json={"name": "a"}).json()
     snap_dir = settings.snapshots_dir / s1["snapshotID"]
-    assert (snap_dir / UNFINISHED_MARKER).exists() and s1["sizeBytes"] < 10_000
+    assert (snap_dir / UNFINISHED_MARKER).exists() and s1["sizeBytes"] < 10_000 and s1["writing"] is True
     runtime.finish_files()
-    _until(lambda: client.get(f"/snapshots/{s1['snapshotID']}").json()["sizeBytes"] >= 10_000)
+    _until(lambda: client.get(f"/snapshots/{s1['snapshotID']}").json()["writing"] is False)
+    assert client.get(f"/snapshots/{s1['snapshotID']}").json()["sizeBytes"] >= 10_000
     assert not (snap_dir / UNFINISHED_MARKER).exists()
 
     s2 = client.post(f"/sandboxes/{sid}/snapshots", json={"name": "b"}).json()

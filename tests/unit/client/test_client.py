@@ -57,3 +57,16 @@ def test_unreachable() -> None:
 def test_snapshot_reports_how_long_the_sandbox_was_stopped(client: TestClient, aenv_client: AenvClient) -> None:
     snap = aenv_client.snapshot(_sandbox(client))  # full: the fake runtime says 1.5 ms
     assert snap.paused_ms == 1.5 and aenv_client.get_snapshot(snap.snapshot_id).paused_ms == 1.5
+
+
+def test_wait_written_returns_the_final_size(client: TestClient, runtime: FakeRuntime, aenv_client: AenvClient) -> None:
+    """A runtime that writes the files after the call (vm): ``writing`` until they land, then the
+    final size; a write that never ends is a TimeoutError, not a hang."""
+    runtime.defer_files = True
+    snap = aenv_client.snapshot(_sandbox(client))
+    assert snap.writing and snap.size_bytes < 10_000
+    with pytest.raises(TimeoutError):
+        aenv_client.wait_written(snap.snapshot_id, timeout=0.05)
+    runtime.finish_files()
+    done = aenv_client.wait_written(snap.snapshot_id, timeout=5)
+    assert not done.writing and done.size_bytes >= 10_000
