@@ -244,7 +244,7 @@ async def test_snapshot_fork_rollback(make_runtime: Callable[[], VmRuntime], tmp
     await rt.create(_spec(tmp_path, "src", tpl))
     src = rt.sandbox("src")
     code, marker, _ = await run_cmd(
-        rt, "src", "echo ram-$$-$RANDOM > /dev/shm/m; sleep 1000 & cat /dev/shm/m"
+        rt, "src", "echo disk-at-snapshot > /root/d; sync; echo ram-$$-$RANDOM > /dev/shm/m; sleep 1000 & cat /dev/shm/m"
     )
     assert code == 0 and marker.startswith("ram-")
     snap = tmp_path / "snap1"
@@ -268,7 +268,7 @@ async def test_snapshot_fork_rollback(make_runtime: Callable[[], VmRuntime], tmp
         f"RAM layer {layer_mb:.1f} MiB"
     )
     assert layer_mb < 200  # changed pages only, not the guest's 256 MiB
-    await run_cmd(rt, "src", "echo after-snapshot > /dev/shm/m")  # the source keeps running
+    await run_cmd(rt, "src", "echo after-snapshot > /dev/shm/m; echo after > /root/d; sync")  # it runs on
 
     t0 = time.perf_counter()
     _, states = await rt.fork(
@@ -296,12 +296,28 @@ async def test_snapshot_fork_rollback(make_runtime: Callable[[], VmRuntime], tmp
     )
     assert own < parent
 
+    # A snapshot makes the runtime spawn a QEMU for the template ahead of time; the rollback
+    # restores into it after pointing its disk at the snapshot's.
+    for _ in range(200):
+        if rt.blank_pool.names():
+            break
+        await asyncio.sleep(0.05)
+    blank = next(iter(rt.blank_pool.names()))
     t0 = time.perf_counter()
     await rt.rollback("src", _spec(tmp_path, "src", tpl), snap, result)
     print(f"[vm-rt] rollback {(time.perf_counter() - t0) * 1000:.0f} ms")
     _, out, _ = await run_cmd(rt, "src", "cat /dev/shm/m; ps | grep -c '[s]leep 1000'")
     assert out.split() == [marker.strip(), "1"], out
-    assert rt.sandbox("src") is not src
+    assert rt.sandbox("src") is not src and rt.sandbox("src").name == blank
+    # the disk is the snapshot's: read past the (restored) page cache
+    _, out, _ = await run_cmd(rt, "src", "echo 3 > /proc/sys/vm/drop_caches; cat /root/d; echo x > /root/e; sync; cat /root/e")
+    assert out.split() == ["disk-at-snapshot", "x"], out
+    # ... and its header says so: a snapshot of the rolled-back sandbox flattens through it
+    again = await rt.snapshot("src", tmp_path / "snap-again", "full")
+    await rt.create_from_snapshot(_spec(tmp_path, "again", tpl), tmp_path / "snap-again", again)
+    _, out, _ = await run_cmd(rt, "again", "echo 3 > /proc/sys/vm/drop_caches; cat /root/d /root/e")
+    assert out.split() == ["disk-at-snapshot", "x"], out
+    await rt.kill("again")
 
     await rt.create_from_snapshot(_spec(tmp_path, "grandkid", tpl), tmp_path / "snap-kid", kid_snap)
     _, out, _ = await run_cmd(rt, "grandkid", "cat /dev/shm/m; echo $E2B_SANDBOX_ID")

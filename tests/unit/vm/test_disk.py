@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -65,6 +66,53 @@ async def test_overlay_with_backing_names_the_new_backing(tmp_path: Path) -> Non
     with pytest.raises(disk.DiskError, match="cannot name"):
         disk.overlay_with_backing(empty, Path("/" + "x" * 2000), tmp_path / "bad.qcow2")
     assert not (tmp_path / "bad.qcow2").exists()
+
+
+@needs_tools
+async def test_retarget_overlay_in_place(tmp_path: Path) -> None:
+    """The pre-spawned restore process's overlay: same file (inode kept, QEMU has it open), new
+    backing name; a later qemu-img reads the chain through the new backing."""
+    for name in ("template.qcow2", "snapshot-disk.qcow2"):
+        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(tmp_path / name), "64M"], check=True)  # noqa: ASYNC221
+    overlay = await disk.create_overlay(tmp_path / "template.qcow2", tmp_path / "root.qcow2")
+    inode, size = overlay.stat().st_ino, overlay.stat().st_size
+    disk.retarget_overlay(overlay, tmp_path / "snapshot-disk.qcow2")
+    assert overlay.stat().st_ino == inode and overlay.stat().st_size == size
+    info = await disk.image_info(overlay)
+    assert f"backing file: {tmp_path / 'snapshot-disk.qcow2'}" in info and "template" not in info
+
+
+@needs_tools
+@pytest.mark.skipif(shutil.which("qemu-io") is None, reason="needs qemu-io (qemu-utils)")
+async def test_flatten_keeps_every_layer_of_the_chain(tmp_path: Path) -> None:
+    """template <- snapshot disk <- sandbox overlay: the flattened image over the template holds
+    the middle layer's data and the top's (a rollback's or restored sandbox's next snapshot),
+    and the template stays its backing file. (``qemu-img convert -B`` lost the middle layer.)"""
+
+    def qemu_io(cmd: str, image: Path) -> str:
+        return subprocess.run(  # noqa: ASYNC221 - a test
+            ["qemu-io", "-c", cmd, str(image)], check=True, capture_output=True, text=True
+        ).stdout
+
+    base = tmp_path / "template.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(base), "16M"], check=True)  # noqa: ASYNC221
+    qemu_io("write -P 0x11 2M 64k", base)
+    mid = await disk.create_overlay(base, tmp_path / "snapshot-disk.qcow2")
+    qemu_io("write -P 0xab 0 64k", mid)
+    qemu_io("write -P 0x11 4M 64k", mid)
+    top = await disk.create_overlay(mid, tmp_path / "root.qcow2")
+    qemu_io("write -P 0xcd 1M 64k", top)
+    out = await disk.flatten_onto(top, base, tmp_path / "flat.qcow2")
+    for pattern, offset in (("0xab", "0"), ("0xcd", "1M"), ("0x11", "2M"), ("0x11", "4M"), ("0", "8M")):
+        assert "verification failed" not in qemu_io(f"read -P {pattern} {offset} 64k", out), (pattern, offset)
+    info = await disk.image_info(out)
+    assert f"backing file: {base}" in info
+    mapped = json.loads(subprocess.run(["qemu-img", "map", "--output=json", str(out)], check=True,  # noqa: ASYNC221
+                                       capture_output=True, text=True).stdout)  # fmt: skip
+    depth = {e["start"]: e["depth"] for e in mapped if e["data"]}
+    assert depth[0] == 0 and depth[1 << 20] == 0  # middle and top layer data: in the flat image
+    assert depth[2 << 20] == 1  # the template's own data stays in the template
+    assert top.read_bytes() != out.read_bytes()  # a rebased copy; the top itself is untouched
 
 
 @needs_tools

@@ -64,3 +64,27 @@ async def test_size_zero_never_spawns() -> None:
     pool = RestorePool(0, spawn)
     assert pool.take("t", True) is None
     await pool.aclose()
+
+
+async def test_take_without_refill_waits_for_want() -> None:
+    """A restore into a pre-spawned process refills the pool only when it is done (``want``), so
+    the replacement does not compete with the restore for the CPU."""
+    made: list[str] = []
+
+    async def spawn(name: str, key: str, allow: bool) -> Any:
+        made.append(name)
+        return FakeSandbox(name)
+
+    pool = RestorePool(1, spawn)
+    pool.want("t", True)
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert pool.take("t", True, refill=False) is not None
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert len(made) == 1 and pool.names() == set()
+    pool.want("t", True)
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert len(made) == 2 and len(pool.names()) == 1
+    await pool.aclose()

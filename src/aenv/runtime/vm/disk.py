@@ -117,14 +117,21 @@ async def create_overlay(backing: Path, out: Path, backing_format: str = "qcow2"
 
 
 async def flatten_onto(chain_top: Path, base: Path, out: Path) -> Path:
-    """Write ``chain_top`` (an overlay chain) as one qcow2 whose backing file is ``base``, keeping
-    only what differs from ``base``. Reads with ``-U`` because a live QEMU may hold the chain
-    (frozen images only: they no longer change)."""
+    """Write the overlay chain ending in ``chain_top`` as one qcow2 whose backing file is ``base``
+    (an image further down the same chain), holding everything that differs from ``base``: the
+    clusters of *every* layer between them, not only the top one's.
+
+    A copy of the top image, rebased onto ``base`` in safe mode: ``qemu-img rebase`` writes into
+    the copy each cluster it lacks whose content in the old chain differs from ``base``, and
+    reads only clusters allocated above ``base``. (``qemu-img convert -B base`` would take the
+    top image's own clusters alone: it assumes ``base`` is the top's direct backing file, and
+    dropped the data of every lower layer.) Reads with ``-U``: a live QEMU may hold the chain,
+    whose images below the top are frozen."""
     with _replacing(out) as tmp:
+        await asyncio.to_thread(shutil.copyfile, chain_top, tmp)
         await _run(
-            ["qemu-img", "convert", "-q", "-U", "-O", "qcow2", "-B", str(base.absolute()), "-F", "qcow2",
-             str(chain_top), str(tmp)]
-        )  # fmt: skip
+            ["qemu-img", "rebase", "-q", "-U", "-f", "qcow2", "-b", str(base.absolute()), "-F", "qcow2", str(tmp)]
+        )
     return out
 
 
@@ -145,21 +152,39 @@ def overlay_with_backing(empty_overlay: Path, backing: Path, out: Path) -> Path:
     ``blockdev-snapshot-sync`` would create one (10-50 ms) while it is stopped. Virtual size and
     backing format (qcow2) stay the pre-made overlay's, which is why the template's own empty
     overlay is the model: every image in a sandbox's chain has its size and format."""
-    raw = bytearray(empty_overlay.read_bytes())
-    name = str(backing.absolute()).encode()
-    if raw[:4] != QCOW2_MAGIC or len(raw) < 104:
-        raise DiskError(f"{empty_overlay}: not a qcow2 image")
-    name_offset = int.from_bytes(raw[8:16], "big")
-    old_size = int.from_bytes(raw[16:20], "big")
-    cluster = 1 << int.from_bytes(raw[20:24], "big")
-    if not name_offset or len(name) > _MAX_BACKING_NAME or name_offset + len(name) > cluster:
-        raise DiskError(f"{empty_overlay}: cannot name backing file {backing} in its header")
-    raw[name_offset : name_offset + old_size] = bytes(old_size)  # the old name (inside cluster 0)
-    raw[name_offset : name_offset + len(name)] = name
-    raw[16:20] = len(name).to_bytes(4, "big")
+    raw = _renamed_backing(empty_overlay.read_bytes(), backing, empty_overlay)
     with _replacing(out) as tmp:
         tmp.write_bytes(raw)
     return out
+
+
+def retarget_overlay(overlay: Path, backing: Path) -> None:
+    """Rename the backing file in the header of ``overlay``, an *empty* overlay, in place (same
+    inode): for a QEMU that opened it while waiting for a migration and was then pointed at
+    ``backing`` with ``blockdev-reopen`` (it re-reads the header when the migration completes)."""
+    with overlay.open("r+b") as f:
+        head = f.read(1 << 16)
+        f.seek(0)
+        f.write(_renamed_backing(head, backing, overlay))
+
+
+def _renamed_backing(raw_in: bytes, backing: Path, what: Path) -> bytearray:
+    """``raw_in`` (the start of a qcow2 image, cluster 0 at least) with its backing file name
+    replaced by the absolute path of ``backing``."""
+    raw = bytearray(raw_in)
+    name = str(backing.absolute()).encode()
+    if raw[:4] != QCOW2_MAGIC or len(raw) < 104:
+        raise DiskError(f"{what}: not a qcow2 image")
+    name_offset = int.from_bytes(raw[8:16], "big")
+    old_size = int.from_bytes(raw[16:20], "big")
+    cluster = 1 << int.from_bytes(raw[20:24], "big")
+    limit = min(cluster, len(raw))
+    if not name_offset or len(name) > _MAX_BACKING_NAME or name_offset + max(len(name), old_size) > limit:
+        raise DiskError(f"{what}: cannot name backing file {backing} in its header")
+    raw[name_offset : name_offset + old_size] = bytes(old_size)  # the old name (inside cluster 0)
+    raw[name_offset : name_offset + len(name)] = name
+    raw[16:20] = len(name).to_bytes(4, "big")
+    return raw
 
 
 async def image_info(path: Path) -> str:

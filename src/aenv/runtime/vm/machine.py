@@ -351,6 +351,38 @@ class Machine:
         self._owned.append(new_overlay)
         return _ms(t0)
 
+    async def retarget_root(self, serial: str, backing: Path) -> float:
+        """Before a restore: give drive ``serial`` (an empty qcow2 overlay, as spawned) the backing
+        image ``backing`` (a snapshot's disk) in place of the one it was started with, so that a
+        process spawned ahead of time for a template can restore any snapshot of it. The caller
+        renames the backing in the overlay's header too (:func:`disk.retarget_overlay`); QEMU
+        reads it again when the incoming migration activates the image. Returns ms."""
+        drive = next((d for d in self.cfg.drives if d.serial == serial), None)
+        if drive is None:
+            raise MachineError(f"vm {self.cfg.name}: no drive with serial {serial!r}")
+        t0 = time.perf_counter()
+        nodes = await self.execute("query-named-block-nodes", {"flat": True})
+        top = next((n for n in nodes if n.get("node-name") == drive.node_name), None)
+        file_node = next(
+            (n["node-name"] for n in nodes
+             if n.get("node-name") != drive.node_name and top is not None and n.get("file") == top.get("file")),
+            None,
+        )  # fmt: skip
+        if top is None or file_node is None:
+            raise MachineError(f"vm {self.cfg.name}: block nodes of drive {serial!r} not found")
+        base = f"{drive.node_name}-base"
+        await self.execute(
+            "blockdev-add",
+            {"driver": "qcow2", "node-name": base, "read-only": True,
+             "file": {"driver": "file", "filename": str(backing), "read-only": True}},
+        )  # fmt: skip
+        options: dict[str, Any] = {
+            "driver": drive.format, "node-name": drive.node_name, "file": file_node, "backing": base,
+            "cache": {"no-flush": drive.no_flush}, "discard": "ignore" if drive.read_only else "unmap",
+        }  # fmt: skip
+        await self.execute("blockdev-reopen", {"options": [options]})
+        return _ms(t0)
+
     async def restore(
         self, device_state: Path, resume: bool = True, timeout: float = 30.0, ignore_shared: bool = True
     ) -> float:

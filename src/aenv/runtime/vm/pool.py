@@ -29,12 +29,15 @@ class RestorePool:
         self._fillers: dict[PoolKey, asyncio.Task[None]] = {}
         self._closed = False
 
-    def take(self, template_key: str, allow_internet: bool) -> VmSandbox | None:
-        """A waiting process for this template, or None; refilling starts in the background."""
+    def take(self, template_key: str, allow_internet: bool, refill: bool = True) -> VmSandbox | None:
+        """A waiting process for this template, or None. ``refill``: start replacing it in the
+        background now; False when the caller calls :meth:`want` once its own work is done (a
+        process spawning beside a restore slows the restore down on a small machine)."""
         key = (template_key, allow_internet)
         entries = self._ready.get(key, [])
         sbx = entries.pop(0) if entries else None
-        self.want(template_key, allow_internet)
+        if refill:
+            self.want(template_key, allow_internet)
         return sbx
 
     def want(self, template_key: str, allow_internet: bool) -> None:

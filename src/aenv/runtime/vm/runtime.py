@@ -172,6 +172,9 @@ class VmRuntime:
         self.accel: AccelChoice | None = None
         self.guest_append: tuple[str, ...] = ()  # accelerator-specific kernel words, set by start()
         self.pool = RestorePool(self.pool_size, self._spawn_warm)
+        # QEMU processes spawned for a template and left waiting (not restored): a snapshot of that
+        # template restores into one, its disk re-pointed (rollback, fork, create from snapshot).
+        self.blank_pool = RestorePool(self.pool_size, self._spawn_blank)
         self._templates: dict[str, templates.VmTemplate] = {}
         self._template_locks: dict[str, asyncio.Lock] = {}
         self._sandboxes: dict[str, VmSandbox] = {}
@@ -249,6 +252,7 @@ class VmRuntime:
             with contextlib.suppress(BaseException):
                 await asyncio.shield(t)
         await self.pool.aclose()
+        await self.blank_pool.aclose()
         for sbx in self._sandboxes.values():
             await sbx.drop_session()
 
@@ -300,7 +304,14 @@ class VmRuntime:
         await asyncio.to_thread(shutil.rmtree, self.templates_dir, True)
         await asyncio.to_thread(frozen.remove_tree, self.shm_dir)
 
-    async def _spawn_restore(self, name: str, template_key: str, allow_internet: bool) -> VmSandbox:
+    async def _spawn_blank(self, name: str, template_key: str, allow_internet: bool) -> VmSandbox:
+        """A QEMU process waiting for the device state of a layered snapshot of this template
+        (``xen-save-devices-state`` streams have no configuration section)."""
+        return await self._spawn_restore(name, template_key, allow_internet, send_configuration=False)
+
+    async def _spawn_restore(
+        self, name: str, template_key: str, allow_internet: bool, send_configuration: bool = True
+    ) -> VmSandbox:
         """A QEMU process waiting for this template's device state (not yet restored)."""
         tpl = self._templates[template_key]
         run_dir = self.run_root / name
@@ -308,7 +319,7 @@ class VmRuntime:
         try:
             p = run_paths(run_dir)
             await asyncio.to_thread(disk.clone_overlay, tpl.empty_overlay, p["root"])
-            cfg = child_config(tpl.cfg, name, run_dir, allow_internet)
+            cfg = replace(child_config(tpl.cfg, name, run_dir, allow_internet), send_configuration=send_configuration)
             machine = await Machine.spawn(cfg, stderr_path=p["stderr"])
         except BaseException:
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -531,6 +542,8 @@ class VmRuntime:
 
         # The call returns now: the files follow while the sandbox runs (see SnapshotResult.pending).
         pending = self._finish_later(sandbox_id, into, write_files())
+        spec = self._specs.get(sandbox_id)
+        self.blank_pool.want(tpl.key, spec.allow_internet if spec else True)  # for its rollback or fork
         return SnapshotResult(
             mode="full", layers=(SNAP_DISK, DEVICE_STATE, *names, BASE_RAM), data=data, pending=pending
         )
@@ -642,23 +655,38 @@ class VmRuntime:
         key = str(result.data.get("template_key", ""))
         tpl = await self._template_by_key(key)
         layered = result.data.get("format") == "layered"
-        run_dir = self.run_root / sid
-        shutil.rmtree(run_dir, ignore_errors=True)
-        run_dir.mkdir(parents=True)
-        sbx: VmSandbox | None = None
+        blank = None
+        if layered and result.data.get("ram_id") == tpl.ram_id:
+            blank = self.blank_pool.take(key, spec.allow_internet, refill=False)
+        run_dir = blank.run_dir if blank is not None else self.run_root / sid
+        if blank is None:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            run_dir.mkdir(parents=True)
+        sbx: VmSandbox | None = blank
         t0 = time.perf_counter()
         try:
-            await self._snapshot_overlay(snapshot, run_dir)
+            if blank is not None:
+                # Spawned ahead of time on the template's disk: re-point it at the snapshot's.
+                await asyncio.to_thread(disk.retarget_overlay, run_paths(run_dir)["root"], snapshot / SNAP_DISK)
+                await blank.machine.retarget_root("root", snapshot / SNAP_DISK)
+            else:
+                await self._snapshot_overlay(snapshot, run_dir)
             base = child_config(tpl.cfg, sid, run_dir, spec.allow_internet)
             if layered:
                 ram = await self._frozen_ram(str(result.data["ram_id"]), snapshot / BASE_RAM)
-                cfg = replace(base, mem_path=ram, send_configuration=False)
-                machine = await Machine.spawn(cfg, stderr_path=run_paths(run_dir)["stderr"])
-                sbx = VmSandbox(sid, machine, run_dir, key)
+                if blank is not None:
+                    machine = blank.machine
+                else:
+                    cfg = replace(base, mem_path=ram, send_configuration=False)
+                    machine = await Machine.spawn(cfg, stderr_path=run_paths(run_dir)["stderr"])
+                    sbx = VmSandbox(sid, machine, run_dir, key)
+                assert sbx is not None
                 sbx.base_ram, sbx.ram_image = ram, snapshot / BASE_RAM
+                t1 = time.perf_counter()
                 sbx.mem_chain = await asyncio.to_thread(
                     _apply_layers, machine, snapshot, list(result.data.get("mem_layers") or [MEM_LAYER]), run_dir
                 )
+                machine.timings.extra["layers_ms"] = (time.perf_counter() - t1) * 1000
                 await machine.restore(snapshot / DEVICE_STATE)
             else:
                 # Fresh, empty RAM file: a full migration skips zero pages, so the target must read
@@ -688,13 +716,18 @@ class VmRuntime:
                     f"sandbox {sid}: envd unreachable after restore: {exc}", sandbox_id=sid
                 ) from exc
             raise
+        tm = sbx.machine.timings
         log.info(
-            "sandbox %s: from snapshot %s in %.0f ms (restore %.0f, envd init %s)", sid, snapshot.name,
-            (time.perf_counter() - t0) * 1000, (t_restored - t0) * 1000,
+            "sandbox %s: from snapshot %s in %.0f ms (restore %.0f: %s %.0f, layers %.0f, devices %.0f; "
+            "envd init %s)", sid, snapshot.name, (time.perf_counter() - t0) * 1000, (t_restored - t0) * 1000,
+            "spawned ahead" if blank is not None else "spawn", 0 if blank is not None else tm.spawn_ms or 0,
+            tm.extra.get("layers_ms", 0), tm.restore_ms or 0,
             f"{(time.perf_counter() - t_restored) * 1000:.0f}" if init else "not needed",
         )  # fmt: skip
         self._sandboxes[sid] = sbx
         self._specs[sid] = spec
+        if layered:
+            self.blank_pool.want(key, spec.allow_internet)
         return self._state(sbx, spec)
 
     async def fork(
@@ -1000,7 +1033,8 @@ class VmRuntime:
         """Kill QEMU processes and remove run dirs under our run root that no live sandbox, pool
         entry or template build owns (leftovers of a crash). Call after ``start`` and adopting."""
         await self.start()
-        keep = {s.run_dir.name for s in self._sandboxes.values()} | self.pool.names() | self._building
+        keep = {s.run_dir.name for s in self._sandboxes.values()} | self.pool.names() | self.blank_pool.names()
+        keep |= self._building
         keep |= {r.run_dir.name for r in self._released.values()}
         keep |= {str(k) for k in known_ids if k in self._sandboxes}
         report: dict[str, list[str]] = {"killed": [], "removed": []}
