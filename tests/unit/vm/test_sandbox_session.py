@@ -67,3 +67,45 @@ async def test_session_gives_up_after_the_second_silent_guest(tmp_path: Path) ->
     assert machine.opened == 2
     for _, w in machine.guests:
         w.close()
+
+
+async def _echo_accept(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """The guest agent's side: every port connects to a local echo server."""
+
+    async def echo(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while data := await r.read(1024):
+            w.write(data)
+            await w.drain()
+        w.close()
+
+    server = await asyncio.start_server(echo, "127.0.0.1", 0)
+    return await asyncio.open_connection(*server.sockets[0].getsockname()[:2])
+
+
+async def test_spare_envd_streams_are_used_first_and_dropped_with_the_session(tmp_path: Path) -> None:
+    """A pool entry opens envd streams ahead (``open_spares``); ``open_stream`` hands them out
+    before opening new ones, skips ones that died, and a dropped session takes them along."""
+    from aenv.runtime.vm.sandbox import ENVD_PORT
+
+    class Machine(FakeMachine):
+        async def open_channel(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            host, guest = socket.socketpair()
+            gr, gw = await asyncio.open_unix_connection(sock=guest)
+            self.guests.append(await MuxSession(gr, gw, accept=_echo_accept, name="guest").start())
+            return await asyncio.open_unix_connection(sock=host)
+
+    sbx = VmSandbox("t", Machine(0), tmp_path, "tpl")  # type: ignore[arg-type]
+    await sbx.open_spares(2)
+    first, second = sbx.spare
+    await second.aclose()  # died while waiting (the newest is handed out first)
+    got = await sbx.open_stream(ENVD_PORT)
+    assert got is first and sbx.spare == []
+    await got.write(b"ping")
+    assert await got.read() == b"ping"
+    fresh = await sbx.open_stream(ENVD_PORT)  # none left: a new one
+    assert fresh is not first and not fresh.closed
+    await sbx.open_spares(1)
+    await sbx.drop_session()
+    assert sbx.spare == [] and fresh.closed
+    for g in sbx.machine.guests:  # type: ignore[attr-defined]
+        await g.aclose()

@@ -70,6 +70,7 @@ MEM_LAYER = "mem.layer"  # the pages the VM changed against its base RAM (memlay
 # parent's layers (linked in as mem.0 ... mem.<n-1>). At this depth it stores all its pages in one
 # layer again (compaction): deeper chains cost every restore one more file to read and apply.
 MEM_CHAIN_MAX = 8
+SPARE_STREAMS = 2  # envd streams a pool entry opens ahead: one for the create's /init, one for the client
 BASE_RAM = "base.ram"  # that base RAM (hard link of the template's ram.img: stored once)
 RELEASED_STATE = "released.full"  # in a run dir: a paused sandbox saved to disk, its QEMU ended
 # A released VM on a frozen base RAM is saved layered instead: device state, changed pages, a link
@@ -351,6 +352,7 @@ class VmRuntime:
             await sbx.machine.restore(tpl.device_state)
             await sbx.wait_envd(self.warm_timeout)
             await self._warm_paths(sbx)
+            await sbx.open_spares(SPARE_STREAMS)
         except BaseException:
             await sbx.aclose()
             raise
@@ -1188,7 +1190,7 @@ async def _open_envd(sbx: VmSandbox, first_timeout: float = 15.0, timeout: float
     resume, cause not pinned down) cannot stall this one. Used where no other stream of the sandbox
     is in use: ``/init`` after a restore, resume or fork, and the pool warm-up."""
     try:
-        return await sbx.open_stream(ENVD_PORT, timeout=first_timeout)
+        return await sbx.open_stream(ENVD_PORT, timeout=first_timeout)  # a spare one if it has one
     except (TimeoutError, MuxError) as exc:
         status = "unknown"
         with contextlib.suppress(Exception):
