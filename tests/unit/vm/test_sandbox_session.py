@@ -71,15 +71,10 @@ async def test_session_gives_up_after_the_second_silent_guest(tmp_path: Path) ->
 
 async def _echo_accept(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """The guest agent's side: every port connects to a local echo server."""
+    from tests.unit.mux.test_session import _echo_server
 
-    async def echo(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        while data := await r.read(1024):
-            w.write(data)
-            await w.drain()
-        w.close()
-
-    server = await asyncio.start_server(echo, "127.0.0.1", 0)
-    return await asyncio.open_connection(*server.sockets[0].getsockname()[:2])
+    _, echo_port = await _echo_server()
+    return await asyncio.open_connection("127.0.0.1", echo_port)
 
 
 async def test_spare_envd_streams_are_used_first_and_dropped_with_the_session(tmp_path: Path) -> None:
