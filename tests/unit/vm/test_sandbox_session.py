@@ -39,13 +39,13 @@ async def _refuse(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter
     raise ConnectionRefusedError(port)
 
 
-@pytest.mark.parametrize(("dead", "opened"), [(0, 1), (1, 2)])
+@pytest.mark.parametrize(("dead", "opened"), [(0, 1), (1, 2), (3, 4)])
 async def test_session_reconnects_when_the_guest_does_not_answer(
     tmp_path: Path, dead: int, opened: int
 ) -> None:
     machine = FakeMachine(dead)
     sbx = VmSandbox("t", machine, tmp_path, "tpl")  # type: ignore[arg-type]
-    sbx.first_ping = 0.2
+    sbx.first_ping = 0.05
     session = await sbx.session()
     await session.ping(timeout=1.0)
     assert machine.opened == opened
@@ -67,6 +67,20 @@ async def test_session_gives_up_after_the_second_silent_guest(tmp_path: Path) ->
     assert machine.opened == 2
     for _, w in machine.guests:
         w.close()
+
+
+async def test_session_gives_up_after_the_channel_timeout(tmp_path: Path) -> None:
+    """A guest that never answers: reconnects with doubling waits, then the timeout is raised."""
+    machine = FakeMachine(dead=100)
+    sbx = VmSandbox("t", machine, tmp_path, "tpl")  # type: ignore[arg-type]
+    sbx.first_ping, sbx.channel_timeout = 0.02, 0.5
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(TimeoutError):
+        await sbx.session()
+    took = asyncio.get_running_loop().time() - t0
+    assert 0.4 < took < 2.0 and 4 <= machine.opened <= 6  # 0.02 + 0.04 + 0.08 + 0.16 + 0.2 (rest)
+    for g in machine.guests:
+        g[1].close()
 
 
 async def _echo_accept(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

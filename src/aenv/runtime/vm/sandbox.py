@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -112,11 +113,16 @@ class VmSandbox:
         writes in the moment after the host left: a write that fails on the closed socket throttles
         the port, and a new connection does not unthrottle it; only the host closing again does.
         That happens whenever the guest answers something while a pause, a server stop or a dropped
-        session disconnects (seen: 2 in 25 resumes hung 10 s). So a session that cannot get a PONG
-        within ``first_ping`` is closed and opened once more, which also gives an agent reader stuck
-        mid-frame a fresh start (agent.channel.SerialReaders)."""
-        for attempt, wait in enumerate((self.first_ping, self.channel_timeout)):
-            await self.machine.wait_guest_channel(self.channel_timeout)
+        session disconnects (seen: 2 in 25 resumes hung 10 s). So a session that gets no PONG in
+        time is closed and opened again, which also gives an agent reader stuck mid-frame a fresh
+        start (agent.channel.SerialReaders). The wait doubles each time (``first_ping``, then 2x,
+        4x, ...) until ``channel_timeout``: a guest that is merely slow (16 forks translating their
+        code on 2 cores answer after seconds) must not be cut off on every attempt, since each cut
+        can throttle the port again; one wait that never ends would hang on a throttled port."""
+        deadline = time.monotonic() + self.channel_timeout
+        wait = self.first_ping
+        for attempt in itertools.count(1):
+            await self.machine.wait_guest_channel(max(0.1, deadline - time.monotonic()))
             reader, writer = await self.machine.open_channel()
             # The guest applies the HELLO's clock and seed before it serves any stream of this
             # session (agent.channel.apply_host_facts): a resume needs no request of its own.
@@ -124,14 +130,15 @@ class VmSandbox:
                 reader, writer, name=f"vm-{self.name}", hello_extra=json.dumps(host_facts()).encode()
             ).start()
             try:
-                await session.ping(timeout=wait)
+                await session.ping(timeout=min(wait, max(0.1, deadline - time.monotonic())))
                 return session
             except (TimeoutError, MuxError) as exc:
                 await session.aclose()
-                if attempt:
+                if time.monotonic() >= deadline:
                     raise
-                log.warning("vm %s: guest did not answer a new session in %.1f s (%r); reconnecting",
-                            self.name, wait, exc)  # fmt: skip
+                log.warning("vm %s: guest did not answer new session %d in %.1f s (%r); reconnecting",
+                            self.name, attempt, wait, exc)  # fmt: skip
+                wait *= 2
         raise AssertionError("unreachable")
 
     async def open_stream(self, port: int, timeout: float = 10.0) -> MuxStream:
