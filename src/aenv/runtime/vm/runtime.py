@@ -70,6 +70,7 @@ MEM_LAYER = "mem.layer"  # the pages the VM changed against its base RAM (memlay
 # parent's layers (linked in as mem.0 ... mem.<n-1>). At this depth it stores all its pages in one
 # layer again (compaction): deeper chains cost every restore one more file to read and apply.
 MEM_CHAIN_MAX = 8
+POOL_NICE = 10  # CPU priority of pool entries until handed out
 SPARE_STREAMS = 2  # envd streams a pool entry opens ahead: one for the create's /init, one for the client
 BASE_RAM = "base.ram"  # that base RAM (hard link of the template's ram.img: stored once)
 RELEASED_STATE = "released.full"  # in a run dir: a paused sandbox saved to disk, its QEMU ended
@@ -308,7 +309,9 @@ class VmRuntime:
     async def _spawn_blank(self, name: str, template_key: str, allow_internet: bool) -> VmSandbox:
         """A QEMU process waiting for the device state of a layered snapshot of this template
         (``xen-save-devices-state`` streams have no configuration section)."""
-        return await self._spawn_restore(name, template_key, allow_internet, send_configuration=False)
+        sbx = await self._spawn_restore(name, template_key, allow_internet, send_configuration=False)
+        sbx.machine.set_nice(POOL_NICE)
+        return sbx
 
     async def _spawn_restore(
         self, name: str, template_key: str, allow_internet: bool, send_configuration: bool = True
@@ -348,6 +351,7 @@ class VmRuntime:
         and the first requests through agent and envd (Python) cost several hundred ms."""
         tpl = self._templates[template_key]
         sbx = await self._spawn_restore(name, template_key, allow_internet)
+        sbx.machine.set_nice(POOL_NICE)  # its warm-up yields to sandboxes in use
         try:
             await sbx.machine.restore(tpl.device_state)
             await sbx.wait_envd(self.warm_timeout)
@@ -415,6 +419,8 @@ class VmRuntime:
             raise RuntimeFailure(f"sandbox {sid}: template: {exc}", sandbox_id=sid) from exc
         sbx: VmSandbox | None = self.pool.take(tpl.key, spec.allow_internet)
         t0 = time.perf_counter()
+        if sbx is not None:
+            sbx.machine.set_nice(0)
         try:
             if sbx is None:
                 sbx = await self._spawn_restore(sid, tpl.key, spec.allow_internet)
@@ -668,6 +674,7 @@ class VmRuntime:
         t0 = time.perf_counter()
         try:
             if blank is not None:
+                blank.machine.set_nice(0)
                 # Spawned ahead of time on the template's disk: re-point it at the snapshot's.
                 await asyncio.to_thread(disk.retarget_overlay, run_paths(run_dir)["root"], snapshot / SNAP_DISK)
                 await blank.machine.retarget_root("root", snapshot / SNAP_DISK)
