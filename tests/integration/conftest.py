@@ -7,7 +7,6 @@ State lives in a temp dir; the cache (tools bundle, base rootfs) is the machine'
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,8 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from aenv.runtime.vm.frozen import remove_tree
-from aenv.testing.server import API_KEY, Server, reap_vms, start_server, stop_server
+from aenv.testing.server import API_KEY, Server, discard_vm_state, start_server, stop_server
 
 __all__ = ["API_KEY", "Server", "start_server", "stop_server"]
 
@@ -59,10 +57,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, runtime_name: str) -> Itera
     except Exception:
         pass
     stop_server(srv)
-    reap_vms(srv.state_dir)  # a server killed mid template build or pool refill leaves its QEMUs
-    # vm: the template RAM of this state dir lives in /dev/shm (see VmRuntime.shm_dir); free it now.
-    digest = hashlib.sha256(str(srv.state_dir.absolute()).encode()).hexdigest()[:10]
-    remove_tree(Path("/dev/shm") / f"aenv-{digest}")  # unmounts its frozen-RAM ramfs
+    discard_vm_state(srv.state_dir)  # QEMUs a killed server left, and the template RAM in /dev/shm
 
 
 @pytest.fixture(scope="session")

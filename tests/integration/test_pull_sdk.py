@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from aenv.testing.server import API_KEY, Server, start_server, stop_server
+from aenv.testing.server import API_KEY, Server, discard_vm_state, start_server, stop_server
 from tests.fixtures.plugin import PushedImages, local_registry, pushed_images  # noqa: F401
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the ns runtime needs root")
@@ -28,6 +28,7 @@ def mirror_server(
     )
     yield srv
     stop_server(srv)
+    discard_vm_state(srv.state_dir)  # vm: its template RAM stays mounted in /dev/shm otherwise
 
 
 def aenv(server: Server, *args: str) -> subprocess.CompletedProcess[str]:

@@ -39,3 +39,24 @@ def test_reap_vms_kills_only_the_state_dirs_qemus(tmp_path: Path) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, 9)  # the shell and its sleep
             p.wait()
+
+
+def test_discard_vm_state_removes_the_state_dirs_template_ram(tmp_path: Path) -> None:
+    """A thrown-away test server's template RAM in /dev/shm goes with it; another state dir's stays."""
+    from aenv.testing.server import discard_vm_state
+
+    def shm_of(state: Path) -> Path:
+        return Path("/dev/shm") / f"aenv-{hashlib.sha256(str(state.absolute()).encode()).hexdigest()[:10]}"
+
+    mine, other = shm_of(tmp_path / "state"), shm_of(tmp_path / "other")
+    try:
+        for d in (mine, other):
+            (d / "frozen").mkdir(parents=True)
+            (d / "frozen" / "t.mem").write_bytes(b"ram")
+        discard_vm_state(tmp_path / "state")
+        assert not mine.exists() and (other / "frozen" / "t.mem").exists()
+    finally:
+        import shutil
+
+        for d in (mine, other):
+            shutil.rmtree(d, ignore_errors=True)

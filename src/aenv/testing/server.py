@@ -114,6 +114,20 @@ def reap_vms(state_dir: Path) -> list[int]:
     return killed
 
 
+def discard_vm_state(state_dir: Path) -> None:
+    """For a stopped server whose state is thrown away: kill its QEMUs (:func:`reap_vms`) and
+    remove its template RAM from /dev/shm, unmounting the frozen-RAM ramfs (see
+    ``VmRuntime.shm_dir``). Not part of :func:`stop_server`: a restart on the same state dir
+    adopts the running VMs and their templates."""
+    import hashlib
+
+    from aenv.runtime.vm.frozen import remove_tree
+
+    reap_vms(state_dir)
+    digest = hashlib.sha256(str(Path(state_dir).absolute()).encode()).hexdigest()[:10]
+    remove_tree(Path("/dev/shm") / f"aenv-{digest}")
+
+
 def _stop(server: Server, sig: int) -> None:
     if server.proc.poll() is None:
         try:
