@@ -196,7 +196,7 @@ class SnapshotFlows:
             if self.store.get_snapshot(row.id) is None:
                 return  # deleted meanwhile
             row.size_bytes = _du(Path(row.dir))
-            row.result = {"layers": row.result.get("layers", []), "data": row.result.get("data", {})}
+            # row.result holds the runtime's data dict, which it completed while writing the files
             self.store.update_snapshot(row.id, result=row.result, size_bytes=row.size_bytes)
             if publish:
                 self._publish(row)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from .cmdline import build_argv
-from .config import VmConfig
+from .config import Drive, VmConfig
 from .memlayer import Mapping, find_mapping
 from .qmp import QMPClient, QMPError
 
@@ -336,6 +336,12 @@ class Machine:
         """Where this QEMU maps guest RAM (its ``mem_path``) in its address space."""
         return find_mapping(self.pid, self.cfg.mem_path)
 
+    def _drive(self, serial: str) -> Drive:
+        drive = next((d for d in self.cfg.drives if d.serial == serial), None)
+        if drive is None:
+            raise MachineError(f"vm {self.cfg.name}: no drive with serial {serial!r}")
+        return drive
+
     async def checkpoint_disk(self, serial: str, new_overlay: Path, prepared: bool = False) -> float:
         """Freeze the current top image of drive ``serial`` and send further writes to a new
         qcow2 overlay on top of it. The frozen image can then back the disks of forks.
@@ -343,9 +349,7 @@ class Machine:
         (:func:`disk.overlay_with_backing`); it is opened and put on top (``blockdev-add`` +
         ``blockdev-snapshot``, a few ms). Otherwise QEMU creates it (``blockdev-snapshot-sync``,
         10-50 ms under TCG: it writes and syncs a new image). Returns ms."""
-        drive = next((d for d in self.cfg.drives if d.serial == serial), None)
-        if drive is None:
-            raise MachineError(f"vm {self.cfg.name}: no drive with serial {serial!r}")
+        drive = self._drive(serial)
         t0 = time.perf_counter()
         if prepared:
             node = "ov-" + new_overlay.name.replace(".", "-")
@@ -369,18 +373,15 @@ class Machine:
         process spawned ahead of time for a template can restore any snapshot of it. The caller
         renames the backing in the overlay's header too (:func:`disk.retarget_overlay`); QEMU
         reads it again when the incoming migration activates the image. Returns ms."""
-        drive = next((d for d in self.cfg.drives if d.serial == serial), None)
-        if drive is None:
-            raise MachineError(f"vm {self.cfg.name}: no drive with serial {serial!r}")
+        drive = self._drive(serial)
         t0 = time.perf_counter()
         nodes = await self.execute("query-named-block-nodes", {"flat": True})
         top = next((n for n in nodes if n.get("node-name") == drive.node_name), None)
-        file_node = next(
-            (n["node-name"] for n in nodes
-             if n.get("node-name") != drive.node_name and top is not None and n.get("file") == top.get("file")),
-            None,
-        )  # fmt: skip
-        if top is None or file_node is None:
+        file_node = None
+        if top is not None:  # its protocol node: the other node opened on the same file
+            others = (n for n in nodes if n.get("node-name") != drive.node_name)
+            file_node = next((n["node-name"] for n in others if n.get("file") == top.get("file")), None)
+        if file_node is None:
             raise MachineError(f"vm {self.cfg.name}: block nodes of drive {serial!r} not found")
         base = f"{drive.node_name}-base"
         await self.execute(

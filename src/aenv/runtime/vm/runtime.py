@@ -194,10 +194,9 @@ class VmRuntime:
         self._release_tasks: dict[str, asyncio.Task[None]] = {}
         self._locks: dict[str, asyncio.Lock] = {}  # per sandbox: pause/resume/release/kill
         self._overlay_locks: dict[Path, asyncio.Lock] = {}  # per snapshot dir: its empty overlay
-        # Snapshot files still being written after the call returned: per snapshot dir, and the
-        # tasks reading each sandbox's disk chain (its kill or rollback must wait for them).
-        self._finishing: dict[Path, asyncio.Task[None]] = {}
-        self._finishing_of: dict[str, set[asyncio.Task[None]]] = {}
+        # Snapshot files still being written after the call returned: per snapshot dir, the
+        # sandbox whose disk chain the task reads (its kill or rollback must wait) and the task.
+        self._finishing: dict[Path, tuple[str, asyncio.Task[None]]] = {}
 
     # ---- host-wide lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
@@ -250,7 +249,7 @@ class VmRuntime:
             with contextlib.suppress(BaseException):
                 await t
         self._release_tasks.clear()
-        for t in list(self._finishing.values()):  # snapshot files: ~10-100 ms, let them land
+        for _, t in list(self._finishing.values()):  # snapshot files: ~10-100 ms, let them land
             with contextlib.suppress(BaseException):
                 await asyncio.shield(t)
         await self.pool.aclose()
@@ -570,19 +569,17 @@ class VmRuntime:
                 marker.unlink()
             finally:
                 self._finishing.pop(into, None)
-                self._finishing_of.get(sandbox_id, set()).discard(task)
 
         task = asyncio.create_task(run(), name=f"vm-snapshot-files-{into.name}")
-        self._finishing[into] = task
-        self._finishing_of.setdefault(sandbox_id, set()).add(task)
+        self._finishing[into] = (sandbox_id, task)
         return task
 
     async def _files_ready(self, snapshot: Path) -> None:
         """Until a snapshot's files are all written; raises if they never will be."""
-        task = self._finishing.get(snapshot)
-        if task is not None:
+        entry = self._finishing.get(snapshot)
+        if entry is not None:
             try:
-                await asyncio.shield(task)
+                await asyncio.shield(entry[1])
             except Exception as exc:
                 raise RuntimeFailure(f"snapshot {snapshot.name}: its files could not be written: {exc}") from exc
         if (snapshot / UNFINISHED_MARKER).exists():
@@ -590,7 +587,7 @@ class VmRuntime:
 
     async def _snapshots_written(self, sandbox_id: str) -> None:
         """Until no snapshot of this sandbox is still reading its disk chain."""
-        for task in list(self._finishing_of.pop(sandbox_id, ())):
+        for task in [t for sid, t in self._finishing.values() if sid == sandbox_id]:
             with contextlib.suppress(BaseException):
                 await asyncio.shield(task)
 
