@@ -31,7 +31,7 @@ from typing import Any
 
 from rich.console import Console
 
-from aenv.testing.server import API_KEY, reap_vms, start_server, stop_server
+from aenv.testing.server import API_KEY, discard_vm_state, start_server, stop_server
 from bench import core, density, forks, report, rl
 from bench.context import Ctx
 
@@ -253,26 +253,11 @@ def _server(runtime: str, url: str | None, run: dict[str, Any]) -> Iterator[tupl
     finally:
         stop_server(server)
         if runtime == "vm":
-            reap_vms(server.state_dir)
-            _remove_vm_shm(server.state_dir)
+            discard_vm_state(server.state_dir)
         if run.get("errors"):
             run["server_log"] = str(server.log_path)
         elif str(tmp) not in Path("/proc/mounts").read_text():  # never rmtree through a live mount
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _remove_vm_shm(state_dir: Path) -> None:
-    """The vm runtime keeps template RAM in ``/dev/shm/aenv-<hash of state dir>`` (a ramfs inside) across restarts (512 MB
-    each); a bench server's state dir is thrown away, so its RAM files go too — only if the directory
-    says it belongs to that state dir."""
-    import hashlib
-
-    shm = Path("/dev/shm") / f"aenv-{hashlib.sha256(str(state_dir).encode()).hexdigest()[:10]}"
-    with contextlib.suppress(OSError):
-        if (shm / ".state-dir").read_text().strip() == str(state_dir):
-            from aenv.runtime.vm.frozen import remove_tree
-
-            remove_tree(shm)  # unmounts its frozen-RAM ramfs too
 
 
 def _vm_unusable() -> str | None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import os
 import shutil
@@ -28,8 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from aenv.runtime.vm.frozen import remove_tree
-from aenv.testing.server import API_KEY, Server, start_server, stop_server
+from aenv.testing.server import API_KEY, Server, discard_vm_state, start_server, stop_server
 from bench.density import pss_kb, vm_pids
 
 
@@ -76,22 +74,6 @@ async def _cold_boot(state_dir: Path, idle_pss_after: float | None) -> tuple[flo
     from bench.vmboot import QemuColdBoot
 
     return await QemuColdBoot(state_dir, timeout=300).boot(idle_pss_after)
-
-
-def _kill_qemu_of(state: Path) -> None:
-    """SIGKILL every QEMU whose command line names this state dir or its short run root."""
-    import signal
-
-    from aenv.runtime.vm.runtime import qemu_cmdlines
-
-    run_root = hashlib.sha256(str(state.absolute() / "vm" / "run").encode()).hexdigest()[:10]
-    markers = (str(state.absolute()).encode(), f"/aenv-vm-{run_root}/".encode())
-    for pid, cmd in qemu_cmdlines().items():
-        if any(m in cmd for m in markers):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def run(smoke: bool) -> dict[str, Any]:
@@ -146,9 +128,7 @@ def run(smoke: bool) -> dict[str, Any]:
     finally:
         if srv is not None:
             stop_server(srv)
-        _kill_qemu_of(state)
-        digest = hashlib.sha256(str(state.absolute()).encode()).hexdigest()[:10]
-        remove_tree(Path("/dev/shm") / f"aenv-{digest}")
+        discard_vm_state(state)
         shutil.rmtree(tmp, ignore_errors=True)
     res["meta"]["loadavg_end"] = os.getloadavg()
     return res

@@ -9,19 +9,15 @@ reaped and its template RAM removed afterwards.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from aenv.config import Settings
-from aenv.runtime.vm.frozen import remove_tree
-from aenv.testing.server import API_KEY, Server, start_server, stop_server
+from aenv.testing.server import API_KEY, Server, discard_vm_state, start_server, stop_server
 
 ENV = {
     "AENV_POOL_SIZE": "1",
@@ -55,9 +51,6 @@ def _qemu_pids(*markers: str) -> list[int]:
 def vm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("vm-smoke")
     box: dict[str, Any] = {"tmp": tmp, "server": start_server(tmp, "vm", extra_env=ENV)}
-    state = str((tmp / "state").absolute())
-    run_root_digest = hashlib.sha256(str(Path(state) / "vm" / "run").encode()).hexdigest()[:10]
-    markers = (state, f"/aenv-vm-{run_root_digest}/")
     old = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "NO_PROXY")}
     os.environ.update(
         E2B_API_URL=box["server"].url,
@@ -81,9 +74,7 @@ def vm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
         except Exception:
             pass
         stop_server(srv)
-        for pid in _qemu_pids(*markers):
-            os.kill(pid, signal.SIGKILL)
-        remove_tree(Path("/dev/shm") / f"aenv-{hashlib.sha256(state.encode()).hexdigest()[:10]}")
+        discard_vm_state(srv.state_dir)
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -50,11 +50,15 @@ def test_discard_vm_state_removes_the_state_dirs_template_ram(tmp_path: Path) ->
 
     mine, other = shm_of(tmp_path / "state"), shm_of(tmp_path / "other")
     try:
-        for d in (mine, other):
+        for d, owner in ((mine, tmp_path / "state"), (other, tmp_path / "other")):
             (d / "frozen").mkdir(parents=True)
             (d / "frozen" / "t.mem").write_bytes(b"ram")
+            (d / ".state-dir").write_text(str(owner))
         discard_vm_state(tmp_path / "state")
         assert not mine.exists() and (other / "frozen" / "t.mem").exists()
+        (other / ".state-dir").write_text("/another/state")  # its owner file disagrees: left alone
+        discard_vm_state(tmp_path / "other")
+        assert (other / "frozen" / "t.mem").exists()
     finally:
         import shutil
 

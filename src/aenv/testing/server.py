@@ -117,15 +117,20 @@ def reap_vms(state_dir: Path) -> list[int]:
 def discard_vm_state(state_dir: Path) -> None:
     """For a stopped server whose state is thrown away: kill its QEMUs (:func:`reap_vms`) and
     remove its template RAM from /dev/shm, unmounting the frozen-RAM ramfs (see
-    ``VmRuntime.shm_dir``). Not part of :func:`stop_server`: a restart on the same state dir
-    adopts the running VMs and their templates."""
+    ``VmRuntime.shm_dir``), only if that directory's owner file names this state dir. Not part of
+    :func:`stop_server`: a restart on the same state dir adopts the running VMs and templates."""
+    import contextlib
     import hashlib
 
     from aenv.runtime.vm.frozen import remove_tree
+    from aenv.runtime.vm.runtime import OWNER_FILE
 
     reap_vms(state_dir)
-    digest = hashlib.sha256(str(Path(state_dir).absolute()).encode()).hexdigest()[:10]
-    remove_tree(Path("/dev/shm") / f"aenv-{digest}")
+    state = str(Path(state_dir).absolute())
+    shm = Path("/dev/shm") / f"aenv-{hashlib.sha256(state.encode()).hexdigest()[:10]}"
+    with contextlib.suppress(OSError):
+        if (shm / OWNER_FILE).read_text().strip() == state:
+            remove_tree(shm)
 
 
 def _stop(server: Server, sig: int) -> None:
