@@ -45,7 +45,8 @@ def test_cli_snapshot_fork_rollback(server: Server) -> None:
         assert aenv(server, "exec", sid, "--", "sh", "-c", "echo v2 > /home/user/v").returncode == 0
         r = aenv(server, "rollback", sid, snap)
         assert r.returncode == 0, r.stderr.decode()
-        assert aenv(server, "exec", sid, "--", "cat", "/home/user/v").stdout == b"v1\n"
+        r = aenv(server, "exec", sid, "--", "cat", "/home/user/v")
+        assert (r.returncode, r.stdout) == (0, b"v1\n"), r.stderr.decode()[-2000:]
 
         r = aenv(server, "snapshot", "rm", snap)  # the rolled-back sandbox runs on it
         assert r.returncode == 1 and b"409" in r.stderr
