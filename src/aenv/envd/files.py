@@ -13,14 +13,16 @@ import json
 import os
 import stat
 import zlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 import anyio
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
-from starlette.responses import FileResponse, Response
+from starlette.responses import Response, StreamingResponse
 
 from aenv.envd.auth import SignatureError, validate_files_request
 from aenv.envd.entry import METADATA_XATTR_PREFIX
@@ -31,6 +33,8 @@ from aenv.envd.identity import SandboxState, User
 METADATA_HEADER_PREFIX = "x-metadata-"
 MAX_METADATA_KEY = 246
 MAX_METADATA_TOTAL = 4096
+WHOLE_READ_MAX = 4 * 1024 * 1024  # files up to this size are read whole, then sent
+DOWNLOAD_CHUNK = 256 * 1024
 
 
 class HTTPError(Exception):
@@ -296,13 +300,11 @@ class FilesRoutes:
                 raise HTTPError(403, f"permission denied for '{path}'")
         except HTTPError as exc:
             return error_response(exc.status, exc.message)
-        return FileResponse(
-            path,
-            media_type="application/octet-stream",
-            filename=os.path.basename(path),
-            content_disposition_type="inline",
-            stat_result=st,
-        )
+        try:
+            return await download_response(path)
+        except OSError as exc:
+            err = _os_error(exc, path)
+            return error_response(err.status, err.message)
 
     async def post(self, request: Request) -> Response:
         try:
@@ -380,3 +382,59 @@ class FilesRoutes:
             target.abort()
             raise
         return await anyio.to_thread.run_sync(target.close)
+
+
+async def download_response(path: str) -> Response:
+    """``GET /files``' answer: the file's bytes, with a Content-Length that matches them.
+
+    Another process may rewrite or extend the file while it is read: an agent reads the log a
+    command is still writing, and ``echo n > f`` truncates before it writes. A length taken from
+    ``stat()`` and a body read afterwards then disagree, and the client sees the connection cut
+    mid-body. So a file of up to WHOLE_READ_MAX bytes is read whole first and sent with the length
+    read. A larger one is streamed up to the size ``fstat()`` gave when it was opened (what is
+    appended later is left out, as E2B's envd does); only a file that shrinks meanwhile still ends
+    short."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        data = await anyio.to_thread.run_sync(_read_whole, fd, WHOLE_READ_MAX) if size <= WHOLE_READ_MAX else None
+    except BaseException:
+        os.close(fd)
+        raise
+    headers = {"content-disposition": _inline_disposition(os.path.basename(path))}
+    if data is not None:
+        os.close(fd)
+        return Response(data, media_type="application/octet-stream", headers=headers)
+    headers["content-length"] = str(size)
+    return StreamingResponse(_stream_prefix(fd, size), media_type="application/octet-stream", headers=headers)
+
+
+def _read_whole(fd: int, limit: int) -> bytes | None:
+    """Everything up to EOF, or None once it exceeds ``limit`` (the file grew past it)."""
+    parts, total = [], 0
+    while chunk := os.read(fd, DOWNLOAD_CHUNK):
+        parts.append(chunk)
+        total += len(chunk)
+        if total > limit:
+            os.lseek(fd, 0, os.SEEK_SET)
+            return None
+    return b"".join(parts)
+
+
+async def _stream_prefix(fd: int, size: int) -> AsyncIterator[bytes]:
+    """The first ``size`` bytes of ``fd`` in chunks read off the event loop; closes ``fd``."""
+    try:
+        left = size
+        while left > 0:
+            chunk = await anyio.to_thread.run_sync(os.read, fd, min(DOWNLOAD_CHUNK, left))
+            if not chunk:
+                return
+            left -= len(chunk)
+            yield chunk
+    finally:
+        os.close(fd)
+
+
+def _inline_disposition(name: str) -> str:
+    quoted = quote(name)
+    return f"inline; filename*=utf-8''{quoted}" if quoted != name else f'inline; filename="{name}"'

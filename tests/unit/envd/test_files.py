@@ -77,3 +77,40 @@ def test_multipart_truncated_body(tmp_path: Path) -> None:
     sink.feed(body[:-20])
     with pytest.raises(HTTPError):
         sink.finish()
+
+
+async def test_download_length_is_the_length_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file rewritten while it is read (``echo 10 > f`` after a stat saw "9\\n"): the body and its
+    Content-Length come from one read, never a stat from before it."""
+    from aenv.envd import files
+
+    f = tmp_path / "counter"
+    f.write_bytes(b"10\n")
+    real_fstat = os.fstat
+    monkeypatch.setattr(files.os, "fstat", lambda fd: os.stat_result((*real_fstat(fd)[:6], 2, *real_fstat(fd)[7:])))
+    resp = await files.download_response(str(f))
+    assert resp.body == b"10\n"
+    assert resp.headers["content-length"] == "3"
+    assert resp.headers["content-disposition"] == 'inline; filename="counter"'
+
+
+async def test_download_of_a_large_file_stops_at_its_size_when_opened(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from aenv.envd import files
+
+    monkeypatch.setattr(files, "WHOLE_READ_MAX", 10)
+    monkeypatch.setattr(files, "DOWNLOAD_CHUNK", 4)
+    f = tmp_path / "log ü.txt"
+    f.write_bytes(b"0123456789abcdef")
+    resp = await files.download_response(str(f))
+    with f.open("ab") as out:
+        out.write(b"appended later")
+    body = b"".join([chunk async for chunk in resp.body_iterator])  # type: ignore[attr-defined]
+    assert body == b"0123456789abcdef" and resp.headers["content-length"] == "16"
+    assert resp.headers["content-disposition"] == "inline; filename*=utf-8''log%20%C3%BC.txt"
+
+
+async def test_download_reads_files_whose_stat_size_is_zero() -> None:
+    from aenv.envd import files
+
+    resp = await files.download_response("/proc/self/status")
+    assert b"Name:" in resp.body and resp.headers["content-length"] == str(len(resp.body))
