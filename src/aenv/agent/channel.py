@@ -7,7 +7,8 @@ Two transports carry the same mux protocol:
   reconnects after a server restart and simply gets a new one.
 * ``serial:PATH`` (vm): a virtio-serial character device. It is always "open"; while no host is
   attached ``read`` returns 0, so we sleep briefly and retry instead of treating it as EOF. A host
-  that (re)attaches sends HELLO, which resets the streams of the session.
+  that (re)attaches sends HELLO, which resets the streams of the session; which session the bytes
+  after a host left belong to is agent.serial_readers' call.
 
 Every stream the host opens is bridged to ``127.0.0.1:<port>`` inside the sandbox.
 """
@@ -22,6 +23,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 
+from aenv.agent.serial_readers import SerialReaders
 from aenv.mux import MuxSession
 
 log = logging.getLogger("aenv.agent")
@@ -116,33 +118,12 @@ class _SerialWriter:
         return None
 
 
-class SerialReaders:
-    """The reader the serial pump feeds (in the loop thread). When the host goes away the current one
-    gets EOF, ending its session, and later bytes go to a fresh one: half a frame the old host left
-    behind can never swallow the next host's HELLO."""
-
-    def __init__(self) -> None:
-        self.current = asyncio.StreamReader(limit=1 << 20)
-
-    def feed(self, data: bytes) -> None:
-        self.current.feed_data(data)
-
-    def host_gone(self) -> None:
-        old = self.renew()
-        old.feed_eof()
-
-    def renew(self) -> asyncio.StreamReader:
-        old, self.current = self.current, asyncio.StreamReader(limit=1 << 20)
-        return old
-
-
 async def serve_serial(path: str, accept: Connector, ready: Callable[[], None] | None = None) -> None:
     """Run mux sessions over a virtio-serial port forever, surviving host disconnects.
 
-    A host that goes away may leave half a frame behind (it was paused or killed mid-write); the next
-    host's HELLO would then be read as the rest of that frame and the channel would hang. So when the
-    port reports the host gone (``read`` returns 0), the session ends and the next bytes go to a
-    fresh session."""
+    A host that goes away may leave half a frame behind (it was paused or killed mid-write), which
+    would swallow the next host's HELLO; when the port reports the host gone (``read`` returns 0),
+    SerialReaders decides whether the session goes on or the next bytes start a fresh one."""
     loop = asyncio.get_running_loop()
     fd = os.open(path, os.O_RDWR | os.O_NOCTTY)
     readers = SerialReaders()
@@ -174,22 +155,33 @@ async def serve_serial(path: str, accept: Connector, ready: Callable[[], None] |
     if ready is not None:
         ready()
     try:
-        while True:
-            reader = readers.current
-            session = MuxSession(
-                reader, _SerialWriter(fd), accept=accept, name="agent-serial", on_hello=apply_host_facts  # type: ignore[arg-type]
-            )
-            try:
-                await session.run()
-            finally:
-                await session.aclose()
-            if readers.current is reader:  # ended by itself (a protocol error): the next bytes start afresh
-                readers.renew()
-                log.warning("serial session ended; starting a new one")
-            await asyncio.sleep(0.01)
+        await run_sessions(readers, lambda: _SerialWriter(fd), accept)  # type: ignore[arg-type,return-value]
     finally:
         stop.set()
         os.close(fd)
+
+
+async def run_sessions(
+    readers: SerialReaders,
+    make_writer: Callable[[], asyncio.StreamWriter],
+    accept: Connector,
+    on_hello: Callable[[bytes], None] | None = None,
+) -> None:
+    """One mux session after another on ``readers.current``, forever (``serve_serial``'s loop).
+    ``on_hello`` defaults to :func:`apply_host_facts`."""
+    while True:
+        reader = readers.current
+        session = MuxSession(
+            reader, make_writer(), accept=accept, name="agent-serial", on_hello=on_hello or apply_host_facts
+        )
+        try:
+            await session.run()
+        finally:
+            await session.aclose()
+        if readers.current is reader:  # ended by itself (a protocol error): the next bytes start afresh
+            readers.renew()
+            log.warning("serial session ended; starting a new one")
+        await asyncio.sleep(0.01)
 
 
 def apply_host_facts(extra: bytes) -> None:

@@ -114,3 +114,29 @@ def parse_u32(payload: bytes) -> int:
     if len(payload) != 4:
         raise ProtocolError("expected a 4-byte payload", payload)
     return int(struct.unpack("!I", payload)[0])
+
+
+HELLO_MAX_PAYLOAD = 4096  # a version and a small JSON extension (the vm host's clock and seed)
+
+
+def starts_with_hello(data: bytes) -> bool | None:
+    """Whether ``data`` begins with a HELLO frame: True, False, or None while too short to tell.
+
+    A HELLO is a header of type 0, no flags, stream 0 and a 2..HELLO_MAX_PAYLOAD byte payload,
+    which is VERSION and then, if anything, a JSON object. At most 15 bytes decide."""
+    if any(data[:8]):
+        return False
+    if len(data) < HEADER_SIZE:
+        return None
+    length = int.from_bytes(data[8:12], "big")
+    if not 2 <= length <= HELLO_MAX_PAYLOAD:
+        return False
+    if len(data) < HEADER_SIZE + 2:
+        return None
+    if data[12:14] != u16(VERSION):
+        return False
+    if length == 2:
+        return True
+    if len(data) < HEADER_SIZE + 3:
+        return None
+    return data[14:15] == b"{"

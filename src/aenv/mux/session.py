@@ -214,9 +214,17 @@ class MuxSession:
                 self._peer_hello_seen = True
                 return
             # A second HELLO on a live channel means the peer restarted: every old stream is void.
+            if self._streams:
+                log.info("%s: peer started a new session; %d open streams are void", self.name, len(self._streams))
             for stream in list(self._streams.values()):
                 stream._abort("peer restarted")
             self._streams.clear()
+            if self._accept is not None:
+                # The accepting side (the vm agent, which keeps its session when a new host attaches:
+                # agent.serial_readers) answers with a HELLO of its own, as on a fresh channel: the
+                # new host then knows the agent's streams are gone too, and takes a later HELLO of
+                # the agent's as a restart.
+                await self._send(Frame(FrameType.HELLO, 0, u16(VERSION) + self._hello_extra))
             return
         if ftype is FrameType.PING:
             await self._send(Frame(FrameType.PONG, 0, payload))

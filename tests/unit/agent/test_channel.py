@@ -6,12 +6,15 @@ import asyncio
 import os
 import pty
 import tty
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from aenv.agent.channel import make_local_connector, serve
+from aenv.agent.channel import make_local_connector, run_sessions, serve
+from aenv.agent.serial_readers import FrameTracker, SerialReaders
 from aenv.mux import MuxSession, StreamRefused, open_unix_session
+from aenv.mux.protocol import VERSION, Frame, FrameType, starts_with_hello, u16
 
 
 async def echo_server() -> tuple[asyncio.Server, int]:
@@ -127,25 +130,143 @@ async def test_other_ports_fail_fast_after_the_grace() -> None:
         await asyncio.wait_for(accept(port), 1)
 
 
+HOST_HELLO = Frame(FrameType.HELLO, 0, u16(VERSION) + b'{"hostTime": 1}').encode()
+
+
 async def test_serial_readers_drop_what_a_departed_host_left_half_written() -> None:
     """Half a frame from a host that went away (paused or killed mid-write) must not be completed by
     the next host's bytes: they go to a fresh reader, and the old one's session sees EOF."""
-    from aenv.agent.channel import SerialReaders
-    from aenv.mux.protocol import Frame, FrameType, u16
-
     readers = SerialReaders()
     first = readers.current
-    hello = Frame(FrameType.HELLO, 0, u16(1)).encode()
-    readers.feed(Frame(FrameType.DATA, 7, b"x" * 100).encode()[:20])  # cut mid-frame
+    half = Frame(FrameType.DATA, 7, b"x" * 100).encode()[:20]
+    readers.feed(half)  # cut mid-frame
     readers.host_gone()
-    readers.feed(hello)
-    assert await first.read() == Frame(FrameType.DATA, 7, b"x" * 100).encode()[:20]
+    readers.feed(HOST_HELLO[:5])  # the next host's HELLO, split: not telling yet
+    assert readers.current is first
+    readers.feed(HOST_HELLO[5:])
+    assert await first.read() == half
     assert first.at_eof()
     assert readers.current is not first
-    assert await readers.current.readexactly(len(hello)) == hello
+    assert await readers.current.readexactly(len(HOST_HELLO)) == HOST_HELLO
     second = readers.current
     readers.renew()  # a session that ended by itself: the next bytes start afresh too
     assert readers.current is not second
+
+
+async def test_a_late_host_gone_notice_keeps_the_session() -> None:
+    """Linux may report the previous host's departure after the next host's first bytes (the notice
+    travels on another virtqueue): at a frame boundary the notice changes nothing, and mid-frame the
+    bytes that follow complete the frame instead of starting a new session."""
+    readers = SerialReaders()
+    first = readers.current
+    ping = Frame(FrameType.PING, 0, u16(1)).encode()
+    readers.feed(HOST_HELLO + ping)
+    readers.host_gone()  # late, at a boundary
+    data = Frame(FrameType.DATA, 7, b"y" * 50).encode()
+    readers.feed(data[:30])
+    readers.host_gone()  # late, mid-frame
+    readers.feed(data[30:])
+    assert readers.current is first and not first.at_eof()
+    assert await first.readexactly(len(HOST_HELLO + ping + data)) == HOST_HELLO + ping + data
+
+    # a tail too short to tell from a HELLO (zeros) is the same host's after a short wait
+    tail = Frame(FrameType.DATA, 9, b"\0" * 8).encode()
+    readers.feed(tail[:-3])
+    readers.host_gone()
+    readers.feed(tail[-3:])
+    assert first.at_eof() is False and readers.current is first
+    assert await asyncio.wait_for(first.readexactly(len(tail)), 2) == tail
+
+
+def test_frame_tracker_follows_boundaries_across_any_split() -> None:
+    frames = b"".join(Frame(FrameType.DATA, i, b"z" * i).encode() for i in range(0, 40, 7))
+    for cut in range(1, len(frames)):
+        tracker = FrameTracker()
+        tracker.advance(frames[:cut])
+        ends = {sum(12 + i for i in range(0, k, 7)) for k in range(0, 47, 7)}
+        assert tracker.at_boundary is (cut in ends), cut
+        tracker.advance(frames[cut:])
+        assert tracker.at_boundary
+
+
+def test_starts_with_hello() -> None:
+    assert starts_with_hello(HOST_HELLO) is True
+    assert starts_with_hello(Frame(FrameType.HELLO, 0, u16(VERSION)).encode()) is True
+    for n in (0, 5, 12, 14):
+        assert starts_with_hello(HOST_HELLO[:n]) is None
+    assert starts_with_hello(Frame(FrameType.PING, 0, u16(1)).encode()) is False
+    assert starts_with_hello(b"\0" * 12 + b"\0\x01") is False  # length 0
+    assert starts_with_hello(Frame(FrameType.HELLO, 0, u16(VERSION) + b"xy").encode()) is False
+    assert starts_with_hello(Frame(FrameType.HELLO, 0, u16(VERSION + 1)).encode()) is False
+
+
+class _Port:
+    """A virtio-serial port as the agent sees it: host bytes arrive through SerialReaders, and what
+    the agent writes reaches whichever host is attached now."""
+
+    def __init__(self, readers: SerialReaders) -> None:
+        self.readers = readers
+        self.host_inbox = asyncio.StreamReader()
+
+    def attach(self, hello_extra: bytes = b'{"hostTime": 1}') -> MuxSession:
+        self.host_inbox = asyncio.StreamReader()
+        return MuxSession(self.host_inbox, _Writer(self.readers.feed), name="host", hello_extra=hello_extra)  # type: ignore[arg-type]
+
+    def agent_writer(self) -> _Writer:
+        return _Writer(lambda data: self.host_inbox.feed_data(data))
+
+
+class _Writer:
+    def __init__(self, sink: Callable[[bytes], None]) -> None:
+        self._sink = sink
+        self._closed = False
+
+    def write(self, data: bytes) -> None:
+        self._sink(data)
+
+    async def drain(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self._closed = True
+
+    def is_closing(self) -> bool:
+        return self._closed
+
+
+async def test_a_new_host_keeps_its_streams_when_the_old_ones_departure_is_reported_late() -> None:
+    """The resume race seen in CI: after ``cont`` the next host's HELLO and request reach the agent
+    before the notice that the previous host left. The request must still be answered."""
+    server, port = await echo_server()
+    readers = SerialReaders()
+    channel = _Port(readers)
+    agent = asyncio.create_task(run_sessions(readers, channel.agent_writer, make_local_connector(frozenset()),  # type: ignore[arg-type]
+                                             on_hello=lambda extra: None))
+    try:
+        old = await channel.attach().start()
+        assert await asyncio.wait_for(roundtrip(old, port, b"before"), 5) == b"BEFORE"
+        await old.aclose()  # paused and gone; the guest has not heard yet
+
+        host = await channel.attach().start()
+        await asyncio.wait_for(host.ping(), 5)
+        stream = await asyncio.wait_for(host.open(port), 5)
+        await stream.write(b"half ")
+        readers.host_gone()  # the late notice
+        await stream.write(b"way")
+        await stream.write_eof()
+        out = b""
+        while chunk := await asyncio.wait_for(stream.read(), 5):
+            out += chunk
+        assert out == b"HALF WAY"
+
+        # a host that leaves half a frame behind: the next one gets a fresh agent session
+        readers.feed(Frame(FrameType.DATA, 1, b"q" * 40).encode()[:16])
+        readers.host_gone()
+        newest = await channel.attach().start()
+        assert await asyncio.wait_for(roundtrip(newest, port, b"after"), 5) == b"AFTER"
+    finally:
+        agent.cancel()
+        server.close()
 
 
 def test_host_facts_set_the_clock_and_reseed(monkeypatch: pytest.MonkeyPatch) -> None:

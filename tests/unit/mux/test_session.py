@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from aenv.mux import MuxSession, StreamClosed, StreamRefused
-from aenv.mux.protocol import WINDOW_SIZE, Frame, FrameType, ProtocolError, decode_header
+from aenv.mux.protocol import VERSION, WINDOW_SIZE, Frame, FrameType, ProtocolError, decode_header, u16
 
 
 async def _echo_server() -> tuple[asyncio.AbstractServer, int]:
@@ -185,6 +185,29 @@ async def test_a_failing_hello_extension_does_not_end_the_session() -> None:
         stream = await host.open(7)
         await stream.write(b"y")
         assert await stream.read() == b"y"
+    finally:
+        await host.aclose()
+        await agent.aclose()
+        server.close()
+
+
+async def test_the_agent_answers_a_second_hello_with_its_own() -> None:
+    """A vm agent keeps its session when a new host attaches (agent.serial_readers): that host's
+    HELLO voids the agent's streams, and the agent answers with a HELLO of its own, so the host
+    knows the agent's side starts afresh too. A host never answers one (no HELLO ping-pong)."""
+    server, port = await _echo_server()
+    host, agent = await _pair({7: port})
+    try:
+        stream = await host.open(7)
+        await host._send(Frame(FrameType.HELLO, 0, u16(VERSION)))  # what a reattaching host sends
+        assert await asyncio.wait_for(stream.read(), 5) == b""
+        assert stream.closed  # the agent's answer voided the host's streams as well
+        await asyncio.sleep(0.1)
+        fresh = await host.open(7)
+        await fresh.write(b"still one session")
+        assert await asyncio.wait_for(fresh.read(), 5) == b"still one session"
+        await asyncio.sleep(0.1)
+        assert not fresh.closed and not host.closed and not agent.closed
     finally:
         await host.aclose()
         await agent.aclose()

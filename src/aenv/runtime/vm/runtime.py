@@ -801,7 +801,7 @@ class VmRuntime:
             try:
                 # End the mux session first: idle keep-alive streams of the proxy must not be reused
                 # into a stopped guest (they would hang), and the guest, still running, sees the host
-                # go and drops any frame left half-delivered (agent.channel.SerialReaders). envd keeps
+                # go and drops any frame left half-delivered (agent.serial_readers). envd keeps
                 # processes whose client went away.
                 await sbx.drop_session()
                 await sbx.machine.pause()
@@ -1189,10 +1189,11 @@ def _short_run_root(preferred: Path) -> Path:
 
 async def _open_envd(sbx: VmSandbox, first_timeout: float = 15.0, timeout: float = 30.0) -> MuxStream:
     """A stream to envd. An OPEN the guest has not answered within ``first_timeout`` gets a second
-    chance on a fresh channel: dropping the session makes the guest agent start its reader afresh
-    (agent.channel.SerialReaders), so whatever stalled the old session (seen in CI after a pause and
-    resume, cause not pinned down) cannot stall this one. Used where no other stream of the sandbox
-    is in use: ``/init`` after a restore, resume or fork, and the pool warm-up."""
+    chance on a fresh channel: when the host leaves, QEMU discards what the guest had queued (which
+    unthrottles a port stalled by a guest write after an earlier departure), the agent drops any
+    half frame (agent.serial_readers), and the next HELLO resets the agent's streams. Used where no
+    other stream of the sandbox is in use: ``/init`` after a restore, resume or fork, and the pool
+    warm-up."""
     try:
         return await sbx.open_stream(ENVD_PORT, timeout=first_timeout)  # a spare one if it has one
     except (TimeoutError, MuxError) as exc:

@@ -115,7 +115,7 @@ class VmSandbox:
         That happens whenever the guest answers something while a pause, a server stop or a dropped
         session disconnects (seen: 2 in 25 resumes hung 10 s). So a session that gets no PONG in
         time is closed and opened again, which also gives an agent reader stuck mid-frame a fresh
-        start (agent.channel.SerialReaders). The wait doubles each time (``first_ping``, then 2x,
+        start (agent.serial_readers). The wait doubles each time (``first_ping``, then 2x,
         4x, ...) until ``channel_timeout``: a guest that is merely slow (16 forks translating their
         code on 2 cores answer after seconds) must not be cut off on every attempt, since each cut
         can throttle the port again; one wait that never ends would hang on a throttled port."""
