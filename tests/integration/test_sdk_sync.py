@@ -214,7 +214,10 @@ def test_pause_keeps_processes_then_connect(e2b_env: dict[str, str]) -> None:
     sbx = Sandbox.create("base")
     try:
         h = sbx.commands.run(
-            "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done", background=True, timeout=0
+            # written aside and renamed: a pause between the truncate and the write of a plain
+            # "echo $i > /tmp/counter" leaves an empty file for the first read after resume
+            "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter.new; mv /tmp/counter.new /tmp/counter; sleep 0.1; done",
+            background=True, timeout=0,
         )
         _wait_for(lambda: _counter(sbx) >= 2, timeout=30)  # the loop runs (slow guests start it late)
         assert sbx.pause() is True
