@@ -165,6 +165,19 @@ def test_files_api(sandbox: Sandbox) -> None:
     assert sandbox.commands.run("stat -c %U /home/user/dir/a.txt").stdout.strip() == "user"
 
 
+def test_read_a_file_being_rewritten(sandbox: Sandbox) -> None:
+    """Reads of a file another process rewrites all the time (a live log, a counter) each answer
+    whole: its content at some moment, never a body cut short or longer than its Content-Length."""
+    sandbox.commands.run("i=0; while :; do i=$((i+1)); echo $i > /tmp/live; done", background=True, timeout=0)
+    _wait_for(lambda: sandbox.files.exists("/tmp/live"), timeout=30)
+    seen = set()
+    for _ in range(40):
+        text = sandbox.files.read("/tmp/live")
+        assert text == "" or (text.endswith("\n") and text[:-1].isdigit()), repr(text)
+        seen.add(text)
+    assert len(seen) > 1, "the writer must have been running meanwhile"
+
+
 def test_watch_dir_sync(sandbox: Sandbox) -> None:
     sandbox.files.make_dir("/home/user/w")
     handle = sandbox.files.watch_dir("/home/user/w", recursive=True)
