@@ -162,13 +162,15 @@ async def test_template_create_pause_kill(make_runtime: Callable[[], VmRuntime],
     _, out, _ = await run_cmd(runtime, "sbx1", "echo $FROM_TEMPLATE; cat /tmp/started-by-template")
     assert out.split() == ["1", "1"], out
 
+    session = await runtime.sandbox("sbx1").session()
     await runtime.pause("sbx1")
     assert await runtime.sandbox("sbx1").machine.status() == "paused"
     await asyncio.sleep(3)  # the stopped guest's clock stands still meanwhile
     await runtime.resume("sbx1", state)
-    # no request of its own: the first session's HELLO set the clock before this command ran
+    # no request of its own: the kept session's new HELLO set the clock before this command ran
     _, out, _ = await run_cmd(runtime, "sbx1", "date +%s")
     assert abs(int(out) - time.time()) < 2, out
+    assert await runtime.sandbox("sbx1").session() is session, "pause and resume keep the channel"
 
     sample = await runtime.metrics("sbx1")
     assert sample.mem_total == 256 * 2**20 and sample.mem_used > 0

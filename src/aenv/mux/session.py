@@ -117,6 +117,22 @@ class MuxSession:
         self._pings.clear()
         self.closed_event.set()
 
+    def abort_streams(self, reason: str) -> None:
+        """Void every stream here, quietly (the channel stays): a vm host does this before the
+        guest's vCPUs stop, so no idle keep-alive stream is reused into a stopped guest."""
+        for stream in list(self._streams.values()):
+            stream._abort(reason)
+        self._streams.clear()
+
+    async def restart(self, hello_extra: bytes) -> None:
+        """Start over on the same channel with a new HELLO carrying ``hello_extra`` (a resumed vm
+        guest's clock and seed). The peer voids its streams and, as the accepting side, answers
+        with a HELLO of its own, which counts as its first again."""
+        self._hello_extra = hello_extra
+        self.abort_streams("session restarted")
+        self._peer_hello_seen = False
+        await self._send(Frame(FrameType.HELLO, 0, u16(VERSION) + hello_extra))
+
     # ---- opening side ---------------------------------------------------------------------------
     async def open(self, port: int, timeout: float = 10.0) -> MuxStream:
         """Open a stream to ``port`` inside the sandbox. Raises StreamRefused or StreamClosed."""
@@ -216,9 +232,7 @@ class MuxSession:
             # A second HELLO on a live channel means the peer restarted: every old stream is void.
             if self._streams:
                 log.info("%s: peer started a new session; %d open streams are void", self.name, len(self._streams))
-            for stream in list(self._streams.values()):
-                stream._abort("peer restarted")
-            self._streams.clear()
+            self.abort_streams("peer restarted")
             if self._accept is not None:
                 # The accepting side (the vm agent, which keeps its session when a new host attaches:
                 # agent.serial_readers) answers with a HELLO of its own, as on a fresh channel: the

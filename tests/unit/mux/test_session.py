@@ -212,3 +212,27 @@ async def test_the_agent_answers_a_second_hello_with_its_own() -> None:
         await host.aclose()
         await agent.aclose()
         server.close()
+
+
+async def test_restart_voids_streams_and_delivers_a_new_hello_on_the_same_channel() -> None:
+    """A vm host pausing a guest aborts its streams but keeps the channel; on resume a new HELLO
+    carries fresh host facts, which the agent applies before any later stream, and the agent's
+    answering HELLO does not count as a restart."""
+    server, port = await _echo_server()
+    facts: list[bytes] = []
+    host, agent = await _pair({7: port}, agent_on_hello=facts.append, host_hello=b'{"hostTime": 1}')
+    try:
+        idle = await host.open(7)
+        host.abort_streams("sandbox paused")
+        assert idle.closed and await idle.read() == b""
+        await host.restart(b'{"hostTime": 2}')
+        fresh = await host.open(7)
+        assert facts == [b'{"hostTime": 1}', b'{"hostTime": 2}']  # applied before the OPEN
+        await fresh.write(b"after resume")
+        assert await asyncio.wait_for(fresh.read(), 5) == b"after resume"
+        await asyncio.sleep(0.1)  # the agent's answering HELLO has arrived by now
+        assert not fresh.closed and not host.closed and not agent.closed
+    finally:
+        await host.aclose()
+        await agent.aclose()
+        server.close()

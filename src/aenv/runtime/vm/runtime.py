@@ -799,11 +799,9 @@ class VmRuntime:
                 return self._state_any(sandbox_id)
             sbx = self._get(sandbox_id)
             try:
-                # End the mux session first: idle keep-alive streams of the proxy must not be reused
-                # into a stopped guest (they would hang), and the guest, still running, sees the host
-                # go and drops any frame left half-delivered (agent.serial_readers). envd keeps
-                # processes whose client went away.
-                await sbx.drop_session()
+                # Streams end, the channel stays (VmSandbox.quiesce); envd keeps processes whose
+                # client went away.
+                sbx.quiesce()
                 await sbx.machine.pause()
                 if self.release_after <= 0:
                     await self._release_locked(sandbox_id)
@@ -985,8 +983,9 @@ class VmRuntime:
                 else:
                     sbx = self._get(sandbox_id)
                     await sbx.machine.resume()
-                # Clock and RNG: the next session's HELLO carries them (paused VMs have none).
-                await sbx.drop_session()
+                # Clock and RNG: a HELLO on the kept session carries them (VmSandbox.refresh); a
+                # VM loaded from disk has no session yet, and its first one's HELLO does.
+                await sbx.refresh()
             except MachineError as exc:
                 raise RuntimeFailure(
                     f"sandbox {sandbox_id}: resume failed: {exc}", sandbox_id=sandbox_id

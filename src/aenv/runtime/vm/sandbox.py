@@ -192,6 +192,29 @@ class VmSandbox:
         except TimeoutError:
             raise TimeoutError(f"envd did not answer /health within {timeout:.0f} s (last: {last})") from None
 
+    def quiesce(self) -> None:
+        """Before the vCPUs stop (pause): no stream may outlive the pause, since the proxy would
+        reuse an idle keep-alive one into the stopped guest and hang. The channel itself stays
+        connected: a host that disconnects as the guest stops leaves QEMU a departure to report
+        after ``cont``, and a guest write in the moment after it left throttles the port (see
+        :meth:`_connect`)."""
+        self.spare.clear()
+        if self._session is not None:
+            self._session.abort_streams("sandbox paused")
+
+    async def refresh(self) -> None:
+        """After the vCPUs run again (resume): the kept session restarts with a HELLO carrying the
+        clock and seed, which the guest applies before any later stream. A session that ended
+        meanwhile is simply dropped; the next one's HELLO carries them too."""
+        session = self._session
+        if session is None or session.closed:
+            await self.drop_session()
+            return
+        try:
+            await session.restart(json.dumps(host_facts()).encode())
+        except MuxError:
+            await self.drop_session()
+
     async def drop_session(self) -> None:
         self.spare.clear()  # streams of the session that ends
         s, self._session = self._session, None
