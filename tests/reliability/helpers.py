@@ -141,6 +141,15 @@ def pool_dirs(state_dir: Path) -> list[Path]:
     return [state_dir / "sandboxes" / POOL_NAME, state_dir / "ns-pool"]
 
 
+def vm_pool_names(state_dir: Path) -> set[str]:
+    """The vm runtime's warm and spawned-ahead QEMUs (``pool-*`` run dirs). A restarted server's
+    reconcile removes the run dirs of the QEMUs it does not own, so those present are its own."""
+    from aenv.runtime.vm.runtime import _short_run_root
+
+    run_root = _short_run_root(state_dir / "vm" / "run")
+    return {d.name for d in run_root.glob("pool-*")} if run_root.is_dir() else set()
+
+
 def slirps_with_dead_target(parents: set[int] | None = None) -> set[int]:
     """slirp4netns processes whose sandbox (the PID they serve) is gone. With ``parents``, only those
     whose parent is one of them or PID 1 (orphaned by a dead server): other servers on the host stop a
@@ -201,7 +210,7 @@ def leaks(state_dir: Path, dead_ids: Iterable[str], live_ids: Iterable[str] = ()
     dead, live = set(dead_ids), set(live_ids)
     deadline = time.monotonic() + settle
     while True:
-        pool = {d.name for pd in pool_dirs(state_dir) if pd.is_dir() for d in pd.glob("*")}
+        pool = {d.name for pd in pool_dirs(state_dir) if pd.is_dir() for d in pd.glob("*")} | vm_pool_names(state_dir)
         allowed = live | pool
         found = Leaks(
             processes={
