@@ -161,6 +161,10 @@ async def test_template_create_pause_kill(make_runtime: Callable[[], VmRuntime],
     # the template's image env and start command reach the guest agent (its config disk)
     _, out, _ = await run_cmd(runtime, "sbx1", "echo $FROM_TEMPLATE; cat /tmp/started-by-template")
     assert out.split() == ["1", "1"], out
+    # commands run in the guest's sandbox cgroup, under the server's pids limit (envd.limits)
+    _, out, _ = await run_cmd(runtime, "sbx1", "cat /proc/self/cgroup /sys/fs/cgroup/sandbox/pids.max")
+    assert out.split() == ["0::/sandbox", str(runtime.settings.pids_limit)], out
+    assert "limits=pids:" in runtime.sandbox("sbx1").host_facts
 
     session = await runtime.sandbox("sbx1").session()
     await runtime.pause("sbx1")

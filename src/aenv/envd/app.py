@@ -17,6 +17,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from aenv.envd import limits
 from aenv.envd.auth import TokenMiddleware
 from aenv.envd.files import FilesRoutes, error_response
 from aenv.envd.filesystem import FilesystemService
@@ -131,12 +132,19 @@ def build_app(state: SandboxState | None = None, table: ProcessTable | None = No
             if not isinstance(body, dict):
                 raise ValueError("body must be a JSON object")  # noqa: TRY004
             host_time, seed = parse_host_facts(body)
+            wanted_limits = limits.parse(body)
             apply_init(state, body)
         except ClientDisconnect:
             return Response(status_code=400)
         except ValueError as exc:
             return error_response(400, f"invalid init body: {exc}")
         done = apply_host_facts(host_time, seed)
+        if wanted_limits is not None:
+            try:
+                done["limits"] = limits.apply(*wanted_limits)
+            except OSError as exc:
+                log.warning("init: cannot set the sandbox limits: %s", exc)
+                done["limits"] = "failed"
         headers = {HOST_FACTS_HEADER: ",".join(f"{k}={v}" for k, v in done.items())} if done else None
         return Response(status_code=204, headers=headers)
 

@@ -73,6 +73,7 @@ MEM_CHAIN_MAX = 8
 POOL_NICE = 10  # CPU priority of pool entries until handed out
 SPARE_STREAMS = 2  # envd streams a pool entry opens ahead: one for the create's /init, one for the client
 BASE_RAM = "base.ram"  # that base RAM (hard link of the template's ram.img: stored once)
+GUEST_MEMORY_RESERVE_MB = 16  # of the guest's available RAM, kept outside the sandbox cgroup
 RELEASED_STATE = "released.full"  # in a run dir: a paused sandbox saved to disk, its QEMU ended
 # A released VM on a frozen base RAM is saved layered instead: device state, changed pages, a link
 # of the base RAM image, and last this marker (JSON: which base RAM), whose presence means released.
@@ -374,6 +375,8 @@ class VmRuntime:
             default_workdir=spec.template.workdir,
         )  # fmt: skip
         payload.update(host_facts())
+        # pids and memory limits inside the guest (envd.limits): a bomb stays in its cgroup
+        payload["limits"] = {"pids": self.settings.pids_limit, "memoryReserveMB": GUEST_MEMORY_RESERVE_MB}
         await self._post_init(sbx, spec.sandbox_id, payload)
 
     async def _post_init(self, sbx: VmSandbox, sandbox_id: str, payload: dict[str, Any]) -> None:
@@ -383,6 +386,8 @@ class VmRuntime:
         if not 200 <= status < 300:
             raise RuntimeFailure(f"envd /init answered {status}: {body[:200]!r}", sandbox_id=sandbox_id)
         sbx.host_facts = headers.get("x-aenv-host-facts", "")
+        if "limits=failed" in sbx.host_facts:
+            log.warning("sandbox %s: the guest could not set its pids/memory limits (see its console log)", sandbox_id)
         if "hostTime" in payload and ("hostTime=set" not in sbx.host_facts or "reseed" not in sbx.host_facts):
             log.warning(
                 "sandbox %s: guest clock/RNG not fully refreshed after restore: %r",
