@@ -203,7 +203,9 @@ def test_memory_bomb_is_contained(iso: dict[str, str], iso_server: Server, neigh
     s = Sandbox.create("base", timeout=300, **iso, **{"metadata": {"t": "membomb"}})
     try:
         # the SDK has no per-sandbox memory knob: aenv accepts memoryMB on create (extension)
-        with httpx.Client(base_url=iso_server.url, headers={"X-API-KEY": iso["api_key"]}, trust_env=False) as c:
+        # (a long timeout: on vm a new memory size means a template built for that shape first)
+        with httpx.Client(base_url=iso_server.url, headers={"X-API-KEY": iso["api_key"]}, trust_env=False,
+                          timeout=300) as c:
             small = c.post("/v2/sandboxes", json={"templateID": "base", "memoryMB": MEMORY_MB, "timeout": 300})
         assert small.status_code == 201, small.text
         bomb = Sandbox.connect(small.json()["sandboxID"], **iso)
