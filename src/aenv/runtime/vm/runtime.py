@@ -1153,7 +1153,8 @@ class VmRuntime:
             else {"name": self.accel.accel, "reason": self.accel.reason},
             "pause": "qmp stop; saved to disk and QEMU ended after "
             f"{self.release_after:g} s paused (vm_release_paused_after)",
-            "network": {"offline": "user-mode netdev restrict=on", "internet": "QEMU user-mode (slirp)"},
+            "network": {"offline": "user-mode netdev restrict=on", "internet": "QEMU user-mode (slirp); NOT isolated from the host: "
+                        "10.0.2.2 reaches its 127.0.0.1, and its own addresses are reachable"},
             "snapshot": "full (device state + RAM + disk)",
             "fork": "full snapshot + restore",
             "pool_size": self.pool_size,
