@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from aenv.runtime.ns.disk import IMAGE_NAME, POOL_NAME, loop_device_for
-from aenv.testing.server import API_KEY, Server, release_ns_volume, start_server, stop_server
+from aenv.testing.server import API_KEY, Server, discard_vm_state, release_ns_volume, start_server, stop_server
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 HEADERS = {"X-API-KEY": API_KEY}
@@ -285,6 +285,9 @@ class ServerFactory:
                 _kill_all_sandboxes(srv)
                 stop_server(srv)
         release_ns_volume(self.state_dir)  # a SIGKILLed server's volume, if nothing reconciled it
+        # vm: QEMUs outlive a server on purpose (the next one adopts them); none comes after this, so
+        # a VM no listing showed (a create still in flight at the stop) goes now, with its RAM dir
+        discard_vm_state(self.state_dir)
         volume = f" {(self.state_dir / 'sandboxes').resolve()} "
         with open("/proc/self/mountinfo") as fh:
             assert not any(volume in line for line in fh), f"the ns volume of {self.state_dir} is still mounted"
