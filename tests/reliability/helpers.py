@@ -20,7 +20,14 @@ from pathlib import Path
 import httpx
 
 from aenv.runtime.ns.disk import IMAGE_NAME, POOL_NAME, loop_device_for
-from aenv.testing.server import API_KEY, Server, discard_vm_state, release_ns_volume, start_server, stop_server
+from aenv.testing.server import (
+    API_KEY,
+    Server,
+    discard_vm_state,
+    release_ns_volume,
+    start_server,
+    stop_server,
+)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 HEADERS = {"X-API-KEY": API_KEY}
