@@ -76,7 +76,7 @@ class MuxSession:
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> MuxSession:
-        await self._send(Frame(FrameType.HELLO, 0, u16(VERSION) + self._hello_extra))
+        await self._send_hello()
         self._reader_task = asyncio.create_task(self._read_loop(), name=f"{self.name}-reader")
         return self
 
@@ -131,7 +131,7 @@ class MuxSession:
         self._hello_extra = hello_extra
         self.abort_streams("session restarted")
         self._peer_hello_seen = False
-        await self._send(Frame(FrameType.HELLO, 0, u16(VERSION) + hello_extra))
+        await self._send_hello()
 
     # ---- opening side ---------------------------------------------------------------------------
     async def open(self, port: int, timeout: float = 10.0) -> MuxStream:
@@ -190,6 +190,9 @@ class MuxSession:
                 self._shutdown(f"channel write failed: {exc}")
                 raise StreamClosed(str(exc)) from exc
 
+    async def _send_hello(self) -> None:
+        await self._send(Frame(FrameType.HELLO, 0, u16(VERSION) + self._hello_extra))
+
     def _forget(self, stream_id: int) -> None:
         self._streams.pop(stream_id, None)
 
@@ -238,7 +241,7 @@ class MuxSession:
                 # agent.serial_readers) answers with a HELLO of its own, as on a fresh channel: the
                 # new host then knows the agent's streams are gone too, and takes a later HELLO of
                 # the agent's as a restart.
-                await self._send(Frame(FrameType.HELLO, 0, u16(VERSION) + self._hello_extra))
+                await self._send_hello()
             return
         if ftype is FrameType.PING:
             await self._send(Frame(FrameType.PONG, 0, payload))

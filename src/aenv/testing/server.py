@@ -95,12 +95,12 @@ def reap_vms(state_dir: Path) -> list[int]:
     middle of a template build or pool refill never got to end them itself."""
     import hashlib
 
-    from aenv.runtime.vm.runtime import qemu_cmdlines
+    from aenv.runtime.vm.runtime import qemu_cmdlines, shm_dir_for
 
     state = str(Path(state_dir).absolute())
     markers = [
         state.encode(),
-        f"/aenv-{hashlib.sha256(state.encode()).hexdigest()[:10]}/".encode(),  # its template RAM dir
+        f"/{shm_dir_for(Path(state)).name}/".encode(),  # its template RAM dir
         f"/aenv-vm-{hashlib.sha256((state + '/vm/run').encode()).hexdigest()[:10]}/".encode(),  # short run root
     ]
     killed = []
@@ -120,16 +120,15 @@ def discard_vm_state(state_dir: Path) -> None:
     ``VmRuntime.shm_dir``), only if that directory's owner file names this state dir. Not part of
     :func:`stop_server`: a restart on the same state dir adopts the running VMs and templates."""
     import contextlib
-    import hashlib
 
     from aenv.runtime.vm.frozen import remove_tree
-    from aenv.runtime.vm.runtime import OWNER_FILE
+    from aenv.runtime.vm.runtime import OWNER_FILE, shm_dir_for
 
     reap_vms(state_dir)
-    state = str(Path(state_dir).absolute())
-    shm = Path("/dev/shm") / f"aenv-{hashlib.sha256(state.encode()).hexdigest()[:10]}"
+    state = Path(state_dir).absolute()
+    shm = shm_dir_for(state)
     with contextlib.suppress(OSError):
-        if (shm / OWNER_FILE).read_text().strip() == state:
+        if (shm / OWNER_FILE).read_text().strip() == str(state):
             remove_tree(shm)
 
 

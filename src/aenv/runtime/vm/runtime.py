@@ -163,8 +163,7 @@ class VmRuntime:
         self.artifacts = artifacts
         self.force_accel = force_accel
         # Template RAM files: per state dir, so two servers (or test runs) never share or clobber them.
-        digest = hashlib.sha256(str(settings.state_dir).encode()).hexdigest()[:10]
-        self.shm_dir = shm_dir or templates.SHM_DIR.with_name(f"aenv-{digest}")
+        self.shm_dir = shm_dir or shm_dir_for(settings.state_dir)
         # Template RAM files, mapped share=off by every sandbox: a ramfs, so none can punch them.
         self.frozen_dir = self.shm_dir / "frozen"
         self.boot_timeout = boot_timeout
@@ -1181,6 +1180,12 @@ def sweep_orphan_ram(shm_root: Path) -> list[Path]:
     if removed:
         log.info("vm: removed template RAM of deleted state dirs: %s", [str(p) for p in removed])
     return removed
+
+
+def shm_dir_for(state_dir: Path) -> Path:
+    """Where a server on ``state_dir`` keeps its template RAM in /dev/shm (``VmRuntime.shm_dir``)."""
+    digest = hashlib.sha256(str(state_dir).encode()).hexdigest()[:10]
+    return templates.SHM_DIR.with_name(f"aenv-{digest}")
 
 
 def _short_run_root(preferred: Path) -> Path:
