@@ -22,9 +22,9 @@ import pytest_asyncio
 
 from aenv.config import Settings, default_cache_dir
 from aenv.runtime.base import RuntimeState, SandboxSpec, TemplateImage
+from aenv.runtime.network import slirp_available
 from aenv.runtime.ns import NsRuntime
 from aenv.runtime.ns.envd_client import request
-from aenv.runtime.ns.network import slirp_available
 from tests.fixtures.envd import run_cmd
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module")]
@@ -116,7 +116,7 @@ def traces(rt: NsRuntime, sid: str, state: RuntimeState) -> list[str]:
     """Everything of sandbox ``sid`` that still exists on the host."""
     found: list[str] = []
     pid, start = state.data["pid"], state.data["start"]
-    from aenv.runtime.ns.process import proc_start_time
+    from aenv.runtime.process import proc_start_time
 
     if proc_start_time(pid) == start:
         found.append(f"process {pid}")

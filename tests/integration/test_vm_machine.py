@@ -176,22 +176,30 @@ async def _http_server() -> tuple[asyncio.AbstractServer, int]:
 
 @pytest.mark.parametrize("network", ["user", "restricted"])
 async def test_network_modes(lab: Lab, network: str) -> None:
+    """``user`` reaches the internet (a test host on a public address) but not the host's loopback
+    through slirp's 10.0.2.2 (QEMU runs in a network namespace of its own: netjail.py);
+    ``restricted`` reaches neither."""
+    from tests.fixtures.nethost import public_host
+
     server, port = await _http_server()
     try:
-        m = await lab.spawn(
-            lab.config(
-                f"net-{network}", await lab.overlay(network), lab.shm / f"{network}.mem", network=network
+        with public_host() as public:
+            m = await lab.spawn(
+                lab.config(
+                    f"net-{network}", await lab.overlay(network), lab.shm / f"{network}.mem", network=network
+                )
             )
-        )
-        ch = await lab.channel(m)
-        # (busybox 1.35 wget segfaults with -q -T; plain wget under busybox timeout is fine)
-        rc, out = await ch.run(f"timeout 10 wget -O - http://10.0.2.2:{port}/ 2>/dev/null", timeout=30)
-        if network == "user":
-            assert (rc, out) == (0, "hello"), out
-        else:
-            assert rc != 0 and "hello" not in out
-        rc, addr = await ch.run("ip -4 addr show eth0")
-        assert "10.0.2.15" in addr
+            ch = await lab.channel(m)
+            # (busybox 1.35 wget segfaults with -q -T; plain wget under busybox timeout is fine)
+            rc, out = await ch.run(f"timeout 10 wget -O - {public.url} 2>/dev/null", timeout=30)
+            if network == "user":
+                assert (rc, out) == (0, public.body), out
+            else:
+                assert rc != 0 and public.body not in out
+            rc, out = await ch.run(f"timeout 10 wget -O - http://10.0.2.2:{port}/ 2>/dev/null", timeout=30)
+            assert rc != 0 and "hello" not in out, "the guest reached the host's loopback"
+            rc, addr = await ch.run("ip -4 addr show eth0")
+            assert "10.0.2.15" in addr
     finally:
         server.close()
 

@@ -516,3 +516,46 @@ async def test_a_sandbox_giving_memory_back_cannot_change_its_template(
     assert "ram_block_discard_range" in refused, "QEMU never tried to discard: the test proved nothing"
     assert await _health(rt, "neighbour") in (200, 204)
     assert await _health(rt, "giver") in (200, 204)
+
+
+
+async def test_internet_vm_reaches_the_internet_but_nothing_of_the_host(
+    make_runtime: Callable[[], VmRuntime], tmp_path: Path
+) -> None:
+    """QEMU's slirp maps the guest's 10.0.2.2 to 127.0.0.1 and connects from the QEMU process: in
+    the host's namespace that is the aenv API and every host service. Jailed (netjail.py), a guest
+    with internet reaches a public address (a test host in a netns of its own) but no host address
+    and no loopback, in a created sandbox and in a fork child (a restore: a new QEMU)."""
+    from tests.fixtures.nethost import HostListener, host_addrs, public_host
+
+    listener = HostListener(host_addrs())  # accepts and closes: a breach shows as OPEN, not a hang
+    rt = make_runtime()
+    tpl = _template(tmp_path)
+    try:
+        with public_host() as public:
+            await rt.create(_spec(tmp_path, "inet", tpl, allow_internet=True))
+            _, kids = await rt.fork("inet", [_spec(tmp_path, "inet-kid", tpl, allow_internet=True)],
+                                    tmp_path / "inet-fork")
+            assert not isinstance(kids[0], BaseException), kids
+            probe_host = "; ".join(
+                f"nc -w 3 {a} {listener.port} </dev/null >/dev/null 2>&1 && echo OPEN:{a}"
+                for a in [*host_addrs(), "10.0.2.2"]
+            )
+            for sid in ("inet", "inet-kid"):
+                pid = rt.sandbox(sid).machine.pid
+                assert os.stat(f"/proc/{pid}/ns/net").st_ino != os.stat("/proc/self/ns/net").st_ino
+                assert Path(f"/proc/{pid}/root/etc/resolv.conf").read_text() == "nameserver 10.0.2.3\n"
+                # busybox's static wget crashes in this guest; nc speaks HTTP/1.0 well enough
+                get = f"printf 'GET / HTTP/1.0\\r\\n\\r\\n' | nc -w 10 {public.addr} {public.port}"
+                code, out, err = await run_cmd(rt, sid, get)
+                assert code == 0 and out.endswith("\r\n\r\n" + public.body), (sid, code, out, err)
+                _, out, _ = await run_cmd(rt, sid, probe_host)
+                assert "OPEN" not in out, (sid, out)
+            assert listener.accepted == 0, "a guest connection reached the host"
+            slirps = [rt.sandbox(s).machine.slirp for s in ("inet", "inet-kid")]
+            assert all(s is not None and s.ref.alive() for s in slirps)
+            for sid in ("inet", "inet-kid"):
+                await rt.kill(sid)
+            assert all(s is not None and not s.ref.alive() for s in slirps)  # they end with their QEMU
+    finally:
+        listener.close()

@@ -22,6 +22,7 @@ from e2b import CommandExitException, Sandbox
 
 from aenv.runtime.ns import disk
 from aenv.testing.server import API_KEY, Server
+from tests.fixtures.nethost import HostListener, host_addrs
 from tests.reliability.helpers import ServerFactory, sdk_kwargs
 
 PIDS_LIMIT = 300
@@ -126,53 +127,10 @@ def test_host_device_nodes_not_writable_as_inodes(sbx: Sandbox) -> None:
     assert "write-ok" in out and out.split()[-1] == "8"
 
 
-class _Listener:
-    """A TCP server on given host addresses (one port) counting every connection it accepts."""
-
-    def __init__(self, addrs: list[str]) -> None:
-        self.accepted = 0
-        self.socks: list[socket.socket] = []
-        port = 0
-        for addr in addrs:
-            s = socket.socket()
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((addr, port))
-            port = s.getsockname()[1]
-            s.listen(16)
-            s.settimeout(0.2)
-            self.socks.append(s)
-        self.port = port
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for s in self.socks:
-                try:
-                    conn, _ = s.accept()
-                except (TimeoutError, OSError):
-                    continue
-                self.accepted += 1
-                conn.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        for s in self.socks:
-            s.close()
-
-
-def _host_addrs() -> list[str]:
-    from aenv.runtime.ns.network import host_ipv4_addresses
-
-    return sorted(set(host_ipv4_addresses()) | {"127.0.0.1"})
-
-
 @pytest.mark.parametrize("internet", [True, False], ids=["internet", "offline"])
 def test_host_loopback_and_addresses_unreachable(iso: dict[str, str], internet: bool) -> None:
-    addrs = _host_addrs()
-    listener = _Listener(addrs)
+    addrs = host_addrs()
+    listener = HostListener(addrs)
     s = Sandbox.create("base", timeout=300, allow_internet_access=internet, **iso)
     try:
         # a sanity check that the listener works at all, from the host itself

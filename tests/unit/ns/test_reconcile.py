@@ -8,8 +8,8 @@ from pathlib import Path
 
 from aenv.runtime.ns import cgroups
 from aenv.runtime.ns.cgroups import Cgroup, Layout
-from aenv.runtime.ns.process import ProcRef
 from aenv.runtime.ns.reconcile import reconcile
+from aenv.runtime.process import ProcRef
 
 
 def fake_layout(tmp: Path) -> Layout:

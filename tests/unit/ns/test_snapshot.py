@@ -196,8 +196,8 @@ class _FakeCgroup:
 def _fake_runtime(tmp: Path, log: list[str], allow_internet: bool = False) -> Any:
     from types import SimpleNamespace
 
-    from aenv.runtime.ns.process import ProcRef
     from aenv.runtime.ns.sandbox import Paths
+    from aenv.runtime.process import ProcRef
 
     paths = Paths(tmp / "sbx")
     paths.upper.mkdir(parents=True)

@@ -27,9 +27,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aenv.runtime.network import kill_slirps_serving
 from aenv.runtime.ns.cgroups import Cgroup, Layout, list_names
 from aenv.runtime.ns.disk import remove_tree
-from aenv.runtime.ns.network import kill_slirps_serving
 from aenv.runtime.ns.sandbox import STATE_FILE, NsSandbox
 
 log = logging.getLogger("aenv.runtime.ns")

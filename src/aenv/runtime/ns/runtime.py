@@ -34,16 +34,16 @@ from aenv.config import Settings
 from aenv.core.errors import RuntimeFailure, SandboxNotFound, SandboxUnreachable, StateError
 from aenv.mux import ByteStream, MuxError
 from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec, SnapshotResult, TemplateImage
+from aenv.runtime.network import Slirp, host_ipv4_addresses, slirp_available
 from aenv.runtime.ns import cgroups
 from aenv.runtime.ns.disk import POOL_NAME, DiskQuota, remove_tree
 from aenv.runtime.ns.envd_client import EnvdError, init_payload
-from aenv.runtime.ns.network import Slirp, host_ipv4_addresses, slirp_available
 from aenv.runtime.ns.pool import WarmPool
-from aenv.runtime.ns.process import ProcRef
 from aenv.runtime.ns.reconcile import ReconcileReport, reconcile
 from aenv.runtime.ns.sandbox import STATE_FILE, LaunchOptions, NsSandbox
 from aenv.runtime.ns.snapshot import NsSnapshots
 from aenv.runtime.ns.zygote import Zygote, socket_path_for, sweep_stale_sockets
+from aenv.runtime.process import ProcRef
 from aenv.runtime.streams import open_checked
 from aenv.runtime.tools import ensure_tools
 

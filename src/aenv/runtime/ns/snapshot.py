@@ -367,8 +367,8 @@ class NsSnapshots:
         the integration test is ``@pytest.mark.criu`` and skips."""
         from aenv.runtime.ns.cgroups import Cgroup
         from aenv.runtime.ns.envd_client import init_payload
-        from aenv.runtime.ns.process import ProcRef
         from aenv.runtime.ns.sandbox import NsSandbox, Paths
+        from aenv.runtime.process import ProcRef
 
         status = self.criu_status()
         if not status.usable or status.exe is None:

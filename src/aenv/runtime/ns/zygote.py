@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from aenv.runtime.ns.process import Reaped
+from aenv.runtime.process import Reaped
 from aenv.runtime.tools import launch_argv
 
 log = logging.getLogger("aenv.ns")

@@ -27,6 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
+from aenv.runtime.network import Slirp
+
+from . import netjail
 from .cmdline import build_argv
 from .config import Drive, VmConfig
 from .memlayer import Mapping, find_mapping
@@ -114,6 +117,7 @@ class Machine:
         self.timings = Timings()
         self._owned = owned
         self._killed = False
+        self.slirp: Slirp | None = None  # the jail's way out (netjail.py); None when not ours to close
 
     # -- start --------------------------------------------------------------------------------------
 
@@ -135,6 +139,18 @@ class Machine:
         if stderr_path is not None:
             files.append(stderr_path)
         argv = build_argv(cfg)
+        exit_r = exit_w = -1
+        if cfg.network == "user":  # internet: in a network namespace of its own (netjail.py)
+            if not netjail.available():
+                raise MachineError(
+                    "internet access needs slirp4netns and iptables on the host "
+                    "(apt-get install slirp4netns iptables)"
+                )
+            resolv = cfg.qmp_socket.parent / "resolv.conf"
+            netjail.write_resolv_conf(resolv)
+            files.append(resolv)
+            argv = netjail.jailed_argv(argv, resolv)
+            exit_r, exit_w = os.pipe()
         t0 = time.perf_counter()
         err = open(stderr_path, "wb") if stderr_path is not None else None  # noqa: SIM115, ASYNC230 - tiny, handed to the child
         try:
@@ -144,15 +160,27 @@ class Machine:
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=err if err is not None else asyncio.subprocess.DEVNULL,
                 start_new_session=True,  # a Ctrl-C to the server must not hit guests
+                pass_fds=(exit_w,) if exit_w >= 0 else (),
             )
-        except FileNotFoundError as exc:
-            raise MachineError(f"{cfg.qemu_binary} not found; hint: apt-get install qemu-system-x86") from exc
+        except BaseException as exc:
+            if exit_r >= 0:
+                os.close(exit_r)
+            if isinstance(exc, FileNotFoundError):
+                raise MachineError(f"{argv[0]} not found; hint: apt-get install qemu-system-x86 util-linux") from exc
+            raise
         finally:
             if err is not None:
                 err.close()
+            if exit_w >= 0:
+                os.close(exit_w)  # QEMU holds the only write end now
         m = cls(cfg, proc, stderr_path, files)
         log.debug("vm %s: spawned pid %d: %s", cfg.name, proc.pid, shlex.join(argv))
         try:
+            if exit_r >= 0:
+                try:
+                    m.slirp = await netjail.connect(proc.pid, exit_r)
+                except netjail.JailError as exc:
+                    raise MachineError(f"vm {cfg.name}: network namespace: {exc}; {m.stderr_tail()}") from exc
             await m._connect_qmp(timeout)
         except BaseException:
             await m.kill()
@@ -468,6 +496,8 @@ class Machine:
     async def _finish_teardown(self, keep: frozenset[Path] = frozenset()) -> None:
         with contextlib.suppress(ProcessLookupError, ChildProcessError):
             await self.proc.wait()
+        if self.slirp is not None:  # it exits with QEMU anyway (exit fd); this reaps it
+            await self.slirp.aclose()
         await self.qmp.disconnect()
         for path in self._owned:
             if path in keep:

@@ -47,7 +47,7 @@ from aenv.mux import ByteStream, MuxError, MuxStream
 from aenv.runtime.base import UNFINISHED_MARKER, ResourceSample, RuntimeState, SandboxSpec, SnapshotResult
 from aenv.runtime.streams import open_checked
 
-from . import disk, frozen, memlayer, pressure
+from . import disk, frozen, memlayer, netjail, pressure
 from . import template as templates
 from .accel import AccelChoice, choose_accel, qemu_binary
 from .artifacts import GuestArtifacts, ensure
@@ -1152,8 +1152,8 @@ class VmRuntime:
             else {"name": self.accel.accel, "reason": self.accel.reason},
             "pause": "qmp stop; saved to disk and QEMU ended after "
             f"{self.release_after:g} s paused (vm_release_paused_after)",
-            "network": {"offline": "user-mode netdev restrict=on", "internet": "QEMU user-mode (slirp); NOT isolated from the host: "
-                        "10.0.2.2 reaches its 127.0.0.1, and its own addresses are reachable"},
+            "network": {"offline": "user-mode netdev restrict=on", "internet": "QEMU user-mode (slirp) in its own netns: slirp4netns + in-netns filter"
+                        if netjail.available() else None},
             "snapshot": "full (device state + RAM + disk)",
             "fork": "full snapshot + restore",
             "pool_size": self.pool_size,

@@ -1,4 +1,5 @@
-"""Sandbox networking.
+"""Sandbox networking, shared by both runtimes (a vm sandbox's QEMU runs in such a netns too:
+``runtime/vm/netjail.py``).
 
 Two modes, chosen per sandbox by ``allow_internet``:
 
@@ -26,7 +27,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from aenv.runtime.ns.process import ProcRef, Reaped
+from aenv.runtime.process import ProcRef, Reaped
 
 SLIRP_GATEWAY = "10.0.2.2"
 SLIRP_DNS = "10.0.2.3"
@@ -90,14 +91,17 @@ class Slirp:
     child: Reaped | None = None  # None after a server restart (not our child any more)
 
     @classmethod
-    async def start(cls, pid: int, timeout: float = 5.0) -> Slirp:
+    async def start(cls, pid: int, timeout: float = 5.0, exit_fd: int | None = None) -> Slirp:
+        """slirp4netns for the network namespace of ``pid``, once its tap is up. ``exit_fd``: the
+        read end of a pipe; slirp4netns exits when its last write end closes (vm: QEMU holds it)."""
         rfd, wfd = os.pipe()
+        extra = [] if exit_fd is None else ["--exit-fd", str(exit_fd)]
         try:
             child = Reaped.spawn(
                 ["slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback",
-                 "--ready-fd", str(wfd), str(pid), "tap0"],
-                pass_fds=(wfd,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
+                 "--ready-fd", str(wfd), *extra, str(pid), "tap0"],
+                pass_fds=(wfd,) if exit_fd is None else (wfd, exit_fd), stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )
         finally:
             os.close(wfd)

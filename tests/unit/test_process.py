@@ -4,7 +4,7 @@ import asyncio
 import os
 import subprocess
 
-from aenv.runtime.ns.process import ProcRef, Reaped, proc_start_time
+from aenv.runtime.process import ProcRef, Reaped, proc_start_time
 
 
 def test_procref_of_self_and_stale_start_time() -> None:

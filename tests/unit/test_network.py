@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from aenv.runtime.ns.network import SLIRP_DNS, firewall_rules
+from aenv.runtime.network import SLIRP_DNS, firewall_rules
 
 
 def test_firewall_allows_dns_before_rejecting_private_ranges_and_host() -> None:
