@@ -12,7 +12,7 @@ import pytest
 import pytest_asyncio
 
 from aenv.config import Settings
-from aenv.core.errors import RuntimeFailure, StateError
+from aenv.errors import RuntimeFailure, StateError
 from aenv.runtime.base import RuntimeState, SandboxSpec, TemplateImage
 from aenv.runtime.ns import NsRuntime, criu
 from tests.integration.test_ns_runtime import busybox_root, run_cmd, settings, spec_for, template, traces

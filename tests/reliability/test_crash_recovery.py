@@ -1,6 +1,6 @@
 """Crash safety: SIGKILL the server at every fault point, restart it on the same state, check the world.
 
-For each point in ``aenv.core.faults.POINTS`` the test builds the same scene through the real SDK:
+For each point in ``aenv.faults.POINTS`` the test builds the same scene through the real SDK:
 
 * ``A`` running, with a file and a background process;
 * ``P`` paused, with a file and a background process;
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from e2b import Sandbox, SandboxState
 
-from aenv.core.faults import POINTS
+from aenv.faults import POINTS
 from aenv.testing.server import Server
 from tests.reliability.helpers import (
     ServerFactory,

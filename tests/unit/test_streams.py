@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from aenv.core.errors import PortNotOpen, SandboxNotFound, SandboxUnreachable
+from aenv.errors import PortNotOpen, SandboxNotFound, SandboxUnreachable
 from aenv.mux import MuxError, StreamRefused
 from aenv.runtime.streams import open_checked
 

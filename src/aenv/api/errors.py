@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from aenv.core import errors as e
+from aenv import errors as e
 
 log = logging.getLogger("aenv.api")
 

@@ -23,8 +23,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import parse_qs
 
-from aenv.core.errors import NotFound, PortNotOpen
 from aenv.core.orchestrator import Orchestrator
+from aenv.errors import NotFound, PortNotOpen
 from aenv.mux import ByteStream, MuxError, StreamRefused
 
 log = logging.getLogger("aenv.proxy")

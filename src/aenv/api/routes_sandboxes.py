@@ -13,9 +13,9 @@ from aenv.api import serialize
 from aenv.api.auth import require_api_key
 from aenv.api.deps import orchestrator
 from aenv.api.models import ConnectBody, NewSandbox, PauseBody, TimeoutBody
-from aenv.core.errors import InvalidRequest
 from aenv.core.models import CreateRequest, ListQuery, SandboxState
 from aenv.core.orchestrator import Orchestrator
+from aenv.errors import InvalidRequest
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 

@@ -14,8 +14,8 @@ from aenv.api.deps import orchestrator
 from aenv.api.errors import status_for
 from aenv.api.models import _Body
 from aenv.api.serialize import iso
-from aenv.core.errors import AenvError
 from aenv.core.orchestrator import Orchestrator
+from aenv.errors import AenvError
 from aenv.store.sqlite import SnapshotRow
 
 router = APIRouter(dependencies=[Depends(require_api_key)])

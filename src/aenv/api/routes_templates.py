@@ -17,10 +17,10 @@ from aenv.api.auth import require_api_key
 from aenv.api.deps import orchestrator
 from aenv.api.errors import status_for
 from aenv.api.serialize import iso
-from aenv.core.errors import AenvError, InvalidRequest
 from aenv.core.orchestrator import Orchestrator
 from aenv.core.templates import TemplateCatalog
 from aenv.envd import ENVD_VERSION
+from aenv.errors import AenvError, InvalidRequest
 from aenv.store.sqlite import TemplateRow
 
 router = APIRouter(dependencies=[Depends(require_api_key)])

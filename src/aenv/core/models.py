@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from aenv.core.errors import StateError
+from aenv.errors import StateError
 
 
 class SandboxState(enum.StrEnum):

@@ -22,7 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from aenv.config import Settings
-from aenv.core.errors import (
+from aenv.core.ids import new_id, new_token
+from aenv.core.models import CreateRequest, ListQuery, SandboxState, require_state
+from aenv.core.templates import TemplateCatalog
+from aenv.errors import (
     AenvError,
     CapacityError,
     InvalidRequest,
@@ -30,10 +33,7 @@ from aenv.core.errors import (
     SandboxNotFound,
     SandboxUnreachable,
 )
-from aenv.core.faults import fault_point
-from aenv.core.ids import new_id, new_token
-from aenv.core.models import CreateRequest, ListQuery, SandboxState, require_state
-from aenv.core.templates import TemplateCatalog
+from aenv.faults import fault_point
 from aenv.mux import ByteStream, StreamRefused
 from aenv.runtime.base import ResourceSample, Runtime, RuntimeState, SandboxSpec
 from aenv.store.sqlite import SandboxRow, Store, TemplateRow, now

@@ -32,7 +32,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aenv.core.errors import (
+from aenv.core.ids import is_valid_id, new_id, new_token
+from aenv.core.models import SandboxState, require_state
+from aenv.errors import (
     AenvError,
     CapacityError,
     Conflict,
@@ -42,9 +44,7 @@ from aenv.core.errors import (
     StateError,
     TemplateNotFound,
 )
-from aenv.core.faults import fault_point
-from aenv.core.ids import is_valid_id, new_id, new_token
-from aenv.core.models import SandboxState, require_state
+from aenv.faults import fault_point
 from aenv.runtime.base import UNFINISHED_MARKER, SnapshotCapable, SnapshotResult
 from aenv.store.sqlite import SnapshotRow, TemplateRow, now
 

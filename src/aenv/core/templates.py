@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from aenv.config import Settings
-from aenv.core.errors import Conflict, TemplateNotFound
 from aenv.core.ids import new_id
+from aenv.errors import Conflict, TemplateNotFound
 from aenv.runtime.base import TemplateImage
 from aenv.store.sqlite import Store, TemplateRow, now
 

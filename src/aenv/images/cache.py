@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aenv.core.errors import ImageError
+from aenv.errors import ImageError
 from aenv.images.errors import CacheError
 from aenv.images.manifest import Descriptor
 from aenv.images.progress import ProgressCallback, PullEvent, emit

@@ -1,6 +1,6 @@
 """Errors of the image pipeline. Every one carries the image reference it is about.
 
-    ImageError (aenv.core.errors)
+    ImageError (aenv.errors)
     ├── InvalidReference      the reference string cannot be parsed
     ├── ManifestNotFound      unknown repository, tag or digest
     ├── AuthRequired          the registry wants credentials we do not have (or refused ours)
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from aenv.core.errors import ImageError
+from aenv.errors import ImageError
 
 
 class InvalidReference(ImageError):

@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from aenv.core.faults import fault_point
+from aenv.faults import fault_point
 from aenv.images import manifest as m
 from aenv.images.auth import Credentials, load_credentials, parse_challenge
 from aenv.images.errors import (

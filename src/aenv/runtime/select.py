@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from aenv.config import Settings
-from aenv.core.errors import RuntimeFailure
+from aenv.errors import RuntimeFailure
 from aenv.runtime.base import Runtime
 
 log = logging.getLogger("aenv.runtime")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from aenv.core.errors import PortNotOpen, SandboxNotFound, SandboxUnreachable
+from aenv.errors import PortNotOpen, SandboxNotFound, SandboxUnreachable
 from aenv.mux import ByteStream, MuxError, StreamRefused
 
 

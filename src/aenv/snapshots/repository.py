@@ -21,7 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from aenv.core.faults import fault_point
+from aenv.faults import fault_point
 from aenv.snapshots.manifest import LayerRef, Manifest, ManifestError
 
 _CHUNK = 8 << 20

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from aenv.core.errors import StoreError
+from aenv.errors import StoreError
 
 SCHEMA_VERSION = 1
 

@@ -13,7 +13,7 @@ from starlette.testclient import TestClient
 
 from aenv.api.app import create_app
 from aenv.config import Settings
-from aenv.core.errors import SandboxNotFound
+from aenv.errors import SandboxNotFound
 from aenv.runtime.base import UNFINISHED_MARKER, ResourceSample, RuntimeState, SandboxSpec, SnapshotResult
 
 
@@ -38,7 +38,7 @@ class FakeRuntime:
     async def create(self, spec: SandboxSpec) -> RuntimeState:
         self.calls.append(("create", spec.sandbox_id))
         if self.fail_create:
-            from aenv.core.errors import RuntimeFailure
+            from aenv.errors import RuntimeFailure
 
             raise RuntimeFailure("boom")
         self.sandboxes[spec.sandbox_id] = "running"

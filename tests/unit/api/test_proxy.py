@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from aenv.api.proxy import ChunkedDecoder, SandboxProxy, UpstreamError, parse_response_head, request_head
-from aenv.core.errors import PortNotOpen, SandboxNotFound
+from aenv.errors import PortNotOpen, SandboxNotFound
 from aenv.mux import MuxSession, StreamRefused
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from aenv.core.errors import InvalidRequest, StateError
+from aenv.errors import InvalidRequest, StateError
 from aenv.runtime.base import SnapshotResult
 from aenv.runtime.ns import snapshot as snap
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from aenv.config import Settings
-from aenv.core.errors import RuntimeFailure, SandboxNotFound, SandboxUnreachable, StateError
+from aenv.errors import RuntimeFailure, SandboxNotFound, SandboxUnreachable, StateError
 from aenv.mux import ByteStream, MuxError
 from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec, SnapshotResult, TemplateImage
 from aenv.runtime.network import Slirp, host_ipv4_addresses, slirp_available

@@ -36,7 +36,7 @@ from typing import Any
 
 from aenv.agent import launch as launcher_mod
 from aenv.agent.channel import ENVD_SOCKET
-from aenv.core.faults import fault_point
+from aenv.faults import fault_point
 from aenv.mux import ByteStream, MuxSession, StreamClosed
 from aenv.mux.direct import DirectStream, open_direct
 from aenv.mux.session import open_unix_session

@@ -48,7 +48,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aenv.core.errors import InvalidRequest, RuntimeFailure, StateError
+from aenv.errors import InvalidRequest, RuntimeFailure, StateError
 from aenv.runtime.base import RuntimeState, SandboxSpec, SnapshotResult
 from aenv.runtime.ns import criu
 from aenv.runtime.ns.disk import remove_tree

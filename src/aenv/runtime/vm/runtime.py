@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from aenv.config import Settings
-from aenv.core.errors import RuntimeFailure, SandboxNotFound, SandboxUnreachable, StateError
+from aenv.errors import RuntimeFailure, SandboxNotFound, SandboxUnreachable, StateError
 from aenv.mux import ByteStream, MuxError, MuxStream
 from aenv.runtime.base import UNFINISHED_MARKER, ResourceSample, RuntimeState, SandboxSpec, SnapshotResult
 from aenv.runtime.streams import open_checked

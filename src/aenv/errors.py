@@ -1,4 +1,5 @@
-"""The one exception tree of aenv's domain. HTTP knows nothing here; ``api/errors.py`` maps it.
+"""The one exception tree of aenv, shared by every layer: each raises these; only ``api/errors.py``
+maps them to E2B-shaped HTTP errors, and nothing here knows about HTTP.
 
     AenvError
     ├── NotFound                 sandbox, template or snapshot does not exist
