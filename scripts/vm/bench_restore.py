@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from aenv.config import Settings, default_cache_dir
-from aenv.runtime.base import SandboxSpec, TemplateImage
+from aenv.runtime.base import SandboxSpec, SandboxImage
 from aenv.runtime.ns.envd_client import init_payload
 from aenv.runtime.vm.runtime import VmRuntime
 
@@ -56,7 +56,7 @@ async def main() -> None:
     rootfs = busybox_rootfs(args.state / "rootfs")
     settings = Settings(state_dir=args.state / "state", cache_dir=default_cache_dir(), pool_size=0)
     rt = VmRuntime(settings)
-    tpl = TemplateImage("bench", rootfs)
+    tpl = SandboxImage("bench", rootfs)
     rows: list[dict[str, float]] = []
     try:
         spec0 = SandboxSpec("b0", tpl, args.state / "sbx" / "b0", memory_mb=256)

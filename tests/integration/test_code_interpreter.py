@@ -27,18 +27,14 @@ TEMPLATE = "code-interpreter-v1"
 
 @pytest.fixture(scope="module")
 def interpreter_template(server: Server) -> str:
-    from aenv.images.interpreter import (
-        InterpreterBuildError,
-        ensure_interpreter_layers,
-        register_interpreter_template,
-    )
+    from aenv.images.interpreter import InterpreterBuildError, ensure_interpreter_layers
 
     settings = load_settings(environ=server.env)
     try:
         layers = ensure_interpreter_layers(settings, log=lambda _line: None)
     except InterpreterBuildError as exc:
         pytest.skip(f"cannot build the code-interpreter layers: {str(exc).splitlines()[0]}")
-    register_interpreter_template(TemplateCatalog(settings, Store(settings.db_path)), layers)
+    TemplateCatalog(settings, Store(settings.db_path)).register_interpreter(layers)
     return TEMPLATE
 
 

@@ -1,4 +1,4 @@
-"""Pulled images run in the ns runtime: image → ImageTemplate → TemplateImage → sandbox → envd command.
+"""Pulled images run in the ns runtime: image → PulledImage → SandboxImage → sandbox → envd command.
 
 Covers images without bash (busybox, Alpine/musl) and the multi-layer Debian images with whiteouts.
 Needs root and cgroups (the ns runtime's requirements); skips otherwise.
@@ -14,6 +14,7 @@ import pytest
 import pytest_asyncio
 
 from aenv.config import Settings, default_cache_dir
+from aenv.core.templates import sandbox_image_of
 from aenv.images.registry import RegistryClient
 from aenv.images.templates import ImageBuilder
 from aenv.runtime.ns import NsRuntime
@@ -70,7 +71,7 @@ async def test_image_runs_in_ns_sandbox(
 ) -> None:
     pushed_images.require(name)
     tpl = await images.pull(name)
-    spec = spec_for(rt_settings, tpl.to_template_image(name.replace("/", "-").replace(":", "-")))
+    spec = spec_for(rt_settings, sandbox_image_of(tpl, name.replace("/", "-").replace(":", "-")))
     await rt.create(spec)
     try:
         code, out, err = await run_cmd(rt, spec.sandbox_id, SCRIPT, user="user")

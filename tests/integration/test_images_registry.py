@@ -19,7 +19,7 @@ if _ROOT not in sys.path:
 from aenv.images.errors import DigestMismatch, ManifestNotFound, RegistryUnavailable  # noqa: E402
 from aenv.images.lookup import lookup  # noqa: E402
 from aenv.images.registry import RegistryClient  # noqa: E402
-from aenv.images.templates import ImageBuilder, ImageTemplate  # noqa: E402
+from aenv.images.templates import ImageBuilder, PulledImage  # noqa: E402
 from tests.fixtures.oci import image_config, layer_from_tar, push_image, tar_entries  # noqa: E402
 from tests.fixtures.plugin import PushedImages, local_registry, make_settings, pushed_images  # noqa: E402,F401
 from tests.fixtures.registry import LocalRegistry, free_port, start_registry  # noqa: E402
@@ -39,7 +39,7 @@ def builder(tmp: Path, reg: LocalRegistry | None, **kw: object) -> ImageBuilder:
     return ImageBuilder(s, client=RegistryClient.from_settings(s, attempts=3, backoff=0.01))
 
 
-def run_in(tpl: ImageTemplate, mnt: Path, script: str) -> str:
+def run_in(tpl: PulledImage, mnt: Path, script: str) -> str:
     """Mount the template as the ns runtime would (read-only overlay of its lowers) and run a command."""
     mnt.mkdir()
     lowers = ":".join(str(p) for p in tpl.lowers)

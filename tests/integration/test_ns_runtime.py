@@ -21,7 +21,7 @@ import pytest
 import pytest_asyncio
 
 from aenv.config import Settings, default_cache_dir
-from aenv.runtime.base import RuntimeState, SandboxSpec, TemplateImage
+from aenv.runtime.base import RuntimeState, SandboxImage, SandboxSpec
 from aenv.runtime.network import slirp_available
 from aenv.runtime.ns import NsRuntime
 from aenv.runtime.ns.envd_client import request
@@ -74,8 +74,8 @@ def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
 
 
 @pytest.fixture(scope="module")
-def template(busybox_root: Path) -> TemplateImage:
-    return TemplateImage("busybox", busybox_root)
+def template(busybox_root: Path) -> SandboxImage:
+    return SandboxImage("busybox", busybox_root)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -93,7 +93,7 @@ async def rt(settings: Settings, busybox_root: Path) -> AsyncIterator[NsRuntime]
 _counter = 0
 
 
-def spec_for(settings: Settings, template: TemplateImage, **kw: object) -> SandboxSpec:
+def spec_for(settings: Settings, template: SandboxImage, **kw: object) -> SandboxSpec:
     global _counter
     _counter += 1
     sid = f"t{os.getpid() % 10000}x{_counter}"
@@ -136,7 +136,7 @@ def traces(rt: NsRuntime, sid: str, state: RuntimeState) -> list[str]:
 # ---- tests ----------------------------------------------------------------------------------------
 
 
-async def test_cold_create_health_and_clean_kill(settings: Settings, template: TemplateImage) -> None:
+async def test_cold_create_health_and_clean_kill(settings: Settings, template: SandboxImage) -> None:
     cold = NsRuntime(settings, pool_size=0)
     await cold.start()
     spec = spec_for(settings, template)
@@ -154,7 +154,7 @@ async def test_cold_create_health_and_clean_kill(settings: Settings, template: T
 
 
 async def test_pooled_create_runs_commands_and_sets_limits(rt: NsRuntime, settings: Settings,
-                                                           template: TemplateImage) -> None:
+                                                           template: SandboxImage) -> None:
     await rt.wait_warm(template, False)
     spec = spec_for(settings, template, cpu_count=1, memory_mb=200, pids_limit=321)
     state = await rt.create(spec)
@@ -176,7 +176,7 @@ async def test_pooled_create_runs_commands_and_sets_limits(rt: NsRuntime, settin
 
 
 async def test_pause_freezes_and_resume_continues(rt: NsRuntime, settings: Settings, busybox_root: Path) -> None:
-    counting = TemplateImage(
+    counting = SandboxImage(
         "busybox-counter", busybox_root,
         start_cmd="i=0; while :; do i=$((i+1)); echo $i > /tmp/counter.new; mv /tmp/counter.new /tmp/counter; usleep 5000; done",
     )
@@ -259,7 +259,7 @@ def _host_addr() -> str:
 
 
 @pytest.mark.parametrize("internet", [False, True], ids=["offline", "internet"])
-async def test_isolation_files_processes_host_services(rt: NsRuntime, settings: Settings, template: TemplateImage,
+async def test_isolation_files_processes_host_services(rt: NsRuntime, settings: Settings, template: SandboxImage,
                                                       host_listeners: dict[str, int], tmp_path: Path,
                                                       internet: bool) -> None:
     if internet and not slirp_available():
@@ -297,7 +297,7 @@ async def test_isolation_files_processes_host_services(rt: NsRuntime, settings: 
 
 
 async def test_memory_bomb_is_killed_inside_its_cgroup(rt: NsRuntime, settings: Settings,
-                                                      template: TemplateImage) -> None:
+                                                      template: SandboxImage) -> None:
     spec = spec_for(settings, template, memory_mb=96)
     await rt.create(spec)
     sid = spec.sandbox_id
@@ -312,7 +312,7 @@ async def test_memory_bomb_is_killed_inside_its_cgroup(rt: NsRuntime, settings: 
     await rt.kill(sid)
 
 
-async def test_fork_bomb_hits_pids_limit(rt: NsRuntime, settings: Settings, template: TemplateImage) -> None:
+async def test_fork_bomb_hits_pids_limit(rt: NsRuntime, settings: Settings, template: SandboxImage) -> None:
     spec = spec_for(settings, template, pids_limit=40)
     await rt.create(spec)
     sid = spec.sandbox_id
@@ -328,7 +328,7 @@ async def test_fork_bomb_hits_pids_limit(rt: NsRuntime, settings: Settings, temp
     await rt.kill(sid)
 
 
-async def test_restart_adopts_known_and_reaps_unknown(settings: Settings, template: TemplateImage,
+async def test_restart_adopts_known_and_reaps_unknown(settings: Settings, template: SandboxImage,
                                                      tmp_path: Path) -> None:
     # its own state dir: reconciliation of a second runtime would (rightly) reap the module pool
     settings = settings.model_copy(update={"state_dir": tmp_path / "state"})
@@ -366,7 +366,7 @@ async def test_debian_base_rootfs(rt: NsRuntime, settings: Settings) -> None:
         pytest.skip(f"base rootfs unavailable: {exc}")
     if not base.is_dir():
         pytest.skip("base rootfs not built (scripts/setup.sh builds it)")
-    spec = spec_for(settings, TemplateImage("base", base))
+    spec = spec_for(settings, SandboxImage("base", base))
     state = await rt.create(spec)
     code, out, _ = await run_cmd(rt, spec.sandbox_id, "python3 -c 'import sys; print(sys.version_info[0])'; bash -lc 'echo $0'")
     assert code == 0 and out.split()[0] == "3"
@@ -374,7 +374,7 @@ async def test_debian_base_rootfs(rt: NsRuntime, settings: Settings) -> None:
     assert traces(rt, spec.sandbox_id, state) == []
 
 
-async def test_sandboxes_do_not_see_each_other(rt: NsRuntime, settings: Settings, template: TemplateImage) -> None:
+async def test_sandboxes_do_not_see_each_other(rt: NsRuntime, settings: Settings, template: SandboxImage) -> None:
     a, b = spec_for(settings, template), spec_for(settings, template)
     await rt.create(a)
     await rt.create(b)

@@ -13,7 +13,7 @@ import pytest_asyncio
 
 from aenv.config import Settings
 from aenv.errors import RuntimeFailure, StateError
-from aenv.runtime.base import RuntimeState, SandboxSpec, TemplateImage
+from aenv.runtime.base import RuntimeState, SandboxImage, SandboxSpec
 from aenv.runtime.ns import NsRuntime, criu
 from tests.integration.test_ns_runtime import busybox_root, run_cmd, settings, spec_for, template, traces
 
@@ -38,7 +38,7 @@ async def sh(rt: NsRuntime, sid: str, cmd: str) -> str:
     return out
 
 
-async def test_snapshot_create_and_capabilities(rt: NsRuntime, settings: Settings, template: TemplateImage,
+async def test_snapshot_create_and_capabilities(rt: NsRuntime, settings: Settings, template: SandboxImage,
                                                 tmp_path: Path) -> None:
     caps = rt.capabilities()
     assert caps["snapshot"] == ("filesystem" if not criu.probe().usable else caps["snapshot"])
@@ -72,7 +72,7 @@ async def test_snapshot_create_and_capabilities(rt: NsRuntime, settings: Setting
         await rt.kill(sid)
 
 
-async def test_fork_one_child_failing(rt: NsRuntime, settings: Settings, template: TemplateImage, tmp_path: Path,
+async def test_fork_one_child_failing(rt: NsRuntime, settings: Settings, template: SandboxImage, tmp_path: Path,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     src = spec_for(settings, template)
     await rt.create(src)
@@ -106,7 +106,7 @@ async def test_fork_one_child_failing(rt: NsRuntime, settings: Settings, templat
     await rt.kill(src.sandbox_id)
 
 
-async def test_rollback_in_place_and_failed_rollback(rt: NsRuntime, settings: Settings, template: TemplateImage,
+async def test_rollback_in_place_and_failed_rollback(rt: NsRuntime, settings: Settings, template: SandboxImage,
                                                      tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = spec_for(settings, template)
     first = await rt.create(spec)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from aenv.config import Settings
-from aenv.runtime.base import TemplateImage
+from aenv.runtime.base import SandboxImage
 from aenv.runtime.ns.runtime import NsRuntime
 from tests.integration.test_ns_runtime import busybox_root, run_cmd, spec_for  # noqa: F401
 
@@ -38,7 +38,7 @@ async def runtime(
 
 async def test_start_paths(runtime: tuple[NsRuntime, Settings, bool], busybox_root: Path) -> None:  # noqa: F811
     rt, settings, zygote = runtime
-    spec = spec_for(settings, TemplateImage("busybox", busybox_root))
+    spec = spec_for(settings, SandboxImage("busybox", busybox_root))
     state = await rt.create(spec)
     init_pid = int(state.data["pid"])
     code, out, _ = await run_cmd(rt, spec.sandbox_id, "echo hi; cat /proc/1/cmdline | tr '\\0' ' '")
@@ -59,7 +59,7 @@ async def test_sandbox_processes_have_no_admin_capability(
 ) -> None:
     """PID 1 (agent) and envd must not hold CAP_SYS_ADMIN (bit 21), on either start path."""
     rt, settings, _ = runtime
-    spec = spec_for(settings, TemplateImage("busybox", busybox_root))
+    spec = spec_for(settings, SandboxImage("busybox", busybox_root))
     await rt.create(spec)
     code, out, _ = await run_cmd(rt, spec.sandbox_id, "for p in /proc/[0-9]*; do grep CapEff $p/status; done")
     assert code == 0

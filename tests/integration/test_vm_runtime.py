@@ -21,7 +21,7 @@ import pytest
 import pytest_asyncio
 
 from aenv.config import Settings, default_cache_dir
-from aenv.runtime.base import SandboxSpec, TemplateImage
+from aenv.runtime.base import SandboxImage, SandboxSpec
 from aenv.runtime.ns.envd_client import request
 from aenv.runtime.tools import ensure_tools
 from aenv.runtime.vm.frozen import is_frozen_store, remove_tree
@@ -111,11 +111,11 @@ async def make_runtime(shared: tuple[Path, Path, Path]) -> AsyncIterator[Callabl
 _ROOTFS: list[Path] = []
 
 
-def _template(tmp_path: Path) -> TemplateImage:
+def _template(tmp_path: Path) -> SandboxImage:
     """The same rootfs path for every test (it is part of the template key)."""
     if not _ROOTFS:
         _ROOTFS.append(_busybox_rootfs(tmp_path / "rootfs"))
-    return TemplateImage(
+    return SandboxImage(
         "busybox",
         _ROOTFS[0],
         env={"FROM_TEMPLATE": "1"},
@@ -123,7 +123,7 @@ def _template(tmp_path: Path) -> TemplateImage:
     )
 
 
-def _spec(tmp_path: Path, sid: str, template: TemplateImage, **kw: object) -> SandboxSpec:
+def _spec(tmp_path: Path, sid: str, template: SandboxImage, **kw: object) -> SandboxSpec:
     return SandboxSpec(sandbox_id=sid, template=template, workdir=tmp_path / "sbx" / sid, memory_mb=256, **kw)  # type: ignore[arg-type]
 
 
@@ -453,7 +453,7 @@ async def test_image_layers_are_merged_into_the_vm_disk(
     (top / "etc").mkdir(parents=True)
     (top / "etc" / "layer.txt").write_text("from the top layer\n")
     os.mknod(top / "etc" / "motd", stat.S_IFCHR | 0o600, os.makedev(0, 0))  # whiteout of the middle's file
-    tpl = TemplateImage("layered", base.rootfs, lowers=(top, middle, base.rootfs))
+    tpl = SandboxImage("layered", base.rootfs, lowers=(top, middle, base.rootfs))
     rt = make_runtime()
     await rt.create(_spec(tmp_path, "lay", tpl))
 

@@ -69,9 +69,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
         catalog = TemplateCatalog(settings, store)
         if ensure_base:
             await asyncio.to_thread(ensure_base_template, settings, catalog)
-            from aenv.images.interpreter import register_if_built
-
-            await asyncio.to_thread(register_if_built, settings, catalog)  # code-interpreter-v1, if built
+            await asyncio.to_thread(catalog.register_interpreter_if_built)  # code-interpreter-v1, if built
         rt = runtime or make_runtime(settings)
         orch = Orchestrator(settings, store, rt, catalog)
         orch.on_running.append(proxy.prewarm)

@@ -18,7 +18,7 @@ from aenv.api.deps import orchestrator
 from aenv.api.errors import status_for
 from aenv.api.serialize import iso
 from aenv.core.orchestrator import Orchestrator
-from aenv.core.templates import TemplateCatalog
+from aenv.core.templates import TemplateCatalog, sandbox_image_of
 from aenv.envd import ENVD_VERSION
 from aenv.errors import AenvError, InvalidRequest
 from aenv.store.sqlite import TemplateRow
@@ -129,7 +129,7 @@ async def pull_template(body: PullBody, request: Request, orch: Orchestrator = D
     async def run() -> None:
         try:
             tpl = await builder.pull(body.image, progress=lambda ev: queue.put_nowait({"event": ev.to_json()}))
-            image = tpl.to_template_image("", start_cmd=body.startCmd, ready_cmd=body.readyCmd)
+            image = sandbox_image_of(tpl, "", start_cmd=body.startCmd, ready_cmd=body.readyCmd)
             name = body.name or default_name(body.image)
             row = cat.register(
                 alias=name,

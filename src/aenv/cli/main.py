@@ -426,11 +426,7 @@ def template_build(
     from aenv.config import load_settings
     from aenv.core.templates import TemplateCatalog
     from aenv.images.errors import BootstrapError
-    from aenv.images.interpreter import (
-        TEMPLATE_NAME,
-        ensure_interpreter_layers,
-        register_interpreter_template,
-    )
+    from aenv.images.interpreter import TEMPLATE_NAME, ensure_interpreter_layers
     from aenv.store.sqlite import Store
 
     printer = Printer()
@@ -445,7 +441,7 @@ def template_build(
     printer.info(f"layers ready in {time.monotonic() - t0:.1f}s")
     if register:
         settings.state_dir.mkdir(parents=True, exist_ok=True)
-        row = register_interpreter_template(TemplateCatalog(settings, Store(settings.db_path)), layers)
+        row = TemplateCatalog(settings, Store(settings.db_path)).register_interpreter(layers)
         printer.data(f"template {row.alias} registered ({row.size_bytes / 1e6:.0f} MB of packages)")
 
 

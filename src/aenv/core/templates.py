@@ -13,8 +13,34 @@ from typing import Any
 from aenv.config import Settings
 from aenv.core.ids import new_id
 from aenv.errors import Conflict, TemplateNotFound
-from aenv.runtime.base import TemplateImage
+from aenv.images import interpreter
+from aenv.images.templates import PulledImage
+from aenv.runtime.base import SandboxImage
 from aenv.store.sqlite import Store, TemplateRow, now
+
+
+def sandbox_image_of(
+    pulled: PulledImage,
+    template_id: str,
+    *,
+    start_cmd: str | None = None,
+    ready_cmd: str | None = None,
+    rootfs: Path | None = None,
+) -> SandboxImage:
+    """The runtime's view of a pulled image. ``lowers`` is the *complete* overlay lowerdir list, top
+    first (the ns runtime mounts ``image.lowers or (image.rootfs,)``). ``rootfs`` defaults to the bottom
+    layer; pass ``await builder.flat_rootfs(pulled)`` for a runtime that needs one merged tree (vm)."""
+    lowers = pulled.lowers
+    return SandboxImage(
+        template_id=template_id,
+        rootfs=rootfs or lowers[-1],
+        lowers=lowers,
+        env=dict(pulled.config.env),
+        workdir=pulled.config.workdir,
+        user="user",  # the image's User is recorded in config.user; sandboxes default to `user`
+        start_cmd=start_cmd if start_cmd is not None else pulled.config.start_cmd,
+        ready_cmd=ready_cmd,
+    )
 
 
 class TemplateCatalog:
@@ -28,9 +54,9 @@ class TemplateCatalog:
             raise TemplateNotFound(name)
         return row
 
-    def image(self, row: TemplateRow) -> TemplateImage:
+    def image(self, row: TemplateRow) -> SandboxImage:
         cfg = row.config
-        return TemplateImage(
+        return SandboxImage(
             template_id=row.id,
             rootfs=Path(row.rootfs),
             lowers=tuple(Path(p) for p in row.lowers),
@@ -73,6 +99,30 @@ class TemplateCatalog:
         )
         self.store.put_template(row)
         return row
+
+    def register_interpreter(self, layers: interpreter.InterpreterLayers) -> TemplateRow:
+        """Register (or refresh) ``code-interpreter-v1`` over ``layers``; its ID is its name, like ``base``."""
+        return self.register(
+            alias=interpreter.TEMPLATE_NAME,
+            kind="bootstrap",
+            rootfs=layers.base,
+            lowers=layers.lowers,
+            config={"start_cmd": interpreter.START_CMD, "ready_cmd": interpreter.READY_CMD},
+            source="aenv:code-interpreter (ipykernel from PyPI)",
+            template_id=interpreter.TEMPLATE_NAME,
+            size_bytes=interpreter.tree_size(layers.packages),
+        )
+
+    def register_interpreter_if_built(self) -> TemplateRow | None:
+        """Server start-up: (re)register ``code-interpreter-v1`` when its layers are already in the
+        cache, never building anything (that takes PyPI and a minute; ``aenv template build`` does it)."""
+        layers = interpreter.interpreter_layers_if_built(self.settings)
+        if layers is None:
+            return None
+        row = self.store.get_template(interpreter.TEMPLATE_NAME)
+        if row is not None and row.lowers == [str(p) for p in layers.lowers]:
+            return row
+        return self.register_interpreter(layers)
 
     def list_templates(self) -> list[TemplateRow]:
         return self.store.list_templates()

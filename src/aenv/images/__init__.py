@@ -3,8 +3,8 @@
 Server-side entry points (one ``ImageBuilder`` per server process, so concurrent pulls share downloads)::
 
     builder = ImageBuilder(settings)                 # owns RegistryClient + LayerCache
-    tpl = await builder.pull("ubuntu:22.04", progress=callback)   # -> ImageTemplate
-    tpl.to_template_image(template_id)               # -> runtime.base.TemplateImage
+    tpl = await builder.pull("ubuntu:22.04", progress=callback)   # -> PulledImage
+    core.templates.sandbox_image_of(tpl, template_id)  # -> runtime.base.SandboxImage (core's job)
     builder.release_image(tpl.manifest_digest)       # when its last template is deleted
     builder.cache.entries() / .usage() / .prune()    # `aenv cache ls|prune`
     ensure_base_rootfs(settings) -> Path             # the default `base` template (blocking; root)
@@ -29,7 +29,7 @@ from aenv.images.flatten import flatten_layers
 from aenv.images.progress import ProgressCallback, PullEvent
 from aenv.images.reference import Reference, normalize, parse_reference
 from aenv.images.registry import RegistryClient
-from aenv.images.templates import ImageBuilder, ImageTemplate, build_template_rootfs, load_image
+from aenv.images.templates import ImageBuilder, PulledImage, build_template_rootfs, load_image
 
 __all__ = [
     "AuthRequired",
@@ -39,7 +39,7 @@ __all__ = [
     "CacheUsage",
     "DigestMismatch",
     "ImageBuilder",
-    "ImageTemplate",
+    "PulledImage",
     "InvalidReference",
     "LayerCache",
     "ManifestNotFound",

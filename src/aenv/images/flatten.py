@@ -91,7 +91,7 @@ def _apply_layer(layer: Path, dest: Path, dirs: dict[str, tuple[str, os.stat_res
 
 
 def flatten_layers(lowers_top_first: Sequence[Path], dest: Path) -> Path:
-    """Write the merged view of ``lowers_top_first`` (``ImageTemplate.lowers``) to ``dest``."""
+    """Write the merged view of ``lowers_top_first`` (``PulledImage.lowers``) to ``dest``."""
     tmp = dest.parent / f".tmp-{dest.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -19,8 +19,8 @@ chrooting to install them would need apt. The base's Python is 3.11, so the host
 Each layer is named by the hash of its inputs and written under ``.tmp-*`` then renamed, under an flock, so
 a killed build leaves nothing under a final name and two builders never race.
 
-CLI: ``aenv template build code-interpreter`` (``--help``); library: ``ensure_interpreter_layers`` then
-``register_interpreter_template``.
+CLI: ``aenv template build code-interpreter`` (``--help``); library: ``ensure_interpreter_layers``, then
+``TemplateCatalog.register_interpreter`` (core) makes it a template.
 """
 
 from __future__ import annotations
@@ -42,8 +42,6 @@ from aenv.images.errors import BootstrapError
 
 if TYPE_CHECKING:
     from aenv.config import Settings
-    from aenv.core.templates import TemplateCatalog
-    from aenv.store.sqlite import TemplateRow
 
 TEMPLATE_NAME = "code-interpreter-v1"
 RECIPE_VERSION = 1
@@ -293,33 +291,7 @@ def interpreter_layers_if_built(settings: Settings) -> InterpreterLayers | None:
     return layers if all(p.is_dir() for p in layers.lowers) else None
 
 
-def register_interpreter_template(catalog: TemplateCatalog, layers: InterpreterLayers) -> TemplateRow:
-    """Register (or refresh) ``code-interpreter-v1`` over ``layers``; its ID is its name, like ``base``."""
-    return catalog.register(
-        alias=TEMPLATE_NAME,
-        kind="bootstrap",
-        rootfs=layers.base,
-        lowers=layers.lowers,
-        config={"start_cmd": START_CMD, "ready_cmd": READY_CMD},
-        source="aenv:code-interpreter (ipykernel from PyPI)",
-        template_id=TEMPLATE_NAME,
-        size_bytes=_tree_size(layers.packages),
-    )
-
-
-def register_if_built(settings: Settings, catalog: TemplateCatalog) -> TemplateRow | None:
-    """Server start-up hook: (re)register ``code-interpreter-v1`` when its layers are already in the
-    cache, never building anything (that takes PyPI and a minute; ``aenv template build`` does it)."""
-    layers = interpreter_layers_if_built(settings)
-    if layers is None:
-        return None
-    row = catalog.store.get_template(TEMPLATE_NAME)
-    if row is not None and row.lowers == [str(p) for p in layers.lowers]:
-        return row
-    return register_interpreter_template(catalog, layers)
-
-
-def _tree_size(path: Path) -> int:
+def tree_size(path: Path) -> int:
     total = 0
     for root, _dirs, files in os.walk(path):
         for name in files:

@@ -7,7 +7,7 @@ Result layout::
 
 The per-image directory is built under ``images/.tmp-*`` and renamed at the end, so a pull killed
 midway leaves no half-template; its layers stay in the cache (unpinned) for the next attempt.
-``ImageTemplate.lowers`` is the overlay ``lowerdir`` order (top first); for a flattened tree (VM runtime)
+``PulledImage.lowers`` is the overlay ``lowerdir`` order (top first); for a flattened tree (VM runtime)
 use ``ImageBuilder.flat_rootfs``.
 
 Pins: the image's layers are pinned by ``image:<manifest-hex>`` once the template exists. Call
@@ -37,14 +37,13 @@ from aenv.images.users import write_user_layer
 
 if TYPE_CHECKING:
     from aenv.config import Settings
-    from aenv.runtime.base import TemplateImage
 
 IMAGE_JSON = "image.json"
 FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True)
-class ImageTemplate:
+class PulledImage:
     """A pulled image ready for sandboxes. Paths are absolute; ``layers`` is bottom → top."""
 
     reference: str  # normalised, digest-pinned: docker.io/library/ubuntu:22.04@sha256:…
@@ -81,31 +80,6 @@ class ImageTemplate:
             f"{self.size / 1e6:.1f} MB, {self.seconds:.1f} s"
         )
 
-    def to_template_image(
-        self,
-        template_id: str,
-        *,
-        start_cmd: str | None = None,
-        ready_cmd: str | None = None,
-        rootfs: Path | None = None,
-    ) -> TemplateImage:
-        """The runtime's view. ``lowers`` is the *complete* overlay lowerdir list, top first (the ns
-        runtime mounts ``template.lowers or (template.rootfs,)``). ``rootfs`` defaults to the bottom
-        layer; pass ``await builder.flat_rootfs(tpl)`` for a runtime that needs one merged tree (VM)."""
-        from aenv.runtime.base import TemplateImage
-
-        lowers = self.lowers
-        return TemplateImage(
-            template_id=template_id,
-            rootfs=rootfs or lowers[-1],
-            lowers=lowers,
-            env=dict(self.config.env),
-            workdir=self.config.workdir,
-            user="user",  # the image's User is recorded in config.user; sandboxes default to `user`
-            start_cmd=start_cmd if start_cmd is not None else self.config.start_cmd,
-            ready_cmd=ready_cmd,
-        )
-
     def to_json(self) -> dict[str, Any]:
         return {
             "format": FORMAT_VERSION,
@@ -134,7 +108,7 @@ def images_dir(settings: Settings) -> Path:
     return Path(settings.cache_dir) / "images"
 
 
-def load_image(path: Path) -> ImageTemplate | None:
+def load_image(path: Path) -> PulledImage | None:
     """Read ``image.json``; None if absent, from another format, or if a layer dir is gone."""
     try:
         doc = json.loads((path / IMAGE_JSON).read_text())
@@ -154,7 +128,7 @@ def load_image(path: Path) -> ImageTemplate | None:
         cmd=tuple(c["cmd"]),
         diff_ids=tuple(c["diff_ids"]),
     )
-    return ImageTemplate(
+    return PulledImage(
         doc["reference"],
         doc["manifest_digest"],
         path,
@@ -186,7 +160,7 @@ class ImageBuilder:
             if pid != str(os.getpid()) and pid_alive(pid):
                 continue
             shutil.rmtree(stale, ignore_errors=True)
-        self._building: dict[str, asyncio.Future[ImageTemplate]] = {}
+        self._building: dict[str, asyncio.Future[PulledImage]] = {}
         self._flat_locks: dict[str, asyncio.Lock] = {}
 
     async def aclose(self) -> None:
@@ -195,7 +169,7 @@ class ImageBuilder:
 
     async def pull(
         self, reference: str | Reference, *, progress: ProgressCallback | None = None
-    ) -> ImageTemplate:
+    ) -> PulledImage:
         ref = reference if isinstance(reference, Reference) else parse_reference(reference)
         started = time.monotonic()
         emit(progress, PullEvent(str(ref), "resolving"))
@@ -226,7 +200,7 @@ class ImageBuilder:
                 return await self.pull(reference, progress=progress)  # the other pull was killed: redo
             emit(progress, PullEvent(str(ref), "complete", message=tpl.summary()))
             return _replace(tpl, reference=str(ref), layers_reused=len(layers), download_bytes=0)
-        fut: asyncio.Future[ImageTemplate] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[PulledImage] = asyncio.get_running_loop().create_future()
         self._building[hexd] = fut
         try:
             tpl = await self._build(ref, resolved, progress, started)
@@ -246,7 +220,7 @@ class ImageBuilder:
 
     async def _build(
         self, ref: Reference, resolved: ResolvedImage, progress: ProgressCallback | None, started: float
-    ) -> ImageTemplate:
+    ) -> PulledImage:
         layers = resolved.manifest.layers
         config_raw = await self.client.get_blob_bytes(ref, resolved.manifest.config)
         config = m.parse_config(m.load_json(config_raw, str(ref)), str(ref))
@@ -286,7 +260,7 @@ class ImageBuilder:
         infos: list[LayerInfo],
         config: m.ImageConfig,
         progress: ProgressCallback | None,
-    ) -> ImageTemplate:
+    ) -> PulledImage:
         """Write user layer + image.json into a temp dir and rename it into place (blocking)."""
         hexd = manifest_digest.split(":", 1)[1]
         final = self.root / hexd
@@ -297,7 +271,7 @@ class ImageBuilder:
             emit(progress, PullEvent(str(ref), "user-layer"))
             needed = write_user_layer(tuple(reversed(layers)), tmp / "user-layer")
             user_layer = final / "user-layer" if needed else None
-            tpl = ImageTemplate(
+            tpl = PulledImage(
                 str(ref),
                 manifest_digest,
                 final,
@@ -323,12 +297,12 @@ class ImageBuilder:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def list_images(self) -> list[ImageTemplate]:
+    def list_images(self) -> list[PulledImage]:
         """Every complete image in the store (skips ``.tmp-*`` builds and images missing a layer)."""
         found = (load_image(p) for p in sorted(self.root.iterdir()) if not p.name.startswith("."))
         return [t for t in found if t is not None]
 
-    async def flat_rootfs(self, tpl: ImageTemplate) -> Path:
+    async def flat_rootfs(self, tpl: PulledImage) -> Path:
         """One merged tree of the image (``<image dir>/rootfs``), built once on demand for the VM runtime
         (its ext4 base). Costs a full copy of the image; the ns runtime never needs it."""
         dest = tpl.path / "rootfs"
@@ -351,7 +325,7 @@ def _cancelling() -> bool:
     return bool(task and task.cancelling())
 
 
-def _replace(t: ImageTemplate, **kw: Any) -> ImageTemplate:
+def _replace(t: PulledImage, **kw: Any) -> PulledImage:
     from dataclasses import replace
 
     return replace(t, **kw)
@@ -363,7 +337,7 @@ async def build_template_rootfs(
     settings: Settings,
     progress: ProgressCallback | None = None,
     builder: ImageBuilder | None = None,
-) -> ImageTemplate:
+) -> PulledImage:
     """Pull ``ref`` and return its template rootfs. Pass a long-lived ``builder`` from the server so
     concurrent pulls share downloads; without one a temporary builder is created and closed."""
     if builder is not None:

@@ -25,7 +25,7 @@ from aenv.mux.stream import ByteStream
 
 
 @dataclass(frozen=True)
-class TemplateImage:
+class SandboxImage:
     """What a runtime needs to start a sandbox from a template."""
 
     template_id: str
@@ -43,7 +43,7 @@ class SandboxSpec:
     """Everything a runtime needs to create one sandbox. Immutable; the orchestrator builds it."""
 
     sandbox_id: str
-    template: TemplateImage
+    template: SandboxImage
     workdir: Path  # the sandbox's own directory under the state dir; the runtime may put anything in it
     cpu_count: int = 2
     memory_mb: int = 512

@@ -5,9 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from aenv.config import Settings
-from aenv.core.templates import TemplateCatalog
 from aenv.images import interpreter as it
-from aenv.store.sqlite import Store
 
 
 def test_pip_argv_targets_the_base_python_with_wheels_only(tmp_path: Path) -> None:
@@ -36,19 +34,6 @@ def test_service_hash_changes_with_the_sources(tmp_path: Path) -> None:
     h1 = it.service_hash(tmp_path)
     (tmp_path / "a.py").write_text("x = 2\n")
     assert it.service_hash(tmp_path) != h1
-
-
-def test_register_and_register_if_built(tmp_path: Path) -> None:
-    s = Settings(state_dir=tmp_path / "s", cache_dir=tmp_path / "c")
-    s.state_dir.mkdir()
-    catalog = TemplateCatalog(s, Store(s.db_path))
-    assert it.register_if_built(s, catalog) is None  # nothing built: nothing registered, nothing built
-    layers = it.InterpreterLayers(tmp_path / "svc", tmp_path / "pkgs", tmp_path / "base")
-    row = it.register_interpreter_template(catalog, layers)
-    assert row.id == row.alias == "code-interpreter-v1"
-    assert row.lowers == [str(tmp_path / "svc"), str(tmp_path / "pkgs"), str(tmp_path / "base")]
-    image = catalog.image(catalog.resolve("code-interpreter-v1"))
-    assert image.start_cmd == it.START_CMD and image.rootfs == tmp_path / "base"
 
 
 def test_move_scripts_rewrites_the_shebang(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from aenv.config import Settings
+from aenv.core.templates import sandbox_image_of
 from aenv.images.progress import PullEvent
 from aenv.images.templates import ImageBuilder, load_image
 from tests.fixtures.fakes import FakeRegistry, gz, make_tar, sha, ti
@@ -66,10 +67,10 @@ async def test_pull_builds_template(fake_registry: FakeRegistry, tmp_path: Path)
     assert again.layers_reused == 2 and again.download_bytes == 0
     assert load_image(tpl.path) is not None
     assert [t.manifest_digest for t in b.list_images()] == [digest]
-    ti_ = tpl.to_template_image("tpl1")
+    ti_ = sandbox_image_of(tpl, "tpl1")
     assert ti_.lowers == tpl.lowers and ti_.rootfs == tpl.layers[0]
     assert ti_.env["X"] == "1" and ti_.workdir == "/srv" and ti_.start_cmd == tpl.start_cmd
-    assert tpl.to_template_image("t", start_cmd="srv").start_cmd == "srv"
+    assert sandbox_image_of(tpl, "t", start_cmd="srv").start_cmd == "srv"
     if os.geteuid() == 0:
         flat = await b.flat_rootfs(tpl)
         assert (flat / "app.txt").read_text() == "app" and "user:x:1000" in (flat / "etc/passwd").read_text()

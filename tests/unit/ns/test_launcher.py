@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from aenv.agent import launch as launcher
-from aenv.runtime.base import TemplateImage
+from aenv.runtime.base import SandboxImage
 from aenv.runtime.ns.sandbox import LaunchOptions, agent_argv
 
 
@@ -25,7 +25,7 @@ def test_dangerous_capabilities_are_dropped() -> None:
 
 
 def test_agent_argv_runs_from_tools_mount_without_host_paths() -> None:
-    t = TemplateImage("t", Path("/rootfs"), env={"A": "1"}, start_cmd="echo hi", user="user")
+    t = SandboxImage("t", Path("/rootfs"), env={"A": "1"}, start_cmd="echo hi", user="user")
     argv = agent_argv(LaunchOptions(t, Path("/host/cache/tools/x"), False, (1, 256, 64)))
     assert argv[0] == "/.aenv/lib/ld-linux-x86-64.so.2"
     assert "--library-path" in argv and "/.aenv/lib" in argv

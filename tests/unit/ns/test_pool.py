@@ -3,7 +3,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from aenv.runtime.base import TemplateImage
+from aenv.runtime.base import SandboxImage
 from aenv.runtime.ns.pool import WarmPool, pool_key
 
 
@@ -23,7 +23,7 @@ class FakeSandbox:
 def make_pool(size: int) -> tuple[WarmPool, list[FakeSandbox]]:
     made: list[FakeSandbox] = []
 
-    async def factory(template: TemplateImage, net: bool) -> FakeSandbox:
+    async def factory(template: SandboxImage, net: bool) -> FakeSandbox:
         await asyncio.sleep(0)
         sbx = FakeSandbox(len(made))
         made.append(sbx)
@@ -32,12 +32,12 @@ def make_pool(size: int) -> tuple[WarmPool, list[FakeSandbox]]:
     return WarmPool(size, factory), made  # type: ignore[arg-type]
 
 
-T = TemplateImage("t", Path("/r"))
+T = SandboxImage("t", Path("/r"))
 
 
 def test_pool_key_separates_network_modes_and_templates() -> None:
     assert pool_key(T, True) != pool_key(T, False)
-    assert pool_key(T, True) != pool_key(TemplateImage("u", Path("/r")), True)
+    assert pool_key(T, True) != pool_key(SandboxImage("u", Path("/r")), True)
 
 
 async def test_first_take_misses_then_refills() -> None:
@@ -74,7 +74,7 @@ async def test_size_zero_never_fills() -> None:
 
 async def test_forget_kills_ready_and_stops_refilling() -> None:
     pool, made = make_pool(2)
-    other = TemplateImage("other", Path("/o"))
+    other = SandboxImage("other", Path("/o"))
     pool.want(T, False)
     pool.want(other, False)
     await pool.wait_ready(T, False)

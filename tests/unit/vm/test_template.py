@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from aenv.runtime.base import TemplateImage
+from aenv.runtime.base import SandboxImage
 from aenv.runtime.vm import template as templates
 from aenv.runtime.vm.accel import AccelChoice
 from aenv.runtime.vm.artifacts import GuestArtifacts
@@ -17,10 +17,10 @@ TCG = AccelChoice("tcg", "test", 2100000)
 SHAPE = templates.Shape(2, 512, 2048)
 
 
-def _tpl(**kw: object) -> TemplateImage:
+def _tpl(**kw: object) -> SandboxImage:
     base: dict[str, object] = {"template_id": "base", "rootfs": Path("/r/base"), "env": {"A": "1"}}
     base.update(kw)
-    return TemplateImage(**base)  # type: ignore[arg-type]
+    return SandboxImage(**base)  # type: ignore[arg-type]
 
 
 def test_key_changes_with_inputs() -> None:
@@ -38,12 +38,12 @@ def test_agent_args() -> None:
     ]  # fmt: skip
 
 
-def _built(tmp_path: Path) -> templates.VmTemplate:
+def _built(tmp_path: Path) -> templates.FrozenTemplate:
     key = "base-abc"
     tdir = tmp_path / key
     (tdir / "boot").mkdir(parents=True)
     cfg = templates._boot_config(key, tdir, SHAPE, TCG, ART, tmp_path / "shm", tdir / "boot")
-    tpl = templates.VmTemplate(key, tdir, cfg)
+    tpl = templates.FrozenTemplate(key, tdir, cfg)
     for p in (tpl.device_state, tpl.disk, tpl.empty_overlay, tdir / "config.raw", tpl.ram_image):
         p.write_bytes(b"x")
     (tmp_path / "shm").mkdir()

@@ -16,15 +16,15 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from aenv.runtime.base import TemplateImage
+from aenv.runtime.base import SandboxImage
 from aenv.runtime.ns.sandbox import NsSandbox
 
 log = logging.getLogger("aenv.runtime.ns")
 
-Factory = Callable[[TemplateImage, bool], Awaitable[NsSandbox]]
+Factory = Callable[[SandboxImage, bool], Awaitable[NsSandbox]]
 
 
-def pool_key(template: TemplateImage, allow_internet: bool) -> str:
+def pool_key(template: SandboxImage, allow_internet: bool) -> str:
     lowers = ":".join(str(p) for p in (template.lowers or (template.rootfs,)))
     env = ",".join(f"{k}={v}" for k, v in sorted(template.env.items()))
     return f"{template.template_id}|{lowers}|{template.user}|{template.start_cmd}|{env}|net={int(allow_internet)}"
@@ -32,7 +32,7 @@ def pool_key(template: TemplateImage, allow_internet: bool) -> str:
 
 @dataclass
 class _Slot:
-    template: TemplateImage
+    template: SandboxImage
     allow_internet: bool
     ready: deque[NsSandbox] = field(default_factory=deque)
     filling: asyncio.Task[None] | None = None
@@ -53,11 +53,11 @@ class WarmPool:
     def names(self) -> set[str]:
         return {s.name for slot in self._slots.values() for s in slot.ready}
 
-    def ready_count(self, template: TemplateImage, allow_internet: bool) -> int:
+    def ready_count(self, template: SandboxImage, allow_internet: bool) -> int:
         slot = self._slots.get(pool_key(template, allow_internet))
         return len(slot.ready) if slot else 0
 
-    def take(self, template: TemplateImage, allow_internet: bool) -> NsSandbox | None:
+    def take(self, template: SandboxImage, allow_internet: bool) -> NsSandbox | None:
         """A ready sandbox for this key, or None. Marks the key hot and triggers a refill either way."""
         if self.size <= 0 or self._closed:
             return None
@@ -73,13 +73,13 @@ class WarmPool:
         self._refill(slot)
         return got
 
-    def want(self, template: TemplateImage, allow_internet: bool) -> None:
+    def want(self, template: SandboxImage, allow_internet: bool) -> None:
         if self.size <= 0 or self._closed:
             return
         slot = self._slots.setdefault(pool_key(template, allow_internet), _Slot(template, allow_internet))
         self._refill(slot)
 
-    async def wait_ready(self, template: TemplateImage, allow_internet: bool, n: int | None = None) -> None:
+    async def wait_ready(self, template: SandboxImage, allow_internet: bool, n: int | None = None) -> None:
         """Wait until the slot holds ``n`` (default: size) ready sandboxes (tests, warm-up)."""
         want = self.size if n is None else n
         slot = self._slots.get(pool_key(template, allow_internet))

@@ -33,7 +33,7 @@ from typing import Any
 from aenv.config import Settings
 from aenv.errors import RuntimeFailure, SandboxNotFound, SandboxUnreachable, StateError
 from aenv.mux import ByteStream, MuxError
-from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec, SnapshotResult, TemplateImage
+from aenv.runtime.base import ResourceSample, RuntimeState, SandboxImage, SandboxSpec, SnapshotResult
 from aenv.runtime.network import Slirp, host_ipv4_addresses, slirp_available
 from aenv.runtime.ns import cgroups
 from aenv.runtime.ns.disk import POOL_NAME, DiskQuota, remove_tree
@@ -141,7 +141,7 @@ class NsRuntime:
         return await reconcile(self.layout, self.settings.sandboxes_dir,
                                [self.pool_dir, self.settings.state_dir / LEGACY_POOL_DIR], set(known_ids), keep)
 
-    def warm(self, template: TemplateImage, allow_internet: bool = True) -> None:
+    def warm(self, template: SandboxImage, allow_internet: bool = True) -> None:
         """Mark a template hot: the pool starts filling for it now (non-blocking)."""
         self.pool.want(template, allow_internet)
 
@@ -149,7 +149,7 @@ class NsRuntime:
         """Drop pooled sandboxes of a template (call after rebuilding or deleting it)."""
         await self.pool.forget(template_id)
 
-    async def wait_warm(self, template: TemplateImage, allow_internet: bool = True, n: int | None = None) -> None:
+    async def wait_warm(self, template: SandboxImage, allow_internet: bool = True, n: int | None = None) -> None:
         self.pool.want(template, allow_internet)
         await self.pool.wait_ready(template, allow_internet, n)
 
@@ -159,7 +159,7 @@ class NsRuntime:
         if self._tools_dir is None and (self.tools is None or not (self.tools / "MANIFEST.json").exists()):
             self.tools = await asyncio.to_thread(ensure_tools, self.settings)
 
-    def _opts(self, template: TemplateImage, allow_internet: bool, limits: tuple[int, int, int],
+    def _opts(self, template: SandboxImage, allow_internet: bool, limits: tuple[int, int, int],
               nice: int = 0, disk_mb: int | None = None) -> LaunchOptions:
         assert self.tools is not None
         if allow_internet and not slirp_available():
@@ -169,7 +169,7 @@ class NsRuntime:
                              disk=self.disk if self.disk.active else None,
                              disk_mb=self.settings.default_disk_mb if disk_mb is None else disk_mb)
 
-    async def _launch_pooled(self, template: TemplateImage, allow_internet: bool) -> NsSandbox:
+    async def _launch_pooled(self, template: SandboxImage, allow_internet: bool) -> NsSandbox:
         assert self.layout is not None
         await self._ensure_tools()
         name = f"pool-{secrets.token_hex(6)}"
@@ -185,7 +185,7 @@ class NsRuntime:
     async def create(self, spec: SandboxSpec) -> RuntimeState:
         return await self._launch_ready(spec, spec.template, (), use_pool=True)
 
-    async def _prelaunch(self, name: str, root: Path, spec: SandboxSpec, template: TemplateImage,
+    async def _prelaunch(self, name: str, root: Path, spec: SandboxSpec, template: SandboxImage,
                          snapshot_layers: tuple[str, ...]) -> NsSandbox:
         """Launch a sandbox for ``spec`` under a temporary name and directory (the rollback path
         starts the new one while the old one is still being stopped); ``_launch_ready(prelaunched=…)``
@@ -197,7 +197,7 @@ class NsRuntime:
                                   disk_mb=spec.disk_mb), snapshot_layers=snapshot_layers)
         return await NsSandbox.launch(name, root, self.layout, opts, self.host_addrs, timeout=self.launch_timeout)
 
-    async def _launch_ready(self, spec: SandboxSpec, template: TemplateImage, snapshot_layers: tuple[str, ...],
+    async def _launch_ready(self, spec: SandboxSpec, template: SandboxImage, snapshot_layers: tuple[str, ...],
                             *, root: Path | None = None, use_pool: bool = False,
                             prelaunched: NsSandbox | None = None) -> RuntimeState:
         """Start ``spec`` on ``template``'s lowers with ``snapshot_layers`` stacked on top (a snapshot

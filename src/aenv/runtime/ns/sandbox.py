@@ -40,7 +40,7 @@ from aenv.faults import fault_point
 from aenv.mux import ByteStream, MuxSession, StreamClosed
 from aenv.mux.direct import DirectStream, open_direct
 from aenv.mux.session import open_unix_session
-from aenv.runtime.base import TemplateImage
+from aenv.runtime.base import SandboxImage
 from aenv.runtime.network import RESOLV_CONF, Slirp, install_firewall, kill_slirps_serving
 from aenv.runtime.ns.cgroups import Cgroup, Layout
 from aenv.runtime.ns.disk import DiskQuota, remove_tree
@@ -106,7 +106,7 @@ class Paths:
 class LaunchOptions:
     """How to start one sandbox's processes (everything the launcher needs besides paths)."""
 
-    template: TemplateImage
+    template: SandboxImage
     tools: Path
     allow_internet: bool
     default_limits: tuple[int, int, int]  # cpu_count, memory_mb, pids
@@ -125,7 +125,7 @@ class LaunchOptions:
         return [*self.snapshot_layers, *_lowers(self.template)]
 
 
-def _lowers(template: TemplateImage) -> list[str]:
+def _lowers(template: SandboxImage) -> list[str]:
     return [str(p) for p in (template.lowers or (template.rootfs,))]
 
 

@@ -177,7 +177,7 @@ class VmRuntime:
         # QEMU processes spawned for a template and left waiting (not restored): a snapshot of that
         # template restores into one, its disk re-pointed (rollback, fork, create from snapshot).
         self.blank_pool = RestorePool(self.pool_size, self._spawn_blank)
-        self._templates: dict[str, templates.VmTemplate] = {}
+        self._templates: dict[str, templates.FrozenTemplate] = {}
         self._template_locks: dict[str, asyncio.Lock] = {}
         self._sandboxes: dict[str, VmSandbox] = {}
         self._building: set[str] = set()  # boot dir names of template builds in flight
@@ -261,7 +261,7 @@ class VmRuntime:
     def _shape(self, spec: SandboxSpec) -> templates.Shape:
         return templates.Shape(spec.cpu_count, spec.memory_mb, spec.disk_mb)
 
-    async def template_for(self, spec: SandboxSpec) -> templates.VmTemplate:
+    async def template_for(self, spec: SandboxSpec) -> templates.FrozenTemplate:
         """The snapshot for this template and shape, built on first use (one build per key)."""
         await self.start()
         assert self.accel is not None and self.artifacts is not None
@@ -457,7 +457,7 @@ class VmRuntime:
         return self._state(sbx, spec)
 
     # ---- snapshots, fork, rollback (SnapshotCapable) -----------------------------------------------
-    async def _template_by_key(self, key: str) -> templates.VmTemplate:
+    async def _template_by_key(self, key: str) -> templates.FrozenTemplate:
         tpl = self._templates.get(key)
         if tpl is None:
             tpl = await asyncio.to_thread(templates.load, self.templates_dir, key)

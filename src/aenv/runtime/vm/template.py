@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from aenv.runtime.base import TemplateImage
+from aenv.runtime.base import SandboxImage
 
 from . import disk
 from .accel import AccelChoice
@@ -59,7 +59,7 @@ class Shape:
     disk_mb: int
 
 
-def agent_args(tpl: TemplateImage) -> list[str]:
+def agent_args(tpl: SandboxImage) -> list[str]:
     args = ["--env-json", json.dumps(tpl.env, sort_keys=True), "--default-user", tpl.user or "root"]
     args += ["--log", "/dev/console"]  # agent and envd logs land in the VM's console log file
     if tpl.start_cmd:
@@ -68,7 +68,7 @@ def agent_args(tpl: TemplateImage) -> list[str]:
 
 
 def template_key(
-    tpl: TemplateImage, shape: Shape, accel: AccelChoice, art: GuestArtifacts, append: tuple[str, ...] = ()
+    tpl: SandboxImage, shape: Shape, accel: AccelChoice, art: GuestArtifacts, append: tuple[str, ...] = ()
 ) -> str:
     """Everything that shapes the booted guest, kernel command line included (a template booted
     with other kernel words is another template)."""
@@ -83,7 +83,7 @@ def template_key(
 
 
 @dataclass
-class VmTemplate:
+class FrozenTemplate:
     key: str
     dir: Path
     cfg: VmConfig  # the boot config (share=on); restores derive theirs with for_restore()
@@ -166,7 +166,7 @@ def boot_dir_name(key: str) -> str:
     return f"boot-{key[-12:]}"
 
 
-def load(templates_dir: Path, key: str) -> VmTemplate | None:
+def load(templates_dir: Path, key: str) -> FrozenTemplate | None:
     """A complete, previously built template, or None."""
     tdir = templates_dir / key
     try:
@@ -175,11 +175,11 @@ def load(templates_dir: Path, key: str) -> VmTemplate | None:
         return None
     if manifest.get("version") != MANIFEST_VERSION:
         return None
-    tpl = VmTemplate(key, tdir, config_from_json(manifest["config"]))
+    tpl = FrozenTemplate(key, tdir, config_from_json(manifest["config"]))
     return tpl if tpl.complete() else None
 
 
-def _save(tpl: VmTemplate) -> None:
+def _save(tpl: FrozenTemplate) -> None:
     manifest = {
         "version": MANIFEST_VERSION,
         "key": tpl.key,
@@ -193,7 +193,7 @@ def _save(tpl: VmTemplate) -> None:
 
 async def build(
     templates_dir: Path,
-    tpl: TemplateImage,
+    tpl: SandboxImage,
     shape: Shape,
     accel: AccelChoice,
     art: GuestArtifacts,
@@ -201,7 +201,7 @@ async def build(
     shm_dir: Path = SHM_DIR,
     run_root: Path | None = None,
     append: tuple[str, ...] = (),
-) -> VmTemplate:
+) -> FrozenTemplate:
     """Boot the template once, wait for envd, snapshot, stop. Cleans up everything on failure.
     ``append``: extra kernel words (:func:`~.config.accel_append`), part of the key."""
     key = template_key(tpl, shape, accel, art, append)
@@ -214,7 +214,7 @@ async def build(
     boot_dir.mkdir(parents=True)
     shm_dir.mkdir(parents=True, exist_ok=True)
     cfg = _boot_config(key, tdir, shape, accel, art, shm_dir, boot_dir, append)
-    result = VmTemplate(key, tdir, cfg)
+    result = FrozenTemplate(key, tdir, cfg)
     sbx: VmSandbox | None = None
     t0 = time.perf_counter()
     try:
@@ -264,7 +264,7 @@ async def build(
         await asyncio.shield(asyncio.to_thread(result.remove))
         shutil.rmtree(boot_dir, ignore_errors=True)
         if isinstance(exc, Exception):
-            raise TemplateBuildError(f"template {tpl.template_id}: {exc}\nguest console:\n{console}") from exc
+            raise TemplateBootError(f"template {tpl.template_id}: {exc}\nguest console:\n{console}") from exc
         raise
 
 
@@ -287,9 +287,9 @@ async def wait_ready(sbx: VmSandbox, ready_cmd: str, timeout: float) -> None:
             await asyncio.sleep(0.5)
 
 
-class TemplateBuildError(RuntimeError):
+class TemplateBootError(RuntimeError):
     """Booting or snapshotting a template failed; the message carries the guest console tail."""
 
 
-def describe(tpl: VmTemplate) -> dict[str, Any]:
+def describe(tpl: FrozenTemplate) -> dict[str, Any]:
     return {"key": tpl.key, "dir": str(tpl.dir), "mem": str(tpl.mem_path), "shape": tpl.cfg.shape()}
