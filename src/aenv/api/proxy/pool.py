@@ -23,8 +23,6 @@ IDLE_EXPIRY = 60.0  # seconds an idle upstream stream is kept (envd's own keep-a
 MAX_IDLE_PER_TARGET = 16
 _SWEEP_EVERY = 256  # releases between sweeps of dead idle streams of other sandboxes
 
-Target = tuple[str, int]  # (sandbox id, port)
-
 
 class _Idle:
     __slots__ = ("stream", "since")
@@ -49,8 +47,8 @@ class UpstreamPool:
 
     def __init__(self, get_orchestrator: Callable[[], Orchestrator]) -> None:
         self._get = get_orchestrator
-        self._idle: dict[Target, list[_Idle]] = {}
-        self._opening: dict[Target, asyncio.Task[None]] = {}  # prewarms in flight
+        self._idle: dict[tuple[str, int], list[_Idle]] = {}
+        self._opening: dict[tuple[str, int], asyncio.Task[None]] = {}  # prewarms in flight
         self._releases = 0
 
     async def acquire(self, sandbox_id: str, port: int) -> tuple[ByteStream, bool]:
@@ -66,7 +64,7 @@ class UpstreamPool:
             return stream, True
         return await self.open(sandbox_id, port), False
 
-    async def _take_idle(self, key: Target) -> ByteStream | None:
+    async def _take_idle(self, key: tuple[str, int]) -> ByteStream | None:
         idle = self._idle.get(key)
         if idle:
             now = time.monotonic()
@@ -86,7 +84,7 @@ class UpstreamPool:
         self._opening[key] = task
         task.add_done_callback(lambda _: self._opening.pop(key, None))
 
-    async def _prewarm(self, key: Target) -> None:
+    async def _prewarm(self, key: tuple[str, int]) -> None:
         try:
             stream = await self.open(*key)
         except Exception as exc:  # noqa: BLE001 - the request will open (and report) on its own

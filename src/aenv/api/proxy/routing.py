@@ -1,0 +1,101 @@
+"""Which requests are sandbox traffic and where they go (spec §1.5): the ``E2b-Sandbox-Id`` and
+``E2b-Sandbox-Port`` headers, a ``<port>-<id>.`` Host, or, for a signed ``/files`` URL that names no
+sandbox, the sandbox whose token signed it. Everything else falls through to the control plane.
+
+Also the proxy's own answers, shaped like E2B's so that the SDKs raise the error they would against E2B:
+a bad port, envd's internal routes (the orchestrator's alone, never a client's), an unsigned file URL, and
+a sandbox that cannot be reached.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Protocol
+from urllib.parse import parse_qs
+
+from .codec import Scope, Send
+
+ENVD_PORT = 49983
+_HOST_RE = re.compile(r"^(\d{1,5})-([a-z0-9][a-z0-9_-]{0,63})\.")
+# envd's internal routes: only the orchestrator may call them, never a client through the proxy.
+_ENVD_INTERNAL = {"/init"}
+
+Target = tuple[str, int]  # (sandbox id, port)
+
+
+class SignatureLookup(Protocol):
+    """What routing needs of the orchestrator: ``Orchestrator.find_by_file_signature``."""
+
+    def __call__(self, path: str, op: str, user: str, signature: str, expiration: str | None) -> str | None: ...
+
+
+def route(scope: Scope) -> Target | None:
+    """(sandbox id, port) if this request is sandbox traffic, else None. A port header that is not a
+    number gives port -1, which ``refusal`` turns into a 400."""
+    sandbox_id = port = host = None
+    for name, value in scope.get("headers", ()):
+        if name == b"e2b-sandbox-id":
+            sandbox_id = value.decode("latin-1").strip()
+        elif name == b"e2b-sandbox-port":
+            port = value.decode("latin-1").strip()
+        elif name == b"host":
+            host = value.decode("latin-1")
+    if sandbox_id:
+        try:
+            p = int(port) if port else ENVD_PORT
+        except ValueError:
+            p = -1
+        return sandbox_id, p
+    if host:
+        m = _HOST_RE.match(host)
+        if m:
+            return m.group(2), int(m.group(1))
+    return None
+
+
+def route_signed_files_url(scope: Scope, find: SignatureLookup) -> Target | None:
+    """``download_url()``/``upload_url()`` carry no sandbox ID when E2B_SANDBOX_URL is set: find the
+    sandbox whose access token produced the URL's signature (spec §1.5 workaround)."""
+    if scope["path"] != "/files" or scope["method"] not in ("GET", "POST"):
+        return None
+    params = parse_qs((scope.get("query_string") or b"").decode("latin-1"))
+    signature = (params.get("signature") or [""])[0]
+    path = (params.get("path") or [""])[0]
+    if not signature.startswith("v1_") or not path:
+        return None
+    user = (params.get("username") or [""])[0]
+    expiration = (params.get("signature_expiration") or [None])[0]
+    op = "read" if scope["method"] == "GET" else "write"
+    sandbox_id = find(path, op, user, signature, expiration)
+    return (sandbox_id, ENVD_PORT) if sandbox_id else None
+
+
+def json_error(status: int, body: dict[str, Any]) -> tuple[int, bytes]:
+    return status, json.dumps(body).encode()
+
+
+def refusal(scope: Scope, port: int) -> tuple[int, bytes] | None:
+    """The error for a target the proxy will not forward to: a port out of range, or envd's internal
+    routes. None for one it will."""
+    if not 0 < port < 65536:
+        return json_error(400, {"code": 400, "message": f"invalid E2b-Sandbox-Port '{port}'"})
+    if port == ENVD_PORT and scope["path"] in _ENVD_INTERNAL:
+        return json_error(403, {"code": 403, "message": "internal envd route"})
+    return None
+
+
+def unsigned_files_url() -> tuple[int, bytes]:
+    """envd's answer for a ``/files`` request that no routing header names and no sandbox signed."""
+    return json_error(401, {"code": 401, "message": "invalid or missing file URL signature"})
+
+
+def sandbox_error(sandbox_id: str, message: str) -> tuple[int, bytes]:
+    """E2B's 502 for a sandbox the request could not get through to."""
+    return json_error(502, {"sandboxId": sandbox_id, "message": message, "code": 502})
+
+
+async def respond(send: Send, status: int, body: bytes) -> None:
+    headers = [(b"content-type", b"application/json")]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})

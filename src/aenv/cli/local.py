@@ -1,0 +1,162 @@
+"""The ``aenv`` commands that act on this machine rather than through a server: ``serve`` (the server
+itself), ``setup``, ``doctor``, ``bench`` and ``template build``. They may import the server side; the
+HTTP commands (``remote.py``) may not."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from aenv.cli.output import ExitStatus, Printer
+
+
+def register(app: typer.Typer, template_app: typer.Typer) -> None:
+    """Add the local commands to the ``aenv`` app."""
+    panel = "This machine"
+    app.command(rich_help_panel=panel)(serve)
+    app.command(rich_help_panel=panel)(setup)
+    app.command(rich_help_panel=panel)(doctor)
+    app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, add_help_option=False,
+                rich_help_panel=panel)(bench)
+    template_app.command("build", rich_help_panel=panel)(template_build)
+
+
+def serve(
+    host: Optional[str] = typer.Option(None, help="bind address (AENV_HOST) [default: 127.0.0.1]"),
+    port: Optional[int] = typer.Option(None, help="port (AENV_PORT) [default: 8000]"),
+    runtime: Optional[str] = typer.Option(None, help="ns | vm | auto (AENV_RUNTIME) [default: auto]"),
+    state_dir: Optional[Path] = typer.Option(None, help="state directory (AENV_STATE_DIR)"),
+    pool_size: Optional[int] = typer.Option(None, help="pre-started sandboxes per hot template (AENV_POOL_SIZE)"),
+    log_level: Optional[str] = typer.Option(None, help="debug | info | warning (AENV_LOG_LEVEL)"),
+) -> None:
+    """Run the server: E2B control plane and sandbox proxy on one port.
+
+    Every setting can also come from a TOML file (AENV_CONFIG, default <state_dir>/config.toml) or an
+    AENV_<NAME> environment variable: state_dir, cache_dir, host, port, runtime, default_timeout,
+    max_timeout, api_keys (comma list), max_sandboxes, max_concurrent_starts, pool_size, pids_limit,
+    registry_mirrors ("docker.io=http://127.0.0.1:5000"), insecure_registries, layer_cache_bytes,
+    snapshot_store (file:///dir or s3://bucket or s3://bucket/prefix; "" = off; default <state_dir>/snapshot-store),
+    snapshot_store_endpoint, snapshot_store_region. S3 keys: AENV_S3_ACCESS_KEY_ID and
+    AENV_S3_SECRET_ACCESS_KEY (or the standard AWS_* names), from the environment only.
+    vm runtime: vm_release_paused_after (s a paused VM stays in RAM, default 60), vm_memory_low_mb (below
+    this much available host memory paused VMs go to disk at once, default 512, 0 = off), vm_guest_aslr,
+    firecracker.
+    """
+    import logging
+
+    import uvicorn
+
+    from aenv.api.app import create_app
+    from aenv.config import load_settings
+
+    printer = Printer()
+    if runtime is not None and runtime not in ("ns", "vm", "auto"):
+        printer.fail(f"unknown runtime '{runtime}'", hint="use --runtime ns, vm or auto", status=ExitStatus.USAGE)
+    try:
+        settings = load_settings(
+            {"host": host, "port": port, "runtime": runtime, "state_dir": state_dir, "pool_size": pool_size, "log_level": log_level}
+        )
+    except Exception as exc:  # pydantic ValidationError, TOML errors
+        printer.fail("invalid configuration", causes=[str(exc)], status=ExitStatus.USAGE)
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr
+    )
+    if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_keys:
+        printer.err.print(
+            f"[bold yellow]WARNING:[/] binding to {settings.host} with no API keys: anyone who can reach this port "
+            "can run code here. Set AENV_API_KEYS.",
+            markup=True,
+        )
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        access_log=False,
+        timeout_keep_alive=75,
+        server_header=False,
+    )
+
+
+def setup(
+    skip_base: bool = typer.Option(False, help="do not build the base template rootfs"),
+) -> None:
+    """Prepare this machine: the tools bundle mounted into sandboxes and the `base` template rootfs."""
+    from aenv.config import load_settings
+
+    printer = Printer()
+    settings = load_settings()
+    from aenv.runtime.tools import ensure_tools
+
+    t0 = time.monotonic()
+    tools = ensure_tools(settings)
+    printer.info(f"tools bundle: {tools} ({time.monotonic() - t0:.1f}s)")
+    if not skip_base:
+        from aenv.images.bootstrap import ensure_base_rootfs
+
+        t0 = time.monotonic()
+        rootfs = ensure_base_rootfs(settings)
+        printer.info(f"base rootfs: {rootfs} ({time.monotonic() - t0:.1f}s)")
+
+
+def doctor(output: str = typer.Option("text", "--output", "-o", help="text | json")) -> None:
+    """What this machine can do: runtimes, accelerator, cgroups, CRIU — and why."""
+    from aenv.config import load_settings
+    from aenv.runtime.doctor import collect
+
+    report = collect(load_settings())
+    if output == "json":
+        Printer().json(report)
+        return
+    p = Printer()
+    for key, value in report.items():
+        p.data(f"{key:>18}: {value}")
+
+
+def bench(ctx: typer.Context) -> None:
+    """Run the benchmark suite (same as `python -m bench`; needs a repo checkout). `aenv bench --help`."""
+    root = Path(__file__).resolve().parents[3]
+    if (root / "bench" / "__main__.py").is_file() and str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        from bench.__main__ import main as bench_main
+    except ImportError as exc:
+        Printer().fail("the benchmark suite is not importable", causes=[str(exc)],
+                       hint="run it from a checkout of the aenv repository: `python -m bench`")
+    raise typer.Exit(bench_main(list(ctx.args), prog="aenv bench"))
+
+
+def template_build(
+    name: str = typer.Argument(..., help="what to build: code-interpreter"),
+    register: bool = typer.Option(True, help="register the template in this machine's state dir"),
+) -> None:
+    """Build a built-in template on this machine (needs root and PyPI), then register it.
+
+    `code-interpreter` makes `code-interpreter-v1` (the default of `e2b-code-interpreter`): the base rootfs
+    plus overlay layers with ipykernel, jupyter_client, matplotlib, numpy and pandas, and the service on port
+    49999. Layers are cached under <cache_dir>/rootfs/interpreter-*; a running server sees the template at once.
+    """
+    from aenv.config import load_settings
+    from aenv.core.templates import TemplateCatalog
+    from aenv.images.errors import BootstrapError
+    from aenv.images.interpreter import TEMPLATE_NAME, ensure_interpreter_layers
+    from aenv.store.sqlite import Store
+
+    printer = Printer()
+    if name not in ("code-interpreter", TEMPLATE_NAME):
+        printer.fail(f"unknown built-in template '{name}'", hint="available: code-interpreter", status=ExitStatus.USAGE)
+    settings = load_settings()
+    t0 = time.monotonic()
+    try:
+        layers = ensure_interpreter_layers(settings, log=lambda line: printer.err.print(line, markup=False, highlight=False))
+    except BootstrapError as exc:
+        printer.fail("building code-interpreter-v1 failed", causes=[str(exc)], hint="run as root with PyPI reachable")
+    printer.info(f"layers ready in {time.monotonic() - t0:.1f}s")
+    if register:
+        settings.state_dir.mkdir(parents=True, exist_ok=True)
+        row = TemplateCatalog(settings, Store(settings.db_path)).register_interpreter(layers)
+        printer.data(f"template {row.alias} registered ({row.size_bytes / 1e6:.0f} MB of packages)")
