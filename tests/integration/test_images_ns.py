@@ -18,7 +18,7 @@ from aenv.core.templates import sandbox_image_of
 from aenv.images.registry import RegistryClient
 from aenv.images.templates import ImageBuilder
 from aenv.runtime.ns import NsRuntime
-from tests.fixtures.plugin import PushedImages, local_registry, make_settings, pushed_images  # noqa: F401
+from tests.fixtures.plugin import PushedImages, make_settings
 from tests.integration.test_ns_runtime import run_cmd, spec_for
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module")]
@@ -46,7 +46,7 @@ async def rt(rt_settings: Settings) -> AsyncIterator[NsRuntime]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def images(
-    pushed_images: PushedImages,  # noqa: F811
+    pushed_images: PushedImages,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[ImageBuilder]:
     s = make_settings(tmp_path_factory.mktemp("img"), pushed_images.registry)
@@ -66,7 +66,7 @@ async def test_image_runs_in_ns_sandbox(
     rt: NsRuntime,
     rt_settings: Settings,
     images: ImageBuilder,
-    pushed_images: PushedImages,  # noqa: F811
+    pushed_images: PushedImages,
     name: str,
 ) -> None:
     pushed_images.require(name)

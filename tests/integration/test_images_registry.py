@@ -21,7 +21,7 @@ from aenv.images.lookup import lookup  # noqa: E402
 from aenv.images.registry import RegistryClient  # noqa: E402
 from aenv.images.templates import ImageBuilder, PulledImage  # noqa: E402
 from tests.fixtures.oci import image_config, layer_from_tar, push_image, tar_entries  # noqa: E402
-from tests.fixtures.plugin import PushedImages, local_registry, make_settings, pushed_images  # noqa: E402,F401
+from tests.fixtures.plugin import PushedImages, make_settings  # noqa: E402
 from tests.fixtures.registry import LocalRegistry, free_port, start_registry  # noqa: E402
 
 IMAGES = [

@@ -12,14 +12,14 @@ import httpx
 import pytest
 
 from aenv.testing.server import API_KEY, Server, discard_vm_state, start_server, stop_server
-from tests.fixtures.plugin import PushedImages, local_registry, pushed_images  # noqa: F401
+from tests.fixtures.plugin import PushedImages
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the ns runtime needs root")
 
 
 @pytest.fixture(scope="module")
 def mirror_server(
-    tmp_path_factory: pytest.TempPathFactory, pushed_images: PushedImages, runtime_name: str  # noqa: F811
+    tmp_path_factory: pytest.TempPathFactory, pushed_images: PushedImages, runtime_name: str
 ) -> Iterator[Server]:
     srv = start_server(
         tmp_path_factory.mktemp("pull-server"),
@@ -45,7 +45,7 @@ def aenv(server: Server, *args: str) -> subprocess.CompletedProcess[str]:
     ],
 )
 def test_pull_then_sdk(
-    mirror_server: Server, pushed_images: PushedImages, image: str, name: str, probe: str, expect: str  # noqa: F811
+    mirror_server: Server, pushed_images: PushedImages, image: str, name: str, probe: str, expect: str
 ) -> None:
     pushed_images.require(image)
     r = aenv(mirror_server, "pull", image, "--name", name)
@@ -77,7 +77,7 @@ def test_pull_unknown_image_names_the_reference(mirror_server: Server) -> None:
     assert resp.status_code == 400 and resp.json()["code"] == 400
 
 
-def test_cache_ls_and_template_rm(mirror_server: Server, pushed_images: PushedImages) -> None:  # noqa: F811
+def test_cache_ls_and_template_rm(mirror_server: Server, pushed_images: PushedImages) -> None:
     pushed_images.require("busybox:latest")
     assert aenv(mirror_server, "pull", "busybox:latest", "--name", "bb2").returncode == 0
     data = json.loads(aenv(mirror_server, "cache", "ls", "-o", "json").stdout)

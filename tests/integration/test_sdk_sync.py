@@ -18,6 +18,7 @@ from e2b import (
     Sandbox,
     SandboxQuery,
     SandboxState,
+    TimeoutException,
 )
 
 
@@ -89,7 +90,7 @@ def test_stdin_send_close_stream(sandbox: Sandbox) -> None:
 
 
 def test_command_timeout_kills(sandbox: Sandbox) -> None:
-    with pytest.raises(Exception):
+    with pytest.raises(TimeoutException):
         sandbox.commands.run("sleep 30", timeout=1)
     # The kill is asynchronous (SIGKILL, reap, table update); a slow guest (TCG) needs longer than 0.3 s.
     _wait_for(lambda: not any("sleep 30" in " ".join(p.args) for p in sandbox.commands.list()), timeout=20)

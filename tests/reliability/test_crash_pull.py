@@ -21,7 +21,6 @@ from e2b import Sandbox
 from aenv.images.registry import RegistryClient
 from tests.fixtures import images as fx
 from tests.fixtures.oci import image_config, layer_from_tar, push_image, tar_entries
-from tests.fixtures.plugin import local_registry  # noqa: F401
 from tests.fixtures.registry import LocalRegistry
 from tests.reliability.helpers import HEADERS, ServerFactory, api, leaks, sdk_kwargs, wait_dead
 
@@ -55,7 +54,7 @@ def _pull(server_url: str, image: str, name: str) -> list[dict[str, object]]:
 
 
 def test_crash_mid_layer_then_pull_again(
-    tmp_path: Path, runtime_name: str, local_registry: LocalRegistry  # noqa: F811
+    tmp_path: Path, runtime_name: str, local_registry: LocalRegistry
 ) -> None:
     image = _unique_image(local_registry, tmp_path / "img")
     factory = ServerFactory(tmp_path / "srv", runtime_name,

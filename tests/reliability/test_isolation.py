@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import secrets
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path

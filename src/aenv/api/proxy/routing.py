@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any, Protocol
 from urllib.parse import parse_qs
 
@@ -24,10 +25,12 @@ _ENVD_INTERNAL = {"/init"}
 Target = tuple[str, int]  # (sandbox id, port)
 
 
-class SignatureLookup(Protocol):
-    """What routing needs of the orchestrator: ``Orchestrator.find_by_file_signature``."""
+class FileSigners(Protocol):
+    """What routing needs of the orchestrator."""
 
-    def __call__(self, path: str, op: str, user: str, signature: str, expiration: str | None) -> str | None: ...
+    def find_by_file_signature(
+        self, path: str, op: str, user: str, signature: str, expiration: str | None
+    ) -> str | None: ...
 
 
 def route(scope: Scope) -> Target | None:
@@ -54,9 +57,10 @@ def route(scope: Scope) -> Target | None:
     return None
 
 
-def route_signed_files_url(scope: Scope, find: SignatureLookup) -> Target | None:
+def route_signed_files_url(scope: Scope, get_orchestrator: Callable[[], FileSigners]) -> Target | None:
     """``download_url()``/``upload_url()`` carry no sandbox ID when E2B_SANDBOX_URL is set: find the
-    sandbox whose access token produced the URL's signature (spec §1.5 workaround)."""
+    sandbox whose access token produced the URL's signature (spec §1.5 workaround). The orchestrator is
+    asked only for a URL that carries a signature."""
     if scope["path"] != "/files" or scope["method"] not in ("GET", "POST"):
         return None
     params = parse_qs((scope.get("query_string") or b"").decode("latin-1"))
@@ -67,7 +71,7 @@ def route_signed_files_url(scope: Scope, find: SignatureLookup) -> Target | None
     user = (params.get("username") or [""])[0]
     expiration = (params.get("signature_expiration") or [None])[0]
     op = "read" if scope["method"] == "GET" else "write"
-    sandbox_id = find(path, op, user, signature, expiration)
+    sandbox_id = get_orchestrator().find_by_file_signature(path, op, user, signature, expiration)
     return (sandbox_id, ENVD_PORT) if sandbox_id else None
 
 
