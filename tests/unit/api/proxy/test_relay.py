@@ -1,239 +1,15 @@
-"""The sandbox proxy's HTTP/1.1 relay, against scripted upstream servers behind a real mux over a socketpair.
-
-The proxy is driven as a bare ASGI app (scope, receive, send), so every message it sends, and when, is
-visible: streaming without buffering, keep-alive reuse, every response framing, disconnects, 502s.
+"""The relay of one exchange (relay.py, tied together in SandboxProxy): every response framing, request
+bodies streaming up, keep-alive reuse, disconnects and a sandbox side that breaks off, against scripted
+upstream servers behind a real mux (helpers.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import pytest
-
-from aenv.api.proxy import ChunkedDecoder, SandboxProxy, UpstreamError, parse_response_head, request_head
-from aenv.errors import PortNotOpen, SandboxNotFound
-from aenv.mux import MuxSession, StreamRefused
-
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-
-
-async def read_request(r: asyncio.StreamReader) -> tuple[bytes, dict[bytes, bytes], bytes] | None:
-    """One request off an upstream connection: (request line, headers, body), None at EOF."""
-    try:
-        head = await r.readuntil(b"\r\n\r\n")
-    except asyncio.IncompleteReadError:
-        return None
-    line, *rest = head[:-4].split(b"\r\n")
-    headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(b":") for h in rest)}
-    body = b""
-    if headers.get(b"transfer-encoding") == b"chunked":
-        while True:
-            size = int((await r.readuntil(b"\r\n"))[:-2], 16)
-            chunk = await r.readexactly(size + 2)
-            if not size:
-                break
-            body += chunk[:-2]
-    elif b"content-length" in headers:
-        body = await r.readexactly(int(headers[b"content-length"]))
-    return line, headers, body
-
-
-class Upstream:
-    """A TCP server inside the "sandbox": runs ``handler`` per connection and records what it saw."""
-
-    def __init__(self, handler: Handler) -> None:
-        self.handler = handler
-        self.connections = 0
-        self.closed = asyncio.Event()  # set when a connection's client side went away
-        self.server: asyncio.AbstractServer | None = None
-
-    async def start(self) -> int:
-        async def run(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-            self.connections += 1
-            try:
-                await self.handler(r, w)
-            except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
-                pass
-            finally:
-                w.close()
-
-        self.server = await asyncio.start_server(run, "127.0.0.1", 0)
-        return int(self.server.sockets[0].getsockname()[1])
-
-
-class FakeOrchestrator:
-    def __init__(self, host: MuxSession) -> None:
-        self.host = host
-        self.opened = 0
-
-    async def open_stream(self, sandbox_id: str, port: int) -> Any:
-        if sandbox_id != "sbx":
-            raise SandboxNotFound(sandbox_id)
-        self.opened += 1
-        try:
-            return await self.host.open(port)
-        except StreamRefused as exc:
-            raise PortNotOpen(f"nothing on {port}") from exc
-
-    def find_by_file_signature(self, *args: Any) -> str | None:
-        return None
-
-
-class Exchange:
-    """One request through the proxy: feed body messages and a disconnect; see what was sent, as sent."""
-
-    def __init__(self, proxy: SandboxProxy, method: str = "GET", path: str = "/x", port: int = 8080,
-                 headers: list[tuple[bytes, bytes]] | None = None, sandbox: str = "sbx") -> None:
-        self.scope = {
-            "type": "http", "method": method, "path": path, "raw_path": path.encode(), "query_string": b"q=1",
-            "headers": [(b"host", b"127.0.0.1:8000"), (b"e2b-sandbox-id", sandbox.encode()),
-                        (b"e2b-sandbox-port", str(port).encode()), *(headers or [])],
-        }
-        self.inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self.sent: list[dict[str, Any]] = []
-        self.new_message = asyncio.Event()
-        self.task = asyncio.create_task(proxy(self.scope, self.inbox.get, self._send))
-
-    async def _send(self, message: dict[str, Any]) -> None:
-        self.sent.append(message)
-        self.new_message.set()
-
-    def body(self, data: bytes, more: bool = False) -> None:
-        self.inbox.put_nowait({"type": "http.request", "body": data, "more_body": more})
-
-    def disconnect(self) -> None:
-        self.inbox.put_nowait({"type": "http.disconnect"})
-
-    async def wait_for(self, pred: Callable[[], bool], timeout: float = 5.0) -> None:
-        async with asyncio.timeout(timeout):
-            while not pred():
-                self.new_message.clear()
-                await self.new_message.wait()
-
-    @property
-    def status(self) -> int:
-        return int(self.sent[0]["status"])
-
-    @property
-    def headers(self) -> dict[bytes, bytes]:
-        return dict(self.sent[0]["headers"])
-
-    @property
-    def content(self) -> bytes:
-        return b"".join(m.get("body", b"") for m in self.sent[1:])
-
-    @property
-    def complete(self) -> bool:
-        return bool(self.sent) and self.sent[-1]["type"] == "http.response.body" and not self.sent[-1]["more_body"]
-
-    async def done(self, timeout: float = 5.0) -> Exchange:
-        async with asyncio.timeout(timeout):
-            await self.task
-        return self
-
-
-@pytest.fixture
-async def rig() -> AsyncIterator[Callable[..., Awaitable[tuple[SandboxProxy, FakeOrchestrator, Upstream]]]]:
-    cleanups: list[Callable[[], Awaitable[None]]] = []
-
-    async def make(handler: Handler, port: int = 8080) -> tuple[SandboxProxy, FakeOrchestrator, Upstream]:
-        upstream = Upstream(handler)
-        real_port = await upstream.start()
-
-        async def accept(p: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-            if p != port:
-                raise ConnectionRefusedError(f"nothing on {p}")
-            return await asyncio.open_connection("127.0.0.1", real_port)
-
-        a, b = socket.socketpair()
-        hr, hw = await asyncio.open_unix_connection(sock=a)
-        ar, aw = await asyncio.open_unix_connection(sock=b)
-        agent = await MuxSession(ar, aw, accept=accept, name="agent").start()
-        host = await MuxSession(hr, hw, name="host").start()
-        orch = FakeOrchestrator(host)
-
-        async def app(scope: Any, receive: Any, send: Any) -> None:
-            raise AssertionError("control plane reached")
-
-        proxy = SandboxProxy(app, lambda: orch)  # type: ignore[arg-type, return-value]
-
-        async def cleanup() -> None:
-            await proxy.aclose()
-            await host.aclose()
-            await agent.aclose()
-            assert upstream.server is not None
-            upstream.server.close()
-
-        cleanups.append(cleanup)
-        return proxy, orch, upstream
-
-    yield make
-    for c in cleanups:
-        await c()
-
-
-def respond(raw: bytes, requests: int = 1000) -> Handler:
-    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        for _ in range(requests):
-            if await read_request(r) is None:
-                return
-            w.write(raw)
-            await w.drain()
-
-    return handler
-
-
-# ---- pure pieces ------------------------------------------------------------------------------------
-
-
-def test_request_head_drops_hop_by_hop_and_keeps_framing() -> None:
-    scope = {
-        "method": "POST", "path": "/a b", "raw_path": b"/a%20b", "query_string": b"x=1&y=2",
-        "headers": [(b"host", b"h"), (b"connection", b"keep-alive"), (b"expect", b"100-continue"),
-                    (b"te", b"trailers"), (b"content-length", b"5"), (b"x-access-token", b"t")],
-    }
-    head, framing = request_head(scope)
-    assert framing == "length"
-    assert head == b"POST /a%20b?x=1&y=2 HTTP/1.1\r\nhost: h\r\nx-access-token: t\r\ncontent-length: 5\r\n\r\n"
-    scope["headers"] = [(b"transfer-encoding", b"chunked"), (b"content-length", b"5")]
-    head, framing = request_head(scope)
-    assert framing == "chunked"
-    assert head.endswith(b"transfer-encoding: chunked\r\nhost: sandbox\r\n\r\n") and b"content-length" not in head
-    scope["headers"] = [(b"host", b"h"), (b"content-length", b"0")]
-    head, framing = request_head(scope)
-    assert framing is None and head.endswith(b"content-length: 0\r\n\r\n")
-
-
-def test_parse_response_head() -> None:
-    status, http11, headers, framing = parse_response_head(
-        b"HTTP/1.1 200 OK\r\nContent-Type: a/b\r\nConnection: close\r\nTransfer-Encoding: chunked\r\nX-A:  1 \r\n"
-    )
-    assert (status, http11) == (200, True)
-    assert headers == [(b"content-type", b"a/b"), (b"x-a", b"1")]
-    assert framing == {b"connection": b"close", b"transfer-encoding": b"chunked"}
-    assert parse_response_head(b"HTTP/1.0 404 Not Found\n")[:2] == (404, False)
-    for bad in (b"SSH-2.0-OpenSSH", b"HTTP/1.1 abc", b"HTTP/1.1 200 OK\r\nno colon",
-                b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2"):
-        with pytest.raises(UpstreamError):
-            parse_response_head(bad)
-
-
-def test_chunked_decoder_any_split() -> None:
-    wire = b"5;ext=1\r\nhello\r\n1\r\n \r\nA\r\n0123456789\r\n0\r\nTrailer: x\r\n\r\n"
-    for step in (1, 2, 3, 7, len(wire)):
-        dec, buf, out = ChunkedDecoder(), bytearray(), b""
-        for i in range(0, len(wire), step):
-            buf += wire[i : i + step]
-            out += dec.feed(buf)
-        assert dec.done and out == b"hello 0123456789" and not buf
-    with pytest.raises(UpstreamError):
-        ChunkedDecoder().feed(bytearray(b"zz\r\n"))
-
-
-# ---- through the mux --------------------------------------------------------------------------------
+from aenv.api.proxy.codec import MAX_HEAD
+from tests.unit.api.proxy.helpers import Exchange, Handler, Rig, read_request, respond
 
 
 async def test_content_length_and_keep_alive_reuse(rig: Any) -> None:
@@ -371,38 +147,6 @@ async def test_client_disconnect_closes_upstream_only(rig: Any) -> None:
     assert orch.opened == 2
 
 
-async def test_stale_keep_alive_stream_is_replaced(rig: Any) -> None:
-    # The upstream claims keep-alive, then hangs up after each response: the next request must still work.
-    proxy, orch, upstream = await rig(respond(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", requests=1))
-    for _ in range(3):
-        ex = Exchange(proxy)
-        ex.body(b"")
-        await ex.done()
-        assert (ex.status, ex.content) == (200, b"ok")
-        await asyncio.sleep(0.05)
-    assert upstream.connections == 3
-
-
-async def test_errors_become_502(rig: Any) -> None:
-    proxy, orch, _ = await rig(respond(b"SSH-2.0-OpenSSH_9.2\r\n\r\n"))
-    ex = Exchange(proxy)
-    ex.body(b"")
-    await ex.done()
-    assert ex.status == 502 and b"unreachable" in ex.content
-    ex = Exchange(proxy, sandbox="nosuch")
-    ex.body(b"")
-    await ex.done()
-    assert ex.status == 502 and b"The sandbox was not found" in ex.content
-    ex = Exchange(proxy, port=9)
-    ex.body(b"")
-    await ex.done()
-    assert ex.status == 502 and b"port is not open" in ex.content
-    ex = Exchange(proxy, path="/init", port=49983)
-    ex.body(b"")
-    await ex.done()
-    assert ex.status == 403
-
-
 async def test_truncated_body_leaves_response_incomplete(rig: Any) -> None:
     async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         await read_request(r)
@@ -416,14 +160,107 @@ async def test_truncated_body_leaves_response_incomplete(rig: Any) -> None:
     assert ex.status == 200 and ex.content == b"abc" and not ex.complete
 
 
-async def test_prewarmed_stream_serves_the_first_request(rig: Any) -> None:
-    proxy, orch, upstream = await rig(respond(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"), port=49983)
-    proxy.prewarm("sbx")
-    # The request arrives while the prewarm is still opening: it waits for that stream, opens none.
-    ex = Exchange(proxy, port=49983)
+# ---- added with the split: limits, framings that end reuse, the retry of a stream that died idle ----
+
+
+async def test_response_head_over_the_limit_is_502(rig: Rig) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nx-big: " + b"a" * (MAX_HEAD + 1))  # no end of head, and it stays open
+        await w.drain()
+        await r.read()
+
+    proxy, orch, _ = await rig(handler)
+    ex = Exchange(proxy)
     ex.body(b"")
     await ex.done()
-    assert (ex.status, ex.content) == (200, b"ok")
+    assert ex.status == 502 and b"RemoteProtocolError" in ex.content
+
+
+async def test_upgrade_and_bad_content_length_are_502(rig: Rig) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        req = await read_request(r)
+        assert req is not None
+        if req[0].startswith(b"GET"):
+            w.write(b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\n\r\n")
+        else:
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1e3\r\n\r\nok")
+        await w.drain()
+        await r.read()
+
+    proxy, orch, _ = await rig(handler)
+    for method in ("GET", "POST"):
+        ex = Exchange(proxy, method)
+        ex.body(b"")
+        await ex.done()
+        assert ex.status == 502 and b"RemoteProtocolError" in ex.content, method
+
+
+async def test_responses_that_end_reuse(rig: Rig) -> None:
+    # Bytes beyond the Content-Length, trailing bytes after a chunked body, Connection: close: each
+    # response is relayed whole, and the next request gets a fresh stream.
+    responses = [
+        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokEXTRA",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\nEXTRA",
+        b"HTTP/1.1 200 OK\r\nConnection: Keep-Alive, Close\r\ncontent-length: 2\r\n\r\nok",
+    ]
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while await read_request(r) is not None:
+            w.write(responses.pop(0) if responses else b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await w.drain()
+
+    proxy, orch, upstream = await rig(handler)
+    for n in range(1, 5):
+        ex = Exchange(proxy)
+        ex.body(b"")
+        await ex.done()
+        assert (ex.status, ex.content, ex.complete) == (200, b"ok", True)
+        assert b"connection" not in ex.headers
+        assert orch.opened == n
+    ex = Exchange(proxy)  # the fourth response was clean: its stream carries the fifth request
+    ex.body(b"")
+    await ex.done()
+    assert orch.opened == 4 and upstream.connections == 4
+
+
+def _dies_on_second_request() -> Handler:
+    """The first connection answers one request, then reads the next and hangs up without a response;
+    later connections answer every request."""
+    connections = 0
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        first, answered = connections == 1, 0
+        while await read_request(r) is not None:
+            if first and answered:
+                return
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await w.drain()
+            answered += 1
+
+    return handler
+
+
+async def test_reused_stream_that_dies_unanswered_is_retried_on_a_fresh_one(rig: Rig) -> None:
+    proxy, orch, upstream = await rig(_dies_on_second_request())
+    for _ in range(2):
+        ex = Exchange(proxy, "PUT", headers=[(b"content-length", b"3")])
+        ex.body(b"abc")
+        await ex.done()
+        assert (ex.status, ex.content, ex.complete) == (200, b"ok", True)
+    assert orch.opened == 2 and upstream.connections == 2
+
+
+async def test_reused_stream_that_dies_under_a_streaming_body_is_not_retried(rig: Rig) -> None:
+    # A chunked request body has gone upstream as it came: it is not in hand to send again.
+    proxy, orch, upstream = await rig(_dies_on_second_request())
+    ex = Exchange(proxy)
+    ex.body(b"")
+    await ex.done()
+    ex = Exchange(proxy, "POST", headers=[(b"transfer-encoding", b"chunked")])
+    ex.body(b"abc")
+    await ex.done()
+    assert ex.status == 502 and b"RemoteProtocolError" in ex.content
     assert orch.opened == 1 and upstream.connections == 1
-    proxy.prewarm("nosuch")  # a failed prewarm is silent
-    await asyncio.sleep(0.05)
