@@ -71,7 +71,6 @@ class Settings(BaseModel):
     vm_memory_low_mb: float = Field(
         512.0, ge=0, description="vm: when the host's MemAvailable falls below this many MB, paused VMs are saved to disk at once, longest-paused first, instead of after vm_release_paused_after (0 = off)"
     )
-    firecracker: str | None = Field(None, description="vm: path of a firecracker binary; used instead of QEMU where real KVM exists")
     vm_guest_aslr: bool = Field(
         False, description="vm under TCG: keep address-space randomisation in the guest (every new process then costs ~4x more: TCG retranslates its code)"
     )

@@ -43,8 +43,7 @@ def serve(
     snapshot_store_endpoint, snapshot_store_region. S3 keys: AENV_S3_ACCESS_KEY_ID and
     AENV_S3_SECRET_ACCESS_KEY (or the standard AWS_* names), from the environment only.
     vm runtime: vm_release_paused_after (s a paused VM stays in RAM, default 60), vm_memory_low_mb (below
-    this much available host memory paused VMs go to disk at once, default 512, 0 = off), vm_guest_aslr,
-    firecracker.
+    this much available host memory paused VMs go to disk at once, default 512, 0 = off), vm_guest_aslr.
     """
     import logging
 

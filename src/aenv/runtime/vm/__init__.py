@@ -5,7 +5,7 @@ Layers, bottom up (each module has one job; nothing here imports the heavy parts
 * ``qmp/``        self-contained asyncio QMP client
 * ``config``      :class:`VmConfig`, the immutable description of one QEMU process
 * ``cmdline``     pure ``VmConfig`` → argv builder
-* ``accel``       TCG/KVM choice with the reason (``aenv doctor``); ``probe`` boots to check
+* ``accel``       TCG/KVM choice with the reason (``aenv doctor``)
 * ``kernel``      guest kernel from Debian's ``linux-source-6.1`` (``python -m aenv.runtime.vm.kernel build``)
 * ``initramfs``   busybox ``/init`` that mounts root + tools and switch_roots to the agent
 * ``disk``        ext4 images, qcow2 bases and overlays

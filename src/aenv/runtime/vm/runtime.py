@@ -21,7 +21,6 @@ paused, the VM is saved fully into its run dir (``released.full``) and QEMU ends
 holds no RAM; resume restores it into a new QEMU. Kill ends QEMU and removes the run dir.
 Restart: ``adopt`` re-attaches to the recorded QEMU (pidfd + QMP) or, for a released sandbox,
 finds its state file; ``reconcile`` kills and removes whatever under the run root nobody owns.
-Still missing (see the issue): the Firecracker driver's agent channel.
 """
 
 from __future__ import annotations
@@ -189,7 +188,6 @@ class VmRuntime:
         self.pressure_interval = 1.0
         self._paused_since: dict[str, float] = {}  # paused and still in RAM: when it was paused
         self._pressure_task: asyncio.Task[None] | None = None
-        self.firecracker_status: str | None = None  # why the configured firecracker is (not) used
         self._released: dict[str, Released] = {}
         self._release_tasks: dict[str, asyncio.Task[None]] = {}
         self._locks: dict[str, asyncio.Lock] = {}  # per sandbox: pause/resume/release/kill
@@ -209,18 +207,6 @@ class VmRuntime:
                 "vm runtime: accelerator %s (%s); guest kernel words %s",
                 self.accel.accel, self.accel.reason, " ".join(self.guest_append) or "(defaults)",
             )  # fmt: skip
-            if self.settings.firecracker:
-                from .firecracker import unavailable_reason as firecracker_reason
-
-                why = firecracker_reason(self.settings.firecracker)
-                self.firecracker_status = why or (
-                    "usable, not selected yet: the guest agent has no vsock channel (firecracker.py)"
-                )
-                log.warning(
-                    "vm runtime: firecracker %s: %s; using QEMU",
-                    self.settings.firecracker,
-                    self.firecracker_status,
-                )
             if self.artifacts is None:
                 if self.tools_dir is None:
                     from aenv.runtime.tools import ensure_tools
@@ -297,13 +283,6 @@ class VmRuntime:
                     self._building.discard(boot_name)  # fmt: skip
             self._templates[key] = tpl
             return tpl
-
-    async def purge_templates(self) -> None:
-        """Delete every template snapshot of this state dir (disk and RAM files). For tests and
-        clean-up; sandboxes still running from them keep their open files."""
-        self._templates.clear()
-        await asyncio.to_thread(shutil.rmtree, self.templates_dir, True)
-        await asyncio.to_thread(frozen.remove_tree, self.shm_dir)
 
     async def _spawn_blank(self, name: str, template_key: str, allow_internet: bool) -> VmSandbox:
         """A QEMU process waiting for the device state of a layered snapshot of this template
@@ -1157,7 +1136,6 @@ class VmRuntime:
             "snapshot": "full (device state + RAM + disk)",
             "fork": "full snapshot + restore",
             "pool_size": self.pool_size,
-            "firecracker": self.firecracker_status,
         }
 
     # ---- helpers for tests and diagnostics ------------------------------------------------------
