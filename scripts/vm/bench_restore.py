@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 from aenv.config import Settings, default_cache_dir
-from aenv.runtime.base import SandboxSpec, SandboxImage
-from aenv.runtime.ns.envd_client import init_payload
+from aenv.runtime.base import SandboxImage, SandboxSpec
+from aenv.runtime.envd_client import init_payload
 from aenv.runtime.vm.runtime import VmRuntime
 
 
@@ -77,10 +77,7 @@ async def main() -> None:
             t4 = time.perf_counter()
             await sbx.envd_request("GET", "/health")
             t5 = time.perf_counter()
-            payload = init_payload(
-                sandbox_id=sid, template_id="bench", env_vars={}, access_token=None, default_user="user",
-                default_workdir=None,
-            )  # fmt: skip
+            payload = init_payload(SandboxSpec(sid, tpl, args.state / "sbx" / sid))
             await sbx.envd_request("POST", "/init", payload)
             t6 = time.perf_counter()
             await sbx.envd_request("GET", "/health")

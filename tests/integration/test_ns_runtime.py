@@ -22,9 +22,9 @@ import pytest_asyncio
 
 from aenv.config import Settings, default_cache_dir
 from aenv.runtime.base import RuntimeState, SandboxImage, SandboxSpec
+from aenv.runtime.envd_client import request
 from aenv.runtime.network import slirp_available
 from aenv.runtime.ns import NsRuntime
-from aenv.runtime.ns.envd_client import request
 from tests.fixtures.envd import run_cmd
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module")]

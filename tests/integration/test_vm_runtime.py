@@ -22,7 +22,7 @@ import pytest_asyncio
 
 from aenv.config import Settings, default_cache_dir
 from aenv.runtime.base import SandboxImage, SandboxSpec
-from aenv.runtime.ns.envd_client import request
+from aenv.runtime.envd_client import request
 from aenv.runtime.tools import ensure_tools
 from aenv.runtime.vm.frozen import is_frozen_store, remove_tree
 from aenv.runtime.vm.kernel import find_kernel

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from aenv.mux import StreamClosed
+from aenv.runtime.envd_client import EnvdError
 from aenv.runtime.ns.cgroups import Cgroup, Layout
-from aenv.runtime.ns.envd_client import EnvdError
 from aenv.runtime.ns.sandbox import NsSandbox, Paths
 
 NO_CONTENT = b"HTTP/1.1 204 No Content\r\n\r\n"

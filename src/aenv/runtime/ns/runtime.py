@@ -34,10 +34,10 @@ from aenv.config import Settings
 from aenv.errors import RuntimeFailure, SandboxNotFound, SandboxUnreachable, StateError
 from aenv.mux import ByteStream, MuxError
 from aenv.runtime.base import ResourceSample, RuntimeState, SandboxImage, SandboxSpec, SnapshotResult
+from aenv.runtime.envd_client import EnvdError, init_payload
 from aenv.runtime.network import Slirp, host_ipv4_addresses, slirp_available
 from aenv.runtime.ns import cgroups
 from aenv.runtime.ns.disk import POOL_NAME, DiskQuota, remove_tree
-from aenv.runtime.ns.envd_client import EnvdError, init_payload
 from aenv.runtime.ns.pool import WarmPool
 from aenv.runtime.ns.reconcile import ReconcileReport, reconcile
 from aenv.runtime.ns.sandbox import STATE_FILE, LaunchOptions, NsSandbox
@@ -229,10 +229,7 @@ class NsRuntime:
                                snapshot_layers=snapshot_layers)
                 sbx = await NsSandbox.launch(sid, root, self.layout, opts, self.host_addrs,
                                              timeout=self.launch_timeout)
-            await sbx.init_envd(init_payload(
-                sandbox_id=sid, template_id=spec.template.template_id, env_vars=dict(spec.env_vars),
-                access_token=spec.access_token, default_user=spec.template.user or None,
-                default_workdir=spec.template.workdir), meanwhile=hand_out)
+            await sbx.init_envd(init_payload(spec), meanwhile=hand_out)
         except BaseException as exc:
             if sbx is not None:
                 await sbx.aclose(remove_dir=None if in_place else spec.workdir)

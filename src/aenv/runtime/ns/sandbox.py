@@ -41,10 +41,7 @@ from aenv.mux import ByteStream, MuxSession, StreamClosed
 from aenv.mux.direct import DirectStream, open_direct
 from aenv.mux.session import open_unix_session
 from aenv.runtime.base import SandboxImage
-from aenv.runtime.network import RESOLV_CONF, Slirp, install_firewall, kill_slirps_serving
-from aenv.runtime.ns.cgroups import Cgroup, Layout
-from aenv.runtime.ns.disk import DiskQuota, remove_tree
-from aenv.runtime.ns.envd_client import (
+from aenv.runtime.envd_client import (
     ENVD_PORT,
     EnvdError,
     read_response,
@@ -52,6 +49,9 @@ from aenv.runtime.ns.envd_client import (
     send_request,
     warm_up_request,
 )
+from aenv.runtime.network import RESOLV_CONF, Slirp, install_firewall, kill_slirps_serving
+from aenv.runtime.ns.cgroups import Cgroup, Layout
+from aenv.runtime.ns.disk import DiskQuota, remove_tree
 from aenv.runtime.ns.zygote import Zygote
 from aenv.runtime.process import ProcRef, Reaped
 from aenv.runtime.tools import launch_argv

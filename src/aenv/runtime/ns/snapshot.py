@@ -365,8 +365,8 @@ class NsSnapshots:
 
         NOT exercised on this machine (no CRIU >= 4.2 here): unit tests cover the command lines only;
         the integration test is ``@pytest.mark.criu`` and skips."""
+        from aenv.runtime.envd_client import init_payload
         from aenv.runtime.ns.cgroups import Cgroup
-        from aenv.runtime.ns.envd_client import init_payload
         from aenv.runtime.ns.sandbox import NsSandbox, Paths
         from aenv.runtime.process import ProcRef
 
@@ -417,10 +417,7 @@ class NsSnapshots:
             await asyncio.to_thread(sbx.write_state)
             await sbx._connect(wait=True)
             await sbx.health()
-            await sbx.init_envd(init_payload(
-                sandbox_id=sid, template_id=spec.template.template_id, env_vars=dict(spec.env_vars),
-                access_token=spec.access_token, default_user=spec.template.user or None,
-                default_workdir=spec.template.workdir))
+            await sbx.init_envd(init_payload(spec))
         except BaseException as exc:
             await sbx.aclose(remove_dir=None if root else spec.workdir)
             if isinstance(exc, OSError):

@@ -14,7 +14,7 @@ through the guest's Python agent and envd after a restore cost ~600 ms of code t
 Every hand-out, restore, fork and resume sends envd the host's wall time and fresh random bytes
 (``/init`` ``hostTime``/``seed``): the guest sets its clock and reseeds its CRNG, so forks of one
 snapshot never share random state. Pool entries also run a first command and file read before
-they wait (``_warm_paths``), so TCG has translated those guest paths.
+they wait (``VmSandbox.warm_paths``), so TCG has translated those guest paths.
 
 Pause is ``stop`` (vCPUs halt at once, memory kept); after ``vm_release_paused_after`` seconds
 paused, the VM is saved fully into its run dir (``released.full``) and QEMU ends, so a long pause
@@ -42,7 +42,7 @@ from typing import Any
 
 from aenv.config import Settings
 from aenv.errors import RuntimeFailure, SandboxNotFound, SandboxUnreachable, StateError
-from aenv.mux import ByteStream, MuxError, MuxStream
+from aenv.mux import ByteStream, MuxError
 from aenv.runtime.base import UNFINISHED_MARKER, ResourceSample, RuntimeState, SandboxSpec, SnapshotResult
 from aenv.runtime.streams import open_checked
 
@@ -55,7 +55,7 @@ from .initramfs import BUSYBOX
 from .kernel import SOURCE_TARBALL, find_kernel
 from .machine import Machine, MachineError
 from .pool import RestorePool
-from .sandbox import ENVD_PORT, VmSandbox, child_config, host_facts, run_paths
+from .sandbox import VmSandbox, child_config, run_paths
 
 log = logging.getLogger("aenv.runtime.vm")
 
@@ -72,7 +72,6 @@ MEM_CHAIN_MAX = 8
 POOL_NICE = 10  # CPU priority of pool entries until handed out
 SPARE_STREAMS = 2  # envd streams a pool entry opens ahead: one for the create's /init, one for the client
 BASE_RAM = "base.ram"  # that base RAM (hard link of the template's ram.img: stored once)
-GUEST_MEMORY_RESERVE_MB = 16  # of the guest's available RAM, kept outside the sandbox cgroup
 RELEASED_STATE = "released.full"  # in a run dir: a paused sandbox saved to disk, its QEMU ended
 # A released VM on a frozen base RAM is saved layered instead: device state, changed pages, a link
 # of the base RAM image, and last this marker (JSON: which base RAM), whose presence means released.
@@ -333,7 +332,7 @@ class VmRuntime:
         try:
             await sbx.machine.restore(tpl.device_state)
             await sbx.wait_envd(self.warm_timeout)
-            await self._warm_paths(sbx)
+            await sbx.warm_paths()
             await sbx.open_spares(SPARE_STREAMS)
         except BaseException:
             await sbx.aclose()
@@ -342,55 +341,6 @@ class VmRuntime:
         return sbx
 
     # ---- Runtime protocol -----------------------------------------------------------------------
-    async def _init_envd(self, sbx: VmSandbox, spec: SandboxSpec) -> None:
-        """Give envd this sandbox's identity (ID, env vars, token): the restored guest has the
-        template's or the source's."""
-        from aenv.runtime.ns.envd_client import init_payload
-
-        payload = init_payload(
-            sandbox_id=spec.sandbox_id, template_id=spec.template.template_id, env_vars=dict(spec.env_vars),
-            access_token=spec.access_token, default_user=spec.template.user or None,
-            default_workdir=spec.template.workdir,
-        )  # fmt: skip
-        payload.update(host_facts())
-        # pids and memory limits inside the guest (envd.limits): a bomb stays in its cgroup
-        payload["limits"] = {"pids": self.settings.pids_limit, "memoryReserveMB": GUEST_MEMORY_RESERVE_MB}
-        await self._post_init(sbx, spec.sandbox_id, payload)
-
-    async def _post_init(self, sbx: VmSandbox, sandbox_id: str, payload: dict[str, Any]) -> None:
-        """``POST /init``; envd's ``X-Aenv-Host-Facts`` answer says whether clock and RNG were
-        really set (kept on the sandbox, a warning when not)."""
-        status, headers, body = await _envd_raw(sbx, "POST", "/init", json.dumps(payload).encode())
-        if not 200 <= status < 300:
-            raise RuntimeFailure(f"envd /init answered {status}: {body[:200]!r}", sandbox_id=sandbox_id)
-        sbx.host_facts = headers.get("x-aenv-host-facts", "")
-        if "limits=failed" in sbx.host_facts:
-            log.warning("sandbox %s: the guest could not set its pids/memory limits (see its console log)", sandbox_id)
-        if "hostTime" in payload and ("hostTime=set" not in sbx.host_facts or "reseed" not in sbx.host_facts):
-            log.warning(
-                "sandbox %s: guest clock/RNG not fully refreshed after restore: %r",
-                sandbox_id,
-                sbx.host_facts,
-            )
-
-    async def _warm_paths(self, sbx: VmSandbox) -> None:
-        """Run the request paths a new sandbox's first calls take (``/init`` with clock and seed,
-        start a process as ``user`` the way the SDK does, read a file) once in a pool entry, so
-        that TCG has translated that guest code before a create hands the entry out (a first
-        ``commands.run`` otherwise costs ~1 s more than later ones). The hand-out's own ``/init``
-        replaces what this one set. Best effort: a failure only costs the speed-up."""
-        from aenv.runtime.ns.envd_client import CONNECT_JSON, as_user, first_call_body
-
-        t0 = time.perf_counter()
-        try:
-            await _envd_raw(sbx, "POST", "/init", json.dumps(host_facts()).encode())
-            for headers in (as_user("user"), None):
-                await _envd_raw(sbx, "POST", "/process.Process/Start", first_call_body(), CONNECT_JSON, headers)
-            await _envd_raw(sbx, "GET", "/files?path=/etc/hostname&username=root", None)
-        except (MuxError, OSError, RuntimeFailure) as exc:
-            log.debug("vm %s: warm-up request failed: %s", sbx.name, exc)
-        sbx.machine.timings.extra["warm_paths_ms"] = (time.perf_counter() - t0) * 1000
-
     async def create(self, spec: SandboxSpec) -> RuntimeState:
         sid = spec.sandbox_id
         if sid in self._sandboxes:
@@ -410,7 +360,7 @@ class VmRuntime:
                 await sbx.machine.restore(tpl.device_state)
                 sbx.restored = True
             t_restored = time.perf_counter()
-            await self._init_envd(sbx, spec)
+            await sbx.init_envd(spec, self.settings.pids_limit)
         except BaseException as exc:
             if sbx is not None:
                 await sbx.aclose(extra_dir=spec.workdir)
@@ -690,7 +640,7 @@ class VmRuntime:
             sbx.restored = True
             t_restored = time.perf_counter()
             if init:
-                await self._init_envd(sbx, spec)
+                await sbx.init_envd(spec, self.settings.pids_limit)
         except BaseException as exc:
             if sbx is not None:
                 await sbx.aclose()
@@ -1173,58 +1123,6 @@ def _short_run_root(preferred: Path) -> Path:
         return preferred
     digest = hashlib.sha256(str(preferred).encode()).hexdigest()[:10]
     return Path(tempfile.gettempdir()) / f"aenv-vm-{digest}"
-
-
-async def _open_envd(sbx: VmSandbox, first_timeout: float = 15.0, timeout: float = 30.0) -> MuxStream:
-    """A stream to envd. An OPEN the guest has not answered within ``first_timeout`` gets a second
-    chance on a fresh channel: when the host leaves, QEMU discards what the guest had queued (which
-    unthrottles a port stalled by a guest write after an earlier departure), the agent drops any
-    half frame (agent.serial_readers), and the next HELLO resets the agent's streams. Used where no
-    other stream of the sandbox is in use: ``/init`` after a restore, resume or fork, and the pool
-    warm-up."""
-    try:
-        return await sbx.open_stream(ENVD_PORT, timeout=first_timeout)  # a spare one if it has one
-    except (TimeoutError, MuxError) as exc:
-        status = "unknown"
-        with contextlib.suppress(Exception):
-            status = await sbx.machine.status()
-        log.warning("vm %s: envd stream not opened (%r, machine %s); retrying on a fresh channel",
-                    sbx.name, exc, status)
-        await sbx.drop_session()
-        await asyncio.sleep(0.05)
-        return await sbx.open_stream(ENVD_PORT, timeout=timeout)
-
-
-async def _envd_raw(
-    sbx: VmSandbox,
-    method: str,
-    path: str,
-    body: bytes | None,
-    content_type: str = "application/json",
-    extra_headers: dict[str, str] | None = None,
-) -> tuple[int, dict[str, str], bytes]:
-    """One HTTP/1.1 request to envd over a fresh mux stream: (status, lower-case headers, body)."""
-    from aenv.runtime.ns.envd_client import build_request
-
-    request = build_request(method, path, body, extra_headers, content_type)
-    async with asyncio.timeout(60):
-        stream = await _open_envd(sbx)
-        try:
-            await stream.write(request)
-            raw = b""
-            while len(raw) < 1 << 20 and (chunk := await stream.read(65536)):
-                raw += chunk
-        finally:
-            await stream.aclose()
-    head, _, rest = raw.partition(b"\r\n\r\n")
-    head_lines = head.decode("latin-1").split("\r\n")
-    parts = head_lines[0].split()
-    status = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
-    headers = {}
-    for ln in head_lines[1:]:
-        k, _, v = ln.partition(":")
-        headers[k.strip().lower()] = v.strip()
-    return status, headers, rest
 
 
 def _apply_layers(machine: Machine, snapshot: Path, names: list[str], run_dir: Path) -> list[Path]:

@@ -3,7 +3,8 @@
 The run directory holds everything per-process (QMP and channel sockets, the root overlay, the
 console log); :meth:`VmSandbox.aclose` kills the machine and removes the directory. The mux
 session is re-established on demand: the agent keeps the virtio-serial port open across host
-disconnects, restores and forks, and a new host session starts with HELLO.
+disconnects, restores and forks, and a new host session starts with HELLO. envd is spoken to
+through the runtimes' shared client (``aenv.runtime.envd_client``) over streams of that session.
 """
 
 from __future__ import annotations
@@ -21,15 +22,29 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from aenv.errors import RuntimeFailure
 from aenv.mux import MuxError, MuxSession, MuxStream
+from aenv.runtime.base import SandboxSpec
+from aenv.runtime.envd_client import (
+    CONNECT_JSON,
+    ENVD_PORT,
+    EnvdError,
+    Response,
+    as_user,
+    build_request,
+    exchange,
+    first_call_body,
+    init_payload,
+    request,
+)
 
 from .config import VmConfig, config_to_json
 from .machine import Machine
 
 log = logging.getLogger(__name__)
 
-ENVD_PORT = 49983
 SEED_BYTES = 64
+GUEST_MEMORY_RESERVE_MB = 16  # of the guest's available RAM, kept outside the sandbox cgroup
 
 
 def host_facts() -> dict[str, Any]:
@@ -164,12 +179,73 @@ class VmSandbox:
     async def envd_request(
         self, method: str, path: str, payload: Any = None, timeout: float = 30.0
     ) -> tuple[int, bytes]:
-        """One HTTP/1.1 request to envd over a fresh stream (start-up only: health, init)."""
-        from aenv.runtime.ns.envd_client import request  # tiny, transport-agnostic HTTP helper
-
+        """One JSON request to envd over a fresh stream (start-up: ``/health``)."""
         async with asyncio.timeout(timeout):
             stream = await self.open_stream(ENVD_PORT, timeout=timeout)
             return await request(stream, method, path, payload)
+
+    async def open_envd(self, first_timeout: float = 15.0, timeout: float = 30.0) -> MuxStream:
+        """A stream to envd. An OPEN the guest has not answered within ``first_timeout`` gets a second
+        chance on a fresh channel: when the host leaves, QEMU discards what the guest had queued (which
+        unthrottles a port stalled by a guest write after an earlier departure), the agent drops any
+        half frame (agent.serial_readers), and the next HELLO resets the agent's streams. Used where no
+        other stream of the sandbox is in use: ``/init`` after a restore, resume or fork, and the pool
+        warm-up."""
+        try:
+            return await self.open_stream(ENVD_PORT, timeout=first_timeout)  # a spare one if it has one
+        except (TimeoutError, MuxError) as exc:
+            status = "unknown"
+            with contextlib.suppress(Exception):
+                status = await self.machine.status()
+            log.warning("vm %s: envd stream not opened (%r, machine %s); retrying on a fresh channel",
+                        self.name, exc, status)
+            await self.drop_session()
+            await asyncio.sleep(0.05)
+            return await self.open_stream(ENVD_PORT, timeout=timeout)
+
+    async def envd_call(
+        self, method: str, path: str, body: bytes | None = None, *, content_type: str = "application/json",
+        headers: dict[str, str] | None = None,
+    ) -> Response:
+        """One request to envd on a stream from :meth:`open_envd`, its answer read to EOF."""
+        async with asyncio.timeout(60):
+            stream = await self.open_envd()
+            return await exchange(stream, build_request(method, path, body, headers, content_type))
+
+    async def init_envd(self, spec: SandboxSpec, pids_limit: int) -> None:
+        """``POST /init``: this sandbox's identity (ID, env vars, token; the restored guest has the
+        template's or the source's), the host's clock and random bytes, and the pids and memory
+        limits inside the guest (envd.limits: a bomb stays in its cgroup). envd's
+        ``X-Aenv-Host-Facts`` answer says whether clock and RNG were really set (kept in
+        :attr:`host_facts`, a warning when not)."""
+        payload = init_payload(spec) | host_facts()
+        payload["limits"] = {"pids": pids_limit, "memoryReserveMB": GUEST_MEMORY_RESERVE_MB}
+        answer = await self.envd_call("POST", "/init", json.dumps(payload).encode())
+        sid = spec.sandbox_id
+        if not 200 <= answer.status < 300:
+            raise RuntimeFailure(f"envd /init answered {answer.status}: {answer.body[:200]!r}", sandbox_id=sid)
+        self.host_facts = answer.headers.get("x-aenv-host-facts", "")
+        if "limits=failed" in self.host_facts:
+            log.warning("sandbox %s: the guest could not set its pids/memory limits (see its console log)", sid)
+        if "hostTime=set" not in self.host_facts or "reseed" not in self.host_facts:
+            log.warning("sandbox %s: guest clock/RNG not fully refreshed after restore: %r", sid, self.host_facts)
+
+    async def warm_paths(self) -> None:
+        """Run the request paths a new sandbox's first calls take (``/init`` with clock and seed,
+        start a process as ``user`` the way the SDK does, read a file) once in a pool entry, so
+        that TCG has translated that guest code before a create hands the entry out (a first
+        ``commands.run`` otherwise costs ~1 s more than later ones). The hand-out's own ``/init``
+        replaces what this one set. Best effort: a failure only costs the speed-up."""
+        t0 = time.perf_counter()
+        try:
+            await self.envd_call("POST", "/init", json.dumps(host_facts()).encode())
+            for headers in (as_user("user"), None):
+                await self.envd_call("POST", "/process.Process/Start", first_call_body(), content_type=CONNECT_JSON,
+                                     headers=headers)
+            await self.envd_call("GET", "/files?path=/etc/hostname&username=root")
+        except (MuxError, OSError, EnvdError, RuntimeFailure) as exc:
+            log.debug("vm %s: warm-up request failed: %s", self.name, exc)
+        self.machine.timings.extra["warm_paths_ms"] = (time.perf_counter() - t0) * 1000
 
     async def wait_envd(self, timeout: float) -> None:
         """Until ``GET /health`` answers 2xx (the agent itself retries envd's port for a while)."""

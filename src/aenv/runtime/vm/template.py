@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from aenv.runtime.base import SandboxImage
+from aenv.runtime.envd_client import ENVD_PORT, run_process
 
 from . import disk
 from .accel import AccelChoice
@@ -42,7 +43,7 @@ from .config import Drive, VmConfig, config_from_json, config_to_json, default_a
 from .frozen import copy_sparse
 from .initramfs import config_disk_bytes
 from .machine import Machine
-from .sandbox import ENVD_PORT, VmSandbox, run_paths
+from .sandbox import VmSandbox, run_paths
 
 log = logging.getLogger(__name__)
 
@@ -273,8 +274,6 @@ async def wait_ready(sbx: VmSandbox, ready_cmd: str, timeout: float) -> None:
     sandbox restores the snapshot, so a start command that was still coming up (a code
     interpreter service: ~40 s under TCG) would come up again, from the same point, in each of
     them; a ready one is listening in all of them at once."""
-    from aenv.runtime.ns.envd_client import run_process
-
     last: int | None = None
     t0 = time.perf_counter()
     async with asyncio.timeout(timeout):

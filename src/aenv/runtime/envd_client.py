@@ -1,18 +1,24 @@
-"""Just enough HTTP/1.1 to talk to envd over a mux stream during start-up (``/health``, ``/init``).
+"""Just enough HTTP/1.1 to talk to envd over a runtime's stream, for both runtimes: start-up
+(``/health``, ``/init``), the pool warm-ups and a template's ready command.
 
 The runtime must not depend on the server's HTTP stack (it knows nothing about HTTP by design), and
-these two requests are tiny: one request per stream with ``Connection: close``, read to EOF (or, for
+these requests are tiny: one request per stream with ``Connection: close``, read to EOF (or, for
 the ns hand-out's ``/init``, until the answer is complete: ``Content-Length``, a bodiless status or the
-end of a chunked body), parse the status line. Reads are bounded.
+end of a chunked body). One builder (:func:`build_request`), one parser (:func:`parse_response`),
+one bounded reader; :func:`init_payload` is the ``/init`` body both runtimes send.
 """
 
 from __future__ import annotations
 
 import base64
 import json
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
-ENVD_PORT = 49983
+if TYPE_CHECKING:
+    from aenv.runtime.base import SandboxSpec
+
+ENVD_PORT = 49983  # envd's port inside every sandbox (the in-sandbox side has its own copy)
 _MAX_RESPONSE = 1 << 20
 
 
@@ -33,6 +39,13 @@ class EnvdError(RuntimeError):
 CONNECT_JSON = "application/connect+json"
 
 
+@dataclass(frozen=True)
+class Response:
+    status: int
+    headers: dict[str, str] = field(default_factory=dict)  # names lower-case; the last of a repeated one
+    body: bytes = b""
+
+
 def build_request(method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None,
                   content_type: str = "application/json") -> bytes:
     lines = [f"{method} {path} HTTP/1.1", "Host: localhost", "Connection: close"]
@@ -44,14 +57,27 @@ def build_request(method: str, path: str, body: bytes | None = None, headers: di
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + (body or b"")
 
 
-def parse_status(raw: bytes) -> tuple[int, bytes]:
+def _split(raw: bytes) -> tuple[list[bytes], dict[str, str], bytes] | None:
+    """(status line words, headers, body so far), or None while the head is incomplete."""
     head, sep, body = raw.partition(b"\r\n\r\n")
     if not sep:
+        return None
+    lines = head.split(b"\r\n")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
+    return lines[0].split(), headers, body
+
+
+def parse_response(raw: bytes) -> Response:
+    parts = _split(raw)
+    if parts is None:
         raise EnvdError("incomplete HTTP response", body=raw)
-    status_line = head.split(b"\r\n", 1)[0].split()
+    status_line, headers, body = parts
     if len(status_line) < 2 or not status_line[0].startswith(b"HTTP/"):
         raise EnvdError("malformed HTTP status line", body=raw)
-    return int(status_line[1]), body
+    return Response(int(status_line[1]), headers, body)
 
 
 async def send_request(stream: _Stream, method: str, path: str, payload: Any = None,
@@ -63,33 +89,24 @@ async def send_request(stream: _Stream, method: str, path: str, payload: Any = N
 
 def response_complete(raw: bytes) -> bool:
     """Whether ``raw`` holds a whole HTTP/1.1 response (False when only EOF can tell)."""
-    head, sep, body = raw.partition(b"\r\n\r\n")
-    if not sep:
+    parts = _split(raw)
+    if parts is None:
         return False
-    lines = head.split(b"\r\n")
-    status = lines[0].split()
-    if len(status) >= 2 and status[1] in (b"204", b"304"):
+    status_line, headers, body = parts
+    if len(status_line) >= 2 and status_line[1] in (b"204", b"304"):
         return True
-    for line in lines[1:]:
-        name, _, value = line.partition(b":")
-        name = name.strip().lower()
-        if name == b"content-length":
-            try:
-                return len(body) >= int(value.strip())
-            except ValueError:
-                return False
-        if name == b"transfer-encoding" and b"chunked" in value.lower():
-            return body.endswith(b"0\r\n\r\n")
+    if "content-length" in headers:
+        try:
+            return len(body) >= int(headers["content-length"])
+        except ValueError:
+            return False
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        return body.endswith(b"0\r\n\r\n")
     return False
 
 
-async def read_response(stream: _Stream, *, to_eof: bool = False) -> tuple[int, bytes]:
-    """Read one answer, then close the stream (envd closes its side itself: ``Connection: close``).
-
-    By default the read stops at a complete answer: the ns hand-out's ``/init`` (on a direct envd
-    connection) does not wait for envd's close. ``to_eof`` waits for it, so no frame of this stream
-    is still on its way when the call returns: over the vm runtime's serial mux, a guest's late
-    frames for an early-closed stream were seen to stall the next session after a pause/resume."""
+async def _read(stream: _Stream, *, to_eof: bool) -> bytes:
+    """The answer's bytes (at most ``_MAX_RESPONSE``), then the stream is closed."""
     try:
         raw = b""
         while chunk := await stream.read(65536):
@@ -100,17 +117,36 @@ async def read_response(stream: _Stream, *, to_eof: bool = False) -> tuple[int, 
                 break
     finally:
         await stream.aclose()
-    return parse_status(raw)
+    return raw
+
+
+async def read_response(stream: _Stream, *, to_eof: bool = False) -> tuple[int, bytes]:
+    """Read one answer, then close the stream (envd closes its side itself: ``Connection: close``).
+
+    By default the read stops at a complete answer: the ns hand-out's ``/init`` (on a direct envd
+    connection) does not wait for envd's close. ``to_eof`` waits for it, so no frame of this stream
+    is still on its way when the call returns: over the vm runtime's serial mux, a guest's late
+    frames for an early-closed stream were seen to stall the next session after a pause/resume."""
+    response = parse_response(await _read(stream, to_eof=to_eof))
+    return response.status, response.body
+
+
+async def exchange(stream: _Stream, raw_request: bytes) -> Response:
+    """Write one built request (:func:`build_request`), read its answer to EOF, close the stream."""
+    try:
+        await stream.write(raw_request)
+    except BaseException:
+        await stream.aclose()
+        raise
+    return parse_response(await _read(stream, to_eof=True))
 
 
 async def request(stream: _Stream, method: str, path: str, payload: Any = None,
                   headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-    try:
-        await send_request(stream, method, path, payload, headers)
-    except BaseException:
-        await stream.aclose()
-        raise
-    return await read_response(stream, to_eof=True)
+    """One JSON request (``payload``: any JSON value, None for none): (status, body)."""
+    body = None if payload is None else json.dumps(payload).encode()
+    response = await exchange(stream, build_request(method, path, body, headers))
+    return response.status, response.body
 
 
 def as_user(user: str) -> dict[str, str]:
@@ -150,22 +186,16 @@ def dechunk(body: bytes) -> bytes:
 async def run_process(stream: _Stream, cmd: str, args: list[str], user: str = "root") -> int | None:
     """Run ``cmd args`` through envd's ``Process.Start`` on ``stream`` and wait for its end: the
     exit code, or None if the answer had no end event (envd refused or the stream broke)."""
-    request = build_request("POST", "/process.Process/Start", process_body(cmd, args), as_user(user), CONNECT_JSON)
+    raw_request = build_request("POST", "/process.Process/Start", process_body(cmd, args), as_user(user),
+                                CONNECT_JSON)
     try:
-        await stream.write(request)
-        raw = b""
-        while len(raw) <= _MAX_RESPONSE and (chunk := await stream.read(65536)):
-            raw += chunk
-    finally:
-        await stream.aclose()
-    head, _, body = raw.partition(b"\r\n\r\n")
-    lines = head.split(b"\r\n")
-    if len(lines[0].split()) < 2 or lines[0].split()[1] != b"200":
+        response = await exchange(stream, raw_request)
+    except EnvdError:
         return None
-    chunked = any(
-        ln.lower().startswith(b"transfer-encoding:") and b"chunked" in ln.lower() for ln in lines[1:]
-    )
-    return exit_code(dechunk(body) if chunked else body)
+    if response.status != 200:
+        return None
+    chunked = "chunked" in response.headers.get("transfer-encoding", "").lower()
+    return exit_code(dechunk(response.body) if chunked else response.body)
 
 
 def exit_code(stream_body: bytes) -> int | None:
@@ -193,13 +223,14 @@ def warm_up_request(user: str = "user") -> bytes:
     return build_request("POST", "/process.Process/Start", first_call_body(), as_user(user), CONNECT_JSON)
 
 
-def init_payload(*, sandbox_id: str, template_id: str, env_vars: dict[str, str], access_token: str | None,
-                 default_user: str | None, default_workdir: str | None) -> dict[str, Any]:
+def init_payload(spec: SandboxSpec) -> dict[str, Any]:
+    """The ``POST /init`` body that gives envd a sandbox's identity: ID, template, env vars, access
+    token, default user and directory (the vm runtime adds host facts and limits to it)."""
     return {
-        "envVars": env_vars,
-        "accessToken": access_token,
-        "defaultUser": default_user,
-        "defaultWorkdir": default_workdir,
-        "sandboxId": sandbox_id,
-        "templateId": template_id,
+        "envVars": dict(spec.env_vars),
+        "accessToken": spec.access_token,
+        "defaultUser": spec.template.user or None,
+        "defaultWorkdir": spec.template.workdir,
+        "sandboxId": spec.sandbox_id,
+        "templateId": spec.template.template_id,
     }

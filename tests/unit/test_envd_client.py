@@ -2,17 +2,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
-from aenv.runtime.ns.envd_client import (
+from aenv.runtime.base import SandboxImage, SandboxSpec
+from aenv.runtime.envd_client import (
     EnvdError,
+    Response,
     build_request,
+    exchange,
     init_payload,
-    parse_status,
+    parse_response,
     read_response,
     request,
     response_complete,
+    run_process,
 )
 
 
@@ -43,19 +48,34 @@ def test_build_request_with_body() -> None:
     assert body == b'{"a":1}'
 
 
-def test_parse_status() -> None:
-    assert parse_status(b"HTTP/1.1 204 No Content\r\n\r\n") == (204, b"")
-    assert parse_status(b"HTTP/1.1 400 Bad\r\nX: y\r\n\r\noops") == (400, b"oops")
+def test_parse_response() -> None:
+    assert parse_response(b"HTTP/1.1 204 No Content\r\n\r\n") == Response(204, {}, b"")
+    assert parse_response(b"HTTP/1.1 400 Bad\r\nX-Aenv: y \r\n\r\noops") == Response(400, {"x-aenv": "y"}, b"oops")
     with pytest.raises(EnvdError):
-        parse_status(b"HTTP/1.1 204")
+        parse_response(b"HTTP/1.1 204")
     with pytest.raises(EnvdError):
-        parse_status(b"garbage\r\n\r\n")
+        parse_response(b"garbage\r\n\r\n")
+
+
+async def test_exchange_returns_headers_and_closes() -> None:
+    s = FakeStream(b"HTTP/1.1 200 OK\r\nX-Aenv-Host-Facts: hostTime=set\r\n\r\n{}")
+    raw = build_request("POST", "/init", b"{}", {"X-A": "1"}, "text/plain")
+    assert await exchange(s, raw) == Response(200, {"x-aenv-host-facts": "hostTime=set"}, b"{}")
+    assert s.closed and s.sent == raw and b"Content-Type: text/plain" in raw and b"X-A: 1" in raw
+
+
+async def test_too_large_answer_raises_and_run_process_says_none() -> None:
+    big = b"HTTP/1.1 200 OK\r\n\r\n" + b"x" * (1 << 20)
+    with pytest.raises(EnvdError, match="too large"):
+        await exchange(FakeStream(big), b"GET / HTTP/1.1\r\n\r\n")
+    assert await run_process(FakeStream(big), "/bin/true", []) is None
+    assert await run_process(FakeStream(b""), "/bin/true", []) is None  # the stream ended at once
 
 
 async def test_request_reads_to_eof_and_closes() -> None:
     s = FakeStream(b"HTTP/1.1 204 No Content\r\nServer: x\r\n\r\n")
-    payload = init_payload(sandbox_id="s1", template_id="t", env_vars={"A": "1"}, access_token=None,
-                           default_user="user", default_workdir=None)
+    spec = SandboxSpec("s1", SandboxImage("t", Path("/rootfs")), Path("/work/s1"), env_vars={"A": "1"})
+    payload = init_payload(spec)
     assert await request(s, "POST", "/init", payload) == (204, b"")
     assert s.closed
     body = s.sent.partition(b"\r\n\r\n")[2]
@@ -102,7 +122,7 @@ async def test_read_response_without_length_reads_to_eof() -> None:
 def test_exit_code_and_dechunk() -> None:
     import json
 
-    from aenv.runtime.ns.envd_client import dechunk, exit_code, process_body
+    from aenv.runtime.envd_client import dechunk, exit_code, process_body
 
     def env(msg: dict[str, object], flags: int = 0) -> bytes:
         raw = json.dumps(msg).encode()
