@@ -1,6 +1,7 @@
 """The ASGI application: control plane (FastAPI) behind the sandbox proxy, sharing one port.
 
 The lifespan owns the long-lived objects: store → runtime → orchestrator, closed in reverse order.
+Routes talk to the orchestrator only (``deps.orchestrator``).
 """
 
 from __future__ import annotations
@@ -8,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -28,18 +28,6 @@ from aenv.runtime.base import Runtime
 from aenv.store.sqlite import Store
 
 log = logging.getLogger("aenv.api")
-
-
-def ensure_base_template(settings: Settings, catalog: TemplateCatalog) -> None:
-    """Register the default ``base`` template from the cached bootstrap rootfs (building it if missing)."""
-    row = catalog.store.get_template("base")
-    if row is not None and (row.kind != "bootstrap" or Path(row.rootfs).is_dir()):
-        return
-    from aenv.images.bootstrap import ensure_base_rootfs
-
-    rootfs = ensure_base_rootfs(settings)
-    catalog.register(alias="base", kind="bootstrap", rootfs=rootfs, source="debian:bookworm", template_id="base")
-    log.info("template base registered from %s", rootfs)
 
 
 def _snapshot_repository(settings: Settings) -> Any:
@@ -67,40 +55,29 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
         settings.state_dir.mkdir(parents=True, exist_ok=True)
         store = Store(settings.db_path)
         catalog = TemplateCatalog(settings, store)
-        if ensure_base:
-            await asyncio.to_thread(ensure_base_template, settings, catalog)
-            await asyncio.to_thread(catalog.register_interpreter_if_built)  # code-interpreter-v1, if built
         rt = runtime or make_runtime(settings)
         orch = Orchestrator(settings, store, rt, catalog)
+        if ensure_base:
+            await asyncio.to_thread(orch.ensure_base_template)  # base, and code-interpreter-v1 if built
         orch.on_running.append(proxy.prewarm)
         repository = _snapshot_repository(settings)
         if repository is not None:
-            orch.snapshots.attach_repository(repository)
+            orch.attach_repository(repository)
         await orch.start()
-        if repository is not None:
-            orch.snapshots.resume_publishing()
-        from aenv.images import ImageBuilder, evict_periodically
-
-        builder = ImageBuilder(settings)
-        app.state.image_builder = builder
-        app.state.background = set()
-        evictor = asyncio.create_task(evict_periodically(builder.cache, 300))
         holder["orch"] = orch
         app.state.orchestrator = orch
         app.state.catalog = catalog
         app.state.settings = settings
+        app.state.background = set()
         app.state.api_key_digests = key_digests(settings.api_keys)
         log.info("aenv %s serving with runtime=%s state=%s", __version__, rt.name, settings.state_dir)
         try:
             yield
         finally:
-            evictor.cancel()
             for task in list(app.state.background):
                 task.cancel()
             await proxy.aclose()
-            await orch.snapshots.aclose()
             await orch.close()
-            await builder.aclose()
             store.close()
 
     api = FastAPI(title="aenv", version=__version__, lifespan=lifespan)
@@ -128,7 +105,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
     @api.get("/aenv/info", dependencies=[Depends(require_api_key)])
     async def info() -> JSONResponse:
         orch = holder["orch"]
-        return JSONResponse({"version": __version__, **orch.stats(), "capabilities": orch.runtime.capabilities()})
+        return JSONResponse({"version": __version__, **orch.stats(), "capabilities": orch.capabilities()})
 
     proxy = SandboxProxy(api, lambda: holder["orch"])  # type: ignore[arg-type]  # FastAPI's ASGI types are wider
     return proxy

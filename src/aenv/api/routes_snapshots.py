@@ -51,12 +51,9 @@ def snapshot_json(row: SnapshotRow, orch: Orchestrator, detail: bool = False) ->
     if isinstance(paused, (int, float)):
         out["pausedMs"] = paused  # aenv: how long the sandbox was stopped to take it
     # aenv: the runtime is still writing its files (usable already; sizeBytes is final once false)
-    out["writing"] = orch.snapshots.is_writing(row.id)
+    out["writing"] = orch.snapshot_writing(row.id)
     if detail:
-        flows = orch.snapshots
-        out["children"] = flows.children(row.id)
-        out["lineage"] = [r.id for r in flows.lineage(row.id)]
-        out["usedBy"] = flows.dependents(row.id)
+        out.update(orch.snapshot_tree(row.id))
         out["published"] = row.published
     return out
 
@@ -67,7 +64,7 @@ async def create_snapshot(
 ) -> JSONResponse:
     body = body or SnapshotBody()
     mode = body.mode or ("filesystem" if body.memory is False else "full")
-    row = await orch.snapshots.create(sandbox_id, body.name, mode)
+    row = await orch.snapshot(sandbox_id, body.name, mode)
     return JSONResponse(snapshot_json(row, orch), status_code=201)
 
 
@@ -79,7 +76,7 @@ async def list_snapshots(
     limit: int = Query(100, ge=1, le=1000),
     nextToken: str | None = None,
 ) -> JSONResponse:
-    rows = orch.snapshots.list_snapshots(sandbox_id=sandboxID, name=name)
+    rows = orch.list_snapshots(sandbox_id=sandboxID, name=name)
     rows.sort(key=lambda r: (r.created_at, r.id), reverse=True)
     if nextToken:
         ids = [r.id for r in rows]
@@ -91,13 +88,13 @@ async def list_snapshots(
 
 @router.get("/snapshots/{snapshot_id}")
 async def get_snapshot(snapshot_id: str, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
-    return JSONResponse(snapshot_json(orch.snapshots.get(snapshot_id), orch, detail=True))
+    return JSONResponse(snapshot_json(orch.get_snapshot(snapshot_id), orch, detail=True))
 
 
 @router.post("/sandboxes/{sandbox_id}/fork", status_code=201)
 async def fork(sandbox_id: str, body: ForkBody | None = None, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
     body = body or ForkBody()
-    results = await orch.snapshots.fork(sandbox_id, body.count or 1, body.timeout)
+    results = await orch.fork(sandbox_id, body.count or 1, body.timeout)
     out: list[dict[str, Any]] = []
     # What the runtime really copied ("full" or "filesystem"): the fork point is the children's
     # lineage head; clients that care read ``mode`` (or the header) rather than assume memory came along.
@@ -106,7 +103,7 @@ async def fork(sandbox_id: str, body: ForkBody | None = None, orch: Orchestrator
         if isinstance(r, AenvError):
             out.append({"error": {"code": status_for(r), "message": r.message}})
         else:
-            point = orch.store.get_snapshot(r.row.lineage_head) if r.row.lineage_head else None
+            point = orch.find_snapshot(r.row.lineage_head) if r.row.lineage_head else None
             fork_mode = point.mode if point is not None else None
             out.append({"sandbox": serialize.sandbox(r), "mode": fork_mode, "snapshotID": r.row.lineage_head})
     headers = {"X-Aenv-Fork-Mode": fork_mode} if fork_mode else None
@@ -115,6 +112,6 @@ async def fork(sandbox_id: str, body: ForkBody | None = None, orch: Orchestrator
 
 @router.post("/sandboxes/{sandbox_id}/rollback")
 async def rollback(sandbox_id: str, body: RollbackBody, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
-    sbx = await orch.snapshots.rollback(sandbox_id, body.snapshotID)
+    sbx = await orch.rollback(sandbox_id, body.snapshotID)
     return JSONResponse(serialize.sandbox(sbx))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from aenv.core.orchestrator import LiveSandbox
+from aenv.core.table import LiveSandbox
 from aenv.envd import ENVD_VERSION
 from aenv.runtime.base import ResourceSample
 

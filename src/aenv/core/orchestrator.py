@@ -1,9 +1,12 @@
-"""The orchestrator: the one front door for sandbox actions, composing runtime + templates + store.
+"""The orchestrator: the one front door for every action on sandboxes, snapshots and templates.
 
-Every action takes the sandbox's lock, checks the lifecycle guard, writes the store *before* the
-side effect becomes visible, then calls the runtime. A background reaper enforces TTLs (kill, or pause
-with autoPause); a sampler keeps a short history of resource samples for ``/metrics``.
-Crash recovery at start-up re-adopts or cleans every sandbox the store knows and reconciles orphans.
+Every sandbox action takes the sandbox's lock, checks the lifecycle guard, writes the store *before*
+the side effect becomes visible, then calls the runtime. Checkpoints (snapshot, fork, rollback) are
+``snapshots.py``'s flows, the snapshot repository is ``sync.py``'s and templates are
+``template_flows.py``'s; callers (the API) only ever talk to this class. A background reaper enforces
+TTLs (kill, or pause with autoPause); a sampler keeps a short history of resource samples for
+``/metrics``. Crash recovery at start-up re-adopts or cleans every sandbox the store knows and
+reconciles orphans.
 """
 
 from __future__ import annotations
@@ -14,52 +17,31 @@ import contextlib
 import hashlib
 import hmac
 import logging
-import shutil
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from aenv.config import Settings
+from aenv.core.context import Context
 from aenv.core.ids import new_id, new_token
 from aenv.core.models import CreateRequest, ListQuery, SandboxState, require_state
+from aenv.core.snapshots import SnapshotFlows, result_of
+from aenv.core.sync import SnapshotSync
+from aenv.core.table import LiveSandbox, SandboxTable
+from aenv.core.template_flows import TemplateFlows
 from aenv.core.templates import TemplateCatalog
-from aenv.errors import (
-    AenvError,
-    CapacityError,
-    InvalidRequest,
-    PortNotOpen,
-    SandboxNotFound,
-    SandboxUnreachable,
-)
+from aenv.errors import AenvError, CapacityError, PortNotOpen, SandboxNotFound, SandboxUnreachable
 from aenv.faults import fault_point
+from aenv.images import ProgressCallback
 from aenv.mux import ByteStream, StreamRefused
-from aenv.runtime.base import ResourceSample, Runtime, RuntimeState, SandboxSpec
-from aenv.store.sqlite import SandboxRow, Store, TemplateRow, now
+from aenv.runtime.base import ResourceSample, Runtime, RuntimeState
+from aenv.store.sqlite import SandboxRow, SnapshotRow, Store, TemplateRow, now
+
+__all__ = ["LiveSandbox", "Orchestrator", "file_signature"]
 
 log = logging.getLogger("aenv.core")
 
 METRICS_INTERVAL = 5.0
-METRICS_HISTORY = 720  # one hour at 5 s
-
-
-@dataclass
-class LiveSandbox:
-    """In-memory view of one sandbox: its row, a lock that serialises transitions, its samples."""
-
-    row: SandboxRow
-    spec: SandboxSpec
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    samples: deque[ResourceSample] = field(default_factory=lambda: deque(maxlen=METRICS_HISTORY))
-
-    @property
-    def id(self) -> str:
-        return self.row.id
-
-    @property
-    def state(self) -> SandboxState:
-        return SandboxState(self.row.state)
 
 
 def file_signature(path: str, op: str, user: str, token: str, expiration: str | None) -> str:
@@ -74,26 +56,31 @@ class Orchestrator:
         self.store = store
         self.runtime = runtime
         self.templates = templates
-        self._live: dict[str, LiveSandbox] = {}
-        self._starts = asyncio.Semaphore(settings.max_concurrent_starts)
+        self.table = SandboxTable()
+        self.ctx = Context(settings, store, runtime, templates, self.table)
+        self.sync = SnapshotSync(self.ctx)
+        self.snapshots = SnapshotFlows(self.ctx, self.sync)
+        self.template_flows = TemplateFlows(self.ctx)
         self._starting = 0
         self._tasks: list[asyncio.Task[None]] = []
-        self._seq = 0
         self._idempotency: dict[str, asyncio.Future[LiveSandbox]] = {}
         # Called with a sandbox ID when it becomes usable (created, resumed); must not block. The proxy
         # opens its first envd stream there, ahead of the client's first request.
         self.on_running: list[Callable[[str], None]] = []
-        self.repository: Any = None  # aenv.snapshots.SnapshotRepository when publishing is configured
-        from aenv.core.snapshots import SnapshotFlows
-
-        self.snapshots = SnapshotFlows(self)
 
     # ---- lifecycle of the orchestrator itself ---------------------------------------------------
+    def attach_repository(self, repository: Any) -> None:
+        """Publish snapshots to ``repository`` and fetch from it (``sync.py``). Before ``start``."""
+        self.sync.attach_repository(repository)
+
     async def start(self) -> None:
         self.settings.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         await self.runtime.start()
         await self._recover()
         self.snapshots.discard_unfinished()
+        if self.ctx.repository is not None:
+            self.sync.resume_publishing()
+        self.template_flows.start()
         self._tasks.append(asyncio.create_task(self._reaper(), name="aenv-reaper"))
         self._tasks.append(asyncio.create_task(self._sampler(), name="aenv-sampler"))
 
@@ -104,19 +91,22 @@ class Orchestrator:
             with contextlib.suppress(BaseException):
                 await t
         self._tasks.clear()
+        await self.snapshots.aclose()
+        await self.sync.aclose()
+        await self.template_flows.aclose()
         await self.runtime.close()
 
     async def _recover(self) -> None:
         """Re-adopt what survived a restart; clean up what did not. Nothing is left half-made."""
         rows = self.store.list_sandboxes()
         for row in rows:
-            self._seq = max(self._seq, row.created_seq)
+            self.table.saw_seq(row.created_seq)
             state = SandboxState(row.state)
             try:
-                spec = self._spec_for(row)
+                spec = self.ctx.spec_for(row)
             except AenvError as exc:
                 log.warning("sandbox=%s recovery: %s; removing", row.id, exc)
-                await self._forget(row, None)
+                await self.ctx.forget(row)
                 continue
             if state in (SandboxState.RUNNING, SandboxState.PAUSED, SandboxState.PAUSING, SandboxState.RESUMING):
                 ok = False
@@ -130,35 +120,25 @@ class Orchestrator:
                         row.state = SandboxState.PAUSED.value
                         row.paused_at = row.paused_at or now()
                         self.store.update_sandbox(row.id, state=row.state, paused_at=row.paused_at)
-                    self._live[row.id] = LiveSandbox(row=row, spec=spec)
+                    self.table.add(LiveSandbox(row=row, spec=spec))
                     log.info("sandbox=%s recovery: re-adopted (%s)", row.id, row.state)
                     continue
                 log.warning("sandbox=%s recovery: gone after restart; cleaning up", row.id)
             else:
                 log.info("sandbox=%s recovery: was %s during the crash; cleaning up", row.id, state.value)
-            await self._forget(row, spec)
+            await self.ctx.forget(row)
         reconcile = getattr(self.runtime, "reconcile", None)
         if reconcile is not None:
-            await reconcile(set(self._live))
-
-    async def _forget(self, row: SandboxRow, spec: SandboxSpec | None) -> None:
-        with contextlib.suppress(Exception):
-            await self.runtime.kill(row.id, RuntimeState(row.runtime_state))
-        fault_point("kill.done")
-        shutil.rmtree(self.settings.sandboxes_dir / row.id, ignore_errors=True)
-        self.store.delete_sandbox(row.id)
+            await reconcile(self.table.ids())
 
     # ---- queries --------------------------------------------------------------------------------
     def get(self, sandbox_id: str) -> LiveSandbox:
-        sbx = self._live.get(sandbox_id)
-        if sbx is None or not sbx.state.visible:
-            raise SandboxNotFound(sandbox_id)
-        return sbx
+        return self.table.get(sandbox_id)
 
     def list_sandboxes(self, query: ListQuery) -> tuple[list[LiveSandbox], str | None]:
         items = [
             s
-            for s in self._live.values()
+            for s in self.table
             if s.state in query.states
             and all(s.row.metadata.get(k) == v for k, v in query.metadata.items())
             and (query.template is None or query.template in (s.row.template_id, s.row.alias))
@@ -177,7 +157,7 @@ class Orchestrator:
         self, path: str, op: str, user: str, signature: str, expiration: str | None
     ) -> str | None:
         """The running sandbox whose envd token signed this /files URL (spec §3.2), if any."""
-        for sbx in self._live.values():
+        for sbx in self.table:
             token = sbx.row.access_token
             if token and sbx.state is SandboxState.RUNNING and hmac.compare_digest(
                 file_signature(path, op, user, token, expiration), signature
@@ -186,31 +166,9 @@ class Orchestrator:
         return None
 
     def template_ids_in_use(self) -> set[str]:
-        return {s.row.template_id for s in self._live.values()}
+        return self.table.template_ids_in_use()
 
-    # ---- actions --------------------------------------------------------------------------------
-    def _check_timeout(self, timeout: int) -> None:
-        if timeout <= 0:
-            raise InvalidRequest("Timeout must be greater than 0")
-        if timeout > self.settings.max_timeout:
-            hours = self.settings.max_timeout / 3600
-            raise InvalidRequest(f"Timeout cannot be greater than {hours:g} hours")
-
-    def _spec_for(self, row: SandboxRow, template: TemplateRow | None = None) -> SandboxSpec:
-        if template is None or template.id != row.template_id:
-            template = self.templates.resolve(row.template_id)
-        return SandboxSpec(
-            sandbox_id=row.id,
-            template=self.templates.image(template),
-            workdir=self.settings.sandboxes_dir / row.id,
-            cpu_count=row.cpu_count,
-            memory_mb=row.memory_mb,
-            disk_mb=row.disk_mb,
-            pids_limit=self.settings.pids_limit,
-            allow_internet=row.allow_internet,
-            env_vars=dict(row.env_vars),
-            access_token=row.access_token,
-        )
+    # ---- sandbox actions ------------------------------------------------------------------------
 
     async def create(self, req: CreateRequest) -> LiveSandbox:
         if req.idempotency_key:
@@ -218,8 +176,9 @@ class Orchestrator:
             if existing is not None:
                 return await asyncio.shield(existing)
             row = self.store.find_by_idempotency_key(req.idempotency_key)
-            if row is not None and row.id in self._live:
-                return self._live[row.id]
+            found = self.table.find(row.id) if row is not None else None
+            if found is not None:
+                return found
             fut: asyncio.Future[LiveSandbox] = asyncio.get_running_loop().create_future()
             self._idempotency[req.idempotency_key] = fut
             try:
@@ -236,9 +195,9 @@ class Orchestrator:
 
     async def _create(self, req: CreateRequest) -> LiveSandbox:
         timeout = req.timeout if req.timeout is not None else self.settings.default_timeout
-        self._check_timeout(timeout)
-        template = await self.snapshots.resolve_template(req.template)  # may fetch a snapshot from the repository
-        if len(self._live) >= self.settings.max_sandboxes:
+        self.ctx.check_timeout(timeout)
+        template = await self.sync.resolve_template(req.template)  # may fetch a snapshot from the repository
+        if len(self.table) >= self.settings.max_sandboxes:
             raise CapacityError(f"sandbox limit of {self.settings.max_sandboxes} reached", retry_after=5)
         if self._starting >= self.settings.max_concurrent_starts:
             raise CapacityError("too many sandboxes starting at once", retry_after=0.5)
@@ -246,7 +205,6 @@ class Orchestrator:
         try:
             sandbox_id = new_id()
             started = now()
-            self._seq += 1
             row = SandboxRow(
                 id=sandbox_id,
                 template_id=template.id,
@@ -265,27 +223,24 @@ class Orchestrator:
                 env_vars=dict(req.env_vars),
                 access_token=new_token() if req.secure else None,
                 idempotency_key=req.idempotency_key,
-                created_seq=self._seq,
+                created_seq=self.table.next_seq(),
             )
             snapshot = self.snapshots.snapshot_for_template(template.id) if template.kind == "snapshot" else None
             if snapshot is not None:
                 row.lineage_head = snapshot.id
                 row.depends_on = [snapshot.id]
-            spec = self._spec_for(row, template)  # the row just resolved: no second lookup
+            spec = self.ctx.spec_for(row, template)  # the row just resolved: no second lookup
             sbx = LiveSandbox(row=row, spec=spec)
-            self._live[sandbox_id] = sbx
+            self.table.add(sbx)
             self.store.put_sandbox(row)
             try:
                 fault_point("create.stored")
                 if snapshot is not None:
-                    from aenv.core.snapshots import result_of
-
                     state = await self.snapshots.runtime.create_from_snapshot(spec, Path(snapshot.dir), result_of(snapshot))
                 else:
                     state = await self.runtime.create(spec)
             except BaseException:
-                self._live.pop(sandbox_id, None)
-                await self._forget(row, spec)
+                await self.ctx.forget(row)
                 raise
             fault_point("create.started")
             # The TTL counts from when the sandbox became usable.
@@ -305,18 +260,17 @@ class Orchestrator:
     async def kill(self, sandbox_id: str) -> None:
         sbx = self.get(sandbox_id)
         async with sbx.lock:
-            if sbx.id not in self._live:
+            if sbx.id not in self.table:
                 raise SandboxNotFound(sandbox_id)
             sbx.row.state = SandboxState.KILLING.value
             self.store.update_sandbox(sbx.id, state=sbx.row.state)
             fault_point("kill.stored")
-            self._live.pop(sbx.id, None)
-            await self._forget(sbx.row, sbx.spec)
+            await self.ctx.forget(sbx.row)
         self.snapshots.collect_garbage()
         log.info("sandbox=%s killed", sandbox_id)
 
     async def set_timeout(self, sandbox_id: str, timeout: int) -> None:
-        self._check_timeout(timeout)
+        self.ctx.check_timeout(timeout)
         sbx = self.get(sandbox_id)
         async with sbx.lock:
             require_state(sbx.id, sbx.state, SandboxState.RUNNING, action="set the timeout of")
@@ -351,10 +305,10 @@ class Orchestrator:
     async def connect(self, sandbox_id: str, timeout: int | None) -> tuple[LiveSandbox, bool]:
         """E2B connect: extend a running sandbox's TTL, or resume a paused one. Returns (sandbox, resumed)."""
         timeout = timeout if timeout is not None else self.settings.default_timeout
-        self._check_timeout(timeout)
+        self.ctx.check_timeout(timeout)
         sbx = self.get(sandbox_id)
         async with sbx.lock:
-            if sbx.id not in self._live:
+            if sbx.id not in self.table:
                 raise SandboxNotFound(sandbox_id)
             if sbx.state is SandboxState.RUNNING:
                 sbx.row.end_at = max(sbx.row.end_at, now() + timeout)
@@ -394,7 +348,7 @@ class Orchestrator:
 
     async def open_stream(self, sandbox_id: str, port: int) -> ByteStream:
         """A byte stream into the sandbox for the proxy. Paused sandboxes resume first when autoResume is on."""
-        sbx = self._live.get(sandbox_id)
+        sbx = self.table.find(sandbox_id)
         if sbx is None or not sbx.state.visible and sbx.state is not SandboxState.RESUMING:
             raise SandboxNotFound(sandbox_id)
         if sbx.state is not SandboxState.RUNNING:
@@ -427,35 +381,105 @@ class Orchestrator:
     async def _reaper(self) -> None:
         while True:
             await asyncio.sleep(self.settings.reaper_interval)
-            t = now()
-            for sbx in list(self._live.values()):
-                if sbx.state is not SandboxState.RUNNING or sbx.row.end_at > t:
-                    continue
-                try:
-                    if sbx.row.auto_pause:
-                        async with sbx.lock:
-                            if sbx.state is SandboxState.RUNNING and sbx.row.end_at <= now():
-                                await self._pause_locked(sbx)
-                    else:
-                        log.info("sandbox=%s expired; killing", sbx.id)
-                        await self.kill(sbx.id)
-                except AenvError as exc:
-                    log.warning("sandbox=%s reaper: %s", sbx.id, exc)
-                except Exception:
-                    log.exception("sandbox=%s reaper failed", sbx.id)
+            await self.reap_expired(now())
+
+    async def reap_expired(self, at: float) -> list[str]:
+        """One reaper round at time ``at``: running sandboxes past their end are paused (autoPause) or
+        killed. Returns their IDs. The loop passes the wall clock; tests pass any time they like."""
+        reaped: list[str] = []
+        for sbx in self.table:
+            if sbx.state is not SandboxState.RUNNING or sbx.row.end_at > at:
+                continue
+            try:
+                if sbx.row.auto_pause:
+                    async with sbx.lock:
+                        if sbx.state is SandboxState.RUNNING and sbx.row.end_at <= at:
+                            await self._pause_locked(sbx)
+                            reaped.append(sbx.id)
+                else:
+                    log.info("sandbox=%s expired; killing", sbx.id)
+                    await self.kill(sbx.id)
+                    reaped.append(sbx.id)
+            except AenvError as exc:
+                log.warning("sandbox=%s reaper: %s", sbx.id, exc)
+            except Exception:
+                log.exception("sandbox=%s reaper failed", sbx.id)
+        return reaped
 
     async def _sampler(self) -> None:
         while True:
             await asyncio.sleep(METRICS_INTERVAL)
-            for sbx in list(self._live.values()):
+            for sbx in self.table:
                 if sbx.state is not SandboxState.RUNNING:
                     continue
                 with contextlib.suppress(Exception):
                     sbx.samples.append(await self.runtime.metrics(sbx.id))
 
     def stats(self) -> dict[str, Any]:
-        by_state: dict[str, int] = {}
-        for s in self._live.values():
-            by_state[s.row.state] = by_state.get(s.row.state, 0) + 1
-        return {"sandboxes": by_state, "starting": self._starting, "runtime": self.runtime.name}
+        return {"sandboxes": self.table.counts_by_state(), "starting": self._starting, "runtime": self.runtime.name}
+
+    def capabilities(self) -> dict[str, Any]:
+        return self.runtime.capabilities()
+
+    # ---- checkpoints: snapshots.py --------------------------------------------------------------
+    async def snapshot(self, sandbox_id: str, name: str | None, mode: str) -> SnapshotRow:
+        return await self.snapshots.create(sandbox_id, name, mode)
+
+    async def fork(self, sandbox_id: str, count: int, timeout: int | None) -> list[LiveSandbox | AenvError]:
+        return await self.snapshots.fork(sandbox_id, count, timeout)
+
+    async def rollback(self, sandbox_id: str, snapshot_id: str) -> LiveSandbox:
+        return await self.snapshots.rollback(sandbox_id, snapshot_id)
+
+    def get_snapshot(self, id_or_name: str) -> SnapshotRow:
+        return self.snapshots.get(id_or_name)
+
+    def find_snapshot(self, snapshot_id: str) -> SnapshotRow | None:
+        """Any snapshot row (internal fork points included), or None."""
+        return self.store.get_snapshot(snapshot_id)
+
+    def list_snapshots(self, sandbox_id: str | None = None, name: str | None = None) -> list[SnapshotRow]:
+        return self.snapshots.list_snapshots(sandbox_id=sandbox_id, name=name)
+
+    def snapshot_tree(self, snapshot_id: str) -> dict[str, Any]:
+        """Where a snapshot sits: its children, its lineage (itself first), the sandboxes using it."""
+        return {
+            "children": self.snapshots.children(snapshot_id),
+            "lineage": [r.id for r in self.snapshots.lineage(snapshot_id)],
+            "usedBy": self.snapshots.dependents(snapshot_id),
+        }
+
+    def snapshot_writing(self, snapshot_id: str) -> bool:
+        return self.snapshots.is_writing(snapshot_id)
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        await self.snapshots.delete(snapshot_id)
+
+    # ---- templates: template_flows.py -----------------------------------------------------------
+    def ensure_base_template(self) -> None:
+        self.template_flows.ensure_base()
+
+    def list_templates(self) -> list[TemplateRow]:
+        return self.templates.list_templates()
+
+    def get_template(self, name: str) -> TemplateRow:
+        return self.templates.resolve(name)
+
+    async def pull_template(self, image: str, *, progress: ProgressCallback | None = None,
+                            **options: Any) -> tuple[TemplateRow, str]:
+        return await self.template_flows.pull(image, progress=progress, **options)
+
+    async def delete_template(self, name: str) -> None:
+        """A snapshot template deletes its snapshot; an image template drains the runtime's pools."""
+        row = self.templates.resolve(name)
+        if row.kind == "snapshot":
+            await self.snapshots.delete(row.id)
+        else:
+            await self.template_flows.delete(row)
+
+    def cache_listing(self) -> dict[str, Any]:
+        return self.template_flows.cache_listing()
+
+    async def prune_cache(self, everything_unpinned: bool) -> dict[str, Any]:
+        return await self.template_flows.prune_cache(everything_unpinned)
 

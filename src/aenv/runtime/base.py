@@ -137,6 +137,10 @@ class Runtime(Protocol):
     async def metrics(self, sandbox_id: str) -> ResourceSample:
         """A current resource sample (CPU since last sample, memory, disk)."""
 
+    async def forget_template(self, template_id: str) -> None:
+        """The template is deleted: end the pooled sandboxes and cached boot state kept for it
+        (sandboxes already handed out keep running)."""
+
     def capabilities(self) -> dict[str, Any]:
         """What this runtime can do here, for ``aenv doctor`` and API responses
         (e.g. {"pause": "freezer", "snapshot": "filesystem", "fork": "filesystem+criu"})."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pty
 import tty
@@ -87,16 +88,22 @@ async def test_serial_channel_over_a_pty() -> None:
     reader = asyncio.StreamReader()
     proto = asyncio.StreamReaderProtocol(reader)
     mfile = os.fdopen(master, "r+b", buffering=0)
-    await loop.connect_read_pipe(lambda: proto, mfile)
+    rtransport, _ = await loop.connect_read_pipe(lambda: proto, mfile)
     wtransport, wproto = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, os.fdopen(os.dup(master), "wb", buffering=0))
     writer = asyncio.StreamWriter(wtransport, wproto, None, loop)
-    session = await MuxSession(reader, writer, name="host-serial").start()
-    out = await asyncio.wait_for(roundtrip(session, port, b"x" * 100_000), 10)
-    assert out == b"X" * 100_000
-    await session.aclose()
-    agent.cancel()
-    server.close()
-    os.close(slave)
+    try:
+        session = await MuxSession(reader, writer, name="host-serial").start()
+        out = await asyncio.wait_for(roundtrip(session, port, b"x" * 100_000), 10)
+        assert out == b"X" * 100_000
+        await session.aclose()
+    finally:
+        agent.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await agent
+        rtransport.close()
+        wtransport.close()
+        server.close()
+        os.close(slave)
 
 
 async def test_any_port_waits_during_the_start_command_grace() -> None:

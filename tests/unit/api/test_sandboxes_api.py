@@ -7,7 +7,7 @@ from urllib.parse import quote, urlencode
 
 from starlette.testclient import TestClient
 
-from tests.unit.api.conftest import FakeRuntime
+from tests.fixtures.runtime import FakeRuntime
 
 
 def _create(client: TestClient, **body: object) -> dict:

@@ -15,7 +15,7 @@ from starlette.testclient import TestClient
 
 from aenv.api.app import create_app
 from aenv.config import Settings
-from tests.unit.api.conftest import FakeRuntime
+from tests.fixtures.runtime import FakeRuntime
 
 
 @contextmanager
@@ -132,11 +132,11 @@ def test_store_settings(tmp_path: Path) -> None:
 
 
 def test_failed_publish_is_retried(tmp_path: Path, monkeypatch: Any) -> None:
-    import aenv.core.snapshots as flows
+    import aenv.core.sync as sync
 
-    monkeypatch.setattr(flows, "PUBLISH_RETRY_DELAYS", (0.01, 0.01))
+    monkeypatch.setattr(sync, "PUBLISH_RETRY_DELAYS", (0.01, 0.01))
     with server(tmp_path, "a", f"file://{tmp_path / 'store'}") as (a, state):
-        snapshots = state.orchestrator.snapshots
+        snapshots = state.orchestrator.sync
         real, calls = snapshots.publisher, []
 
         async def flaky(row: Any) -> None:

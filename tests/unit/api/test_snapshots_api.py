@@ -11,7 +11,7 @@ from starlette.testclient import TestClient
 from aenv.api.app import create_app
 from aenv.config import Settings
 from aenv.runtime.base import UNFINISHED_MARKER
-from tests.unit.api.conftest import FakeRuntime
+from tests.fixtures.runtime import FakeRuntime
 
 
 def _create(client: TestClient, template: str = "base") -> str:

@@ -7,7 +7,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from aenv.client import AenvClient, ConflictError, NotFoundError, ServerUnreachable
-from tests.unit.api.conftest import FakeRuntime
+from tests.fixtures.runtime import FakeRuntime
 
 
 @pytest.fixture

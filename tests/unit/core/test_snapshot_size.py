@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from aenv.core.snapshots import _du
+from aenv.core.sync import disk_usage
 
 
 def test_hard_linked_files_are_shared_not_counted_whole(tmp_path: Path) -> None:
@@ -17,6 +17,6 @@ def test_hard_linked_files_are_shared_not_counted_whole(tmp_path: Path) -> None:
     os.link(base, snap / "base.ram")
     own = (snap / "own").stat().st_blocks * 512
     shared = base.stat().st_blocks * 512
-    assert _du(snap) == own + shared // 2
+    assert disk_usage(snap) == own + shared // 2
     base.unlink()  # the snapshot is the only holder now: it counts whole
-    assert _du(snap) == own + shared
+    assert disk_usage(snap) == own + shared

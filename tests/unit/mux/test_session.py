@@ -15,10 +15,12 @@ from aenv.mux.protocol import VERSION, WINDOW_SIZE, Frame, FrameType, ProtocolEr
 
 async def _echo_server() -> tuple[asyncio.AbstractServer, int]:
     async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        while data := await r.read(65536):
-            w.write(data)
-            await w.drain()
-        w.close()
+        try:
+            while data := await r.read(65536):
+                w.write(data)
+                await w.drain()
+        finally:  # also when the test's loop ends first and cancels this handler
+            w.close()
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     return server, server.sockets[0].getsockname()[1]

@@ -1,0 +1,65 @@
+"""What every core flow shares: the long-lived parts, and the few steps all of them take.
+
+Lifecycle (``orchestrator.py``), checkpoints (``snapshots.py``), the snapshot repository
+(``sync.py``) and templates (``template_flows.py``) each get one ``Context`` instead of reaching into
+each other: the dependency points one way, and no flow mutates another's private state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+from aenv.config import Settings
+from aenv.core.table import SandboxTable
+from aenv.core.templates import TemplateCatalog
+from aenv.errors import InvalidRequest
+from aenv.faults import fault_point
+from aenv.runtime.base import Runtime, RuntimeState, SandboxSpec
+from aenv.store.sqlite import SandboxRow, Store, TemplateRow
+
+
+@dataclass
+class Context:
+    settings: Settings
+    store: Store
+    runtime: Runtime
+    templates: TemplateCatalog
+    table: SandboxTable
+    repository: Any = None  # aenv.snapshots.SnapshotRepository once attached (sync.py), else None
+
+    def check_timeout(self, timeout: int) -> None:
+        if timeout <= 0:
+            raise InvalidRequest("Timeout must be greater than 0")
+        if timeout > self.settings.max_timeout:
+            hours = self.settings.max_timeout / 3600
+            raise InvalidRequest(f"Timeout cannot be greater than {hours:g} hours")
+
+    def spec_for(self, row: SandboxRow, template: TemplateRow | None = None) -> SandboxSpec:
+        """What the runtime needs to (re)create the sandbox of ``row``."""
+        if template is None or template.id != row.template_id:
+            template = self.templates.resolve(row.template_id)
+        return SandboxSpec(
+            sandbox_id=row.id,
+            template=self.templates.image(template),
+            workdir=self.settings.sandboxes_dir / row.id,
+            cpu_count=row.cpu_count,
+            memory_mb=row.memory_mb,
+            disk_mb=row.disk_mb,
+            pids_limit=self.settings.pids_limit,
+            allow_internet=row.allow_internet,
+            env_vars=dict(row.env_vars),
+            access_token=row.access_token,
+        )
+
+    async def forget(self, row: SandboxRow) -> None:
+        """End a sandbox for good: the runtime's side, its directory, then its row (in that order,
+        so a crash in between leaves a row that recovery cleans up again)."""
+        self.table.discard(row.id)
+        with contextlib.suppress(Exception):
+            await self.runtime.kill(row.id, RuntimeState(row.runtime_state))
+        fault_point("kill.done")
+        shutil.rmtree(self.settings.sandboxes_dir / row.id, ignore_errors=True)
+        self.store.delete_sandbox(row.id)
