@@ -83,8 +83,11 @@ def serve(
 
 def setup(
     skip_base: bool = typer.Option(False, help="do not build the base template rootfs"),
+    vm: bool = typer.Option(True, help="build the microVM guest (kernel, initramfs, tools image) where QEMU is "
+                                       "installed; the first kernel build takes minutes"),
 ) -> None:
-    """Prepare this machine: the tools bundle mounted into sandboxes and the `base` template rootfs."""
+    """Prepare this machine: the tools bundle mounted into sandboxes, the `base` template rootfs and,
+    where QEMU is installed, the microVM guest artifacts. Everything is cached; a second run is instant."""
     from aenv.config import load_settings
 
     printer = Printer()
@@ -100,6 +103,34 @@ def setup(
         t0 = time.monotonic()
         rootfs = ensure_base_rootfs(settings)
         printer.info(f"base rootfs: {rootfs} ({time.monotonic() - t0:.1f}s)")
+    if vm:
+        _setup_vm_guest(printer, settings.cache_dir, tools)
+
+
+def _setup_vm_guest(printer: Printer, cache_dir: Path, tools: Path) -> None:
+    """Kernel, initramfs and tools image for the vm runtime, so a fresh machine's first vm sandbox (and
+    the vm tests, which skip without a kernel) need no build."""
+    import asyncio
+
+    from aenv.runtime.vm.accel import qemu_binary
+    from aenv.runtime.vm.artifacts import ensure
+    from aenv.runtime.vm.kernel import SOURCE_TARBALL, KernelBuildError, find_kernel
+
+    if qemu_binary() is None:
+        printer.info("vm guest: skipped (QEMU not installed; the ns runtime needs none of it)")
+        return
+    if find_kernel(cache_dir) is None:
+        if not SOURCE_TARBALL.is_file():
+            printer.info(f"vm guest: skipped (no {SOURCE_TARBALL}: apt-get install linux-source-6.1)")
+            return
+        printer.info("vm guest: building the guest kernel from linux-source-6.1 (a few minutes, once)")
+    t0 = time.monotonic()
+    try:
+        art = asyncio.run(ensure(cache_dir, tools))
+    except KernelBuildError as exc:
+        printer.fail("building the vm guest kernel failed", causes=[str(exc)],
+                     hint="see the build log it names; `aenv setup --no-vm` skips it")
+    printer.info(f"vm guest: kernel {art.kernel}, initramfs {art.initrd.name} ({time.monotonic() - t0:.1f}s)")
 
 
 def doctor(output: str = typer.Option("text", "--output", "-o", help="text | json")) -> None:
