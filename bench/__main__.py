@@ -87,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--quiet-load", type=float, metavar="LOAD",
                     help="first wait (up to --quiet-wait s) until the 1-minute load average is below LOAD")
     ap.add_argument("--quiet-wait", type=float, default=600.0, metavar="S", help="[default: 600]")
+    ap.add_argument("--against", metavar="REV",
+                    help="also serve git revision REV (e.g. HEAD~3) from a temporary worktree and sample it "
+                         "beside this checkout in create and roundtrip: regressions measured in one run")
     ap.add_argument("--list", action="store_true", help="list scenarios and exit")
     return ap
 
@@ -172,6 +175,12 @@ def _run_runtime(runtime: str, names: list[str], args: argparse.Namespace, with_
         if args.smoke and ctx.docker is not None:
             run.setdefault("notes", []).append(
                 "smoke run: no docker baseline for concurrent creates, snapshot, fork and the RL loop")
+        if args.against:
+            from bench.previous import previous_server
+
+            with console.status(f"{runtime}: serving {args.against} beside this checkout"):
+                ctx.previous = stack.enter_context(previous_server(args.against, runtime))
+                _warm_up(ctx.previous.url)
         if runtime == "vm" and "create" in names and state_dir is not None:
             from bench.vmboot import QemuColdBoot
 
@@ -207,11 +216,12 @@ def _wait_quiet(limit: float, max_wait: float) -> None:
     console.print(f"load {os.getloadavg()[0]:.2f} < {limit}: starting")
 
 
-def _warm_up() -> None:
+def _warm_up(url: str | None = None) -> None:
     """One create + command + kill: builds the template (vm) and lets the warm pool fill."""
     from e2b import Sandbox
 
-    sbx = Sandbox.create("base", timeout=600)
+    sbx = Sandbox.create("base", timeout=600) if url is None else Sandbox.create(
+        "base", timeout=600, api_url=url, sandbox_url=url)
     sbx.commands.run("true")
     sbx.kill()
     time.sleep(1.0)

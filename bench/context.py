@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from aenv.client import AenvClient
     from bench.baselines import DockerBaseline, RuncBaseline
+    from bench.previous import PreviousServer
     from bench.vmboot import QemuColdBoot
 
 
@@ -23,6 +24,7 @@ class Ctx:
     docker: DockerBaseline | None = None
     runc: RuncBaseline | None = None
     qemu: QemuColdBoot | None = None
+    previous: PreviousServer | None = None  # --against REV: an earlier commit, served beside this one
 
     @property
     def system(self) -> str:

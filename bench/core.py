@@ -21,24 +21,32 @@ from bench.rows import alternate, ms_since, row, scenario, timed, value_row
 TEMPLATE = "base"
 
 
-def _sandbox() -> Any:
+def _sandbox(url: str | None = None) -> Any:
+    """A sandbox on the server under test, or on the server at ``url`` (``--against``)."""
     from e2b import Sandbox
 
-    return Sandbox.create(TEMPLATE, timeout=600)
+    if url is None:
+        return Sandbox.create(TEMPLATE, timeout=600)
+    return Sandbox.create(TEMPLATE, timeout=600, api_url=url, sandbox_url=url)
 
 
 def create_first_command(ctx: Ctx) -> dict[str, Any]:
     """Sandbox.create → first ``commands.run("true")`` answered, serial."""
 
-    def ours() -> float:
-        t0 = time.perf_counter()
-        sbx = _sandbox()
-        sbx.commands.run("true")
-        took = ms_since(t0)
-        sbx.kill()
-        return took
+    def on(url: str | None) -> Callable[[], float]:
+        def once() -> float:
+            t0 = time.perf_counter()
+            sbx = _sandbox(url)
+            sbx.commands.run("true")
+            took = ms_since(t0)
+            sbx.kill()
+            return took
 
-    systems = [(ctx.system, ours)]
+        return once
+
+    systems = [(ctx.system, on(None))]
+    if ctx.previous is not None:
+        systems.append((ctx.previous.system, on(ctx.previous.url)))
     if ctx.docker is not None:
         systems.append(("docker", ctx.docker.once))
     if ctx.runc is not None:
@@ -106,10 +114,14 @@ def round_trip(ctx: Ctx) -> dict[str, Any]:
     must be woken (one wake-up per process on the path), caches are cold. An agent loop sees both:
     bursts of tool calls, and single calls after the LLM thought."""
     sbx = _sandbox()
+    prev = _sandbox(ctx.previous.url) if ctx.previous is not None else None
     cid = ctx.docker.start_idle() if ctx.docker is not None else None
     try:
         sbx.commands.run("true")
         calls: list[tuple[str, Callable[[], float]]] = [(ctx.system, lambda: timed(lambda: sbx.commands.run("true")))]
+        if prev is not None and ctx.previous is not None:
+            prev.commands.run("true")
+            calls.append((ctx.previous.system, lambda: timed(lambda: prev.commands.run("true"))))
         if ctx.docker is not None and cid is not None:
             docker = ctx.docker
             calls.append(("docker", lambda: timed(lambda: docker.docker("exec", cid, "true"))))
@@ -137,6 +149,8 @@ def round_trip(ctx: Ctx) -> dict[str, Any]:
         return scenario("command round trip in a running sandbox", rows)
     finally:
         sbx.kill()
+        if prev is not None:
+            prev.kill()
         if cid is not None and ctx.docker is not None:
             ctx.docker.remove(cid)
 

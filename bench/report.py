@@ -128,7 +128,8 @@ def rows_of(results: dict[str, Any]) -> list[tuple[str, str, dict[str, Any], dic
     out = []
     for rt, run in results["runs"].items():
         for name, sc in run.get("scenarios", {}).items():
-            ours = {r["metric"]: r for r in sc["rows"] if r["system"].startswith("aenv")}
+            # this checkout's rows; an earlier commit (--against, "aenv-ns@rev") is a baseline like docker
+            ours = {r["metric"]: r for r in sc["rows"] if r["system"].startswith("aenv") and "@" not in r["system"]}
             for r in sc["rows"]:
                 out.append((rt, name, r, ours.get(r["metric"])))
     return out
@@ -161,7 +162,8 @@ def render_markdown(results: dict[str, Any], heading: str = "###") -> str:
         lines.append("| scenario | system | p50 | p95 | p99 | n | aenv better by | note |")
         lines.append("|---|---|---:|---:|---:|---:|---:|---|")
         for sc in run.get("scenarios", {}).values():
-            ours = {r["metric"]: r for r in sc["rows"] if r["system"].startswith("aenv")}
+            # this checkout's rows; an earlier commit (--against, "aenv-ns@rev") is a baseline like docker
+            ours = {r["metric"]: r for r in sc["rows"] if r["system"].startswith("aenv") and "@" not in r["system"]}
             for r in sc["rows"]:
                 unit = r["unit"]
                 metric = r["metric"].strip() + ("" if unit == "ms" else f" ({unit})")
