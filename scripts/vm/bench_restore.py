@@ -94,7 +94,7 @@ async def main() -> None:
             )
         if args.cold_boot:
             vt.remove()
-            rt._templates.clear()
+            rt.templates.clear()
             t0 = time.perf_counter()
             await rt.template_for(spec0)
             print(f"cold boot to envd + snapshot (same guest): {time.perf_counter() - t0:.1f} s")

@@ -100,7 +100,7 @@ async def make_runtime(shared: tuple[Path, Path, Path]) -> AsyncIterator[Callabl
         yield make
     finally:
         for rt in made:
-            for sid in list(rt._sandboxes):
+            for sid in list(rt.table.running):
                 await rt.kill(sid)
             await rt.close()
         for rt in made:
@@ -213,11 +213,11 @@ async def test_restart_adopts_running_and_reconciles_orphans(
     await old.create(_spec(tmp_path, "orphan", tpl))
     print(f"\n[vm-rt] two creates (template from disk) {(time.perf_counter() - t0) * 1000:.0f} ms")
     # "crash": the old server's objects vanish without killing anything
-    for sbx in old._sandboxes.values():
+    for sbx in old.table.running.values():
         await sbx.drop_session()
         await sbx.machine.qmp.disconnect()
     orphan_pid = old.sandbox("orphan").machine.pid
-    old._sandboxes.clear()
+    old.table.running.clear()
     await old.pool.aclose()
 
     new = make_runtime()
@@ -242,8 +242,8 @@ async def test_snapshot_fork_rollback(make_runtime: Callable[[], VmRuntime], tmp
     guest's RAM (a tmpfs file, a sleeping process) comes back in a fork and after a rollback;
     the source keeps running; a child can be snapshotted again; the base RAM is stored once."""
     from aenv.runtime.base import UNFINISHED_MARKER
-    from aenv.runtime.vm import runtime as vm_runtime
-    from aenv.runtime.vm.runtime import BASE_RAM, DEVICE_STATE, SNAP_DISK
+    from aenv.runtime.vm import snapshot as vm_snapshot
+    from aenv.runtime.vm.snapshot import BASE_RAM, DEVICE_STATE, SNAP_DISK
 
     rt = make_runtime()
     tpl = _template(tmp_path)
@@ -333,11 +333,11 @@ async def test_snapshot_fork_rollback(make_runtime: Callable[[], VmRuntime], tmp
     _, out, _ = await run_cmd(rt, "kid0", "cat /dev/shm/m; echo $E2B_SANDBOX_ID")
     assert out.split() == [marker.strip(), "kid0"]
     # past the chain limit a snapshot is compacted into one layer again
-    old_max, vm_runtime.MEM_CHAIN_MAX = vm_runtime.MEM_CHAIN_MAX, 2
+    old_max, vm_snapshot.MEM_CHAIN_MAX = vm_snapshot.MEM_CHAIN_MAX, 2
     try:
         deep = await rt.snapshot("grandkid", tmp_path / "snap-deep", "full")
     finally:
-        vm_runtime.MEM_CHAIN_MAX = old_max
+        vm_snapshot.MEM_CHAIN_MAX = old_max
     assert deep.data["mem_layers"] == ["mem.0.layer"]
     await rt.create_from_snapshot(_spec(tmp_path, "deep", tpl), tmp_path / "snap-deep", deep)
     _, out, _ = await run_cmd(rt, "deep", "cat /dev/shm/m; ps | grep -c '[s]leep 1000'")
@@ -348,7 +348,7 @@ async def test_snapshot_fork_rollback(make_runtime: Callable[[], VmRuntime], tmp
     assert (tmp_path / "snap-last" / SNAP_DISK).is_file()
     assert not (tmp_path / "snap-last" / UNFINISHED_MARKER).exists()
     await rt.kill("kid1")
-    report = await rt.reconcile(set(rt._sandboxes))
+    report = await rt.reconcile(set(rt.table.running))
     assert report == {"killed": [], "removed": []}
 
 
@@ -358,10 +358,11 @@ async def test_paused_vm_released_after_idle_then_adopted_and_resumed(
     """Paused longer than ``vm_release_paused_after``: saved to disk, QEMU ended (no RAM held);
     a new runtime (server restart) adopts it from its recorded state and resume restores it, with
     the guest clock set to host time."""
-    from aenv.runtime.vm.runtime import RELEASED_LAYERED, is_released
+    from aenv.runtime.vm.release import is_released
+    from aenv.runtime.vm.table import RELEASED_LAYERED
 
     rt = make_runtime()
-    rt.release_after = 0.5
+    rt.release.release_after = 0.5
     tpl = _template(tmp_path)
     spec = _spec(tmp_path, "rel", tpl)
     state = await rt.create(spec)
@@ -371,7 +372,7 @@ async def test_paused_vm_released_after_idle_then_adopted_and_resumed(
     paused = await rt.pause("rel")
     assert "released" not in paused.data
     for _ in range(600):
-        if is_released(run_dir) and "rel" not in rt._sandboxes:
+        if is_released(run_dir) and "rel" not in rt.table.running:
             break
         await asyncio.sleep(0.05)
     assert (run_dir / RELEASED_LAYERED).is_file()  # device state + changed pages, not all of RAM
@@ -383,11 +384,11 @@ async def test_paused_vm_released_after_idle_then_adopted_and_resumed(
     assert sample.mem_used == 0
 
     # restart: the old runtime's objects vanish; the new one adopts from the state recorded at pause
-    rt._released.clear()
-    rt._specs.clear()
+    rt.table.released.clear()
+    rt.table.specs.clear()
     new = make_runtime()
     assert await new.adopt("rel", spec, paused)
-    assert "rel" in new._released
+    assert "rel" in new.table.released
     await asyncio.sleep(2.0)  # the saved guest clock falls behind meanwhile
     resumed = await new.resume("rel", paused)
     assert resumed.data["pid"] != pid
@@ -395,9 +396,9 @@ async def test_paused_vm_released_after_idle_then_adopted_and_resumed(
     _, out, _ = await run_cmd(new, "rel", "date +%s; echo kept > /dev/shm/k")  # HELLO set the clock
     assert abs(int(out.split()[0]) - time.time()) < 2, out
     # released again and back: the restored VM's base image (linked in its run dir) is reused
-    new.release_after = 0
+    new.release.release_after = 0
     await new.pause("rel")
-    assert is_released(run_dir) and "rel" in new._released
+    assert is_released(run_dir) and "rel" in new.table.released
     resumed = await new.resume("rel", resumed)
     _, out, _ = await run_cmd(new, "rel", "cat /dev/shm/k")
     assert out.strip() == "kept"
@@ -411,12 +412,12 @@ async def test_memory_pressure_releases_paused_vms_longest_paused_first(
     """Below ``vm_memory_low_mb`` available (here: a mark no host reaches, so always), paused VMs go
     to disk at once instead of after their idle period, the longest-paused first; running ones stay.
     A released one resumes from disk with its processes' state."""
-    from aenv.runtime.vm.runtime import is_released
+    from aenv.runtime.vm.release import is_released
 
     rt = make_runtime()
-    rt.release_after = 3600.0  # the idle release would never come within the test
-    rt.memory_low_mb = 1e12
-    rt.pressure_interval = 3600.0  # rounds are driven by hand below
+    rt.release.release_after = 3600.0  # the idle release would never come within the test
+    rt.release.memory_low_mb = 1e12
+    rt.release.pressure_interval = 3600.0  # rounds are driven by hand below
     tpl = _template(tmp_path)
     states = {sid: await rt.create(_spec(tmp_path, sid, tpl)) for sid in ("mp1", "mp2", "mp3")}
     await rt.pause("mp2")
@@ -429,10 +430,10 @@ async def test_memory_pressure_releases_paused_vms_longest_paused_first(
             os.kill(states[sid].data["pid"], 0)
     assert await _health(rt, "mp3") in (200, 204)  # running: untouched
     assert await rt.relieve_pressure() == []
-    rt.memory_low_mb = 0  # off: a paused VM stays in RAM
+    rt.release.memory_low_mb = 0  # off: a paused VM stays in RAM
     await rt.pause("mp3")
     assert await rt.relieve_pressure() == []
-    resumed = await rt.resume("mp1", rt._state_any("mp1"))
+    resumed = await rt.resume("mp1", rt.table.state_of("mp1"))
     assert resumed.data["pid"] != states["mp1"].data["pid"]
     assert await _health(rt, "mp1") in (200, 204)
     for sid in ("mp1", "mp2", "mp3"):
@@ -559,3 +560,51 @@ async def test_internet_vm_reaches_the_internet_but_nothing_of_the_host(
             assert all(s is not None and not s.ref.alive() for s in slirps)  # they end with their QEMU
     finally:
         listener.close()
+
+
+def _pool_qemus(rt: VmRuntime) -> list[int]:
+    """QEMU processes of the runtime's pool entries (run dirs ``pool-*`` under its run root)."""
+    from aenv.runtime.vm.reconcile import qemu_cmdlines
+
+    marker = f"{rt.run_root}/pool-".encode()
+    return [pid for pid, cmd in qemu_cmdlines().items() if marker in cmd]
+
+
+async def test_close_ends_the_pools_and_frees_template_ram_once_no_sandbox_is_left(
+    make_runtime: Callable[[], VmRuntime], tmp_path: Path
+) -> None:
+    """Server stop (``close``): every pool QEMU ends, warm and blank, including one still being
+    spawned; user sandboxes outlive it, and so does the template RAM in /dev/shm while one of them
+    is left. Once none is, the next close removes the RAM dir too."""
+    tpl = _template(tmp_path)
+    rt = make_runtime()
+    state = await rt.create(_spec(tmp_path, "stays", tpl))  # the warm pool starts refilling now
+    key = (await rt.template_for(_spec(tmp_path, "x", tpl))).key
+    rt.blank_pool.want(key, True)
+    for _ in range(400):  # a pool QEMU runs but no entry is ready yet: close lands mid-spawn
+        if _pool_qemus(rt):
+            break
+        await asyncio.sleep(0.02)
+    assert _pool_qemus(rt) and not rt.pool.names(), "no pool spawn in flight to close"
+    await rt.close()
+    await asyncio.sleep(0.1)
+    assert _pool_qemus(rt) == [] and not any(rt.run_root.glob("pool-*"))
+    os.kill(state.data["pid"], 0)  # the user's sandbox runs on
+    assert rt.shm_dir.is_dir() and any(rt.frozen_dir.iterdir()), "template RAM removed under a sandbox"
+
+    await rt.sandbox("stays").machine.qmp.disconnect()  # the stopped server's process is gone
+    rt.table.running.clear()
+    new = make_runtime()  # a later server: the sandbox goes, a pool entry comes, then it stops
+    assert await new.adopt("stays", _spec(tmp_path, "stays", tpl), state)
+    await new.kill("stays", state)
+    await new.template_for(_spec(tmp_path, "x", tpl))
+    new.pool.want(key, True)
+    for _ in range(1200):
+        if new.pool.names():
+            break
+        await asyncio.sleep(0.05)
+    assert new.pool.names()
+    await new.close()
+    await asyncio.sleep(0.1)
+    _no_qemu_under(new.run_root)
+    assert not new.shm_dir.exists()

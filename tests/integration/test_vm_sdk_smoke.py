@@ -42,7 +42,7 @@ pytestmark = [
 
 
 def _qemu_pids(*markers: str) -> list[int]:
-    from aenv.runtime.vm.runtime import qemu_cmdlines
+    from aenv.runtime.vm.reconcile import qemu_cmdlines
 
     return [pid for pid, cmd in qemu_cmdlines().items() if any(m.encode() in cmd for m in markers)]
 

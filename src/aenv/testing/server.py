@@ -95,7 +95,8 @@ def reap_vms(state_dir: Path) -> list[int]:
     middle of a template build or pool refill never got to end them itself."""
     import hashlib
 
-    from aenv.runtime.vm.runtime import qemu_cmdlines, shm_dir_for
+    from aenv.runtime.vm.reconcile import qemu_cmdlines
+    from aenv.runtime.vm.runtime import shm_dir_for
 
     state = str(Path(state_dir).absolute())
     markers = [
@@ -122,7 +123,8 @@ def discard_vm_state(state_dir: Path) -> None:
     import contextlib
 
     from aenv.runtime.vm.frozen import remove_tree
-    from aenv.runtime.vm.runtime import OWNER_FILE, shm_dir_for
+    from aenv.runtime.vm.reconcile import OWNER_FILE
+    from aenv.runtime.vm.runtime import shm_dir_for
 
     reap_vms(state_dir)
     state = Path(state_dir).absolute()

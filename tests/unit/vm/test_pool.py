@@ -88,3 +88,67 @@ async def test_take_without_refill_waits_for_want() -> None:
         await asyncio.sleep(0)
     assert len(made) == 2 and len(pool.names()) == 1
     await pool.aclose()
+
+
+async def test_drop_template_ends_its_entries_and_spawns_in_flight() -> None:
+    """Both network modes of the template go, ready and still spawning (the spawner is cancelled
+    and closes what it started); other templates' entries stay; a later want fills it again."""
+    made: list[FakeSandbox] = []
+    started: list[str] = []
+    release = asyncio.Event()
+
+    async def spawn(name: str, key: str, allow: bool) -> Any:
+        started.append(key)
+        if key == "slow":
+            await release.wait()  # never set: still spawning when the template goes
+        s = FakeSandbox(f"{key}-{allow}-{name}")
+        made.append(s)
+        return s
+
+    pool = RestorePool(1, spawn)
+    for key, allow in (("t", True), ("t", False), ("other", True), ("slow", True)):
+        pool.want(key, allow)
+    for _ in range(50):
+        await asyncio.sleep(0)
+    assert pool.template_keys() == {"t", "other", "slow"}
+    await pool.drop_template("t")
+    await pool.drop_template("slow")
+    assert pool.template_keys() == {"other"}
+    assert sorted(s.name.split("-pool")[0] for s in made if s.closed) == ["t-False", "t-True"]
+    assert [s.name.split("-pool")[0] for s in made if not s.closed] == ["other-True"]
+    assert pool.take("t", True, refill=False) is None and started.count("slow") == 1
+    pool.want("t", True)
+    for _ in range(50):
+        await asyncio.sleep(0)
+    assert pool.template_keys() == {"other", "t"}
+    await pool.aclose()
+    assert all(s.closed for s in made)
+
+
+async def test_forget_template_drops_both_pools_entries_of_that_template_only(tmp_path: Any) -> None:
+    """``VmRuntime.forget_template``: the warm and blank pool entries of every template built from
+    the id (any shape: the pool keys are template keys) go; a template whose id merely starts the
+    same stays."""
+    from aenv.config import Settings
+    from aenv.runtime.vm.runtime import VmRuntime
+
+    made: list[FakeSandbox] = []
+
+    async def spawn(name: str, key: str, allow: bool) -> Any:
+        s = FakeSandbox(key)
+        made.append(s)
+        return s
+
+    rt = VmRuntime(Settings(state_dir=tmp_path, cache_dir=tmp_path / "cache"), pool_size=1)
+    rt.pool, rt.blank_pool = RestorePool(1, spawn), RestorePool(1, spawn)
+    keys = ["code-interpreter-0123456789ab", "code-interpreter-ba9876543210", "code-interpreter-v1-0123456789ab"]
+    for key in keys:
+        rt.pool.want(key, True)
+        rt.blank_pool.want(key, False)
+    for _ in range(50):
+        await asyncio.sleep(0)
+    await rt.forget_template("code-interpreter")
+    assert rt.pool.template_keys() == rt.blank_pool.template_keys() == {keys[2]}
+    assert sorted(s.name for s in made if s.closed) == sorted(keys[:2] * 2)
+    await rt.pool.aclose()
+    await rt.blank_pool.aclose()

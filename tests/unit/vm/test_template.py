@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from aenv.runtime.base import SandboxImage
 from aenv.runtime.vm import template as templates
 from aenv.runtime.vm.accel import AccelChoice
@@ -82,22 +84,6 @@ def test_child_config_same_shape_own_paths(tmp_path: Path) -> None:
     assert len(str(child.qmp_socket)) < 108
 
 
-def test_sweep_orphan_ram(tmp_path: Path) -> None:
-    from aenv.runtime.vm.runtime import OWNER_FILE, sweep_orphan_ram
-
-    live_state = tmp_path / "state-live"
-    live_state.mkdir()
-    for name, owner in (("aenv-live", live_state), ("aenv-dead", tmp_path / "gone"), ("aenv-unmarked", None)):
-        d = tmp_path / "shm" / name
-        d.mkdir(parents=True)
-        (d / "t.mem").write_bytes(b"x")
-        if owner is not None:
-            (d / OWNER_FILE).write_text(str(owner))
-    removed = sweep_orphan_ram(tmp_path / "shm")
-    assert [p.name for p in removed] == ["aenv-dead"]
-    assert sorted(p.name for p in (tmp_path / "shm").iterdir()) == ["aenv-live", "aenv-unmarked"]
-
-
 def test_prune_tools_images(tmp_path: Path) -> None:
     import os
 
@@ -112,3 +98,19 @@ def test_prune_tools_images(tmp_path: Path) -> None:
     removed = prune_tools_images(tmp_path, keep=paths[0], spare=2)
     assert sorted(p.name for p in removed) == ["tools-1.ext4", "tools-2.ext4"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tools-0.ext4", "tools-3.ext4", "tools-4.ext4"]
+
+
+async def test_template_cache_forgets_the_templates_of_one_id(tmp_path: Path) -> None:
+    """Keys keep the id and a hash: another id that starts the same is another template."""
+    cache = templates.TemplateCache(tmp_path / "templates", tmp_path / "frozen", tmp_path / "run")
+    ids = ("code-interpreter", "code-interpreter-v1")
+    keys = {i: templates.template_key(_tpl(template_id=i), SHAPE, TCG, ART) for i in ids}
+    assert templates.built_from(keys["code-interpreter"], "code-interpreter")
+    assert not templates.built_from(keys["code-interpreter-v1"], "code-interpreter")
+    cfg = _built(tmp_path).cfg
+    for i in ids:
+        cache._templates[keys[i]] = templates.FrozenTemplate(keys[i], tmp_path, cfg)
+    assert cache.forget("code-interpreter") == [keys["code-interpreter"]]
+    assert cache.get(keys["code-interpreter-v1"]).key == keys["code-interpreter-v1"]
+    with pytest.raises(KeyError):
+        cache.get(keys["code-interpreter"])

@@ -151,3 +151,15 @@ def copy_sparse(src: Path, dst: Path) -> int:
             pos = end
     os.rename(tmp, dst)
     return copied
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """A hard link (same filesystem: no copy, the repository stores it once anyway), else a sparse
+    copy: how RAM images and layers are put into snapshot and run dirs."""
+    if dst.exists() and os.path.samefile(src, dst):
+        return  # e.g. a resumed VM's base image, released again
+    dst.unlink(missing_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        copy_sparse(src, dst)

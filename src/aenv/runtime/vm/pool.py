@@ -64,12 +64,23 @@ class RestorePool:
                 return
             entries.append(sbx)
 
-    def drop_template(self, template_key: str) -> list[VmSandbox]:
-        """Forget (and return, for closing) entries of a template that is going away."""
-        out: list[VmSandbox] = []
-        for key in [k for k in self._ready if k[0] == template_key]:
-            out += self._ready.pop(key)
-        return out
+    async def drop_template(self, template_key: str) -> None:
+        """End the entries of a template that is going away (both network modes), and the spawns
+        in flight for it; a later :meth:`want` starts again from nothing."""
+        keys = [k for k in {*self._ready, *self._fillers} if k[0] == template_key]
+        fillers = [t for k in keys if (t := self._fillers.pop(k, None)) is not None]
+        for t in fillers:
+            t.cancel()
+        for t in fillers:
+            with contextlib.suppress(BaseException):
+                await t
+        for key in keys:
+            for sbx in self._ready.pop(key, []):
+                await sbx.aclose()
+
+    def template_keys(self) -> set[str]:
+        """The templates this pool holds or fills entries for."""
+        return {k[0] for k in {*self._ready, *self._fillers}}
 
     def names(self) -> set[str]:
         return {s.name for entries in self._ready.values() for s in entries}

@@ -66,6 +66,27 @@ def run_paths(run_dir: Path) -> dict[str, Path]:
     }
 
 
+def own_ram_file(shm_dir: Path, sandbox_id: str) -> Path:
+    """The RAM file of a VM restored from a full save: its own (``share=on``), in tmpfs."""
+    return shm_dir / f"sbx-{sandbox_id}.mem"
+
+
+async def spawn_on_own_ram(base: VmConfig, mem: Path, run_dir: Path) -> Machine:
+    """A QEMU that waits for a full migration stream, on a new, empty RAM file ``mem``: the stream
+    skips zero pages, so the target must read as zeros (never map a template's file here)."""
+    with contextlib.suppress(FileNotFoundError):
+        mem.unlink()
+    cfg = replace(base, mem_share=True, mem_path=mem)
+    return await Machine.spawn(cfg, stderr_path=run_paths(run_dir)["stderr"], owned=[mem])
+
+
+async def spawn_on_frozen_ram(base: VmConfig, ram: Path, run_dir: Path) -> Machine:
+    """A QEMU that maps the frozen RAM file ``ram`` ``share=off`` and waits for the pages a layered
+    save changed (``memlayer.apply``) and its device state (a stream with no configuration section)."""
+    cfg = replace(base, mem_path=ram, send_configuration=False)
+    return await Machine.spawn(cfg, stderr_path=run_paths(run_dir)["stderr"])
+
+
 def child_config(tpl_cfg: VmConfig, name: str, run_dir: Path, allow_internet: bool) -> VmConfig:
     """The restore-side config of a template: own sockets and root overlay, same shape."""
     p = run_paths(run_dir)
@@ -325,10 +346,10 @@ class VmSandbox:
         self._closed = True
         await self.drop_session()
         await self.machine.kill()
-        await asyncio.shield(asyncio.to_thread(_rm, self.run_dir, extra_dir))
+        await asyncio.shield(asyncio.to_thread(remove_dirs, self.run_dir, extra_dir))
 
 
-def _rm(*dirs: Path | None) -> None:
+def remove_dirs(*dirs: Path | None) -> None:
     for d in dirs:
         if d is not None:
             shutil.rmtree(d, ignore_errors=True)

@@ -16,6 +16,9 @@ the RAM it is layered on, and a rebuilt template's RAM differs), a ramfs (``froz
 booting; afterwards only ever mapped ``share=off``, and on a filesystem that refuses the hole
 punches QEMU would make for a guest giving memory back, so it never changes again. ``key`` hashes everything that shapes the guest:
 template id and rootfs, CPU/RAM/disk, accelerator, guest artifacts and the agent arguments.
+
+:class:`TemplateCache` is a runtime's view of them: the templates it has loaded or built, one build
+per key at a time, and their RAM files back in the frozen store when a reboot emptied it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from aenv.errors import RuntimeFailure
 from aenv.runtime.base import SandboxImage
 from aenv.runtime.envd_client import ENVD_PORT, run_process
 
@@ -81,6 +85,12 @@ def template_key(
     ]  # fmt: skip
     h.update(json.dumps(facts, sort_keys=True, default=str).encode())
     return f"{tpl.template_id[:24]}-{h.hexdigest()[:12]}"
+
+
+def built_from(key: str, template_id: str) -> bool:
+    """Whether the template ``key`` was built from ``template_id`` (any shape, any build). Keys keep
+    only the id's first 24 characters: ids that share those match each other too."""
+    return key.rsplit("-", 1)[0] == template_id[:24]
 
 
 @dataclass
@@ -292,3 +302,84 @@ class TemplateBootError(RuntimeError):
 
 def describe(tpl: FrozenTemplate) -> dict[str, Any]:
     return {"key": tpl.key, "dir": str(tpl.dir), "mem": str(tpl.mem_path), "shape": tpl.cfg.shape()}
+
+
+class TemplateCache:
+    """The frozen templates of one state dir: in memory once loaded or built, on disk under
+    ``templates_dir``, their RAM in the frozen store ``frozen_dir`` (``frozen.py``)."""
+
+    def __init__(self, templates_dir: Path, frozen_dir: Path, run_root: Path, boot_timeout: float = 180.0) -> None:
+        self.templates_dir = templates_dir
+        self.frozen_dir = frozen_dir
+        self.run_root = run_root  # where a build's boot VM keeps its sockets
+        self.boot_timeout = boot_timeout
+        self._templates: dict[str, FrozenTemplate] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.building: set[str] = set()  # boot dir names (under run_root) of builds in flight
+
+    def get(self, key: str) -> FrozenTemplate:
+        """A template this cache holds already (the pools spawn only for those)."""
+        return self._templates[key]
+
+    async def for_image(
+        self, image: SandboxImage, shape: Shape, accel: AccelChoice, art: GuestArtifacts, append: tuple[str, ...]
+    ) -> FrozenTemplate:
+        """The template for this image and shape: cached, else from disk, else built (one build per key)."""
+        key = template_key(image, shape, accel, art, append)
+        if (tpl := self._templates.get(key)) is not None:
+            return tpl
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            if (tpl := self._templates.get(key)) is not None:
+                return tpl
+            tpl = await asyncio.to_thread(load, self.templates_dir, key)
+            if tpl is not None and tpl.mem_path.parent != self.frozen_dir:
+                log.warning("template %s: RAM file %s not in the frozen store; rebuilding", key, tpl.mem_path)
+                tpl = None
+            if tpl is not None:
+                await self.frozen_ram(tpl.ram_id, tpl.ram_image)  # back from disk after a reboot
+            if tpl is None:
+                boot_name = boot_dir_name(key)
+                self.building.add(boot_name)
+                try:
+                    tpl = await build(
+                        self.templates_dir, image, shape, accel, art, boot_timeout=self.boot_timeout,
+                        shm_dir=self.frozen_dir, run_root=self.run_root, append=append,
+                    )
+                finally:
+                    self.building.discard(boot_name)  # fmt: skip
+            self._templates[key] = tpl
+            return tpl
+
+    async def by_key(self, key: str) -> FrozenTemplate:
+        """The template a snapshot or a released sandbox names, loaded from disk if need be."""
+        tpl = self._templates.get(key)
+        if tpl is None:
+            tpl = await asyncio.to_thread(load, self.templates_dir, key)
+            if tpl is None:
+                raise RuntimeFailure(f"template snapshot {key} is gone (RAM file or disk missing)")
+            self._templates[key] = tpl
+        return tpl
+
+    async def frozen_ram(self, ram_id: str, image: Path) -> Path:
+        """The frozen RAM file ``ram_id`` in the store, copied from its on-disk ``image`` when the
+        store lacks it (a reboot emptied /dev/shm, or a snapshot from another machine)."""
+        mem = self.frozen_dir / f"{ram_id}.mem"
+        if not mem.is_file():
+            if not image.is_file():
+                raise RuntimeFailure(f"RAM {ram_id}: neither in the frozen store nor on disk ({image})")
+            t0 = time.perf_counter()
+            n = await asyncio.to_thread(copy_sparse, image, mem)
+            log.info("vm: RAM %s back in the frozen store (%.0f MB in %.0f ms)", ram_id, n / 1e6,
+                     (time.perf_counter() - t0) * 1000)  # fmt: skip
+        return mem
+
+    def forget(self, template_id: str) -> list[str]:
+        """Drop the cached templates built from ``template_id`` (it was deleted); returns their keys.
+        Files stay: sandboxes and snapshots of them still need them."""
+        keys = [k for k in self._templates if built_from(k, template_id)]
+        for key in keys:
+            del self._templates[key]  # its lock stays: a build in flight under it must stay the only one
+        return keys
+
+    def clear(self) -> None:
+        self._templates.clear()
