@@ -15,9 +15,10 @@ from collections.abc import Callable
 from typing import Any, Protocol
 from urllib.parse import parse_qs
 
+from aenv.runtime.envd_client import ENVD_PORT as ENVD_PORT  # the port a request names no port for
+
 from .codec import Scope, Send
 
-ENVD_PORT = 49983
 _HOST_RE = re.compile(r"^(\d{1,5})-([a-z0-9][a-z0-9_-]{0,63})\.")
 # envd's internal routes: only the orchestrator may call them, never a client through the proxy.
 _ENVD_INTERNAL = {"/init"}
