@@ -2,8 +2,9 @@
 # One entry point for a fresh Debian/Ubuntu machine. Idempotent: every step checks before it acts.
 #
 #   scripts/setup.sh serve [aenv serve options]   set up, then run the server on 127.0.0.1:8000
-#   scripts/setup.sh test  [pytest options]       set up, then run the test suite (default: the fast
-#                                                 selection, then its SDK tests again on the vm runtime)
+#   scripts/setup.sh test  [pytest options]       set up, then run the test suite (default: ruff, mypy
+#                                                 --strict and lint-imports, the fast selection, then its
+#                                                 SDK tests again on the vm runtime)
 #   scripts/setup.sh deps                         set up only
 #
 # Steps: system packages (apt, as root; otherwise prints the exact apt line) → .venv in the repo root →
@@ -87,6 +88,10 @@ case "$mode" in
     ;;
   test)
     if [ $# -gt 0 ]; then exec .venv/bin/python -m pytest "$@"; fi
+    say "static checks: ruff, mypy --strict, import-linter (the layers)"
+    .venv/bin/ruff check src tests bench
+    .venv/bin/mypy --strict src
+    .venv/bin/lint-imports
     say "running the test suite (ns runtime for the SDK tests)"
     .venv/bin/python -m pytest -m "not slow"
     # The SDK suite once more against the microVM runtime (skips with the reason where it cannot run).

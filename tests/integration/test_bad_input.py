@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import tempfile
 from pathlib import Path
@@ -24,7 +25,11 @@ def _is_e2b_error(resp: httpx.Response, status: int) -> None:
 
 
 def test_control_plane_rejects_garbage(server: Server) -> None:
-    c = httpx.Client(base_url=server.url, headers=_h(), trust_env=False)
+    with httpx.Client(base_url=server.url, headers=_h(), trust_env=False) as c:
+        _garbage_is_refused(c)
+
+
+def _garbage_is_refused(c: httpx.Client) -> None:
     _is_e2b_error(c.post("/v2/sandboxes", content=b"{{{", headers={"content-type": "application/json"}), 400)
     _is_e2b_error(c.post("/v2/sandboxes", json={"templateID": "no-such-template"}), 404)
     _is_e2b_error(c.post("/v2/sandboxes", json={"templateID": "base", "timeout": -1}), 400)
@@ -37,13 +42,14 @@ def test_control_plane_rejects_garbage(server: Server) -> None:
 
 def test_envd_edge_cases(e2b_env: dict[str, str], server: Server) -> None:
     sbx = Sandbox.create("base")
+    stack = contextlib.ExitStack()
     try:
         headers = {
             "E2b-Sandbox-Id": sbx.sandbox_id,
             "E2b-Sandbox-Port": "49983",
             "X-Access-Token": sbx._envd_access_token or "",  # type: ignore[attr-defined]
         }
-        c = httpx.Client(base_url=server.url, headers=headers, trust_env=False)
+        c = stack.enter_context(httpx.Client(base_url=server.url, headers=headers, trust_env=False))
         # Unknown pid → not_found, not a crash.
         r = c.post("/process.Process/SendSignal", json={"process": {"pid": 424242}, "signal": "SIGNAL_SIGKILL"},
                    headers={"Content-Type": "application/json", "Connect-Protocol-Version": "1"})
@@ -75,6 +81,7 @@ def test_envd_edge_cases(e2b_env: dict[str, str], server: Server) -> None:
         # Still serving.
         assert sbx.commands.run("echo ok").stdout.strip() == "ok"
     finally:
+        stack.close()
         sbx.kill()
 
 

@@ -83,24 +83,39 @@ async def test_session_gives_up_after_the_channel_timeout(tmp_path: Path) -> Non
         g[1].close()
 
 
-async def _echo_accept(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """The guest agent's side: every port connects to a local echo server."""
-    from tests.unit.mux.test_session import _echo_server
-
-    _, echo_port = await _echo_server()
-    return await asyncio.open_connection("127.0.0.1", echo_port)
-
-
 async def test_spare_envd_streams_are_used_first_and_dropped_with_the_session(tmp_path: Path) -> None:
     """A pool entry opens envd streams ahead (``open_spares``); ``open_stream`` hands them out
     before opening new ones, skips ones that died, and a dropped session takes them along."""
     from aenv.runtime.vm.sandbox import ENVD_PORT
 
+    handlers: list[asyncio.Future[None]] = []
+
+    async def echo_handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        done = asyncio.get_running_loop().create_future()
+        handlers.append(done)
+        try:
+            while data := await r.read(65536):
+                w.write(data)
+                await w.drain()
+        finally:
+            w.close()
+            done.set_result(None)
+
+    echo = await asyncio.start_server(echo_handler, "127.0.0.1", 0)
+    echo_port = echo.sockets[0].getsockname()[1]
+    opened: list[asyncio.StreamWriter] = []
+
+    async def echo_accept(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """The guest agent's side: every port connects to the local echo server."""
+        r, w = await asyncio.open_connection("127.0.0.1", echo_port)
+        opened.append(w)
+        return r, w
+
     class Machine(FakeMachine):
         async def open_channel(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
             host, guest = socket.socketpair()
             gr, gw = await asyncio.open_unix_connection(sock=guest)
-            self.guests.append(await MuxSession(gr, gw, accept=_echo_accept, name="guest").start())
+            self.guests.append(await MuxSession(gr, gw, accept=echo_accept, name="guest").start())
             return await asyncio.open_unix_connection(sock=host)
 
     sbx = VmSandbox("t", Machine(0), tmp_path, "tpl")  # type: ignore[arg-type]
@@ -118,3 +133,8 @@ async def test_spare_envd_streams_are_used_first_and_dropped_with_the_session(tm
     assert sbx.spare == [] and fresh.closed
     for g in sbx.machine.guests:  # type: ignore[attr-defined]
         await g.aclose()
+    for w in opened:
+        w.close()
+    await asyncio.wait_for(asyncio.gather(*handlers), 5)  # every echo connection ended on its side too
+    echo.close()
+    await echo.wait_closed()

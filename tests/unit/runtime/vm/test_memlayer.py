@@ -63,22 +63,21 @@ def test_layer_round_trip_into_another_process(tmp_path: Path) -> None:
     got_runs, got_data = memlayer.load(layer)
     assert got_runs == runs and bytes(got_data) == data
 
-    child = subprocess.Popen(
+    with subprocess.Popen(
         [sys.executable, "-c", CHILD, str(base), str(PAGES * PAGE), str(PAGE)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert child.stdout is not None and child.stdin is not None
-        assert child.stdout.readline().strip() == "ready"
-        where = memlayer.find_mapping(child.pid, base)
-        memlayer.write_pages(child.pid, where, *memlayer.load(layer))
-        assert memlayer.private_runs(child.pid, where) == runs
-        child.stdin.write("\n")
-        child.stdin.flush()
-        firsts = [int(x) for x in child.stdout.readline().split(",")]
-    finally:
-        child.kill()
-        child.wait()
+    ) as child:  # fmt: skip
+        try:
+            assert child.stdout is not None and child.stdin is not None
+            assert child.stdout.readline().strip() == "ready"
+            where = memlayer.find_mapping(child.pid, base)
+            memlayer.write_pages(child.pid, where, *memlayer.load(layer))
+            assert memlayer.private_runs(child.pid, where) == runs
+            child.stdin.write("\n")
+            child.stdin.flush()
+            firsts = [int(x) for x in child.stdout.readline().split(",")]
+        finally:
+            child.kill()
     expected = [i % 251 + 1 for i in range(PAGES)]
     for n, page in enumerate(p for first, count in runs for p in range(first, first + count)):
         expected[page] = 200 + n

@@ -41,15 +41,18 @@ class FakeQemu:
         await self.writer.drain()
 
     async def serve(self, handler: Handler, greet: bool = True) -> None:
-        if greet:
-            await self.send(GREETING)
-        while line := await self.reader.readline():
-            msg = json.loads(line)
-            self.received.append(msg)
-            if msg["execute"] == "qmp_capabilities":
-                await self.send({"return": {}, "id": msg.get("id")})
-            else:
-                await handler(self, msg)
+        try:
+            if greet:
+                await self.send(GREETING)
+            while line := await self.reader.readline():
+                msg = json.loads(line)
+                self.received.append(msg)
+                if msg["execute"] == "qmp_capabilities":
+                    await self.send({"return": {}, "id": msg.get("id")})
+                else:
+                    await handler(self, msg)
+        finally:  # the client left (or the test ended): this side closes too
+            self.writer.close()
 
     def close(self) -> None:
         self.writer.close()
@@ -217,6 +220,7 @@ async def test_frame_limit() -> None:
     assert isinstance(ei.value.__cause__, FrameTooLargeError)
     assert client.runstate is Runstate.IDLE
     sw.close()
+    cw.close()
 
 
 async def test_bad_greeting_rolls_back(setup: Any) -> None:
@@ -229,6 +233,7 @@ async def test_bad_greeting_rolls_back(setup: Any) -> None:
     with pytest.raises(ConnectError):
         await client.connect_streams(cr, cw, timeout=2)
     assert client.runstate is Runstate.IDLE
+    cw.close()
 
 
 async def test_connect_timeout_when_socket_missing(tmp_path: Any) -> None:
