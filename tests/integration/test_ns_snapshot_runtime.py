@@ -15,6 +15,7 @@ from aenv.config import Settings
 from aenv.errors import RuntimeFailure, StateError
 from aenv.runtime.base import RuntimeState, SandboxImage, SandboxSpec
 from aenv.runtime.ns import NsRuntime, criu
+from tests.fixtures.runtime import fork_via
 from tests.integration.test_ns_runtime import busybox_root, run_cmd, settings, spec_for, template, traces
 
 __all__ = ["busybox_root", "settings", "template"]
@@ -54,7 +55,8 @@ async def test_snapshot_create_and_capabilities(rt: NsRuntime, settings: Setting
         assert not (snap / "upper").exists()
     result = await rt.snapshot(spec.sandbox_id, snap, "filesystem")
     assert result.mode == "filesystem" and result.layers == ("upper",)
-    assert result.data["lowers"] == [str(template.rootfs)] and result.data["snapshot_depth"] == 0
+    assert result.stack == () and result.base_lowers == (str(template.rootfs),)
+    assert result.paused_ms is not None and result.paused_ms > 0  # frozen while the upper was copied
     assert not rt.sandbox(spec.sandbox_id).cgroup.frozen()
 
     child = spec_for(settings, template)
@@ -66,7 +68,7 @@ async def test_snapshot_create_and_capabilities(rt: NsRuntime, settings: Setting
     snap2 = tmp_path / "snap2"
     snap2.mkdir()
     r2 = await rt.snapshot(child.sandbox_id, snap2, "filesystem")
-    assert r2.data["lowers"] == [str(snap / "upper"), str(template.rootfs)] and r2.data["snapshot_depth"] == 1
+    assert r2.stack == (str(snap / "upper"),) and r2.base_lowers == (str(template.rootfs),) and r2.depth == 1
     assert sorted(p.name for p in (snap2 / "upper" / "root").iterdir()) == ["b"]
     for sid in (spec.sandbox_id, child.sandbox_id):
         await rt.kill(sid)
@@ -87,8 +89,7 @@ async def test_fork_one_child_failing(rt: NsRuntime, settings: Settings, templat
 
     monkeypatch.setattr(rt, "_launch_ready", flaky)
     scratch = tmp_path / "fork"
-    scratch.mkdir()
-    result, states = await rt.fork(src.sandbox_id, children, scratch)
+    result, states = await fork_via(rt, src.sandbox_id, children, scratch)
     monkeypatch.undo()
     assert result.mode == ("full" if criu.probe().usable else "filesystem")
     assert isinstance(states[1], RuntimeFailure)

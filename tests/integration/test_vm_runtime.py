@@ -28,6 +28,7 @@ from aenv.runtime.vm.frozen import is_frozen_store, remove_tree
 from aenv.runtime.vm.kernel import find_kernel
 from aenv.runtime.vm.runtime import VmRuntime
 from tests.fixtures.envd import run_cmd
+from tests.fixtures.runtime import fork_via
 
 BUSYBOX = Path("/bin/busybox")
 CACHE = Path(os.environ.get("AENV_CACHE_DIR") or default_cache_dir())
@@ -270,14 +271,14 @@ async def test_snapshot_fork_rollback(make_runtime: Callable[[], VmRuntime], tmp
     assert src.disk_generation == 1
     layer_mb = (snap / "mem.0.layer").stat().st_size / 2**20
     print(
-        f"\n[vm-rt] snapshot of a running sandbox {snap_ms:.0f} ms (paused {result.data['paused_ms']} ms), "
+        f"\n[vm-rt] snapshot of a running sandbox {snap_ms:.0f} ms (paused {result.paused_ms} ms), "
         f"RAM layer {layer_mb:.1f} MiB"
     )
     assert layer_mb < 200  # changed pages only, not the guest's 256 MiB
     await run_cmd(rt, "src", "echo after-snapshot > /dev/shm/m; echo after > /root/d; sync")  # it runs on
 
     t0 = time.perf_counter()
-    _, states = await rt.fork(
+    _, states = await fork_via(rt, 
         "src", [_spec(tmp_path, f"kid{i}", tpl) for i in range(2)], tmp_path / "scratch"
     )
     print(f"[vm-rt] fork into 2 children {(time.perf_counter() - t0) * 1000:.0f} ms")
@@ -535,7 +536,7 @@ async def test_internet_vm_reaches_the_internet_but_nothing_of_the_host(
     try:
         with public_host() as public:
             await rt.create(_spec(tmp_path, "inet", tpl, allow_internet=True))
-            _, kids = await rt.fork("inet", [_spec(tmp_path, "inet-kid", tpl, allow_internet=True)],
+            _, kids = await fork_via(rt, "inet", [_spec(tmp_path, "inet-kid", tpl, allow_internet=True)],
                                     tmp_path / "inet-fork")
             assert not isinstance(kids[0], BaseException), kids
             probe_host = "; ".join(

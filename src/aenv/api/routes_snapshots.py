@@ -47,8 +47,8 @@ def snapshot_json(row: SnapshotRow, orch: Orchestrator, detail: bool = False) ->
         "createdAt": iso(row.created_at),
         "sizeBytes": row.size_bytes,
     }
-    paused = (row.result or {}).get("data", {}).get("paused_ms")
-    if isinstance(paused, (int, float)):
+    paused = orch.snapshot_result(row).paused_ms
+    if paused is not None:
         out["pausedMs"] = paused  # aenv: how long the sandbox was stopped to take it
     # aenv: the runtime is still writing its files (usable already; sizeBytes is final once false)
     out["writing"] = orch.snapshot_writing(row.id)

@@ -5,28 +5,12 @@ These are plain dataclasses; ``api/`` converts E2B-shaped JSON into them and bac
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 from aenv.errors import StateError
+from aenv.kinds import SandboxState
 
-
-class SandboxState(enum.StrEnum):
-    """Lifecycle: starting → running ⇄ paused → killing (then the row is deleted).
-
-    Only ``running`` and ``paused`` are ever shown to E2B clients.
-    """
-
-    STARTING = "starting"
-    RUNNING = "running"
-    PAUSING = "pausing"
-    PAUSED = "paused"
-    RESUMING = "resuming"
-    KILLING = "killing"
-
-    @property
-    def visible(self) -> bool:
-        return self in (SandboxState.RUNNING, SandboxState.PAUSED)
+__all__ = ["CreateRequest", "ListQuery", "SandboxState", "require_state"]
 
 
 def require_state(sandbox_id: str, current: SandboxState, *allowed: SandboxState, action: str) -> None:

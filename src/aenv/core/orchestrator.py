@@ -33,8 +33,9 @@ from aenv.core.templates import TemplateCatalog
 from aenv.errors import AenvError, CapacityError, PortNotOpen, SandboxNotFound, SandboxUnreachable
 from aenv.faults import fault_point
 from aenv.images import ProgressCallback
+from aenv.kinds import TemplateKind
 from aenv.mux import ByteStream, StreamRefused
-from aenv.runtime.base import ResourceSample, Runtime, RuntimeState
+from aenv.runtime.base import ResourceSample, Runtime, RuntimeState, SnapshotResult
 from aenv.store.sqlite import SandboxRow, SnapshotRow, Store, TemplateRow, now
 
 __all__ = ["LiveSandbox", "Orchestrator", "file_signature"]
@@ -117,7 +118,7 @@ class Orchestrator:
                     if state in (SandboxState.PAUSING, SandboxState.RESUMING):
                         with contextlib.suppress(Exception):
                             await self.runtime.pause(row.id)
-                        row.state = SandboxState.PAUSED.value
+                        row.state = SandboxState.PAUSED
                         row.paused_at = row.paused_at or now()
                         self.store.update_sandbox(row.id, state=row.state, paused_at=row.paused_at)
                     self.table.add(LiveSandbox(row=row, spec=spec))
@@ -209,7 +210,7 @@ class Orchestrator:
                 id=sandbox_id,
                 template_id=template.id,
                 alias=template.alias,
-                state=SandboxState.STARTING.value,
+                state=SandboxState.STARTING,
                 runtime=self.runtime.name,
                 started_at=started,
                 end_at=started + timeout,
@@ -225,7 +226,7 @@ class Orchestrator:
                 idempotency_key=req.idempotency_key,
                 created_seq=self.table.next_seq(),
             )
-            snapshot = self.snapshots.snapshot_for_template(template.id) if template.kind == "snapshot" else None
+            snapshot = self.snapshots.snapshot_for_template(template.id) if template.kind is TemplateKind.SNAPSHOT else None
             if snapshot is not None:
                 row.lineage_head = snapshot.id
                 row.depends_on = [snapshot.id]
@@ -246,7 +247,7 @@ class Orchestrator:
             # The TTL counts from when the sandbox became usable.
             row.started_at = now()
             row.end_at = row.started_at + timeout
-            row.state = SandboxState.RUNNING.value
+            row.state = SandboxState.RUNNING
             row.runtime_state = state.data
             self.store.update_sandbox(
                 sandbox_id, state=row.state, started_at=row.started_at, end_at=row.end_at, runtime_state=state.data
@@ -262,7 +263,7 @@ class Orchestrator:
         async with sbx.lock:
             if sbx.id not in self.table:
                 raise SandboxNotFound(sandbox_id)
-            sbx.row.state = SandboxState.KILLING.value
+            sbx.row.state = SandboxState.KILLING
             self.store.update_sandbox(sbx.id, state=sbx.row.state)
             fault_point("kill.stored")
             await self.ctx.forget(sbx.row)
@@ -284,17 +285,17 @@ class Orchestrator:
             await self._pause_locked(sbx)
 
     async def _pause_locked(self, sbx: LiveSandbox) -> None:
-        sbx.row.state = SandboxState.PAUSING.value
+        sbx.row.state = SandboxState.PAUSING
         self.store.update_sandbox(sbx.id, state=sbx.row.state)
         try:
             fault_point("pause.stored")
             state = await self.runtime.pause(sbx.id)
         except BaseException:
-            sbx.row.state = SandboxState.RUNNING.value
+            sbx.row.state = SandboxState.RUNNING
             self.store.update_sandbox(sbx.id, state=sbx.row.state)
             raise
         fault_point("pause.done")
-        sbx.row.state = SandboxState.PAUSED.value
+        sbx.row.state = SandboxState.PAUSED
         sbx.row.paused_at = now()
         sbx.row.runtime_state = state.data
         self.store.update_sandbox(
@@ -319,17 +320,17 @@ class Orchestrator:
             return sbx, True
 
     async def _resume_locked(self, sbx: LiveSandbox, timeout: int) -> None:
-        sbx.row.state = SandboxState.RESUMING.value
+        sbx.row.state = SandboxState.RESUMING
         self.store.update_sandbox(sbx.id, state=sbx.row.state)
         try:
             fault_point("resume.stored")
             state = await self.runtime.resume(sbx.id, RuntimeState(sbx.row.runtime_state))
         except BaseException:
-            sbx.row.state = SandboxState.PAUSED.value
+            sbx.row.state = SandboxState.PAUSED
             self.store.update_sandbox(sbx.id, state=sbx.row.state)
             raise
         fault_point("resume.done")
-        sbx.row.state = SandboxState.RUNNING.value
+        sbx.row.state = SandboxState.RUNNING
         sbx.row.paused_at = None
         sbx.row.end_at = now() + timeout
         sbx.row.runtime_state = state.data
@@ -449,6 +450,10 @@ class Orchestrator:
             "usedBy": self.snapshots.dependents(snapshot_id),
         }
 
+    def snapshot_result(self, row: SnapshotRow) -> SnapshotResult:
+        """What the runtime recorded about a snapshot (mode, layers, how long the sandbox stopped)."""
+        return result_of(row)
+
     def snapshot_writing(self, snapshot_id: str) -> bool:
         return self.snapshots.is_writing(snapshot_id)
 
@@ -472,7 +477,7 @@ class Orchestrator:
     async def delete_template(self, name: str) -> None:
         """A snapshot template deletes its snapshot; an image template drains the runtime's pools."""
         row = self.templates.resolve(name)
-        if row.kind == "snapshot":
+        if row.kind is TemplateKind.SNAPSHOT:
             await self.snapshots.delete(row.id)
         else:
             await self.template_flows.delete(row)

@@ -23,25 +23,22 @@ from pathlib import Path
 
 from aenv.core.context import Context
 from aenv.core.ids import new_id, new_token
-from aenv.core.models import SandboxState, require_state
+from aenv.core.models import require_state
 from aenv.core.sync import SnapshotSync, disk_usage, short_error
 from aenv.core.table import LiveSandbox
 from aenv.errors import AenvError, CapacityError, Conflict, InvalidRequest, SnapshotNotFound, StateError
 from aenv.faults import fault_point
+from aenv.kinds import SandboxState, SnapshotMode, TemplateKind
 from aenv.runtime.base import UNFINISHED_MARKER, SnapshotCapable, SnapshotResult
 from aenv.store.sqlite import SnapshotRow, now
 
 log = logging.getLogger("aenv.core")
 
 MAX_FORK = 64
-MODES = ("full", "filesystem")
 
 
 def result_of(row: SnapshotRow) -> SnapshotResult:
-    r = row.result
-    return SnapshotResult(
-        mode=row.mode, layers=tuple(r.get("layers", ())), parent_snapshot=row.parent_id, data=dict(r.get("data", {}))
-    )
+    return SnapshotResult.from_record(row.mode, row.result, parent=row.parent_id)
 
 
 class SnapshotFlows:
@@ -95,17 +92,21 @@ class SnapshotFlows:
 
     # ---- snapshot -------------------------------------------------------------------------------
     async def create(self, sandbox_id: str, name: str | None, mode: str) -> SnapshotRow:
-        if mode not in MODES:
-            raise InvalidRequest(f"unknown snapshot mode '{mode}': use full or filesystem")
+        try:
+            wanted = SnapshotMode(mode)
+        except ValueError:
+            raise InvalidRequest(f"unknown snapshot mode '{mode}': use full or filesystem") from None
         rt = self.runtime
         sbx = self.ctx.table.get(sandbox_id)
         async with sbx.lock:
             require_state(sbx.id, sbx.state, SandboxState.RUNNING, SandboxState.PAUSED, action="snapshot")
-            return await self._snapshot_locked(rt, sbx, name, mode, internal=False)
+            return await self._snapshot_locked(rt, sbx, name, wanted, internal=False)
 
     async def _snapshot_locked(
-        self, rt: SnapshotCapable, sbx: LiveSandbox, name: str | None, mode: str, *, internal: bool
+        self, rt: SnapshotCapable, sbx: LiveSandbox, name: str | None, mode: SnapshotMode, *, internal: bool
     ) -> SnapshotRow:
+        """Snapshot ``sbx`` (its lock held): row first, then the runtime, then the row says ready.
+        ``internal``: a fork point (hidden, collected when nothing needs it, never published)."""
         snap_id = new_id()
         directory = self.ctx.settings.snapshots_dir / snap_id
         row = SnapshotRow(
@@ -131,7 +132,7 @@ class SnapshotFlows:
             shutil.rmtree(directory, ignore_errors=True)
             raise
         fault_point("snapshot.done")
-        if mode == "full" and result.mode != "full":
+        if mode is SnapshotMode.FULL and result.mode is not SnapshotMode.FULL:
             # Never silently less than asked.
             self.store.delete_snapshot(snap_id)
             shutil.rmtree(directory, ignore_errors=True)
@@ -141,7 +142,7 @@ class SnapshotFlows:
             )
         row.mode = result.mode
         row.state = "ready"
-        row.result = {"layers": list(result.layers), "data": result.data}
+        row.result = result.to_record()
         row.size_bytes = disk_usage(directory)
         self.store.update_snapshot(snap_id, mode=row.mode, state=row.state, result=row.result, size_bytes=row.size_bytes)
         sbx.row.lineage_head = snap_id
@@ -149,16 +150,19 @@ class SnapshotFlows:
         if not internal:
             self._register_template(row, sbx)
         if result.pending is not None:
-            self._settle_later(row, result.pending, publish=not internal)
+            self._settle_later(row, result, publish=not internal)
         elif not internal:
             self.sync.publish(row)
         log.info("sandbox=%s snapshot=%s mode=%s parent=%s", sbx.id, snap_id, row.mode, row.parent_id)
         return row
 
-    def _settle_later(self, row: SnapshotRow, pending: asyncio.Future[None], *, publish: bool) -> None:
+    def _settle_later(self, row: SnapshotRow, result: SnapshotResult, *, publish: bool) -> None:
         """The runtime returned before the snapshot's files were all written (the vm runtime writes
         RAM layer and disk while the sandbox runs on). When they are: record the final size and
         result, then publish. If they cannot be: the snapshot is deleted, loudly."""
+
+        pending = result.pending
+        assert pending is not None
 
         async def run() -> None:
             try:
@@ -170,7 +174,7 @@ class SnapshotFlows:
             if self.store.get_snapshot(row.id) is None:
                 return  # deleted meanwhile
             row.size_bytes = disk_usage(Path(row.dir))
-            # row.result holds the runtime's data dict, which it completed while writing the files
+            row.result = result.to_record()  # the runtime completed its data while writing the files
             self.store.update_snapshot(row.id, result=row.result, size_bytes=row.size_bytes)
             if publish:
                 self.sync.publish(row)
@@ -207,14 +211,17 @@ class SnapshotFlows:
             self.store.update_sandbox(live.id, lineage_head=row.parent_id)
 
     def discard_unfinished(self) -> list[str]:
-        """At start-up: snapshots whose files a stopped server was still writing are incomplete
-        (the runtime marks them with UNFINISHED_MARKER until done); delete them."""
+        """At start-up: a snapshot whose row still says ``creating`` (the server stopped before the
+        runtime finished), or whose files a stopped server was still writing (the runtime marks them
+        with UNFINISHED_MARKER until done), is incomplete; delete it. Then collect the fork points
+        nothing needs any more."""
         out = []
         for row in self.store.list_snapshots():
-            if (Path(row.dir) / UNFINISHED_MARKER).exists():
+            if row.state == "creating" or (Path(row.dir) / UNFINISHED_MARKER).exists():
                 log.warning("snapshot=%s was still being written when the server stopped; deleting it", row.id)
                 self._discard(row)
                 out.append(row.id)
+        self.collect_garbage()
         return out
 
     def _register_template(self, row: SnapshotRow, sbx: LiveSandbox) -> None:
@@ -222,7 +229,7 @@ class SnapshotFlows:
         base = self.store.get_template(row.template_id)
         self.ctx.templates.register(
             alias=row.name,
-            kind="snapshot",
+            kind=TemplateKind.SNAPSHOT,
             rootfs=Path(base.rootfs) if base else Path(row.dir),
             lowers=[Path(p) for p in base.lowers] if base else [],
             config={**(base.config if base else {}), "snapshot": row.id},
@@ -236,7 +243,7 @@ class SnapshotFlows:
     def _base_template(self, template_id: str) -> str:
         """Snapshots remember the image template at the root of their chain."""
         tpl = self.store.get_template(template_id)
-        if tpl is not None and tpl.kind == "snapshot":
+        if tpl is not None and tpl.kind is TemplateKind.SNAPSHOT:
             snap = self.store.get_snapshot(tpl.id)
             if snap is not None:
                 return snap.template_id
@@ -245,12 +252,15 @@ class SnapshotFlows:
     # ---- start from snapshot --------------------------------------------------------------------
     def snapshot_for_template(self, template_id: str) -> SnapshotRow | None:
         tpl = self.store.get_template(template_id)
-        if tpl is None or tpl.kind != "snapshot":
+        if tpl is None or tpl.kind is not TemplateKind.SNAPSHOT:
             return None
         return self.get(tpl.id)
 
     # ---- fork -----------------------------------------------------------------------------------
     async def fork(self, sandbox_id: str, count: int, timeout: int | None) -> list[LiveSandbox | AenvError]:
+        """``count`` copies of a running sandbox, the source running on: one snapshot (internal, in the
+        best mode the runtime has for it) then one restore per child, side by side. A child that fails
+        is an error in its place of the result; the others are fine."""
         if not 1 <= count <= MAX_FORK:
             raise InvalidRequest(f"count must be between 1 and {MAX_FORK}")
         timeout = timeout if timeout is not None else self.ctx.settings.default_timeout
@@ -261,61 +271,50 @@ class SnapshotFlows:
             raise CapacityError(f"forking {count} would exceed the sandbox limit", retry_after=5)
         async with src.lock:
             require_state(src.id, src.state, SandboxState.RUNNING, action="fork")
-            scratch_id = new_id()
-            scratch = self.ctx.settings.snapshots_dir / scratch_id
-            scratch.mkdir(parents=True, exist_ok=True)
-            children: list[LiveSandbox] = []
-            for _ in range(count):
-                children.append(self._child_of(src, timeout, depends_on=[scratch_id]))
-            snap_row = SnapshotRow(
-                id=scratch_id, sandbox_id=src.id, parent_id=src.row.lineage_head,
-                template_id=self._base_template(src.row.template_id), runtime=self.ctx.runtime.name,
-                mode="full", state="creating", internal=True, created_at=now(), dir=str(scratch),
-            )
-            self.store.put_snapshot(snap_row)
+            mode = await rt.fork_mode(src.id)
+            children = [self._child_of(src, timeout) for _ in range(count)]
             try:
                 fault_point("fork.stored")
-                result, states = await rt.fork(src.id, [c.spec for c in children], scratch)
+                point = await self._snapshot_locked(rt, src, None, mode, internal=True)
+                for child in children:  # the fork point's files back the children
+                    child.row.depends_on = sorted(set(child.row.depends_on) | {point.id})
+                    self.store.update_sandbox(child.id, depends_on=child.row.depends_on)
+                result = result_of(point)
+                states = await asyncio.gather(
+                    *(rt.create_from_snapshot(c.spec, Path(point.dir), result) for c in children), return_exceptions=True
+                )
             except BaseException:
                 for child in children:
                     await self.ctx.forget(child.row)
-                self.store.delete_snapshot(scratch_id)
-                shutil.rmtree(scratch, ignore_errors=True)
                 raise
             fault_point("fork.done")
-            snap_row.mode = result.mode
-            snap_row.state = "ready"
-            snap_row.result = {"layers": list(result.layers), "data": result.data}
-            self.store.update_snapshot(scratch_id, mode=result.mode, state="ready", result=snap_row.result)
-            # The source now also runs from the fork point (vm restores it from the same frozen state).
-            src.row.lineage_head = scratch_id
-            self.store.update_sandbox(src.id, lineage_head=scratch_id)
             out: list[LiveSandbox | AenvError] = []
             for child, state in zip(children, states, strict=True):
                 if isinstance(state, BaseException):
                     await self.ctx.forget(child.row)
                     out.append(state if isinstance(state, AenvError) else AenvError(f"fork failed: {state}"))
                     continue
-                child.row.state = SandboxState.RUNNING.value
+                child.row.state = SandboxState.RUNNING
                 child.row.started_at = now()
                 child.row.end_at = child.row.started_at + timeout
                 child.row.runtime_state = state.data
-                child.row.lineage_head = scratch_id
+                child.row.lineage_head = point.id
                 self.store.update_sandbox(
                     child.id, state=child.row.state, started_at=child.row.started_at, end_at=child.row.end_at,
-                    runtime_state=state.data, lineage_head=scratch_id,
+                    runtime_state=state.data, lineage_head=point.id,
                 )
                 out.append(child)
         self.collect_garbage()
-        log.info("sandbox=%s forked into %d (%d ok) mode=%s", src.id, count, sum(not isinstance(o, AenvError) for o in out), result.mode)
+        log.info("sandbox=%s forked into %d (%d ok) mode=%s", src.id, count,
+                 sum(not isinstance(o, AenvError) for o in out), point.mode)
         return out
 
-    def _child_of(self, src: LiveSandbox, timeout: int, depends_on: list[str]) -> LiveSandbox:
+    def _child_of(self, src: LiveSandbox, timeout: int) -> LiveSandbox:
         t = now()
         row = replace(
             src.row,
             id=new_id(),
-            state=SandboxState.STARTING.value,
+            state=SandboxState.STARTING,
             started_at=t,
             end_at=t + timeout,
             paused_at=None,
@@ -325,7 +324,7 @@ class SnapshotFlows:
             created_seq=self.ctx.table.next_seq(),
             metadata=dict(src.row.metadata),
             env_vars=dict(src.row.env_vars),
-            depends_on=sorted(set(src.row.depends_on) | set(depends_on)),
+            depends_on=list(src.row.depends_on),
         )
         spec = replace(
             src.spec, sandbox_id=row.id, workdir=self.ctx.settings.sandboxes_dir / row.id, access_token=row.access_token
@@ -351,7 +350,7 @@ class SnapshotFlows:
                     sandbox_id=sandbox_id, snapshot_id=snapshot_id,
                 )
             state = await rt.rollback(sbx.id, sbx.spec, Path(target.dir), result_of(target))
-            sbx.row.state = SandboxState.RUNNING.value
+            sbx.row.state = SandboxState.RUNNING
             sbx.row.paused_at = None
             sbx.row.runtime_state = state.data
             sbx.row.lineage_head = target.id
@@ -368,15 +367,13 @@ class SnapshotFlows:
         return self.ctx.table.depending_on(snapshot_id)
 
     def layered_on(self, row: SnapshotRow) -> list[str]:
-        """Other snapshots whose recorded layers (``result.data["lowers"]``, e.g. ns overlay lowers of an
-        incremental snapshot) live inside this snapshot's directory."""
+        """Other snapshots that stack on a layer inside this snapshot's directory (ns: an incremental
+        snapshot sits on its parent's ``upper``)."""
         prefix = row.dir.rstrip("/") + "/"
-
-        def uses(other: SnapshotRow) -> bool:
-            lowers = other.result.get("data", {}).get("lowers")
-            return other.id != row.id and isinstance(lowers, list) and any(str(p).startswith(prefix) for p in lowers)
-
-        return [other.id for other in self.store.list_snapshots() if uses(other)]
+        return [
+            other.id for other in self.store.list_snapshots()
+            if other.id != row.id and any(p.startswith(prefix) for p in result_of(other).stack)
+        ]  # fmt: skip
 
     async def delete(self, snapshot_id: str) -> None:
         await self._settled(snapshot_id)

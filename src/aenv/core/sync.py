@@ -25,6 +25,7 @@ from typing import Any
 from aenv.core.context import Context
 from aenv.core.ids import is_valid_id
 from aenv.errors import RuntimeFailure, StateError, TemplateNotFound
+from aenv.kinds import TemplateKind
 from aenv.store.sqlite import SnapshotRow, TemplateRow, now
 
 log = logging.getLogger("aenv.core")
@@ -186,7 +187,7 @@ class SnapshotSync:
             if await self.fetch(name) is None:
                 raise
             return self.ctx.templates.resolve(name)
-        if tpl.kind == "snapshot" and self.ctx.repository is not None:
+        if tpl.kind is TemplateKind.SNAPSHOT and self.ctx.repository is not None:
             row = self.ctx.store.get_snapshot(tpl.id)
             if row is not None and row.id == tpl.id and row.state == "ready" and not Path(row.dir).is_dir():
                 await self.fetch(row.id)
@@ -254,7 +255,7 @@ class SnapshotSync:
             alias = manifest.name if manifest.name and self.ctx.store.get_template(manifest.name) is None else None
             meta = manifest.meta
             self.ctx.templates.register(
-                alias=alias, kind="snapshot", rootfs=Path(template.rootfs), lowers=[Path(p) for p in template.lowers],
+                alias=alias, kind=TemplateKind.SNAPSHOT, rootfs=Path(template.rootfs), lowers=[Path(p) for p in template.lowers],
                 config={**template.config, "snapshot": snapshot_id}, source=f"snapshot {snapshot_id} (repository)",
                 template_id=snapshot_id, cpu_count=meta.get("cpu_count") if isinstance(meta.get("cpu_count"), int) else None,
                 memory_mb=meta.get("memory_mb") if isinstance(meta.get("memory_mb"), int) else None, size_bytes=size,
@@ -269,7 +270,7 @@ class SnapshotSync:
             tpl = self.ctx.store.get_template(alias) if isinstance(alias, str) and alias else None
             if tpl is not None and tpl.alias != alias:
                 tpl = None
-        if tpl is None or tpl.kind == "snapshot":
+        if tpl is None or tpl.kind is TemplateKind.SNAPSHOT:
             raise StateError(
                 f"snapshot '{snapshot_id}' runs on template '{alias or template_id}', which this server does not "
                 "have: pull or build it first", snapshot_id=snapshot_id,

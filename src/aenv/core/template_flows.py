@@ -20,6 +20,7 @@ from aenv.core.templates import sandbox_image_of
 from aenv.errors import InvalidRequest
 from aenv.images import ImageBuilder, ProgressCallback, evict_periodically, parse_reference
 from aenv.images.bootstrap import ensure_base_rootfs
+from aenv.kinds import TemplateKind
 from aenv.store.sqlite import TemplateRow
 
 log = logging.getLogger("aenv.core")
@@ -54,10 +55,10 @@ class TemplateFlows:
         """Register the default ``base`` template from the cached bootstrap rootfs (building it if
         missing; blocking) and ``code-interpreter-v1`` if its layers are built."""
         row = self.ctx.store.get_template("base")
-        if row is None or (row.kind == "bootstrap" and not Path(row.rootfs).is_dir()):
+        if row is None or (row.kind is TemplateKind.BOOTSTRAP and not Path(row.rootfs).is_dir()):
             rootfs = ensure_base_rootfs(self.ctx.settings)
             self.ctx.templates.register(
-                alias="base", kind="bootstrap", rootfs=rootfs, source="debian:bookworm", template_id="base"
+                alias="base", kind=TemplateKind.BOOTSTRAP, rootfs=rootfs, source="debian:bookworm", template_id="base"
             )
             log.info("template base registered from %s", rootfs)
         self.ctx.templates.register_interpreter_if_built()
@@ -82,7 +83,7 @@ class TemplateFlows:
         view = sandbox_image_of(pulled, "", start_cmd=start_cmd, ready_cmd=ready_cmd)
         row = self.ctx.templates.register(
             alias=name or default_name(image),
-            kind="image",
+            kind=TemplateKind.IMAGE,
             rootfs=view.rootfs,
             lowers=list(view.lowers),
             config={

@@ -15,6 +15,7 @@ from aenv.core.ids import new_id
 from aenv.errors import Conflict, TemplateNotFound
 from aenv.images import interpreter
 from aenv.images.templates import PulledImage
+from aenv.kinds import TemplateKind
 from aenv.runtime.base import SandboxImage
 from aenv.store.sqlite import Store, TemplateRow, now
 
@@ -71,7 +72,7 @@ class TemplateCatalog:
         self,
         *,
         alias: str | None,
-        kind: str,
+        kind: TemplateKind,
         rootfs: Path,
         lowers: list[Path] | None = None,
         config: dict[str, Any] | None = None,
@@ -104,7 +105,7 @@ class TemplateCatalog:
         """Register (or refresh) ``code-interpreter-v1`` over ``layers``; its ID is its name, like ``base``."""
         return self.register(
             alias=interpreter.TEMPLATE_NAME,
-            kind="bootstrap",
+            kind=TemplateKind.BOOTSTRAP,
             rootfs=layers.base,
             lowers=layers.lowers,
             config={"start_cmd": interpreter.START_CMD, "ready_cmd": interpreter.READY_CMD},

@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from aenv.kinds import SnapshotMode
 from aenv.mux.stream import ByteStream
+from aenv.snapshots.record import normalize
 
 
 @dataclass(frozen=True)
@@ -58,19 +60,44 @@ class SandboxSpec:
 class SnapshotResult:
     """What a runtime wrote into a snapshot directory, and in which mode it really did it.
 
-    ``mode`` is "full" (processes + memory + files) or "filesystem" (files only); a runtime never
-    reports more than it did, and the orchestrator refuses a request it cannot honour.
-    ``layers`` are directories/files inside the snapshot dir that the repository stores content-addressed.
+    ``mode`` is full (processes + memory + files) or filesystem (files only); a runtime never reports
+    more than it did, and the orchestrator refuses a request it cannot honour. The typed fields are
+    what core and the repository read; ``data`` is the runtime's own and opaque to everyone else.
+    Stored as a record (``snapshots/record.py`` names the keys): :meth:`to_record`, :meth:`from_record`.
     """
 
-    mode: str
-    layers: tuple[str, ...] = ()
+    mode: SnapshotMode
+    layers: tuple[str, ...] = ()  # paths inside the snapshot dir that the repository stores
+    stack: tuple[str, ...] = ()  # host paths of other snapshots' layers it sits on, top first
+    base_lowers: tuple[str, ...] = ()  # host paths of the image layers under the stack (ns)
+    paused_ms: float | None = None  # how long the sandbox was stopped to take it
     parent_snapshot: str | None = None
     data: dict[str, Any] = field(default_factory=dict)
     # Files the runtime is still writing after the call returned (the sandbox already runs on):
     # awaiting it raises if they could not be written. ``data`` may gain entries until then. The
     # runtime's own restores wait for it; the orchestrator waits before sizing or publishing.
     pending: asyncio.Future[None] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def depth(self) -> int:
+        """How many snapshot layers it stacks on."""
+        return len(self.stack)
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "layers": list(self.layers), "stack": list(self.stack), "base_lowers": list(self.base_lowers),
+            "paused_ms": self.paused_ms, "data": self.data,
+        }  # fmt: skip
+
+    @classmethod
+    def from_record(cls, mode: str, record: dict[str, Any] | None, parent: str | None = None) -> SnapshotResult:
+        r = normalize(record)
+        paused = r["paused_ms"]
+        return cls(
+            mode=SnapshotMode(mode), layers=tuple(r["layers"]), stack=tuple(r["stack"]),
+            base_lowers=tuple(r["base_lowers"]), paused_ms=float(paused) if paused is not None else None,
+            parent_snapshot=parent, data=r["data"],
+        )  # fmt: skip
 
 
 # In a snapshot directory while ``SnapshotResult.pending`` runs: a snapshot that still has it after
@@ -155,17 +182,17 @@ class SnapshotCapable(Protocol):
     sandbox that itself came from a snapshot may reference the parent's layers instead of copying them.
     """
 
-    async def snapshot(self, sandbox_id: str, into: Path, mode: str) -> SnapshotResult:
-        """Capture the running sandbox into ``into`` (pausing it only briefly). ``mode`` is "full" or
-        "filesystem"; raise StateError if the requested mode is impossible here."""
+    async def snapshot(self, sandbox_id: str, into: Path, mode: SnapshotMode) -> SnapshotResult:
+        """Capture the running sandbox into ``into`` (pausing it only briefly). Raise StateError if the
+        requested mode is impossible here."""
+
+    async def fork_mode(self, sandbox_id: str) -> SnapshotMode:
+        """The most a snapshot of this sandbox can hold here (fork asks for it: a fork never fails for
+        want of memory checkpoints, and reports what it got)."""
 
     async def create_from_snapshot(self, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
-        """Start a new sandbox (new ID, token, identity) from a snapshot; ready like ``create``."""
-
-    async def fork(
-        self, sandbox_id: str, children: list[SandboxSpec], scratch: Path
-    ) -> tuple[SnapshotResult, list[RuntimeState | BaseException]]:
-        """Copy a running sandbox into N children; the source keeps running. One entry per child."""
+        """Start a new sandbox (new ID, token, identity) from a snapshot; ready like ``create``. Fork is
+        one snapshot then one of these per child, written once in ``core/snapshots.py``."""
 
     async def rollback(self, sandbox_id: str, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
         """Put the same sandbox (same ID and token) back to the snapshot's state."""

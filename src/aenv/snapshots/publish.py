@@ -4,8 +4,8 @@
 
 * the runtime's own layers: ``SnapshotResult.layers``, paths inside the snapshot directory (ns:
   ``upper`` and, in full mode, ``criu``; vm: the flattened disk and the device+RAM state file);
-* the snapshot layers it stacks on, which live in *other* snapshots' directories (ns: the first
-  ``snapshot_depth`` entries of ``data["lowers"]``, parent snapshots' ``upper`` dirs) as ``stack/<i>``.
+* the snapshot layers it stacks on, which live in *other* snapshots' directories (the record's
+  ``stack``; ns: parent snapshots' ``upper`` dirs) as ``stack/<i>``.
   Packing is deterministic, so a parent's ``upper`` published on its own and as a child's ``stack/0``
   is one object in the store.
 
@@ -13,9 +13,9 @@ The image template under it is *not* published: the receiving server must have t
 (by ID, else by alias; ``base`` is the same everywhere). Then the manifest is written, last.
 
 **Materialize** downloads every layer (each checked against its sha256 and size) into a hidden
-temporary directory beside the destination, rewrites the host paths the runtime recorded (ns:
-``data["lowers"]`` → ``<dest>/stack/<i>`` + this server's template lowers), and renames the
-directory into place: a snapshot directory is complete or absent.
+temporary directory beside the destination, rewrites the host paths of the record (``stack`` →
+``<dest>/stack/<i>``; ``base_lowers`` → this server's template lowers), and renames the directory into
+place: a snapshot directory is complete or absent. The record's keys: ``snapshots/record.py``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from aenv.snapshots.manifest import LayerRef, Manifest, ManifestError
+from aenv.snapshots.record import normalize
 from aenv.snapshots.repository import SnapshotRepository
 
 STACK = "stack"
@@ -42,15 +43,6 @@ def safe_relpath(rel: str) -> str:
     if not 1 <= len(parts) <= 3 or not all(_PART.match(p) and p not in (".", "..") for p in parts):
         raise ManifestError(f"bad layer path {rel!r}")
     return "/".join(parts)
-
-
-def stack_layers(data: dict[str, Any]) -> list[str]:
-    """Host paths of the snapshot layers a snapshot stacks on (ns: the top ``snapshot_depth`` lowers)."""
-    lowers = data.get("lowers")
-    if not isinstance(lowers, list):
-        return []
-    depth = int(data.get("snapshot_depth") or 0)
-    return [str(p) for p in lowers[: max(0, depth)]]
 
 
 async def publish_snapshot(
@@ -69,10 +61,11 @@ async def publish_snapshot(
 ) -> Manifest:
     """Upload a snapshot's layers, then its manifest. Safe to repeat (layers already stored are not
     uploaded again), which is how a publish killed half-way is resumed."""
-    own = [safe_relpath(rel) for rel in result.get("layers") or ()]
-    data = dict(result.get("data") or {})
+    record = normalize(result)
+    own = [safe_relpath(rel) for rel in record["layers"]]
     sources = [(rel, directory / rel) for rel in own]
-    sources += [(f"{STACK}/{i}", Path(p)) for i, p in enumerate(stack_layers(data))]
+    sources += [(f"{STACK}/{i}", Path(p)) for i, p in enumerate(record["stack"])]
+    facts = {"paused_ms": record["paused_ms"], "needs_template_lowers": bool(record["base_lowers"])}
     for _attempt in range(3):
         layers: list[LayerRef] = []
         for rel, path in sources:
@@ -86,10 +79,10 @@ async def publish_snapshot(
             template_id=template_id,
             layers=layers,
             parent=parent,
-            runtime_data=data,
+            runtime_data=record["data"],
             created_at=created_at,
             name=name,
-            meta={**(meta or {}), "paths": [rel for rel, _ in sources], "own_layers": own},
+            meta={**(meta or {}), **facts, "paths": [rel for rel, _ in sources], "own_layers": own},
         )
         await repo.put_manifest(manifest)
         # A delete of another snapshot may have freed a shared layer between our existence check
@@ -111,13 +104,16 @@ async def materialize(
     paths = [safe_relpath(p) for p in paths]
     own = [safe_relpath(p) for p in manifest.meta.get("own_layers") or []]
     depth = sum(1 for p in paths if p.startswith(STACK + "/"))
-    data = dict(manifest.runtime_data)
-    if isinstance(data.get("lowers"), list):
+    legacy = isinstance(manifest.runtime_data.get("lowers"), list)  # published before records had a stack
+    record = normalize({"data": manifest.runtime_data, "paused_ms": manifest.meta.get("paused_ms")})
+    if legacy and depth != len(record["stack"]):
+        raise ManifestError(f"snapshot {manifest.snapshot_id}: {depth} stacked layers, record says otherwise")
+    record["layers"] = own
+    record["stack"] = [str(dest / STACK / str(i)) for i in range(depth)]
+    if legacy or manifest.meta.get("needs_template_lowers"):
         if template_lowers is None:
             raise ManifestError(f"snapshot {manifest.snapshot_id} needs its template's lowers on this host")
-        if depth != int(data.get("snapshot_depth") or 0):
-            raise ManifestError(f"snapshot {manifest.snapshot_id}: {depth} stacked layers, record says otherwise")
-        data["lowers"] = [str(dest / STACK / str(i)) for i in range(depth)] + [str(p) for p in template_lowers]
+        record["base_lowers"] = [str(p) for p in template_lowers]
     tmp = dest.parent / f"{FETCH_PREFIX}{dest.name}-{secrets.token_hex(4)}"
     try:
         tmp.mkdir(parents=True)
@@ -130,7 +126,7 @@ async def materialize(
         with contextlib.suppress(OSError):
             shutil.rmtree(tmp)
         raise
-    return {"layers": own, "data": data}
+    return record
 
 
 def clean_fetch_leftovers(snapshots_dir: Path) -> None:

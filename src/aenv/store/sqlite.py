@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from aenv.errors import StoreError
+from aenv.kinds import SandboxState, SnapshotMode, TemplateKind
 
 SCHEMA_VERSION = 1
 
@@ -88,7 +89,7 @@ CREATE INDEX IF NOT EXISTS snapshots_sandbox ON snapshots(sandbox_id);
 class SandboxRow:
     id: str
     template_id: str
-    state: str
+    state: SandboxState
     runtime: str
     started_at: float
     end_at: float
@@ -109,11 +110,14 @@ class SandboxRow:
     lineage_head: str | None = None  # the snapshot this sandbox's state descends from (checkpoint tree)
     depends_on: list[str] = field(default_factory=list)  # snapshots whose files this sandbox needs while alive
 
+    def __post_init__(self) -> None:
+        self.state = SandboxState(self.state)  # the database holds the plain value
+
 
 @dataclass
 class TemplateRow:
     id: str
-    kind: str  # "bootstrap" | "image" | "snapshot"
+    kind: TemplateKind
     rootfs: str
     cpu_count: int
     memory_mb: int
@@ -126,13 +130,16 @@ class TemplateRow:
     size_bytes: int = 0
     pinned_layers: list[str] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self.kind = TemplateKind(self.kind)
+
 
 @dataclass
 class SnapshotRow:
     id: str
     template_id: str
     runtime: str
-    mode: str  # "full" | "filesystem"
+    mode: SnapshotMode
     state: str  # "creating" | "ready"
     created_at: float
     dir: str
@@ -143,6 +150,9 @@ class SnapshotRow:
     result: dict[str, Any] = field(default_factory=dict)
     published: bool = False
     size_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        self.mode = SnapshotMode(self.mode)
 
 
 _JSON_FIELDS = {"metadata", "env_vars", "runtime_state", "lowers", "config", "pinned_layers", "depends_on", "result"}

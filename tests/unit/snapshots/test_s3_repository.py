@@ -13,7 +13,7 @@ from pathlib import Path
 import obstore
 import pytest
 
-from aenv.snapshots.manifest import Manifest
+from aenv.snapshots.manifest import Manifest, ManifestError
 from aenv.snapshots.publish import materialize, publish_snapshot
 from aenv.snapshots.repository import SnapshotRepository, layer_key, make_store
 from tests.fixtures.seaweedfs import SeaweedFS, seaweedfs, unique_prefix  # noqa: F401
@@ -90,24 +90,50 @@ async def test_publish_and_materialize_a_stacked_snapshot(repo: SnapshotReposito
     _tree(parent / "upper", "parent")
     child = tmp_path / "snapshots" / "child"
     _tree(child / "upper", "child")
-    result = {"layers": ["upper"], "data": {
-        "lowers": [str(parent / "upper"), "/cache/template/rootfs"], "snapshot_depth": 1, "compacted": False}}
+    result = {"layers": ["upper"], "stack": [str(parent / "upper")], "base_lowers": ["/cache/template/rootfs"],
+              "paused_ms": 3.5, "data": {"compacted": False}}
     p_manifest = await publish_snapshot(repo, snapshot_id="parent", directory=parent, mode="filesystem", runtime="ns",
-                                        template_id="base", result={"layers": ["upper"], "data": {
-                                            "lowers": ["/cache/template/rootfs"], "snapshot_depth": 0}})
+                                        template_id="base", result={"layers": ["upper"], "stack": [],
+                                                                    "base_lowers": ["/cache/template/rootfs"]})
     manifest = await publish_snapshot(repo, snapshot_id="child", directory=child, mode="filesystem", runtime="ns",
                                       template_id="base", result=result, parent="parent", name="step")
     assert [layer.name for layer in manifest.layers] == ["upper.tar.zst", "stack/0.tar.zst"]
     assert manifest.layers[1].digest == p_manifest.layers[0].digest  # the parent's upper is stored once
+    assert manifest.runtime_data == {"compacted": False}  # the runtime's own facts, no host paths
 
     dest = tmp_path / "elsewhere" / "snapshots" / "child"
     dest.parent.mkdir(parents=True)
     back = await materialize(repo, await repo.get_manifest("child"), dest, ["/other/host/rootfs"])
-    assert back["layers"] == ["upper"]
-    assert back["data"]["lowers"] == [str(dest / "stack" / "0"), "/other/host/rootfs"]
+    assert back["layers"] == ["upper"] and back["paused_ms"] == 3.5 and back["data"] == {"compacted": False}
+    # host paths rewritten for this host: the parent's layer as fetched, this host's template lowers
+    assert back["stack"] == [str(dest / "stack" / "0")] and back["base_lowers"] == ["/other/host/rootfs"]
     assert _digest_tree(dest / "upper") == _digest_tree(child / "upper")
     assert _digest_tree(dest / "stack" / "0") == _digest_tree(parent / "upper")
     assert not list(dest.parent.glob(".fetch-*"))
+    with pytest.raises(ManifestError, match="template's lowers"):
+        await materialize(repo, await repo.get_manifest("child"), tmp_path / "third" / "child", None)
+
+
+async def test_a_manifest_published_before_records_had_a_stack_still_materializes(
+    repo: SnapshotRepository, tmp_path: Path
+) -> None:
+    """Older servers kept the ns stack in the runtime data (``lowers`` + ``snapshot_depth``)."""
+    parent = tmp_path / "snapshots" / "parent"
+    _tree(parent / "upper", "parent")
+    child = tmp_path / "snapshots" / "child"
+    _tree(child / "upper", "child")
+    legacy = {"layers": ["upper"], "data": {
+        "lowers": [str(parent / "upper"), "/cache/template/rootfs"], "snapshot_depth": 1, "compacted": False}}
+    manifest = await publish_snapshot(repo, snapshot_id="old", directory=child, mode="filesystem", runtime="ns",
+                                      template_id="base", result=legacy)
+    manifest.runtime_data = dict(legacy["data"])  # as an older server wrote it
+    manifest.meta.pop("needs_template_lowers")
+    await repo.put_manifest(manifest)
+    dest = tmp_path / "elsewhere" / "old"
+    dest.parent.mkdir(parents=True)
+    back = await materialize(repo, await repo.get_manifest("old"), dest, ["/other/host/rootfs"])
+    assert back["stack"] == [str(dest / "stack" / "0")] and back["base_lowers"] == ["/other/host/rootfs"]
+    assert back["data"] == {"compacted": False}
 
 
 async def test_keys_are_required_and_prefixes_isolate(seaweedfs: SeaweedFS, tmp_path: Path) -> None:  # noqa: F811

@@ -65,3 +65,25 @@ def test_template_cache_sees_another_connections_writes(store: Store, tmp_path: 
         assert store.get_template("ci") is None
     finally:
         other.close()
+
+
+def test_rows_come_back_with_their_enums_and_refuse_unknown_values(store: Store) -> None:
+    import pytest
+
+    from aenv.kinds import SandboxState, SnapshotMode, TemplateKind
+    from aenv.store.sqlite import SnapshotRow
+
+    store.put_sandbox(SandboxRow(id="s2", template_id="base", state=SandboxState.PAUSED, runtime="ns", started_at=1.0,
+                                 end_at=2.0, cpu_count=1, memory_mb=256, disk_mb=512))
+    got = store.get_sandbox("s2")
+    assert got is not None and got.state is SandboxState.PAUSED
+    store.put_template(template("t-enum", "/r"))
+    tpl = store.get_template("t-enum")
+    assert tpl is not None and tpl.kind is TemplateKind.BOOTSTRAP
+    store.put_snapshot(SnapshotRow(id="p1", template_id="base", runtime="ns", mode="filesystem", state="ready",
+                                   created_at=1.0, dir="/d"))
+    snap = store.get_snapshot("p1")
+    assert snap is not None and snap.mode is SnapshotMode.FILESYSTEM
+    with pytest.raises(ValueError):
+        SandboxRow(id="x", template_id="base", state="exploded", runtime="ns", started_at=0, end_at=0,  # type: ignore[arg-type]
+                   cpu_count=1, memory_mb=1, disk_mb=1)

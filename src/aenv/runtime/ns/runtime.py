@@ -32,6 +32,7 @@ from typing import Any
 
 from aenv.config import Settings
 from aenv.errors import RuntimeFailure, SandboxNotFound, SandboxUnreachable, StateError
+from aenv.kinds import SnapshotMode
 from aenv.mux import ByteStream, MuxError
 from aenv.runtime.base import ResourceSample, RuntimeState, SandboxImage, SandboxSpec, SnapshotResult
 from aenv.runtime.envd_client import EnvdError, init_payload
@@ -43,7 +44,6 @@ from aenv.runtime.ns.reconcile import ReconcileReport, reconcile
 from aenv.runtime.ns.sandbox import STATE_FILE, LaunchOptions, NsSandbox
 from aenv.runtime.ns.snapshot import NsSnapshots
 from aenv.runtime.ns.zygote import Zygote, socket_path_for, sweep_stale_sockets
-from aenv.runtime.process import ProcRef
 from aenv.runtime.streams import open_checked
 from aenv.runtime.tools import ensure_tools
 
@@ -140,10 +140,6 @@ class NsRuntime:
         keep = self.pool.names() | set(self._sandboxes)
         return await reconcile(self.layout, self.settings.sandboxes_dir,
                                [self.pool_dir, self.settings.state_dir / LEGACY_POOL_DIR], set(known_ids), keep)
-
-    def warm(self, template: SandboxImage, allow_internet: bool = True) -> None:
-        """Mark a template hot: the pool starts filling for it now (non-blocking)."""
-        self.pool.want(template, allow_internet)
 
     async def forget_template(self, template_id: str | None = None) -> None:
         """Drop pooled sandboxes of a template (call after rebuilding or deleting it)."""
@@ -378,15 +374,14 @@ class NsRuntime:
         return used if used is not None else _disk_usage(sbx.paths.upper)
 
     # ---- SnapshotCapable (see snapshot.py) -------------------------------------------------------
-    async def snapshot(self, sandbox_id: str, into: Path, mode: str) -> SnapshotResult:
+    async def snapshot(self, sandbox_id: str, into: Path, mode: SnapshotMode) -> SnapshotResult:
         return await self.snapshots.snapshot(sandbox_id, into, mode)
 
     async def create_from_snapshot(self, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
         return await self.snapshots.create_from_snapshot(spec, snapshot, result)
 
-    async def fork(self, sandbox_id: str, children: list[SandboxSpec],
-                   scratch: Path) -> tuple[SnapshotResult, list[RuntimeState | BaseException]]:
-        return await self.snapshots.fork(sandbox_id, children, scratch)
+    async def fork_mode(self, sandbox_id: str) -> SnapshotMode:
+        return await self.snapshots.fork_mode(sandbox_id)
 
     async def rollback(self, sandbox_id: str, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
         return await self.snapshots.rollback(sandbox_id, spec, snapshot, result)
@@ -413,6 +408,3 @@ class NsRuntime:
     # ---- helpers for tests and diagnostics ------------------------------------------------------
     def sandbox(self, sandbox_id: str) -> NsSandbox:
         return self._get(sandbox_id)
-
-    def init_ref(self, sandbox_id: str) -> ProcRef | None:
-        return self._get(sandbox_id).init

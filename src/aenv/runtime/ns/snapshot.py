@@ -10,14 +10,12 @@ Snapshot directory (owned by the orchestrator; we only write into it)::
     upper/     the sandbox's upper at freeze time (or, compacted, all snapshot layers merged)
     criu/      full mode only: ``criu dump`` images of the process tree
 
-``SnapshotResult.data``::
-
-    lowers          the overlay lowers the sandbox ran on, top first (snapshot layers, then template)
-    snapshot_depth  how many of ``lowers``, from the top, are snapshot layers (``<snap>/upper`` dirs)
-    compacted       True if this snapshot merged its chain into ``upper`` (then depth is 0)
+The overlay the sandbox ran on is in the result's typed fields: ``stack`` (the snapshot layers,
+``<snap>/upper`` dirs, top first) and ``base_lowers`` (the template's lowers under them); ``data``
+adds ``compacted`` (True if this snapshot merged its chain into ``upper``; its stack is then empty).
 
 **Restore** (new sandbox, fork child, rollback) stacks ``<snap>/upper`` on top of the recorded
-lowers and gives the sandbox a fresh empty upper: nothing is copied, the start is a cold start of
+stack and base lowers and gives the sandbox a fresh empty upper: nothing is copied, the start is a cold start of
 agent + envd (about as fast as a pool miss), and the next snapshot of that sandbox copies only
 what changed since (an incremental layer). Chains deeper than ``MAX_DEPTH`` snapshot layers, or
 whose overlay mount options would not fit in one page, are compacted at snapshot time: the new
@@ -29,7 +27,7 @@ quotas each root is a btrfs subvolume, and nothing inside one can be renamed out
 
 **Full mode** (processes + memory) needs CRIU >= 4.2, detected at run time (``criu.py``); without it
 a full snapshot is refused with StateError (→ 409), never silently downgraded. Fork asks for the best
-mode available and reports it in ``SnapshotResult.mode``.
+mode available (``fork_mode``) and reports it in ``SnapshotResult.mode``.
 """
 
 from __future__ import annotations
@@ -49,6 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aenv.errors import InvalidRequest, RuntimeFailure, StateError
+from aenv.kinds import SnapshotMode
 from aenv.runtime.base import RuntimeState, SandboxSpec, SnapshotResult
 from aenv.runtime.ns import criu
 from aenv.runtime.ns.disk import remove_tree
@@ -170,15 +169,12 @@ def needs_compaction(lowers: list[str], depth: int, sample_upper: str) -> bool:
 
 def stack_of(snapshot: Path, result: SnapshotResult) -> tuple[tuple[str, ...], tuple[Path, ...]]:
     """(snapshot layers, template lowers) a sandbox restored from ``snapshot`` runs on."""
-    data = result.data
-    lowers = [str(p) for p in data.get("lowers") or []]
-    depth = int(data.get("snapshot_depth") or 0)
     upper = snapshot / UPPER
-    if not lowers or not 0 <= depth < len(lowers) + 1:
-        raise StateError(f"snapshot {snapshot.name} has no usable layer record (lowers={lowers!r})")
+    if not result.base_lowers:
+        raise StateError(f"snapshot {snapshot.name} has no usable layer record (no image layers recorded)")
     if not upper.is_dir():
         raise StateError(f"snapshot {snapshot.name} is missing its files ({upper} is gone)")
-    return (str(upper), *lowers[:depth]), tuple(Path(p) for p in lowers[depth:])
+    return (str(upper), *result.stack), tuple(Path(p) for p in result.base_lowers)
 
 
 # ---- the SnapshotCapable implementation --------------------------------------------------------
@@ -193,8 +189,11 @@ class NsSnapshots:
     def criu_status(self) -> criu.CriuStatus:
         return criu.probe()
 
-    def best_mode(self, sbx: NsSandbox) -> str:
-        return "full" if self._full_refusal(sbx) is None else "filesystem"
+    def best_mode(self, sbx: NsSandbox) -> SnapshotMode:
+        return SnapshotMode.FULL if self._full_refusal(sbx) is None else SnapshotMode.FILESYSTEM
+
+    async def fork_mode(self, sandbox_id: str) -> SnapshotMode:
+        return await asyncio.to_thread(self.best_mode, self.rt._get(sandbox_id))
 
     def _full_refusal(self, sbx: NsSandbox) -> str | None:
         status = self.criu_status()
@@ -205,11 +204,12 @@ class NsSnapshots:
         return None
 
     # -- snapshot --
-    async def snapshot(self, sandbox_id: str, into: Path, mode: str) -> SnapshotResult:
+    async def snapshot(self, sandbox_id: str, into: Path, mode: SnapshotMode) -> SnapshotResult:
         if mode not in MODES:
             raise InvalidRequest(f"unknown snapshot mode '{mode}': use full or filesystem")
+        mode = SnapshotMode(mode)
         sbx = self.rt._get(sandbox_id)
-        if mode == "full":
+        if mode is SnapshotMode.FULL:
             why = await asyncio.to_thread(self._full_refusal, sbx)
             if why is not None:
                 raise StateError(
@@ -231,18 +231,18 @@ class NsSnapshots:
                 raise RuntimeFailure(f"sandbox {sandbox_id}: snapshot failed: {exc}", sandbox_id=sandbox_id) from exc
             raise
         data: dict[str, Any] = {
-            "lowers": lowers, "snapshot_depth": depth, "compacted": compact,
-            "frozen_ms": round(frozen_s * 1000, 2), "took_ms": round((time.perf_counter() - t0) * 1000, 2),
-            "allow_internet": sbx.allow_internet,
+            "compacted": compact, "frozen_ms": round(frozen_s * 1000, 2),
+            "took_ms": round((time.perf_counter() - t0) * 1000, 2), "allow_internet": sbx.allow_internet,
         }
         layers: tuple[str, ...] = (UPPER,)
-        if mode == "full":
+        if mode is SnapshotMode.FULL:
             status = self.criu_status()
             data["criu"] = status.describe()
             layers = (UPPER, CRIU_DIR)
         log.info("sandbox=%s snapshot mode=%s depth=%d compacted=%s frozen=%.1fms",
                  sandbox_id, mode, depth, compact, frozen_s * 1000)
-        return SnapshotResult(mode=mode, layers=layers, data=data)
+        return SnapshotResult(mode=mode, layers=layers, stack=tuple(lowers[:depth]), base_lowers=tuple(lowers[depth:]),
+                              paused_ms=round(frozen_s * 1000, 2), data=data)
 
     def _stack(self, sandbox_id: str, sbx: NsSandbox) -> tuple[list[str], int]:
         if sbx.lowers:
@@ -283,19 +283,10 @@ class NsSnapshots:
     # -- restore --
     async def create_from_snapshot(self, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
         layers, lowers = stack_of(snapshot, result)
-        if result.mode == "full":
+        if result.mode is SnapshotMode.FULL:
             return await self._restore_full(spec, snapshot, result, layers, lowers)
         template = replace(spec.template, lowers=lowers)
         return await self.rt._launch_ready(spec, template, layers)
-
-    async def fork(self, sandbox_id: str, children: list[SandboxSpec],
-                   scratch: Path) -> tuple[SnapshotResult, list[RuntimeState | BaseException]]:
-        sbx = self.rt._get(sandbox_id)
-        mode = await asyncio.to_thread(self.best_mode, sbx)
-        result = await self.snapshot(sandbox_id, scratch, mode)
-        states = await asyncio.gather(*(self.create_from_snapshot(c, scratch, result) for c in children),
-                                      return_exceptions=True)
-        return result, list(states)
 
     async def rollback(self, sandbox_id: str, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
         """Same ID, token, directory and cgroup name; files from the snapshot, processes started fresh.
@@ -315,7 +306,7 @@ class NsSnapshots:
         self.rt._sandboxes.pop(sandbox_id, None)
         fresh: asyncio.Task[NsSandbox] | None = None
         new: NsSandbox | None = None
-        if result.mode != "full":
+        if result.mode is not SnapshotMode.FULL:
             fresh = asyncio.create_task(self.rt._prelaunch(
                 f"rb-{token}", root.parent / f".rollback-new-{token}", spec, template, layers))
         try:

@@ -41,6 +41,7 @@ from typing import Any
 
 from aenv.config import Settings
 from aenv.errors import RuntimeFailure, StateError
+from aenv.kinds import SnapshotMode
 from aenv.mux import ByteStream
 from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec, SnapshotResult
 from aenv.runtime.streams import open_checked
@@ -371,15 +372,14 @@ class VmRuntime:
         )  # fmt: skip
 
     # ---- SnapshotCapable (see snapshot.py) -------------------------------------------------------
-    async def snapshot(self, sandbox_id: str, into: Path, mode: str) -> SnapshotResult:
+    async def snapshot(self, sandbox_id: str, into: Path, mode: SnapshotMode) -> SnapshotResult:
         return await self.snapshots.snapshot(sandbox_id, into, mode)
 
     async def create_from_snapshot(self, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
         return await self.snapshots.create_from_snapshot(spec, snapshot, result)
 
-    async def fork(self, sandbox_id: str, children: list[SandboxSpec],
-                   scratch: Path) -> tuple[SnapshotResult, list[RuntimeState | BaseException]]:
-        return await self.snapshots.fork(sandbox_id, children, scratch)
+    async def fork_mode(self, sandbox_id: str) -> SnapshotMode:
+        return await self.snapshots.fork_mode(sandbox_id)
 
     async def rollback(self, sandbox_id: str, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
         return await self.snapshots.rollback(sandbox_id, spec, snapshot, result)

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from aenv.errors import RuntimeFailure, StateError
+from aenv.kinds import SnapshotMode
 from aenv.runtime.base import UNFINISHED_MARKER, RuntimeState, SandboxSpec, SnapshotResult
 
 from . import disk, memlayer
@@ -89,7 +90,7 @@ class VmSnapshots:
         self._finishing: dict[Path, tuple[str, asyncio.Task[None]]] = {}
 
     # -- snapshot --
-    async def snapshot(self, sandbox_id: str, into: Path, mode: str) -> SnapshotResult:
+    async def snapshot(self, sandbox_id: str, into: Path, mode: SnapshotMode) -> SnapshotResult:
         """Always a full snapshot (processes, memory, files), whatever ``mode`` asks: a VM's memory
         is as cheap to save as its files."""
         async with self.table.lock(sandbox_id):  # no release to disk in the middle of a snapshot
@@ -145,7 +146,7 @@ class VmSnapshots:
         base_ram, ram_image = sbx.base_ram, sbx.ram_image
         data: dict[str, Any] = {
             "template_key": tpl.key, "format": "layered", "ram_id": base_ram.name.removesuffix(".mem"),
-            "mem_layers": names, "paused_ms": round(paused_ms, 1), "sandbox_id": sandbox_id,
+            "mem_layers": names, "sandbox_id": sandbox_id,
         }  # fmt: skip
 
         def write_ram() -> None:
@@ -177,7 +178,8 @@ class VmSnapshots:
         spec = self.table.specs.get(sandbox_id)
         self.blank_pool.want(tpl.key, spec.allow_internet if spec else True)  # for its rollback or fork
         return SnapshotResult(
-            mode="full", layers=(SNAP_DISK, DEVICE_STATE, *names, BASE_RAM), data=data, pending=pending
+            mode=SnapshotMode.FULL, layers=(SNAP_DISK, DEVICE_STATE, *names, BASE_RAM),
+            paused_ms=round(paused_ms, 1), data=data, pending=pending,
         )
 
     def _finish_later(self, sandbox_id: str, into: Path, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
@@ -246,9 +248,8 @@ class VmSnapshots:
         await disk.flatten_onto(frozen_top, tpl.disk, into / SNAP_DISK)
         log.info("sandbox %s: snapshot into %s (paused %.0f ms)", sandbox_id, into, paused_ms)
         return SnapshotResult(
-            mode="full",
-            layers=(SNAP_DISK, FULL_STATE),
-            data={"template_key": tpl.key, "paused_ms": round(paused_ms)},
+            mode=SnapshotMode.FULL, layers=(SNAP_DISK, FULL_STATE), paused_ms=round(paused_ms),
+            data={"template_key": tpl.key},
         )
 
     # -- restore --
@@ -343,15 +344,10 @@ class VmSnapshots:
             self.blank_pool.want(key, spec.allow_internet)
         return self.table.state(sbx, spec)
 
-    async def fork(
-        self, sandbox_id: str, children: list[SandboxSpec], scratch: Path
-    ) -> tuple[SnapshotResult, list[RuntimeState | BaseException]]:
-        """Snapshot the source into ``scratch`` (it keeps running), then restore every child from it."""
-        result = await self.snapshot(sandbox_id, scratch, "full")
-        states = await asyncio.gather(
-            *(self.create_from_snapshot(c, scratch, result) for c in children), return_exceptions=True
-        )
-        return result, list(states)
+    async def fork_mode(self, sandbox_id: str) -> SnapshotMode:
+        """A VM snapshot always holds memory."""
+        self.table.get(sandbox_id)  # unknown sandbox: SandboxNotFound, as for a snapshot
+        return SnapshotMode.FULL
 
     async def rollback(
         self, sandbox_id: str, spec: SandboxSpec, snapshot: Path, result: SnapshotResult

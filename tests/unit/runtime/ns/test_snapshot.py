@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from aenv.errors import InvalidRequest, StateError
+from aenv.kinds import SnapshotMode
 from aenv.runtime.base import SnapshotResult
 from aenv.runtime.ns import snapshot as snap
 
@@ -163,12 +164,12 @@ def test_needs_compaction_by_depth_and_option_length(monkeypatch: pytest.MonkeyP
 
 def test_stack_of_rebuilds_the_layers(tmp_path: Path) -> None:
     (tmp_path / "upper").mkdir()
-    result = SnapshotResult(mode="filesystem", data={"lowers": ["/s1/upper", "/s0/upper", "/rootfs"], "snapshot_depth": 2})
+    result = SnapshotResult(mode=SnapshotMode.FILESYSTEM, stack=("/s1/upper", "/s0/upper"), base_lowers=("/rootfs",))
     layers, lowers = snap.stack_of(tmp_path, result)
     assert layers == (str(tmp_path / "upper"), "/s1/upper", "/s0/upper")
     assert lowers == (Path("/rootfs"),)
     with pytest.raises(StateError):
-        snap.stack_of(tmp_path, SnapshotResult(mode="filesystem", data={}))
+        snap.stack_of(tmp_path, SnapshotResult(mode=SnapshotMode.FILESYSTEM))
     with pytest.raises(StateError, match="missing its files"):
         snap.stack_of(tmp_path / "nope", result)
 
