@@ -30,7 +30,7 @@ from aenv.errors import AenvError, CapacityError, Conflict, InvalidRequest, Snap
 from aenv.faults import fault_point
 from aenv.kinds import SandboxState, SnapshotMode, TemplateKind
 from aenv.runtime.base import UNFINISHED_MARKER, SnapshotCapable, SnapshotResult
-from aenv.store.sqlite import SnapshotRow, now
+from aenv.store.sqlite import SnapshotRow, TemplateRow, now
 
 log = logging.getLogger("aenv.core")
 
@@ -39,6 +39,12 @@ MAX_FORK = 64
 
 def result_of(row: SnapshotRow) -> SnapshotResult:
     return SnapshotResult.from_record(row.mode, row.result, parent=row.parent_id)
+
+
+def snapshot_id_of(tpl: TemplateRow) -> str:
+    """The snapshot a snapshot-kind template starts from: its own ID (a user snapshot), or the one its
+    config names (a built template, which keeps its ID across rebuilds)."""
+    return str(tpl.config.get("snapshot") or tpl.id)
 
 
 class SnapshotFlows:
@@ -101,6 +107,15 @@ class SnapshotFlows:
         async with sbx.lock:
             require_state(sbx.id, sbx.state, SandboxState.RUNNING, SandboxState.PAUSED, action="snapshot")
             return await self._snapshot_locked(rt, sbx, name, wanted, internal=False)
+
+    async def checkpoint(self, sandbox_id: str, mode: SnapshotMode) -> SnapshotRow:
+        """An internal snapshot of a running sandbox (a template build's step): not a template of its
+        own, never published, collected once nothing points at it."""
+        rt = self.runtime
+        sbx = self.ctx.table.get(sandbox_id)
+        async with sbx.lock:
+            require_state(sbx.id, sbx.state, SandboxState.RUNNING, action="snapshot")
+            return await self._snapshot_locked(rt, sbx, None, mode, internal=True)
 
     async def _snapshot_locked(
         self, rt: SnapshotCapable, sbx: LiveSandbox, name: str | None, mode: SnapshotMode, *, internal: bool
@@ -244,7 +259,7 @@ class SnapshotFlows:
         """Snapshots remember the image template at the root of their chain."""
         tpl = self.store.get_template(template_id)
         if tpl is not None and tpl.kind is TemplateKind.SNAPSHOT:
-            snap = self.store.get_snapshot(tpl.id)
+            snap = self.store.get_snapshot(snapshot_id_of(tpl))
             if snap is not None:
                 return snap.template_id
         return template_id
@@ -254,7 +269,7 @@ class SnapshotFlows:
         tpl = self.store.get_template(template_id)
         if tpl is None or tpl.kind is not TemplateKind.SNAPSHOT:
             return None
-        return self.get(tpl.id)
+        return self.get(snapshot_id_of(tpl))
 
     # ---- fork -----------------------------------------------------------------------------------
     async def fork(self, sandbox_id: str, count: int, timeout: int | None) -> list[LiveSandbox | AenvError]:
@@ -393,8 +408,11 @@ class SnapshotFlows:
         await self.sync.delete(row.id)
 
     def collect_garbage(self) -> None:
-        """Remove internal (fork) snapshots that no live sandbox needs any more."""
-        in_use = self.ctx.table.snapshots_in_use()
+        """Remove internal snapshots (fork points, build steps) that no live sandbox and no template
+        needs any more."""
+        in_use = self.ctx.table.snapshots_in_use() | {
+            snapshot_id_of(t) for t in self.store.list_templates() if t.kind is TemplateKind.SNAPSHOT
+        }
         for row in self.store.list_snapshots():
             if row.internal and row.id not in in_use and not self.children(row.id):
                 self.store.delete_snapshot(row.id)

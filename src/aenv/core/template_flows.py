@@ -73,8 +73,11 @@ class TemplateFlows:
         cpu_count: int | None = None,
         memory_mb: int | None = None,
         progress: ProgressCallback | None = None,
+        hidden: bool = False,
     ) -> tuple[TemplateRow, str]:
-        """Pull ``image`` and register it as a template; returns the row and a one-line summary."""
+        """Pull ``image`` and register it as a template; returns the row and a one-line summary.
+        ``hidden``: the base of a template build, kept out of listings under an ID derived from the
+        image's digest (the same image pulled again is the same template)."""
         try:
             parse_reference(image)
         except Exception as exc:
@@ -82,7 +85,8 @@ class TemplateFlows:
         pulled = await self.builder.pull(image, progress=progress)
         view = sandbox_image_of(pulled, "", start_cmd=start_cmd, ready_cmd=ready_cmd)
         row = self.ctx.templates.register(
-            alias=name or default_name(image),
+            alias=None if hidden else name or default_name(image),
+            template_id="image-" + pulled.manifest_digest.split(":", 1)[-1][:24] if hidden else None,
             kind=TemplateKind.IMAGE,
             rootfs=view.rootfs,
             lowers=list(view.lowers),
@@ -90,6 +94,7 @@ class TemplateFlows:
                 "env": view.env, "workdir": view.workdir, "user": view.user,
                 "start_cmd": view.start_cmd, "ready_cmd": view.ready_cmd,
                 "manifest_digest": pulled.manifest_digest, "image_user": pulled.config.user,
+                **({"hidden": True} if hidden else {}),
             },  # fmt: skip
             source=pulled.reference,
             cpu_count=cpu_count,

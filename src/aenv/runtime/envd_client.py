@@ -105,19 +105,19 @@ def response_complete(raw: bytes) -> bool:
     return False
 
 
-async def _read(stream: _Stream, *, to_eof: bool) -> bytes:
-    """The answer's bytes (at most ``_MAX_RESPONSE``), then the stream is closed."""
+async def _read(stream: _Stream, *, to_eof: bool, limit: int = _MAX_RESPONSE) -> bytes:
+    """The answer's bytes (at most ``limit``), then the stream is closed."""
     try:
-        raw = b""
+        raw = bytearray()
         while chunk := await stream.read(65536):
             raw += chunk
-            if len(raw) > _MAX_RESPONSE:
+            if len(raw) > limit:
                 raise EnvdError("response too large")
-            if not to_eof and response_complete(raw):
+            if not to_eof and response_complete(bytes(raw)):
                 break
     finally:
         await stream.aclose()
-    return raw
+    return bytes(raw)
 
 
 async def read_response(stream: _Stream, *, to_eof: bool = False) -> tuple[int, bytes]:
@@ -131,14 +131,14 @@ async def read_response(stream: _Stream, *, to_eof: bool = False) -> tuple[int, 
     return response.status, response.body
 
 
-async def exchange(stream: _Stream, raw_request: bytes) -> Response:
+async def exchange(stream: _Stream, raw_request: bytes, limit: int = _MAX_RESPONSE) -> Response:
     """Write one built request (:func:`build_request`), read its answer to EOF, close the stream."""
     try:
         await stream.write(raw_request)
     except BaseException:
         await stream.aclose()
         raise
-    return parse_response(await _read(stream, to_eof=True))
+    return parse_response(await _read(stream, to_eof=True, limit=limit))
 
 
 async def request(stream: _Stream, method: str, path: str, payload: Any = None,
@@ -154,9 +154,14 @@ def as_user(user: str) -> dict[str, str]:
     return {"Authorization": "Basic " + base64.b64encode(f"{user}:".encode()).decode()}
 
 
-def process_body(cmd: str, args: list[str]) -> bytes:
+def process_body(cmd: str, args: list[str], envs: dict[str, str] | None = None, cwd: str | None = None) -> bytes:
     """The Connect envelope (flags 0, 4-byte length) of ``Process.Start`` of ``cmd args``."""
-    msg = json.dumps({"process": {"cmd": cmd, "args": args}}).encode()
+    process: dict[str, Any] = {"cmd": cmd, "args": args}
+    if envs:
+        process["envs"] = envs
+    if cwd:
+        process["cwd"] = cwd
+    msg = json.dumps({"process": process}).encode()
     return len(msg).to_bytes(5, "big") + msg
 
 
@@ -196,6 +201,69 @@ async def run_process(stream: _Stream, cmd: str, args: list[str], user: str = "r
         return None
     chunked = "chunked" in response.headers.get("transfer-encoding", "").lower()
     return exit_code(dechunk(response.body) if chunked else response.body)
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    exit_code: int | None  # None: no end event (envd refused, or the stream broke)
+    stdout: bytes
+    stderr: bytes
+    error: str = ""  # envd's end-of-stream error, if any
+
+
+async def run_command(stream: _Stream, cmd: str, *, user: str = "root", envs: dict[str, str] | None = None,
+                      cwd: str | None = None, limit: int = 64 << 20) -> CommandResult:
+    """``/bin/sh -c cmd`` through envd as ``user`` with ``envs`` in ``cwd``; waits for its end and
+    returns its output (a template build step; ``limit`` bounds the whole answer)."""
+    raw_request = build_request("POST", "/process.Process/Start", process_body("/bin/sh", ["-c", cmd], envs, cwd),
+                                as_user(user), CONNECT_JSON)
+    response = await exchange(stream, raw_request, limit=limit)
+    if response.status != 200:
+        return CommandResult(None, b"", b"", f"envd answered {response.status}: {response.body[:300]!r}")
+    chunked = "chunked" in response.headers.get("transfer-encoding", "").lower()
+    return _command_result(dechunk(response.body) if chunked else response.body)
+
+
+def _command_result(stream_body: bytes) -> CommandResult:
+    code: int | None = None
+    out, err, error = bytearray(), bytearray(), ""
+    for flags, msg in _envelopes(stream_body):
+        if flags & 0x02:  # end of stream: an error, if any
+            error = str((msg.get("error") or {}).get("message") or "")
+            continue
+        event = msg.get("event") or {}
+        data = event.get("data") or {}
+        out += base64.b64decode(data.get("stdout") or "")
+        err += base64.b64decode(data.get("stderr") or "")
+        end = event.get("end")
+        if isinstance(end, dict):
+            code = int(end.get("exitCode", 0) or 0)
+    return CommandResult(code, bytes(out), bytes(err), error)
+
+
+def _envelopes(stream_body: bytes) -> list[tuple[int, dict[str, Any]]]:
+    out: list[tuple[int, dict[str, Any]]] = []
+    pos = 0
+    while pos + 5 <= len(stream_body):
+        flags, size = stream_body[pos], int.from_bytes(stream_body[pos + 1 : pos + 5], "big")
+        try:
+            msg = json.loads(stream_body[pos + 5 : pos + 5 + size] or b"{}")
+        except ValueError:
+            break
+        out.append((flags, msg if isinstance(msg, dict) else {}))
+        pos += 5 + size
+    return out
+
+
+async def upload(stream: _Stream, path: str, data: bytes, user: str = "root") -> None:
+    """Write ``data`` to ``path`` in the sandbox through envd's ``/files`` (octet-stream upload)."""
+    from urllib.parse import quote
+
+    raw_request = build_request("POST", f"/files?path={quote(path)}&username={quote(user)}", data,
+                                as_user(user), "application/octet-stream")
+    response = await exchange(stream, raw_request)
+    if not 200 <= response.status < 300:
+        raise EnvdError(f"upload to {path} failed: envd answered {response.status}", response.status, response.body)
 
 
 def exit_code(stream_body: bytes) -> int | None:

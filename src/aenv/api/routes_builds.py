@@ -1,0 +1,117 @@
+"""E2B template builds: what ``Template.build`` / ``AsyncTemplate.build`` call (request a build, upload
+COPY sources, start it, poll its status and logs). The upload link needs no API key (the SDK sends
+none there): it carries an HMAC of the files hash, signed with a secret of this server process."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import Field, StrictBool, StrictInt
+
+from aenv.api.auth import require_api_key
+from aenv.api.deps import orchestrator
+from aenv.api.models import _Body
+from aenv.core.build_spec import FILES_HASH, BuildSpec, Step
+from aenv.core.orchestrator import Orchestrator
+from aenv.errors import InvalidRequest, NotFound
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+uploads = APIRouter()  # signed links, no API key
+
+MAX_UPLOAD_BYTES = 8 << 30
+STATUS_PAGE = 100  # log entries per status call (the SDK keeps polling until none come)
+
+
+class BuildRequestBody(_Body):
+    name: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[a-z0-9][a-z0-9._/-]*(:[A-Za-z0-9._-]+)?$")
+    alias: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[a-z0-9][a-z0-9._/-]*$")
+    tags: list[str] | None = Field(default=None, max_length=16)
+    cpuCount: StrictInt | None = Field(default=None, ge=1, le=64)
+    memoryMB: StrictInt | None = Field(default=None, ge=64, le=262144)
+    minFreeDiskMb: StrictInt | None = None
+    teamID: str | None = None
+
+
+class StepBody(_Body):
+    type: str = Field(min_length=1, max_length=16)
+    args: list[str] = Field(default_factory=list, max_length=256)
+    filesHash: str | None = None
+    force: StrictBool | None = False
+    forceUpload: StrictBool | None = None
+
+
+class BuildStartBody(_Body):
+    fromImage: str | None = Field(default=None, min_length=1, max_length=512)
+    fromTemplate: str | None = Field(default=None, min_length=1, max_length=256)
+    fromImageRegistry: dict[str, Any] | None = None
+    force: StrictBool | None = False
+    steps: list[StepBody] = Field(default_factory=list, max_length=1000)
+    startCmd: str | None = Field(default=None, max_length=65536)
+    readyCmd: str | None = Field(default=None, max_length=65536)
+
+
+@router.post("/v3/templates", status_code=202)
+async def request_build(body: BuildRequestBody, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
+    name = body.name or body.alias
+    if not name:
+        raise InvalidRequest("name is required")
+    if body.minFreeDiskMb is not None:
+        raise InvalidRequest("minFreeDiskMb is not supported: a build sandbox gets the server's default disk")
+    rec = orch.request_build(name, list(body.tags or []), body.cpuCount, body.memoryMB)
+    return JSONResponse({"templateID": rec.template_id, "buildID": rec.build_id, "public": False,
+                         "names": [rec.alias], "aliases": [rec.alias], "tags": rec.tags}, status_code=202)
+
+
+@router.get("/templates/{template_id}/files/{files_hash}", status_code=201)
+async def file_link(template_id: str, files_hash: str, request: Request,
+                    orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
+    if not FILES_HASH.match(files_hash):
+        raise InvalidRequest("the files hash must be 64 lowercase hex digits (sha256)")
+    if orch.build_file_present(template_id, files_hash):
+        return JSONResponse({"present": True}, status_code=201)
+    token = orch.build_upload_token(files_hash)
+    url = str(request.url_for("upload_build_file", files_hash=files_hash).include_query_params(token=token))
+    return JSONResponse({"present": False, "url": url}, status_code=201)
+
+
+@uploads.put("/aenv/build-files/{files_hash}", name="upload_build_file", status_code=201)
+async def upload_build_file(files_hash: str, request: Request, token: str = Query(default="")) -> Response:
+    orch: Orchestrator = request.app.state.orchestrator
+    if not FILES_HASH.match(files_hash) or not hmac.compare_digest(token, orch.build_upload_token(files_hash)):
+        raise NotFound("no such upload link")
+    await orch.receive_build_file(files_hash, request.stream(), MAX_UPLOAD_BYTES)
+    return Response(status_code=201)
+
+
+@router.post("/v2/templates/{template_id}/builds/{build_id}", status_code=202)
+async def start_build(template_id: str, build_id: str, body: BuildStartBody,
+                      orch: Orchestrator = Depends(orchestrator)) -> Response:
+    if body.fromImageRegistry:
+        raise InvalidRequest("fromImageRegistry (registry credentials per build) is not supported: put them "
+                             "in the server's docker config.json (images/auth.py)")
+    spec = BuildSpec(
+        from_image=body.fromImage, from_template=body.fromTemplate, force=bool(body.force),
+        start_cmd=body.startCmd, ready_cmd=body.readyCmd,
+        steps=tuple(Step(s.type, tuple(s.args), s.filesHash, bool(s.force)) for s in body.steps),
+    )  # fmt: skip
+    orch.start_build(template_id, build_id, spec)
+    return Response(status_code=202)
+
+
+@router.get("/templates/{template_id}/builds/{build_id}/status")
+async def build_status(
+    template_id: str, build_id: str, orch: Orchestrator = Depends(orchestrator),
+    logsOffset: int = Query(default=0, ge=0), limit: int = Query(default=STATUS_PAGE, ge=1, le=1000),
+) -> JSONResponse:
+    rec = orch.build_status(template_id, build_id)
+    entries = rec.logs[logsOffset : logsOffset + limit]
+    out: dict[str, Any] = {
+        "templateID": rec.template_id, "buildID": rec.build_id, "status": rec.status,
+        "logEntries": entries, "logs": [e["message"] for e in entries],
+    }  # fmt: skip
+    if rec.reason is not None:
+        out["reason"] = rec.reason
+    return JSONResponse(out)

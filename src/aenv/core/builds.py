@@ -1,0 +1,414 @@
+"""Template builds, the E2B way: the steps run in a sandbox of the server's own runtime, each step's
+result is a snapshot kept by the cache key of everything up to it, and the result is a snapshot-backed
+template like any other (forkable, pooled, startable by name or ID).
+
+Flow of one build (``POST /v3/templates`` → uploads → ``POST /v2/templates/{id}/builds/{build}`` →
+polling ``…/status``): the base comes from the catalog (``fromTemplate``) or through aenv's own OCI
+client (``fromImage``: mirrors, insecure registries, the layer cache); the longest cached prefix of the
+step chain is found and a build sandbox starts from it; the remaining steps run as their user with the
+build's environment, a snapshot after every step that changes files; then the start command runs, the
+ready command is waited for, and the final snapshot becomes the template. A failing step ends the build
+in ``error`` with that step, its output and exit code, and registers nothing.
+
+Step snapshots are internal snapshots behind hidden templates (``config.hidden``): a later build
+starts from them, the snapshot GC keeps what a template points at, and listings do not show them.
+Concurrent builds of one name share one build. Records live in ``<state>/builds/`` so a restart can
+say that a build was cut short instead of forgetting it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import hashlib
+import json
+import logging
+import os
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from aenv.core.build_spec import BuildSpec, BuildState, Step, chain_keys, copy_script, final_key, first_forced
+from aenv.core.context import Context
+from aenv.core.ids import new_id
+from aenv.core.models import CreateRequest
+from aenv.core.snapshots import SnapshotFlows
+from aenv.core.table import LiveSandbox
+from aenv.core.template_flows import TemplateFlows
+from aenv.errors import AenvError, Conflict, InvalidRequest, NotFound
+from aenv.kinds import SnapshotMode, TemplateKind
+from aenv.mux import ByteStream
+from aenv.runtime.envd_client import ENVD_PORT, EnvdError, run_command, upload
+from aenv.store.sqlite import SnapshotRow, TemplateRow
+
+log = logging.getLogger("aenv.core")
+
+BUILD_TIMEOUT_S = 3600
+READY_TIMEOUT_S = 300
+MAX_LOG_ENTRIES = 20_000
+LOG_TAIL = 40  # entries a failure's reason carries
+
+
+class SandboxDoor(Protocol):
+    """What a build needs of the orchestrator (passed in; no import of it here)."""
+
+    async def create(self, req: CreateRequest) -> LiveSandbox: ...
+
+    async def kill(self, sandbox_id: str) -> None: ...
+
+    async def open_stream(self, sandbox_id: str, port: int) -> ByteStream: ...
+
+
+class BuildNotFound(NotFound):
+    def __init__(self, template_id: str, build_id: str) -> None:
+        super().__init__(f"build '{build_id}' of template '{template_id}' not found", template=template_id)
+
+
+@dataclass
+class BuildRecord:
+    template_id: str
+    build_id: str
+    alias: str
+    tags: list[str] = field(default_factory=list)
+    cpu_count: int | None = None
+    memory_mb: int | None = None
+    status: str = "waiting"  # waiting (requested) → building → ready | error
+    spec_key: str | None = None
+    logs: list[dict[str, Any]] = field(default_factory=list)
+    reason: dict[str, Any] | None = None
+
+    def log(self, message: str, level: str = "info", step: str | None = None) -> None:
+        entry: dict[str, Any] = {"timestamp": dt.datetime.now(dt.UTC).isoformat(), "level": level, "message": message}
+        if step is not None:
+            entry["step"] = step
+        if len(self.logs) < MAX_LOG_ENTRIES:
+            self.logs.append(entry)
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class TemplateBuilds:
+    def __init__(self, ctx: Context, door: SandboxDoor, snapshots: SnapshotFlows, templates: TemplateFlows) -> None:
+        self.ctx = ctx
+        self.door = door
+        self.snapshots = snapshots
+        self.template_flows = templates
+        self.root = ctx.settings.state_dir / "builds"
+        self.files_dir = self.root / "files"
+        self.records_dir = self.root / "records"
+        self.cache_file = self.root / "cache.json"
+        self._records: dict[str, BuildRecord] = {}
+        self._active: dict[str, BuildRecord] = {}  # alias → its build in progress
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self.upload_secret = secrets.token_hex(16)  # signs upload links (they carry no API key)
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """After recovery: a build a stopped server left in progress ended with it; its sandbox too."""
+        for d in (self.files_dir, self.records_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        for path in self.records_dir.glob("*.json"):
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                rec = BuildRecord(**json.loads(path.read_text()))
+                if rec.status in ("waiting", "building"):
+                    rec.status = "error"
+                    rec.reason = {"message": "the server stopped during the build; build again", "step": "base"}
+                    self._save(rec)
+                self._records[rec.build_id] = rec
+        for sbx in self.ctx.table:
+            if "aenv.build" in sbx.row.metadata:
+                log.info("sandbox=%s: build sandbox of a build cut short; killing it", sbx.id)
+                with contextlib.suppress(AenvError):
+                    await self.door.kill(sbx.id)
+
+    async def aclose(self) -> None:
+        for task in list(self._tasks.values()):
+            task.cancel()
+        for task in list(self._tasks.values()):
+            with contextlib.suppress(BaseException):
+                await task
+
+    # ---- the E2B calls --------------------------------------------------------------------------
+    def request(self, name: str, tags: list[str], cpu_count: int | None, memory_mb: int | None) -> BuildRecord:
+        """``POST /v3/templates``: a build of ``name`` (or the one in progress, shared)."""
+        active = self._active.get(name)
+        if active is not None:
+            return active
+        existing = self.ctx.store.get_template(name)
+        if existing is not None and existing.alias == name and not existing.config.get("built"):
+            raise Conflict(f"template name '{name}' belongs to a {existing.kind.value} template; pick another name",
+                           template=name)
+        template_id = existing.id if existing is not None and existing.alias == name else new_id()
+        rec = BuildRecord(template_id, new_id(), name, list(tags), cpu_count, memory_mb)
+        self._records[rec.build_id] = rec
+        self._active[name] = rec
+        self._save(rec)
+        return rec
+
+    def file_present(self, files_hash: str) -> bool:
+        return self._file(files_hash).is_file()
+
+    async def receive_file(self, files_hash: str, chunks: AsyncIterator[bytes], max_bytes: int) -> int:
+        """Store an uploaded COPY source (a tar, maybe gzipped) under its hash; written aside, then
+        renamed, so a cut upload leaves nothing under the name."""
+        dest = self._file(files_hash)
+        tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(4)}")
+        size = 0
+        try:
+            with tmp.open("wb") as fh:
+                async for chunk in chunks:
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise InvalidRequest(f"upload larger than {max_bytes} bytes")
+                    fh.write(chunk)
+            os.rename(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return size
+
+    def trigger(self, template_id: str, build_id: str, spec: BuildSpec) -> None:
+        """``POST /v2/templates/{id}/builds/{build}``: run it (a second trigger of the same build with
+        the same steps joins it; with other steps it is refused)."""
+        rec = self.record(template_id, build_id)
+        key = json.dumps(_spec_json(spec), sort_keys=True)
+        if rec.status != "waiting":
+            if rec.spec_key == key:
+                return
+            raise Conflict(f"build '{build_id}' of '{rec.alias}' already runs with other steps")
+        if spec.from_template and self.ctx.store.get_template(spec.from_template) is None:
+            raise NotFound(f"template '{spec.from_template}' not found", template=spec.from_template)
+        rec.spec_key, rec.status = key, "building"
+        self._save(rec)
+        task = asyncio.create_task(self._run(rec, spec), name=f"aenv-build-{build_id}")
+        self._tasks[build_id] = task
+        task.add_done_callback(lambda _: self._tasks.pop(build_id, None))
+
+    def records(self) -> list[BuildRecord]:
+        return list(self._records.values())
+
+    def record(self, template_id: str, build_id: str) -> BuildRecord:
+        rec = self._records.get(build_id)
+        if rec is None or rec.template_id != template_id:
+            raise BuildNotFound(template_id, build_id)
+        return rec
+
+    # ---- one build ------------------------------------------------------------------------------
+    async def _run(self, rec: BuildRecord, spec: BuildSpec) -> None:
+        sandbox_id: str | None = None
+        step = "base"
+        try:
+            base = await self._base(rec, spec)
+            shape = f"{rec.cpu_count}:{rec.memory_mb}:{self.ctx.runtime.name}"
+            keys = chain_keys(f"{base.id}:{base.config.get('snapshot', '')}:{base.rootfs}:{shape}", spec)
+            fkey = final_key(keys[-1], spec)
+            forced = first_forced(spec)
+            cache = self._cache()
+            if forced is None and self._usable(cache.get(fkey)):
+                rec.log("every step is cached: the template is ready as built before", step="finalize")
+                self._register(rec, base, str(cache[fkey]["snapshot"]), BuildState.from_json(cache[fkey]["state"]), spec)
+                return self._finish(rec)
+            first = self._resume_point(keys, cache, forced)
+            entry = cache.get(keys[first]) if first else None
+            state = BuildState.from_json(entry["state"]) if entry else BuildState(workdir=base.config.get("workdir"))
+            start_from = str(entry["snapshot"]) if entry else base.id
+            if first:
+                rec.log(f"steps 1-{first} cached", step=str(first))
+            sandbox_id = (await self.door.create(CreateRequest(
+                template=start_from, timeout=min(BUILD_TIMEOUT_S, self.ctx.settings.max_timeout),
+                metadata={"aenv.build": rec.build_id}, secure=False, cpu_count=rec.cpu_count,
+                memory_mb=rec.memory_mb,
+            ))).id  # fmt: skip
+            for i, s in enumerate(spec.steps[first:], first + 1):
+                step = str(i)
+                rec.log(f"step {i}/{len(spec.steps)}: {s.describe()}", step=step)
+                await self._apply(rec, sandbox_id, s, state, step)
+                state = state.after(s)
+                snap = await self._checkpoint(sandbox_id, base, state, SnapshotMode.FILESYSTEM) if s.changes_files \
+                    else (str(cache[keys[i - 1]]["snapshot"]) if keys[i - 1] in cache and i > 1 else None)
+                if snap is not None:
+                    cache[keys[i]] = {"snapshot": snap, "state": state.to_json()}
+                    self._save_cache(cache)
+            step = "finalize"
+            await self._start_and_wait(rec, sandbox_id, spec, state)
+            mode = await self.snapshots.runtime.fork_mode(sandbox_id)
+            final = await self._checkpoint(sandbox_id, base, state, mode)
+            cache[fkey] = {"snapshot": final, "state": state.to_json()}
+            self._save_cache(cache)
+            self._register(rec, base, final, state, spec)
+            self._finish(rec)
+        except BuildFailed as exc:
+            self._fail(rec, str(exc), step)
+        except asyncio.CancelledError:
+            self._fail(rec, "the server stopped during the build; build again", step)
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure ends the build, reported, never half-registered
+            self._fail(rec, f"{exc}" if isinstance(exc, AenvError) else f"{type(exc).__name__}: {exc}", step)
+        finally:
+            if sandbox_id is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.door.kill(sandbox_id))
+
+    async def _base(self, rec: BuildRecord, spec: BuildSpec) -> TemplateRow:
+        if spec.from_template is not None:
+            return self.ctx.templates.resolve(spec.from_template)
+        assert spec.from_image is not None
+        rec.log(f"pulling {spec.from_image}", step="base")
+        row, summary = await self.template_flows.pull(spec.from_image, hidden=True)
+        rec.log(summary, step="base")
+        return row
+
+    def _resume_point(self, keys: list[str], cache: dict[str, Any], forced: int | None) -> int:
+        """The last step whose result is cached and may be used (0: start from the base)."""
+        for i in range(len(keys) - 1, 0, -1):
+            if forced is not None and i >= forced:
+                continue
+            if self._usable(cache.get(keys[i])):
+                return i
+        return 0
+
+    def _usable(self, entry: Any) -> bool:
+        if not isinstance(entry, dict) or not isinstance(entry.get("snapshot"), str):
+            return False
+        row = self.ctx.store.get_snapshot(entry["snapshot"])
+        return row is not None and row.state == "ready" and Path(row.dir).is_dir() \
+            and self.ctx.store.get_template(row.id) is not None
+
+    async def _apply(self, rec: BuildRecord, sandbox_id: str, step: Step, state: BuildState, label: str) -> None:
+        if step.type == "RUN":
+            user = step.args[1] if len(step.args) > 1 and step.args[1] else state.user
+            await self._sh(rec, sandbox_id, step.args[0], user, state, label, what=step.describe())
+        elif step.type == "COPY":
+            assert step.files_hash is not None
+            src = self._file(step.files_hash)
+            if not src.is_file():
+                raise BuildFailed(f"the files of step {label} were never uploaded (hash {step.files_hash})")
+            archive = f"/tmp/.aenv-copy-{step.files_hash[:16]}.tar"
+            stream = await self.door.open_stream(sandbox_id, ENVD_PORT)
+            await upload(stream, archive, await asyncio.to_thread(src.read_bytes))
+            await self._sh(rec, sandbox_id, copy_script(step, archive), "root", state, label, what=step.describe())
+        elif step.type == "WORKDIR":
+            await self._sh(rec, sandbox_id, f"mkdir -p '{step.args[0]}'", "root", state, label, what=step.describe())
+
+    async def _sh(self, rec: BuildRecord, sandbox_id: str, cmd: str, user: str, state: BuildState, label: str,
+                  *, what: str, quiet: bool = False) -> int:
+        stream = await self.door.open_stream(sandbox_id, ENVD_PORT)
+        try:
+            res = await run_command(stream, cmd, user=user, envs=state.env, cwd=state.workdir)
+        except EnvdError as exc:
+            raise BuildFailed(f"step {label} ({what}): the sandbox did not answer: {exc}") from exc
+        if not quiet:
+            for line in (res.stdout + res.stderr).decode(errors="replace").splitlines():
+                rec.log(line, step=label)
+        if res.exit_code is None:
+            raise BuildFailed(f"step {label} ({what}) did not finish: {res.error or 'no exit status'}")
+        if res.exit_code != 0 and not quiet:
+            raise BuildFailed(f"step {label} ({what}) failed with exit code {res.exit_code}")
+        return res.exit_code
+
+    async def _start_and_wait(self, rec: BuildRecord, sandbox_id: str, spec: BuildSpec, state: BuildState) -> None:
+        if spec.start_cmd:
+            rec.log(f"start command: {spec.start_cmd}", step="finalize")
+            start = f"nohup /bin/sh -c {json.dumps(spec.start_cmd)} >/tmp/.aenv-start.log 2>&1 &"
+            await self._sh(rec, sandbox_id, start, state.user, state, "finalize", what="start command")
+        if spec.ready_cmd:
+            rec.log(f"waiting for: {spec.ready_cmd}", step="finalize")
+            deadline = asyncio.get_running_loop().time() + READY_TIMEOUT_S
+            while await self._sh(rec, sandbox_id, spec.ready_cmd, state.user, state, "finalize",
+                                 what="ready command", quiet=True) != 0:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise BuildFailed(f"the ready command did not succeed within {READY_TIMEOUT_S} s")
+                await asyncio.sleep(0.5)
+
+    async def _checkpoint(self, sandbox_id: str, base: TemplateRow, state: BuildState, mode: SnapshotMode) -> str:
+        """An internal snapshot of the build sandbox behind a hidden template (a later build, or the
+        template itself, starts from it by its ID)."""
+        row = await self.snapshots.checkpoint(sandbox_id, mode)
+        self._hidden_template(row, base, state)
+        return row.id
+
+    def _hidden_template(self, snap: SnapshotRow, base: TemplateRow, state: BuildState) -> None:
+        self.ctx.templates.register(
+            alias=None, kind=TemplateKind.SNAPSHOT, rootfs=Path(base.rootfs), lowers=[Path(p) for p in base.lowers],
+            config={**base.config, "snapshot": snap.id, "hidden": True, "user": _sandbox_user(base, state),
+                    "workdir": state.workdir},
+            source=f"build step of {base.alias or base.id}", template_id=snap.id, cpu_count=base.cpu_count,
+            memory_mb=base.memory_mb,
+        )  # fmt: skip
+
+    def _register(self, rec: BuildRecord, base: TemplateRow, snapshot_id: str, state: BuildState,
+                  spec: BuildSpec) -> None:
+        config = {**base.config, "snapshot": snapshot_id, "built": True, "build_id": rec.build_id,
+                  "user": _sandbox_user(base, state), "workdir": state.workdir,
+                  "start_cmd": spec.start_cmd, "ready_cmd": spec.ready_cmd}
+        config.pop("hidden", None)
+        # ``name:tag`` is the name itself; each extra tag is one more name for the same build
+        plain = rec.alias.split(":", 1)[0]
+        names = [(rec.template_id, rec.alias)] + [
+            (f"{rec.template_id}-{hashlib.sha256(t.encode()).hexdigest()[:10]}", f"{plain}:{t}") for t in rec.tags
+        ]
+        for template_id, alias in names:
+            self.ctx.templates.register(
+                alias=alias, kind=TemplateKind.SNAPSHOT, rootfs=Path(base.rootfs), lowers=[Path(p) for p in base.lowers],
+                config={**config, "tag_of": rec.template_id} if template_id != rec.template_id else config,
+                source=f"build {rec.build_id}", template_id=template_id,
+                cpu_count=rec.cpu_count or base.cpu_count, memory_mb=rec.memory_mb or base.memory_mb,
+            )  # fmt: skip
+
+    def _finish(self, rec: BuildRecord) -> None:
+        rec.status = "ready"
+        rec.log(f"template {rec.alias} ({rec.template_id}) is ready", step="finalize")
+        self._active.pop(rec.alias, None)
+        self._save(rec)
+        log.info("template=%s build=%s ready", rec.alias, rec.build_id)
+
+    def _fail(self, rec: BuildRecord, message: str, step: str) -> None:
+        rec.log(message, level="error", step=step)
+        rec.status = "error"
+        rec.reason = {"message": message, "step": step, "logEntries": rec.logs[-LOG_TAIL:]}
+        self._active.pop(rec.alias, None)
+        self._save(rec)
+        log.warning("template=%s build=%s failed at step %s: %s", rec.alias, rec.build_id, step, message)
+
+    # ---- files on disk --------------------------------------------------------------------------
+    def _file(self, files_hash: str) -> Path:
+        return self.files_dir / f"{files_hash}.tar"
+
+    def _save(self, rec: BuildRecord) -> None:
+        self.records_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.records_dir / f".{rec.build_id}.json.tmp"
+        tmp.write_text(json.dumps(rec.to_json()))
+        os.rename(tmp, self.records_dir / f"{rec.build_id}.json")
+
+    def _cache(self) -> dict[str, Any]:
+        try:
+            raw = json.loads(self.cache_file.read_text())
+        except (OSError, ValueError):
+            return {}
+        return raw if isinstance(raw, dict) else {}
+
+    def _save_cache(self, cache: dict[str, Any]) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.cache_file.with_name(f".cache.{secrets.token_hex(4)}")
+        tmp.write_text(json.dumps(cache))
+        os.rename(tmp, self.cache_file)
+
+
+class BuildFailed(Exception):
+    """A step (or the start/ready command) failed: the build ends with this message."""
+
+
+def _sandbox_user(base: TemplateRow, state: BuildState) -> str:
+    """The built template's default user: the last USER step's, else the base's (``user``)."""
+    return state.default_user or str(base.config.get("user") or "user")
+
+
+def _spec_json(spec: BuildSpec) -> dict[str, Any]:
+    return {
+        "fromImage": spec.from_image, "fromTemplate": spec.from_template, "force": spec.force,
+        "startCmd": spec.start_cmd, "readyCmd": spec.ready_cmd,
+        "steps": [[s.type, list(s.args), s.files_hash, s.force] for s in spec.steps],
+    }  # fmt: skip
