@@ -17,11 +17,13 @@ import contextlib
 import hashlib
 import hmac
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 from aenv.config import Settings
+from aenv.core.build_spec import BuildSpec
+from aenv.core.builds import BuildRecord, TemplateBuilds
 from aenv.core.context import Context
 from aenv.core.ids import new_id, new_token
 from aenv.core.models import CreateRequest, ListQuery, SandboxState, require_state
@@ -62,6 +64,7 @@ class Orchestrator:
         self.sync = SnapshotSync(self.ctx)
         self.snapshots = SnapshotFlows(self.ctx, self.sync)
         self.template_flows = TemplateFlows(self.ctx)
+        self.builds = TemplateBuilds(self.ctx, self, self.snapshots, self.template_flows)
         self._starting = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._idempotency: dict[str, asyncio.Future[LiveSandbox]] = {}
@@ -82,6 +85,7 @@ class Orchestrator:
         if self.ctx.repository is not None:
             self.sync.resume_publishing()
         self.template_flows.start()
+        await self.builds.start()
         self._tasks.append(asyncio.create_task(self._reaper(), name="aenv-reaper"))
         self._tasks.append(asyncio.create_task(self._sampler(), name="aenv-sampler"))
 
@@ -94,6 +98,7 @@ class Orchestrator:
         self._tasks.clear()
         await self.snapshots.aclose()
         await self.sync.aclose()
+        await self.builds.aclose()
         await self.template_flows.aclose()
         await self.runtime.close()
 
@@ -465,7 +470,8 @@ class Orchestrator:
         self.template_flows.ensure_base()
 
     def list_templates(self) -> list[TemplateRow]:
-        return self.templates.list_templates()
+        """What users named or pulled; a build's bases and steps (``config.hidden``) stay out."""
+        return [t for t in self.templates.list_templates() if not t.config.get("hidden")]
 
     def get_template(self, name: str) -> TemplateRow:
         return self.templates.resolve(name)
@@ -477,8 +483,12 @@ class Orchestrator:
     async def delete_template(self, name: str) -> None:
         """A snapshot template deletes its snapshot; an image template drains the runtime's pools."""
         row = self.templates.resolve(name)
-        if row.kind is TemplateKind.SNAPSHOT:
+        if row.kind is TemplateKind.SNAPSHOT and not row.config.get("built"):
             await self.snapshots.delete(row.id)
+        elif row.kind is TemplateKind.SNAPSHOT:  # a built template: its snapshot goes when nothing needs it
+            self.templates.delete(row.id, in_use=self.table.template_ids_in_use())
+            await self.runtime.forget_template(row.id)
+            self.snapshots.collect_garbage()
         else:
             await self.template_flows.delete(row)
 
@@ -488,3 +498,29 @@ class Orchestrator:
     async def prune_cache(self, everything_unpinned: bool) -> dict[str, Any]:
         return await self.template_flows.prune_cache(everything_unpinned)
 
+    # ---- template builds: builds.py -------------------------------------------------------------
+    def request_build(self, name: str, tags: list[str], cpu_count: int | None, memory_mb: int | None) -> BuildRecord:
+        return self.builds.request(name, tags, cpu_count, memory_mb)
+
+    def build_upload_token(self, files_hash: str) -> str:
+        """What an upload link for these files carries instead of an API key (an HMAC, per server run)."""
+        return hmac.new(self.builds.upload_secret.encode(), files_hash.encode(), hashlib.sha256).hexdigest()
+
+    def build_file_present(self, template_id: str, files_hash: str) -> bool:
+        self.get_build_template(template_id)
+        return self.builds.file_present(files_hash)
+
+    async def receive_build_file(self, files_hash: str, chunks: AsyncIterator[bytes], max_bytes: int) -> int:
+        return await self.builds.receive_file(files_hash, chunks, max_bytes)
+
+    def start_build(self, template_id: str, build_id: str, spec: BuildSpec) -> None:
+        self.builds.trigger(template_id, build_id, spec)
+
+    def build_status(self, template_id: str, build_id: str) -> BuildRecord:
+        return self.builds.record(template_id, build_id)
+
+    def get_build_template(self, template_id: str) -> str:
+        """A template ID a build was requested for (files are uploaded for it before it exists)."""
+        if any(r.template_id == template_id for r in self.builds.records()):
+            return template_id
+        return self.templates.resolve(template_id).id
