@@ -6,6 +6,10 @@ A byte-level HTTP/1.1 relay over mux streams, in four parts: ``routing`` picks t
 runs one exchange. ``SandboxProxy``, the ASGI middleware, ties them together: the request head goes out
 with the first piece of the body in one frame, a kept-alive stream that died while idle is replaced when
 the request can still be resent, and any upstream failure becomes E2B's 502.
+
+WebSocket upgrades (the ASGI ``websocket`` scope) are relayed message by message over a stream of their
+own (``websocket``, ``wsframe``). Other upgrades are 501s: uvicorn gives the app no raw connection to
+switch; an ``h2c`` upgrade, which a client makes only in passing, is ignored as RFC 9110 allows.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections.abc import Callable
 
 from aenv.core.orchestrator import Orchestrator
 from aenv.errors import NotFound, PortNotOpen
-from aenv.mux import MuxError, StreamRefused
+from aenv.mux import ByteStream, MuxError, StreamRefused
 
 from .codec import (
     MAX_HEAD,
@@ -38,9 +42,14 @@ from .routing import (
     respond,
     route,
     route_signed_files_url,
-    sandbox_error,
     unsigned_files_url,
+    upgrade_tokens,
+    upstream_error,
 )
+from .websocket import deny, proxy_websocket, upgrade_refusal
+
+# Largest WebSocket message relayed either way unless the app says otherwise (uvicorn's own default).
+WS_MAX_MESSAGE = 16 * 1024 * 1024
 
 __all__ = [
     "ENVD_PORT",
@@ -51,6 +60,7 @@ __all__ = [
     "SandboxProxy",
     "UpstreamError",
     "UpstreamPool",
+    "WS_MAX_MESSAGE",
     "parse_response_head",
     "request_head",
     "route",
@@ -62,14 +72,20 @@ log = logging.getLogger("aenv.proxy")
 class SandboxProxy:
     """ASGI middleware in front of the control-plane app."""
 
-    def __init__(self, app: ASGIApp, get_orchestrator: Callable[[], Orchestrator]) -> None:
+    def __init__(
+        self, app: ASGIApp, get_orchestrator: Callable[[], Orchestrator], ws_max_message: int = WS_MAX_MESSAGE
+    ) -> None:
         self.app = app
         self._get = get_orchestrator
         self.pool = UpstreamPool(get_orchestrator)
+        self.ws_max_message = ws_max_message
+        self.upgraded: set[ByteStream] = set()  # streams of relayed WebSocket connections, while they last
 
     async def aclose(self) -> None:
         with contextlib.suppress(Exception):
             await self.pool.aclose()
+        for stream in list(self.upgraded):
+            await stream.aclose()
 
     def prewarm(self, sandbox_id: str) -> None:
         """Orchestrator.on_running hook: open an envd stream for a sandbox that just became usable, so
@@ -86,12 +102,33 @@ class SandboxProxy:
                 # No routing header and no sandbox signed this URL: envd's answer for a bad signature.
                 await respond(send, *unsigned_files_url())
                 return
+        elif scope["type"] == "websocket":
+            target = route(scope)
+            if target is not None:
+                await self._proxy_websocket(scope, receive, send, *target)
+                return
         await self.app(scope, receive, send)
+
+    async def _proxy_websocket(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str, port: int) -> None:
+        refused = refusal(scope, port)
+        if refused is not None:
+            await receive()  # websocket.connect
+            await deny(scope, send, *refused)
+            return
+
+        async def open_stream() -> ByteStream:
+            return await self.pool.open(sandbox_id, port)
+
+        await proxy_websocket(scope, receive, send, sandbox_id, open_stream, self.upgraded, self.ws_max_message)
 
     async def _proxy_http(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str, port: int) -> None:
         refused = refusal(scope, port)
         if refused is not None:
             await respond(send, *refused)
+            return
+        tokens = upgrade_tokens(scope)
+        if tokens and tokens != [b"h2c"]:
+            await respond(send, *upgrade_refusal(tokens), close=True)
             return
         head, framing = request_head(scope)
         more_body = framing == "chunked"  # a chunked body may stay open (StreamInput): head first, at once
@@ -133,14 +170,10 @@ class SandboxProxy:
                 # returning without completing it makes the server drop the client connection.
                 if not ex.gone:
                     log.info("sandbox=%s proxy port=%s failed mid-response: %r", sandbox_id, port, exc)
-            elif isinstance(exc, NotFound):
-                await respond(send, *sandbox_error(sandbox_id, "The sandbox was not found"))
-            elif isinstance(exc, (StreamRefused, PortNotOpen)):
-                await respond(send, *sandbox_error(sandbox_id, "The sandbox is running but port is not open"))
             else:
-                log.info("sandbox=%s proxy port=%s failed: %r", sandbox_id, port, exc)
-                name = "RemoteProtocolError" if isinstance(exc, (UpstreamError, MuxError)) else type(exc).__name__
-                await respond(send, *sandbox_error(sandbox_id, f"The sandbox is unreachable: {name}"))
+                if not isinstance(exc, (NotFound, StreamRefused, PortNotOpen)):
+                    log.info("sandbox=%s proxy port=%s failed: %r", sandbox_id, port, exc)
+                await respond(send, *upstream_error(sandbox_id, exc))
         finally:
             if helper is not None:
                 helper.cancel()

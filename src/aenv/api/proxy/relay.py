@@ -18,6 +18,7 @@ from .codec import (
     CHUNKED,
     LAST_CHUNK,
     ChunkedDecoder,
+    Headers,
     Receive,
     Send,
     UpstreamError,
@@ -29,6 +30,8 @@ from .codec import (
 )
 
 log = logging.getLogger("aenv.proxy")
+
+ResponseHead = tuple[int, bool, Headers, dict[bytes, bytes]]  # status, HTTP/1.1?, headers, framing headers
 
 
 class _NoResponse(UpstreamError):
@@ -83,10 +86,10 @@ async def _pump_and_watch(receive: Receive, chunked: bool, more_body: bool, ex: 
         await ex.client_left()
 
 
-async def _relay_response(method: str, send: Send, stream: ByteStream, ex: _Exchange) -> None:
-    """Read the response from ``stream`` and pass it to the client; sets ``ex.reusable`` at a clean end."""
-    buf = bytearray()
-    while True:  # informational (1xx) responses are dropped
+async def read_response_head(stream: ByteStream, buf: bytearray, upgrade: bool = False) -> ResponseHead:
+    """The final response head off ``stream`` (informational 1xx ones are dropped; a 101 is final when the
+    request asked for an ``upgrade``); what came after it stays in ``buf``."""
+    while True:
         while (head := take_head(buf)) is None:
             chunk = await stream.read()
             if not chunk:
@@ -94,11 +97,28 @@ async def _relay_response(method: str, send: Send, stream: ByteStream, ex: _Exch
                     raise UpstreamError("the sandbox closed the connection mid-response head")
                 raise _NoResponse("the sandbox closed the connection without a response")
             buf += chunk
-        status, http11, headers, framing = parse_response_head(head)
-        if status >= 200:
-            break
-        if status == 101:
-            raise UpstreamError("protocol upgrades are not relayed")
+        parsed = parse_response_head(head)
+        if parsed[0] == 101:
+            if upgrade:
+                return parsed
+            raise UpstreamError("the sandbox switched protocols on a request that asked for no upgrade")
+        if parsed[0] >= 200:
+            return parsed
+
+
+async def _relay_response(method: str, send: Send, stream: ByteStream, ex: _Exchange) -> None:
+    """Read the response from ``stream`` and pass it to the client; sets ``ex.reusable`` at a clean end."""
+    buf = bytearray()
+    head = await read_response_head(stream, buf)
+    await relay_body(method, head, buf, send, stream, ex)
+
+
+async def relay_body(
+    method: str, head: ResponseHead, buf: bytearray, send: Send, stream: ByteStream, ex: _Exchange
+) -> None:
+    """Send the response ``head`` and then its body (``buf`` first, then ``stream``) to the client as it
+    arrives; sets ``ex.reusable`` at a clean end."""
+    status, http11, headers, framing = head
     keep_alive = keeps_alive(http11, framing)
     length, headers = response_framing(method, status, headers, framing)
     await send({"type": "http.response.start", "status": status, "headers": headers})

@@ -15,9 +15,11 @@ from collections.abc import Callable
 from typing import Any, Protocol
 from urllib.parse import parse_qs
 
+from aenv.errors import NotFound, PortNotOpen
+from aenv.mux import MuxError, StreamRefused
 from aenv.runtime.envd_client import ENVD_PORT as ENVD_PORT  # the port a request names no port for
 
-from .codec import Scope, Send
+from .codec import Scope, Send, UpstreamError
 
 _HOST_RE = re.compile(r"^(\d{1,5})-([a-z0-9][a-z0-9_-]{0,63})\.")
 # envd's internal routes: only the orchestrator may call them, never a client through the proxy.
@@ -100,7 +102,34 @@ def sandbox_error(sandbox_id: str, message: str) -> tuple[int, bytes]:
     return json_error(502, {"sandboxId": sandbox_id, "message": message, "code": 502})
 
 
-async def respond(send: Send, status: int, body: bytes) -> None:
-    headers = [(b"content-type", b"application/json")]
+def upstream_error(sandbox_id: str, exc: Exception) -> tuple[int, bytes]:
+    """The 502 for a failure to reach the sandbox's port, worded as E2B's proxy words it (the SDKs raise
+    SandboxNotRunning / SandboxUnreachable on those words)."""
+    if isinstance(exc, NotFound):
+        return sandbox_error(sandbox_id, "The sandbox was not found")
+    if isinstance(exc, (StreamRefused, PortNotOpen)):
+        return sandbox_error(sandbox_id, "The sandbox is running but port is not open")
+    name = "RemoteProtocolError" if isinstance(exc, (UpstreamError, MuxError)) else type(exc).__name__
+    return sandbox_error(sandbox_id, f"The sandbox is unreachable: {name}")
+
+
+def upgrade_tokens(scope: Scope) -> list[bytes]:
+    """The protocols an HTTP/1.1 request asks to switch to (``Connection: upgrade`` + ``Upgrade``), lowercased;
+    empty for an ordinary request."""
+    connection = upgrade = b""
+    for name, value in scope.get("headers", ()):
+        if name == b"connection":
+            connection += b"," + value.lower()
+        elif name == b"upgrade":
+            upgrade += b"," + value.lower()
+    if b"upgrade" not in (t.strip() for t in connection.split(b",")):
+        return []
+    return [t.strip() for t in upgrade.split(b",") if t.strip()]
+
+
+async def respond(send: Send, status: int, body: bytes, close: bool = False) -> None:
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    if close:  # the client may already have sent bytes of another protocol: this connection is done
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})

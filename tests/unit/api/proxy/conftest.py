@@ -7,20 +7,27 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import pytest
+import pytest_asyncio
 
 from aenv.api.proxy import SandboxProxy
 from aenv.mux import MuxSession
 from tests.unit.api.proxy.helpers import FakeOrchestrator, Handler, Rig, Upstream
 
 
-@pytest.fixture
+async def _unused(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    raise AssertionError("no upstream handler")
+
+
+@pytest_asyncio.fixture(loop_scope="function")  # torn down on the loop its servers and sessions run on
 async def rig() -> AsyncIterator[Rig]:
     cleanups: list[Callable[[], Awaitable[None]]] = []
 
-    async def make(handler: Handler, port: int = 8080) -> tuple[SandboxProxy, FakeOrchestrator, Upstream]:
-        upstream = Upstream(handler)
-        real_port = await upstream.start()
+    async def make(
+        handler: Handler | None = None, port: int = 8080, upstream_port: int | None = None
+    ) -> tuple[SandboxProxy, FakeOrchestrator, Upstream]:
+        """``handler`` serves each upstream connection; or ``upstream_port`` names a server the test runs."""
+        upstream = Upstream(handler or _unused)
+        real_port = upstream_port or await upstream.start()
 
         async def accept(p: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
             if p != port:
@@ -43,8 +50,8 @@ async def rig() -> AsyncIterator[Rig]:
             await proxy.aclose()
             await host.aclose()
             await agent.aclose()
-            assert upstream.server is not None
-            upstream.server.close()
+            if upstream.server is not None:
+                upstream.server.close()
 
         cleanups.append(cleanup)
         return proxy, orch, upstream

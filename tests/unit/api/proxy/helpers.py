@@ -143,3 +143,55 @@ def respond(raw: bytes, requests: int = 1000) -> Handler:
             await w.drain()
 
     return handler
+
+
+class WsExchange:
+    """One WebSocket connection through the proxy, as the front server would drive it: the client's
+    messages and disconnect go in, and every message the proxy sends is kept."""
+
+    def __init__(self, proxy: SandboxProxy, path: str = "/ws", port: int = 8080, sandbox: str = "sbx",
+                 headers: list[tuple[bytes, bytes]] | None = None, denial: bool = True) -> None:
+        self.scope: dict[str, Any] = {
+            "type": "websocket", "path": path, "raw_path": path.encode(), "query_string": b"a=1",
+            "headers": [(b"host", b"127.0.0.1:8000"), (b"e2b-sandbox-id", sandbox.encode()),
+                        (b"e2b-sandbox-port", str(port).encode()), *(headers or [])],
+            "subprotocols": [], "extensions": {"websocket.http.response": {}} if denial else {},
+        }
+        self.inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.inbox.put_nowait({"type": "websocket.connect"})
+        self.sent: list[dict[str, Any]] = []
+        self._seen = 0
+        self.new_message = asyncio.Event()
+        self.task = asyncio.create_task(proxy(self.scope, self.inbox.get, self._send))
+
+    async def _send(self, message: dict[str, Any]) -> None:
+        self.sent.append(message)
+        self.new_message.set()
+
+    def text(self, data: str) -> None:
+        self.inbox.put_nowait({"type": "websocket.receive", "text": data})
+
+    def binary(self, data: bytes) -> None:
+        self.inbox.put_nowait({"type": "websocket.receive", "bytes": data})
+
+    def disconnect(self, code: int = 1000, reason: str = "") -> None:
+        self.inbox.put_nowait({"type": "websocket.disconnect", "code": code, "reason": reason})
+
+    async def next(self, timeout: float = 5.0) -> dict[str, Any]:
+        """The next message the proxy sent that was not returned yet."""
+        async with asyncio.timeout(timeout):
+            while len(self.sent) <= self._seen:
+                self.new_message.clear()
+                await self.new_message.wait()
+        self._seen += 1
+        return self.sent[self._seen - 1]
+
+    async def done(self, timeout: float = 5.0) -> WsExchange:
+        async with asyncio.timeout(timeout):
+            await self.task
+        return self
+
+
+def relay_tasks() -> list[str]:
+    """Names of the proxy's WebSocket relay tasks still running."""
+    return [t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("proxy-ws-")]

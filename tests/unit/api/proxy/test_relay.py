@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from aenv.api.proxy.codec import MAX_HEAD
 from tests.unit.api.proxy.helpers import Exchange, Handler, Rig, read_request, respond
 
@@ -264,3 +266,38 @@ async def test_reused_stream_that_dies_under_a_streaming_body_is_not_retried(rig
     await ex.done()
     assert ex.status == 502 and b"RemoteProtocolError" in ex.content
     assert orch.opened == 1 and upstream.connections == 1
+
+
+@pytest.mark.parametrize("framing", [b"", b"transfer-encoding: chunked\r\n"], ids=["until-eof", "chunked"])
+async def test_event_streams_pass_event_by_event_however_long_they_pause(rig: Rig, framing: bytes) -> None:
+    """SSE: each event reaches the client before the next one exists, and a quiet stream is not cut (the
+    relay has no idle timeout of its own)."""
+    gates = [asyncio.Event() for _ in range(3)]
+
+    async def sse(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n" + framing
+                + b"\r\n")  # fmt: skip
+        for i, gate in enumerate(gates):
+            await gate.wait()
+            event = b"data: %d\n\n" % i
+            w.write(b"%x\r\n%s\r\n" % (len(event), event) if framing else event)
+            await w.drain()
+        w.write(b"0\r\n\r\n" if framing else b"")
+        await w.drain()
+        if not framing:
+            w.close()
+
+    proxy, _, _ = await rig(sse)
+    ex = Exchange(proxy)
+    ex.body(b"")
+    await ex.wait_for(lambda: bool(ex.sent))
+    assert ex.headers[b"content-type"] == b"text/event-stream"
+    for i, gate in enumerate(gates):
+        await asyncio.sleep(0.2)  # a quiet stream stays open
+        assert not ex.complete
+        gate.set()
+        want = b"".join(b"data: %d\n\n" % k for k in range(i + 1))
+        await ex.wait_for(lambda want=want: ex.content == want)  # type: ignore[misc]
+    await ex.done()
+    assert ex.complete
