@@ -58,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--default-user", default="user")
     ap.add_argument("--env-json", default="{}", help="template environment (JSON object) for envd")
     ap.add_argument("--start-cmd", default=None, help="run once with /bin/sh -c after envd starts")
+    ap.add_argument("--start-user", default="", help="the start command's user (default: root)")
+    ap.add_argument("--start-cwd", default="", help="the start command's directory (default: /)")
     ap.add_argument("--log", default="/dev/null", help="file for agent and envd logs")
     ap.add_argument("--no-envd", action="store_true", help="do not start envd (tests)")
     return ap.parse_args(argv)
@@ -115,8 +117,11 @@ async def amain(args: argparse.Namespace, envd_pid: int | None = None) -> None:
     grace_until = 0.0
     if args.start_cmd:
         shell = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
+        argv = [shell, "-c", args.start_cmd]
+        if args.start_user or args.start_cwd:
+            argv = [*python_argv(), "-m", "aenv.agent.as_user", args.start_user, args.start_cwd, *argv]
         try:
-            spawn([shell, "-c", args.start_cmd], env, stdout=args.log)
+            spawn(argv, env, stdout=args.log)
             grace_until = time.monotonic() + START_CMD_GRACE
         except OSError as exc:
             log.error("start command failed to spawn: %s", exc)

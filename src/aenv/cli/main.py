@@ -1,10 +1,11 @@
-"""The ``aenv`` command: the HTTP commands (``remote.py``) and this machine's own (``local.py``)."""
+"""The ``aenv`` command: the HTTP commands (``remote.py``, ``build.py``) and this machine's own (``local.py``)."""
 
 from __future__ import annotations
 
-from aenv.cli import local
+from aenv.cli import build, local
 from aenv.cli.remote import app, template_app
 
+app.command("build")(build.build)
 local.register(app, template_app)
 
 

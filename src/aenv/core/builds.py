@@ -343,7 +343,10 @@ class TemplateBuilds:
                   spec: BuildSpec) -> None:
         config = {**base.config, "snapshot": snapshot_id, "built": True, "build_id": rec.build_id,
                   "user": _sandbox_user(base, state), "workdir": state.workdir,
-                  "start_cmd": spec.start_cmd, "ready_cmd": spec.ready_cmd}
+                  "start_cmd": spec.start_cmd, "ready_cmd": spec.ready_cmd,
+                  # the start command runs as the steps did at its point (Docker's and E2B's rule)
+                  "start_user": state.user if spec.start_cmd else None,
+                  "start_cwd": state.workdir if spec.start_cmd else None}
         config.pop("hidden", None)
         # ``name:tag`` is the name itself; each extra tag is one more name for the same build
         plain = rec.alias.split(":", 1)[0]

@@ -65,6 +65,8 @@ class TemplateCatalog:
             workdir=cfg.get("workdir"),
             user=cfg.get("user") or "user",
             start_cmd=cfg.get("start_cmd"),
+            start_user=cfg.get("start_user"),
+            start_cwd=cfg.get("start_cwd"),
             ready_cmd=cfg.get("ready_cmd"),
         )
 

@@ -37,6 +37,8 @@ class SandboxImage:
     workdir: str | None = None  # image WorkingDir
     user: str = "user"  # default user for processes and files
     start_cmd: str | None = None  # started in the background once at sandbox start
+    start_user: str | None = None  # ... as this user (None: root) and in this directory (None: /)
+    start_cwd: str | None = None
     ready_cmd: str | None = None
 
 

@@ -140,6 +140,10 @@ def agent_argv(opts: LaunchOptions) -> list[str]:
     ]
     if t.start_cmd:
         argv += ["--start-cmd", t.start_cmd]
+        if t.start_user:
+            argv += ["--start-user", t.start_user]
+        if t.start_cwd:
+            argv += ["--start-cwd", t.start_cwd]
     return argv
 
 

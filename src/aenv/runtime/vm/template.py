@@ -69,6 +69,10 @@ def agent_args(tpl: SandboxImage) -> list[str]:
     args += ["--log", "/dev/console"]  # agent and envd logs land in the VM's console log file
     if tpl.start_cmd:
         args += ["--start-cmd", tpl.start_cmd]
+        if tpl.start_user:
+            args += ["--start-user", tpl.start_user]
+        if tpl.start_cwd:
+            args += ["--start-cwd", tpl.start_cwd]
     return args
 
 
