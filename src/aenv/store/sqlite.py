@@ -21,7 +21,17 @@ from typing import Any
 from aenv.errors import StoreError
 from aenv.kinds import SandboxState, SnapshotMode, TemplateKind
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+
+# Columns added after a database was first created, per table, as (name, SQL definition). A store
+# opening an older database adds the ones it lacks (``ALTER TABLE ... ADD COLUMN``, existing rows get
+# the default) and records the new schema version; the CREATE statements below already have them.
+_ADDED_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
+    "sandboxes": (
+        ("auto_pause_memory", "INTEGER NOT NULL DEFAULT 1"),  # v2: autoPauseMemory
+        ("pause_mode", "TEXT"),  # v2: what the current (or last) pause keeps: full | filesystem
+    ),
+}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -36,6 +46,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     paused_at REAL,
     auto_pause INTEGER NOT NULL DEFAULT 0,
     auto_resume INTEGER NOT NULL DEFAULT 0,
+    auto_pause_memory INTEGER NOT NULL DEFAULT 1,
+    pause_mode TEXT,
     cpu_count INTEGER NOT NULL,
     memory_mb INTEGER NOT NULL,
     disk_mb INTEGER NOT NULL,
@@ -109,9 +121,15 @@ class SandboxRow:
     created_seq: int = 0
     lineage_head: str | None = None  # the snapshot this sandbox's state descends from (checkpoint tree)
     depends_on: list[str] = field(default_factory=list)  # snapshots whose files this sandbox needs while alive
+    auto_pause_memory: bool = True  # an expiry pause keeps memory (False: files only)
+    # What the pause keeps, written before the runtime acts: full (processes and memory) or
+    # filesystem (files only; the resume is a cold start). None while it never was paused.
+    pause_mode: SnapshotMode | None = None
 
     def __post_init__(self) -> None:
         self.state = SandboxState(self.state)  # the database holds the plain value
+        if self.pause_mode is not None:
+            self.pause_mode = SnapshotMode(self.pause_mode)
 
 
 @dataclass
@@ -156,7 +174,7 @@ class SnapshotRow:
 
 
 _JSON_FIELDS = {"metadata", "env_vars", "runtime_state", "lowers", "config", "pinned_layers", "depends_on", "result"}
-_BOOL_FIELDS = {"auto_pause", "auto_resume", "allow_internet", "internal", "published"}
+_BOOL_FIELDS = {"auto_pause", "auto_resume", "auto_pause_memory", "allow_internet", "internal", "published"}
 
 
 _FIELD_NAMES: dict[type[Any], tuple[str, ...]] = {}
@@ -212,11 +230,22 @@ class Store:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA busy_timeout=5000")
             self._db.executescript(_SCHEMA)
-            self._db.execute(
-                "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
-            )
+            self._migrate()
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open metadata database {path}: {exc}") from exc
+
+    def _migrate(self) -> None:
+        """Bring a database of an older schema up to ``SCHEMA_VERSION`` (columns added since)."""
+        for table, columns in _ADDED_COLUMNS.items():
+            have = {r["name"] for r in self._db.execute(f"PRAGMA table_info({table})")}
+            for name, definition in columns:
+                if name not in have:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {definition}")
+        self._db.execute(
+            "INSERT INTO meta(key, value) VALUES ('schema_version', ?) "
+            "ON CONFLICT(key) DO UPDATE SET value=excluded.value WHERE CAST(value AS INTEGER) < ?",
+            (str(SCHEMA_VERSION), SCHEMA_VERSION),
+        )
 
     def close(self) -> None:
         with self._lock:

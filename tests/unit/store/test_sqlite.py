@@ -87,3 +87,43 @@ def test_rows_come_back_with_their_enums_and_refuse_unknown_values(store: Store)
     with pytest.raises(ValueError):
         SandboxRow(id="x", template_id="base", state="exploded", runtime="ns", started_at=0, end_at=0,  # type: ignore[arg-type]
                    cpu_count=1, memory_mb=1, disk_mb=1)
+
+
+def test_an_older_database_gains_the_new_columns_and_keeps_its_rows(tmp_path: Path) -> None:
+    """A v1 database (before autoPauseMemory and pause modes): opening it adds the columns, the old
+    rows read with their defaults, and the new fields round-trip."""
+    import sqlite3
+
+    from aenv.kinds import SnapshotMode
+    from aenv.store.sqlite import SCHEMA_VERSION
+
+    path = tmp_path / "old.db"
+    db = sqlite3.connect(path)
+    db.executescript(
+        "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
+        "INSERT INTO meta VALUES ('schema_version', '1');"
+        "CREATE TABLE sandboxes (id TEXT PRIMARY KEY, template_id TEXT NOT NULL, alias TEXT, state TEXT NOT NULL,"
+        " runtime TEXT NOT NULL, started_at REAL NOT NULL, end_at REAL NOT NULL, paused_at REAL,"
+        " auto_pause INTEGER NOT NULL DEFAULT 0, auto_resume INTEGER NOT NULL DEFAULT 0,"
+        " cpu_count INTEGER NOT NULL, memory_mb INTEGER NOT NULL, disk_mb INTEGER NOT NULL,"
+        " allow_internet INTEGER NOT NULL DEFAULT 1, metadata TEXT NOT NULL DEFAULT '{}',"
+        " env_vars TEXT NOT NULL DEFAULT '{}', access_token TEXT, runtime_state TEXT NOT NULL DEFAULT '{}',"
+        " idempotency_key TEXT, created_seq INTEGER NOT NULL DEFAULT 0, lineage_head TEXT,"
+        " depends_on TEXT NOT NULL DEFAULT '[]');"
+        "INSERT INTO sandboxes (id, template_id, state, runtime, started_at, end_at, cpu_count, memory_mb, disk_mb)"
+        " VALUES ('old1', 'base', 'paused', 'ns', 1.0, 2.0, 1, 256, 512);"
+    )
+    db.commit()
+    db.close()
+    store = Store(path)
+    try:
+        old = store.get_sandbox("old1")
+        assert old is not None and old.auto_pause_memory is True and old.pause_mode is None
+        store.update_sandbox("old1", pause_mode=SnapshotMode.FILESYSTEM, auto_pause_memory=False)
+        again = store.get_sandbox("old1")
+        assert again is not None and again.pause_mode is SnapshotMode.FILESYSTEM and again.auto_pause_memory is False
+        version = store._query("SELECT value FROM meta WHERE key='schema_version'")[0]["value"]
+        assert int(version) == SCHEMA_VERSION == 2
+    finally:
+        store.close()
+    Store(path).close()  # opening a migrated database again changes nothing
