@@ -94,3 +94,20 @@ def test_a_rebuild_redoes_only_the_changed_last_step(e2b_env: dict[str, str]) ->
     seen = build("echo two > /opt/last", skip_cache=True)
     assert not any("cached" in m for m in seen), seen
     assert stamp().split()[0] != stamp1  # skip_cache ran everything again
+
+
+def test_tags_name_one_build_and_come_and_go(e2b_env: dict[str, str]) -> None:
+    name = _name("tags")
+    info = Template.build(Template().from_template("base").run_cmd("echo tagged > /opt/t"), f"{name}:v1",
+                          tags=["stable"])
+    for ref in (f"{name}:v1", f"{name}:stable"):
+        sbx = Sandbox.create(ref, timeout=120)
+        try:
+            assert sbx.commands.run("cat /opt/t").stdout.strip() == "tagged"
+        finally:
+            sbx.kill()
+    assigned = Template.assign_tags(f"{name}:v1", ["production"])
+    assert assigned.tags == ["production"] and assigned.build_id == info.build_id
+    assert sorted(t.tag for t in Template.get_tags(info.template_id)) == ["production", "stable", "v1"]
+    Template.remove_tags(name, ["stable"])
+    assert Template.exists(f"{name}:production") and not Template.exists(f"{name}:stable")

@@ -115,3 +115,30 @@ async def build_status(
     if rec.reason is not None:
         out["reason"] = rec.reason
     return JSONResponse(out)
+
+
+class AssignTagsBody(_Body):
+    target: str = Field(min_length=1, max_length=200)
+    tags: list[str] = Field(min_length=1, max_length=16)
+
+
+class RemoveTagsBody(_Body):
+    name: str = Field(min_length=1, max_length=200)
+    tags: list[str] = Field(min_length=1, max_length=16)
+
+
+@router.post("/templates/tags", status_code=201)
+async def assign_tags(body: AssignTagsBody, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
+    build_id, tags = orch.builds.assign_tags(body.target, body.tags)
+    return JSONResponse({"tags": tags, "buildID": build_id}, status_code=201)
+
+
+@router.delete("/templates/tags", status_code=204)
+async def remove_tags(body: RemoveTagsBody, orch: Orchestrator = Depends(orchestrator)) -> Response:
+    orch.builds.remove_tags(body.name, body.tags)
+    return Response(status_code=204)
+
+
+@router.get("/templates/{template_id}/tags")
+async def list_tags(template_id: str, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
+    return JSONResponse(orch.builds.tags_of(template_id))

@@ -25,7 +25,9 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +52,8 @@ BUILD_TIMEOUT_S = 3600
 READY_TIMEOUT_S = 300
 MAX_LOG_ENTRIES = 20_000
 LOG_TAIL = 40  # entries a failure's reason carries
+CACHE_ENTRIES = 512  # cached step results kept (oldest dropped first)
+TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 class SandboxDoor(Protocol):
@@ -143,7 +147,7 @@ class TemplateBuilds:
             raise Conflict(f"template name '{name}' belongs to a {existing.kind.value} template; pick another name",
                            template=name)
         template_id = existing.id if existing is not None and existing.alias == name else new_id()
-        rec = BuildRecord(template_id, new_id(), name, list(tags), cpu_count, memory_mb)
+        rec = BuildRecord(template_id, str(uuid.uuid4()), name, list(tags), cpu_count, memory_mb)
         self._records[rec.build_id] = rec
         self._active[name] = rec
         self._save(rec)
@@ -349,17 +353,55 @@ class TemplateBuilds:
                   "start_cwd": state.workdir if spec.start_cmd else None}
         config.pop("hidden", None)
         # ``name:tag`` is the name itself; each extra tag is one more name for the same build
-        plain = rec.alias.split(":", 1)[0]
-        names = [(rec.template_id, rec.alias)] + [
-            (f"{rec.template_id}-{hashlib.sha256(t.encode()).hexdigest()[:10]}", f"{plain}:{t}") for t in rec.tags
-        ]
-        for template_id, alias in names:
-            self.ctx.templates.register(
-                alias=alias, kind=TemplateKind.SNAPSHOT, rootfs=Path(base.rootfs), lowers=[Path(p) for p in base.lowers],
-                config={**config, "tag_of": rec.template_id} if template_id != rec.template_id else config,
-                source=f"build {rec.build_id}", template_id=template_id,
-                cpu_count=rec.cpu_count or base.cpu_count, memory_mb=rec.memory_mb or base.memory_mb,
-            )  # fmt: skip
+        main = self.ctx.templates.register(
+            alias=rec.alias, kind=TemplateKind.SNAPSHOT, rootfs=Path(base.rootfs), lowers=[Path(p) for p in base.lowers],
+            config=config, source=f"build {rec.build_id}", template_id=rec.template_id,
+            cpu_count=rec.cpu_count or base.cpu_count, memory_mb=rec.memory_mb or base.memory_mb,
+        )  # fmt: skip
+        for tag in rec.tags:
+            self._tag(main, tag)
+
+    # ---- tags: more names for one build ---------------------------------------------------------
+    def assign_tags(self, target: str, tags: list[str]) -> tuple[str, list[str]]:
+        """``POST /templates/tags``: ``target`` (``name`` or ``name:tag``) gets the extra ``tags``."""
+        row = self.ctx.templates.resolve(target)
+        if not row.config.get("built"):
+            raise InvalidRequest(f"'{target}' is not a built template: only builds have tags")
+        for tag in tags:
+            self._tag(row, tag)
+        return str(row.config.get("build_id", "")), list(tags)
+
+    def remove_tags(self, name: str, tags: list[str]) -> None:
+        plain = name.split(":", 1)[0]
+        rows = [self.ctx.store.get_template(f"{plain}:{t}") for t in tags]
+        missing = [t for t, r in zip(tags, rows, strict=True) if r is None or not r.config.get("tag_of")]
+        if missing:
+            raise NotFound(f"template '{plain}' has no tag {', '.join(missing)}", template=plain)
+        for row in rows:
+            assert row is not None
+            self.ctx.store.delete_template(row.id)
+
+    def tags_of(self, template: str) -> list[dict[str, Any]]:
+        row = self.ctx.templates.resolve(template)
+        owner = str(row.config.get("tag_of") or row.id)
+        return [
+            {"tag": t.alias.split(":", 1)[1], "buildID": str(t.config.get("build_id", "")),
+             "createdAt": dt.datetime.fromtimestamp(t.created_at, dt.UTC).isoformat()}
+            for t in self.ctx.templates.list_templates()
+            if t.alias and ":" in t.alias and (t.config.get("tag_of") == owner or t.id == owner)
+        ]  # fmt: skip
+
+    def _tag(self, row: TemplateRow, tag: str) -> None:
+        if not TAG.match(tag):
+            raise InvalidRequest(f"bad tag {tag!r}: letters, digits, '.', '_' and '-'")
+        owner = str(row.config.get("tag_of") or row.id)
+        plain = (row.alias or owner).split(":", 1)[0]
+        self.ctx.templates.register(
+            alias=f"{plain}:{tag}", kind=TemplateKind.SNAPSHOT, rootfs=Path(row.rootfs),
+            lowers=[Path(p) for p in row.lowers], config={**row.config, "tag_of": owner},
+            source=row.source, template_id=f"{owner}-{hashlib.sha256(tag.encode()).hexdigest()[:10]}",
+            cpu_count=row.cpu_count, memory_mb=row.memory_mb,
+        )  # fmt: skip
 
     def _finish(self, rec: BuildRecord) -> None:
         rec.status = "ready"
@@ -394,10 +436,27 @@ class TemplateBuilds:
         return raw if isinstance(raw, dict) else {}
 
     def _save_cache(self, cache: dict[str, Any]) -> None:
+        """Write the cache index, first dropping the oldest entries past ``CACHE_ENTRIES``: a step
+        snapshot no entry and no template names any more loses its hidden template, and the snapshot
+        GC takes it."""
+        evicted = list(cache)[: max(0, len(cache) - CACHE_ENTRIES)]
+        for key in evicted:
+            cache.pop(key)
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.cache_file.with_name(f".cache.{secrets.token_hex(4)}")
         tmp.write_text(json.dumps(cache))
         os.rename(tmp, self.cache_file)
+        if evicted:
+            self._drop_unreferenced_steps(cache)
+
+    def _drop_unreferenced_steps(self, cache: dict[str, Any]) -> None:
+        rows = self.ctx.store.list_templates()
+        kept = {e.get("snapshot") for e in cache.values() if isinstance(e, dict)}
+        kept |= {r.config.get("snapshot") for r in rows if not r.config.get("hidden")}
+        for row in rows:
+            if row.config.get("hidden") and row.kind is TemplateKind.SNAPSHOT and row.id not in kept:
+                self.ctx.store.delete_template(row.id)
+        self.snapshots.collect_garbage()
 
 
 class BuildFailed(Exception):
