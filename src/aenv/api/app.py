@@ -15,7 +15,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from aenv import __version__
-from aenv.api import errors, serialize
+from aenv.api import errors
 from aenv.api.auth import key_digests, require_api_key
 from aenv.api.proxy import SandboxProxy
 from aenv.api.routes_builds import router as builds_router
@@ -112,17 +112,5 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
         orch = holder["orch"]
         return JSONResponse({"version": __version__, **orch.stats(), "capabilities": orch.capabilities()})
 
-    async def control_plane(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        """The API, answering with the sandbox domain this request's client should use (serialize.DOMAIN)."""
-        if scope["type"] != "http":
-            await api(scope, receive, send)
-            return
-        server = scope.get("server") or (None, None)
-        token = serialize.DOMAIN.set(serialize.domain_for(scope["headers"], server[1], settings.sandbox_domain))
-        try:
-            await api(scope, receive, send)
-        finally:
-            serialize.DOMAIN.reset(token)
-
-    proxy = SandboxProxy(control_plane, lambda: holder["orch"], settings.ws_max_message)
+    proxy = SandboxProxy(api, lambda: holder["orch"])  # type: ignore[arg-type]  # FastAPI's ASGI types are wider
     return proxy
