@@ -32,7 +32,7 @@ from typing import Any
 from rich.console import Console
 
 from aenv.testing.server import API_KEY, discard_vm_state, start_server, stop_server
-from bench import core, density, forks, report, rl
+from bench import builds, core, density, forks, report, rl
 from bench.context import Ctx
 
 console = Console(stderr=True)
@@ -48,6 +48,7 @@ SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "rollback": forks.rollback,
     "density": density.density,
     "rl": rl.rl_loop,
+    "build": builds.template_build,
 }
 GROUPS = {
     "core": ["create", "concurrent", "roundtrip", "files", "pause"],

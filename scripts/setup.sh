@@ -28,6 +28,8 @@ APT_PACKAGES=(
   # vm runtime: QEMU, disk tools, guest kernel build
   qemu-system-x86 qemu-utils cpio lz4 kmod socat
   linux-source-6.1 build-essential bc bison flex libelf-dev libssl-dev
+  # the benchmark's baselines (docker run/exec/commit/build, runc run), run on a private engine
+  docker.io runc
 )
 
 missing=()
