@@ -111,3 +111,16 @@ def test_tags_name_one_build_and_come_and_go(e2b_env: dict[str, str]) -> None:
     assert sorted(t.tag for t in Template.get_tags(info.template_id)) == ["production", "stable", "v1"]
     Template.remove_tags(name, ["stable"])
     assert Template.exists(f"{name}:production") and not Template.exists(f"{name}:stable")
+
+
+async def test_async_build_and_exists(e2b_env: dict[str, str]) -> None:
+    from e2b import AsyncSandbox, AsyncTemplate
+
+    name = _name("async")
+    await AsyncTemplate.build(AsyncTemplate().from_template("base").run_cmd("echo async > /opt/a"), name)
+    assert await AsyncTemplate.exists(name)
+    sbx = await AsyncSandbox.create(name, timeout=120)
+    try:
+        assert (await sbx.commands.run("cat /opt/a")).stdout.strip() == "async"
+    finally:
+        await sbx.kill()
