@@ -76,6 +76,15 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
+# The JS SDK for the JS tests (npm `e2b`), once, in the machine's aenv cache.
+js_cache="${AENV_JS_SDK_DIR:-$([ "$(id -u)" -eq 0 ] && echo /var/cache/aenv/js-sdk || echo "$HOME/.cache/aenv/js-sdk")}"
+if command -v npm >/dev/null 2>&1 && [ ! -d "$js_cache/node_modules/e2b" ]; then
+  say "installing the JS SDK (npm e2b@2) into $js_cache"
+  mkdir -p "$js_cache"
+  [ -f "$js_cache/package.json" ] || echo '{"type":"module","private":true}' > "$js_cache/package.json"
+  (cd "$js_cache" && npm install --silent --no-audit --no-fund e2b@2) || say "npm install e2b failed: the JS tests will try again"
+fi
+
 if [ "$(id -u)" -eq 0 ]; then
   say "preparing the tools bundle and the base template (first run: about a minute)"
   .venv/bin/aenv setup

@@ -674,10 +674,10 @@ def test_js_sdk_against_envd(envd: Any, workdir: Path) -> None:
     """The JS SDK (connect-web, WatchDir stream, pty) against envd, when node and the SDK are present."""
     import shutil
 
-    node = shutil.which("node")
-    cache = Path(os.environ.get("AENV_JS_SDK_DIR", "/tmp/aenv-js-sdk"))
-    if not node or not (cache / "node_modules" / "e2b").is_dir():
-        pytest.skip("node or the npm e2b package is not available")
+    from tests.fixtures.js import js_sdk_dir
+
+    cache = js_sdk_dir()
+    node = shutil.which("node") or "node"
     script = cache / f"envd_check_{uuid.uuid4().hex}.mjs"
     script.write_text(JS_CHECK)
     try:

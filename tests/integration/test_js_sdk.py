@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
+
+from tests.fixtures.js import js_sdk_dir
 
 SCRIPT = r"""
 import { Sandbox } from 'e2b'
@@ -21,16 +22,8 @@ await s.kill()
 
 
 def test_js_sdk_smoke(e2b_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> None:
-    node, npm = shutil.which("node"), shutil.which("npm")
-    if not node or not npm:
-        pytest.skip("node/npm not installed")
-    cache = Path(os.environ.get("AENV_JS_SDK_DIR", "/tmp/aenv-js-sdk"))
-    if not (cache / "node_modules" / "e2b").is_dir():
-        cache.mkdir(parents=True, exist_ok=True)
-        (cache / "package.json").write_text('{"type":"module","private":true}')
-        res = subprocess.run([npm, "install", "--silent", "e2b@2"], cwd=cache, capture_output=True, text=True, timeout=300)
-        if res.returncode != 0:
-            pytest.skip(f"npm install e2b failed: {res.stderr[-300:]}")
+    cache = js_sdk_dir()
+    node = shutil.which("node") or "node"
     script = cache / "smoke.mjs"
     script.write_text(SCRIPT)
     res = subprocess.run([node, str(script)], cwd=cache, capture_output=True, text=True, timeout=120, env={**os.environ, **e2b_env})
