@@ -32,3 +32,40 @@ def test_js_sdk_smoke(e2b_env: dict[str, str], tmp_path_factory: pytest.TempPath
 
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out == {"out": "js-2", "back": "from-js", "running": True}
+
+
+BUILD_SCRIPT = r"""
+import { Sandbox, Template } from 'e2b'
+const name = process.argv[2]
+const logs = []
+const t = Template().fromTemplate('base').runCmd('echo js-built > /opt/j').setWorkdir('/opt')
+const info = await Template.build(t, name, { onBuildLogs: (e) => logs.push(String(e.message ?? e)) })
+const s = await Sandbox.create(name)
+const r = await s.commands.run('cat j; pwd')
+await s.kill()
+let failed = null
+try { await Template.build(Template().fromTemplate('base').runCmd('exit 5'), name + '-bad') }
+catch (e) { failed = e.constructor.name + ': ' + e.message }
+console.log(JSON.stringify({ out: r.stdout.trim().split('\n'), id: !!info.templateId, steps: logs.some(m => m.includes('step 1/')),
+                             exists: await Template.exists(name), failed, badExists: await Template.exists(name + '-bad') }))
+"""
+
+
+def test_js_sdk_template_build(e2b_env: dict[str, str]) -> None:
+    """The same template build through the npm ``e2b`` package (JS SDK parity)."""
+    import json
+    import secrets
+
+    cache = js_sdk_dir()
+    script = cache / f"build_{secrets.token_hex(4)}.mjs"
+    script.write_text(BUILD_SCRIPT)
+    try:
+        res = subprocess.run([shutil.which("node") or "node", str(script), f"js-{secrets.token_hex(3)}"], cwd=cache,
+                             capture_output=True, text=True, timeout=300, env={**os.environ, **e2b_env})
+    finally:
+        script.unlink()
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["out"] == ["js-built", "/opt"] and out["id"] and out["steps"] and out["exists"], out
+    assert out["failed"] and "BuildError" in out["failed"] and "exit code 5" in out["failed"], out
+    assert out["badExists"] is False
