@@ -11,7 +11,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 def _is_root() -> bool:
@@ -84,11 +84,29 @@ class Settings(BaseModel):
         None, description="S3 endpoint URL for an s3:// snapshot store (e.g. http://127.0.0.1:8333); unset = AWS"
     )
     snapshot_store_region: str | None = Field(None, description="S3 region (default: AWS_REGION or us-east-1)")
+    sandbox_domain: str | None = Field(
+        None,
+        description="the domain in create/connect/detail responses: the SDK's sbx.get_host(port) is "
+        "<port>-<id>.<domain>, which the proxy routes by Host (include a non-default port: "
+        "'sbx.example.com:8443'); unset = the X of a client that called api.X (only E2B_DOMAIN set), "
+        "else localhost:<the port the client used>",
+    )
+    tls_cert: Path | None = Field(None, description="serve HTTPS with this PEM certificate (chain); needs tls_key")
+    tls_key: Path | None = Field(None, description="the PEM private key of tls_cert")
+    ws_max_message: int = Field(
+        16 * 1024 * 1024, gt=0, description="largest WebSocket message relayed into or out of a sandbox, bytes"
+    )
 
     @field_validator("state_dir", "cache_dir", mode="after")
     @classmethod
     def _absolute(cls, v: Path) -> Path:
         return v.expanduser().absolute()
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> Settings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: set both or neither")
+        return self
 
     # Derived paths, kept here so every module agrees on the layout.
     @property

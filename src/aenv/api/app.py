@@ -15,7 +15,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from aenv import __version__
-from aenv.api import errors
+from aenv.api import errors, serialize
 from aenv.api.auth import key_digests, require_api_key
 from aenv.api.proxy import SandboxProxy
 from aenv.api.routes_builds import router as builds_router
@@ -112,5 +112,27 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
         orch = holder["orch"]
         return JSONResponse({"version": __version__, **orch.stats(), "capabilities": orch.capabilities()})
 
-    proxy = SandboxProxy(api, lambda: holder["orch"])  # type: ignore[arg-type]  # FastAPI's ASGI types are wider
+    api.add_middleware(_SandboxDomain, configured=settings.sandbox_domain)
+    # FastAPI's ASGI types are wider
+    proxy = SandboxProxy(api, lambda: holder["orch"], settings.ws_max_message)  # type: ignore[arg-type]
     return proxy
+
+
+class _SandboxDomain:
+    """ASGI middleware: each control-plane request is answered with the sandbox domain its client should
+    use (``serialize.DOMAIN``, read where responses name a sandbox's ``domain``)."""
+
+    def __init__(self, app: Any, configured: str | None) -> None:
+        self.app = app
+        self.configured = configured
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        server = scope.get("server") or (None, None)
+        token = serialize.DOMAIN.set(serialize.domain_for(scope["headers"], server[1], self.configured))
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            serialize.DOMAIN.reset(token)

@@ -1,8 +1,17 @@
-"""Domain objects → E2B JSON shapes (spec §2.1). The only place that knows those field names."""
+"""Domain objects → E2B JSON shapes (spec §2.1). The only place that knows those field names.
+
+``domain`` in them is what the SDKs build sandbox host names from (``sbx.get_host(port)`` is
+``<port>-<id>.<domain>``, and without ``E2B_SANDBOX_URL`` envd is ``https://49983-<id>.<domain>``). It is the
+``sandbox_domain`` setting, or else derived from the request (``DOMAIN``, set per request by the app): a
+client that reached the API as ``api.<domain>`` (only ``E2B_DOMAIN`` set) gets that domain back, any other
+``localhost:<the port it used>``, names under ``localhost`` that the SDK's own resolver, curl and browsers
+send to this machine.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
+from contextvars import ContextVar
 from typing import Any
 
 from aenv.core.table import LiveSandbox
@@ -10,6 +19,25 @@ from aenv.envd import ENVD_VERSION
 from aenv.runtime.base import ResourceSample
 
 CLIENT_ID = "aenv"
+
+# The sandbox domain for the responses of the request being served (see the module docstring).
+DOMAIN: ContextVar[str | None] = ContextVar("aenv_sandbox_domain", default=None)
+
+
+def domain_for(headers: list[tuple[bytes, bytes]], server_port: int | None, configured: str | None) -> str:
+    """The sandbox domain to answer a request with: ``configured`` if set, else ``X`` for a request to
+    ``api.X`` (E2B's naming), else ``localhost`` with the port the client named (or the one it reached)."""
+    if configured:
+        return configured
+    host = next((v.decode("latin-1").strip().lower() for k, v in headers if k == b"host"), "")
+    if host.startswith("api.") and len(host) > 4:
+        return host[4:]
+    _, sep, port = host.rpartition(":")
+    if sep and port.isdigit():  # "[::1]:8000" too; "[::1]" ends in "1]"
+        return f"localhost:{port}"
+    if host or not server_port:  # a Host with no port: the scheme's own
+        return "localhost"
+    return f"localhost:{server_port}"
 
 
 def iso(ts: float) -> str:
@@ -23,7 +51,7 @@ def sandbox(sbx: LiveSandbox) -> dict[str, Any]:
         "sandboxID": row.id,
         "clientID": CLIENT_ID,
         "envdVersion": ENVD_VERSION,
-        "domain": None,
+        "domain": DOMAIN.get(),
         "trafficAccessToken": None,
     }
     if row.alias:
@@ -57,7 +85,7 @@ def _common(sbx: LiveSandbox) -> dict[str, Any]:
 def detail(sbx: LiveSandbox) -> dict[str, Any]:
     out = _common(sbx)
     row = sbx.row
-    out["domain"] = None
+    out["domain"] = DOMAIN.get()
     out["allowInternetAccess"] = row.allow_internet
     out["lifecycle"] = {"autoResume": row.auto_resume, "onTimeout": "pause" if row.auto_pause else "kill"}
     if row.access_token:

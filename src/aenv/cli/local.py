@@ -32,6 +32,11 @@ def serve(
     state_dir: Optional[Path] = typer.Option(None, help="state directory (AENV_STATE_DIR)"),
     pool_size: Optional[int] = typer.Option(None, help="pre-started sandboxes per hot template (AENV_POOL_SIZE)"),
     log_level: Optional[str] = typer.Option(None, help="debug | info | warning (AENV_LOG_LEVEL)"),
+    tls_cert: Optional[Path] = typer.Option(None, help="serve HTTPS with this PEM certificate (AENV_TLS_CERT)"),
+    tls_key: Optional[Path] = typer.Option(None, help="its PEM private key (AENV_TLS_KEY)"),
+    sandbox_domain: Optional[str] = typer.Option(
+        None, help="domain in sandbox responses: get_host(port) = <port>-<id>.<domain> (AENV_SANDBOX_DOMAIN) "
+                   "[default: X for clients calling api.X, else localhost:<port>]"),
 ) -> None:
     """Run the server: E2B control plane and sandbox proxy on one port.
 
@@ -44,6 +49,8 @@ def serve(
     AENV_S3_SECRET_ACCESS_KEY (or the standard AWS_* names), from the environment only.
     vm runtime: vm_release_paused_after (s a paused VM stays in RAM, default 60), vm_memory_low_mb (below
     this much available host memory paused VMs go to disk at once, default 512, 0 = off), vm_guest_aslr.
+    Sandbox proxy: sandbox_domain, tls_cert + tls_key (HTTPS; HTTP/1.1 only, no HTTP/2), ws_max_message
+    (largest WebSocket message relayed, bytes, default 16 MiB).
     """
     import logging
 
@@ -57,7 +64,8 @@ def serve(
         printer.fail(f"unknown runtime '{runtime}'", hint="use --runtime ns, vm or auto", status=ExitStatus.USAGE)
     try:
         settings = load_settings(
-            {"host": host, "port": port, "runtime": runtime, "state_dir": state_dir, "pool_size": pool_size, "log_level": log_level}
+            {"host": host, "port": port, "runtime": runtime, "state_dir": state_dir, "pool_size": pool_size, "log_level": log_level,
+             "tls_cert": tls_cert, "tls_key": tls_key, "sandbox_domain": sandbox_domain}
         )
     except Exception as exc:  # pydantic ValidationError, TOML errors
         printer.fail("invalid configuration", causes=[str(exc)], status=ExitStatus.USAGE)
@@ -70,6 +78,10 @@ def serve(
             "can run code here. Set AENV_API_KEYS.",
             markup=True,
         )
+    for path in (settings.tls_cert, settings.tls_key):
+        if path is not None and not path.is_file():
+            printer.fail(f"no such file: {path}", hint="--tls-cert and --tls-key name PEM files", status=ExitStatus.USAGE)
+    logging.getLogger("uvicorn.error").addFilter(_DenialFilter())
     uvicorn.run(
         create_app(settings),
         host=settings.host,
@@ -78,7 +90,20 @@ def serve(
         access_log=False,
         timeout_keep_alive=75,
         server_header=False,
+        ssl_certfile=str(settings.tls_cert) if settings.tls_cert else None,
+        ssl_keyfile=str(settings.tls_key) if settings.tls_key else None,
+        ws_max_size=settings.ws_max_message,
     )
+
+
+class _DenialFilter:
+    """uvicorn's websockets-sansio protocol logs "ASGI callable returned without completing handshake." at
+    ERROR after every WebSocket refused with an HTTP response (the denial extension: the proxy's 502s and
+    the sandbox's own refusals), which the client received correctly (uvicorn PR #3138). The proxy always
+    accepts or refuses, so the line says nothing; it is dropped."""
+
+    def filter(self, record: object) -> bool:
+        return getattr(record, "msg", None) != "ASGI callable returned without completing handshake."
 
 
 def setup(

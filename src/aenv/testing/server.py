@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -23,12 +24,22 @@ def free_port() -> int:
 
 
 @dataclass
+class Tls:
+    """What an HTTPS test server serves (``cert``, ``key``) and what its clients trust (``ca``)."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+
+@dataclass
 class Server:
     url: str
     state_dir: Path
     proc: subprocess.Popen[bytes]
     log_path: Path
     env: dict[str, str]
+    ca: Path | None = None  # the CA of an HTTPS server's certificate
 
     def log_tail(self, n: int = 60) -> str:
         try:
@@ -37,7 +48,10 @@ class Server:
             return ""
 
 
-def start_server(tmp: Path, runtime: str, extra_env: dict[str, str] | None = None, port: int | None = None) -> Server:
+def start_server(
+    tmp: Path, runtime: str, extra_env: dict[str, str] | None = None, port: int | None = None, tls: Tls | None = None
+) -> Server:
+    """``tls``: serve HTTPS (the certificate must name 127.0.0.1); the health check trusts ``tls.ca``."""
     port = port or free_port()
     state = tmp / "state"
     log_path = tmp / "server.log"
@@ -48,6 +62,7 @@ def start_server(tmp: Path, runtime: str, extra_env: dict[str, str] | None = Non
         "AENV_PORT": str(port),
         "AENV_POOL_SIZE": os.environ.get("AENV_TEST_POOL_SIZE", "2"),
         "AENV_LOG_LEVEL": "info",
+        **({"AENV_TLS_CERT": str(tls.cert), "AENV_TLS_KEY": str(tls.key)} if tls else {}),
         **(extra_env or {}),
     }
     with log_path.open("ab") as log:
@@ -58,13 +73,15 @@ def start_server(tmp: Path, runtime: str, extra_env: dict[str, str] | None = Non
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    server = Server(f"http://127.0.0.1:{port}", state, proc, log_path, env)
+    scheme = "https" if tls else "http"
+    server = Server(f"{scheme}://127.0.0.1:{port}", state, proc, log_path, env, tls.ca if tls else None)
+    verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(tls.ca)) if tls else True
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"aenv serve exited with {proc.returncode}:\n{server.log_tail()}")
         try:
-            if httpx.get(server.url + "/health", timeout=1, trust_env=False).status_code == 200:
+            if httpx.get(server.url + "/health", timeout=1, trust_env=False, verify=verify).status_code == 200:
                 return server
         except httpx.HTTPError:
             pass
