@@ -20,6 +20,7 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.typing import Subprotocol
 
 from aenv.api.proxy import SandboxProxy, websocket
+from bench.ws_echo_server import Echo
 from tests.unit.api.proxy.helpers import (
     Exchange,
     FakeOrchestrator,
@@ -41,33 +42,12 @@ class _AnyString:
 ANY_STRING = _AnyString()
 
 
-class Sandbox:
-    """A websockets server standing in for the one in the sandbox; records how each connection ended."""
+class Sandbox(Echo):
+    """The echo server of the WebSocket tests and bench (bench/ws_echo_server.py) in the "sandbox"."""
 
-    def __init__(self) -> None:
-        self.closes: list[tuple[int | None, str | None]] = []
-        self.ended = asyncio.Event()
-        self.pong_rtt: float | None = None
-
-    async def handler(self, ws: ServerConnection) -> None:
-        try:
-            async for msg in ws:
-                if msg == "close-me":
-                    await ws.close(4001, "bye")
-                elif msg == "ping-me":
-                    self.pong_rtt = await (await ws.ping(b"hi"))
-                    await ws.send("ponged")
-                elif msg == "fragments":
-                    await ws.send(iter(["ab", "cd", "ef"]))
-                elif msg == "drop":
-                    ws.transport.abort()
-                elif msg == "half-close":
-                    ws.transport.write_eof()
-                else:
-                    await ws.send(msg)
-        finally:
-            self.closes.append((ws.close_code, ws.close_reason))
-            self.ended.set()
+    @property
+    def closes(self) -> list[tuple[int | None, str | None]]:
+        return [tuple(c) for c in self.stats["closes"]]  # type: ignore[misc]
 
 
 Started = tuple[SandboxProxy, FakeOrchestrator, Sandbox]
@@ -155,8 +135,7 @@ async def test_the_sandboxs_ping_is_answered_and_fragments_arrive_as_one_message
     ex = WsExchange(proxy)
     await ex.next()
     ex.text("ping-me")
-    assert await ex.next() == {"type": "websocket.send", "text": "ponged"}
-    assert sandbox.pong_rtt is not None
+    assert await ex.next() == {"type": "websocket.send", "text": "ponged"}  # after the pong came
     ex.text("fragments")
     assert await ex.next() == {"type": "websocket.send", "text": "abcdef"}
     ex.disconnect()

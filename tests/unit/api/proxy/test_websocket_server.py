@@ -14,37 +14,26 @@ import pytest
 import pytest_asyncio
 import uvicorn
 from websockets.asyncio.client import connect
-from websockets.asyncio.server import ServerConnection, serve
+from websockets.asyncio.server import serve
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from aenv.api.proxy import SandboxProxy
+from bench.ws_echo_server import Echo
 from tests.unit.api.proxy.helpers import FakeOrchestrator, Rig, relay_tasks
 
 HEADERS = {"E2b-Sandbox-Id": "sbx", "E2b-Sandbox-Port": "8080"}
 
 
 class Front:
-    """uvicorn serving the proxy on a free port, in front of a websockets server in the "sandbox"."""
+    """uvicorn serving the proxy on a free port, in front of the echo server (bench/ws_echo_server.py) in the
+    "sandbox"."""
 
-    def __init__(self, proxy: SandboxProxy, orch: FakeOrchestrator, server: uvicorn.Server) -> None:
-        self.proxy, self.orch, self.server = proxy, orch, server
-        self.closes: list[tuple[int | None, str | None]] = []
-        self.ended = asyncio.Event()
+    def __init__(self, proxy: SandboxProxy, orch: FakeOrchestrator, server: uvicorn.Server, echo: Echo) -> None:
+        self.proxy, self.orch, self.server, self.echo = proxy, orch, server, echo
 
     @property
     def port(self) -> int:
         return int(self.server.servers[0].sockets[0].getsockname()[1])
-
-    async def handler(self, ws: ServerConnection) -> None:
-        try:
-            async for msg in ws:
-                if msg == "close-me":
-                    await ws.close(4001, "bye")
-                else:
-                    await ws.send(msg)
-        finally:
-            self.closes.append((ws.close_code, ws.close_reason))
-            self.ended.set()
 
     async def settled(self) -> None:
         """Until the relay let go of every stream and task."""
@@ -58,12 +47,8 @@ async def front(rig: Rig) -> AsyncIterator[Callable[[], Awaitable[Front]]]:
     started: list[tuple[Any, uvicorn.Server, asyncio.Task[None]]] = []
 
     async def make() -> Front:
-        holder: dict[str, Front] = {}
-
-        async def handler(ws: ServerConnection) -> None:
-            await holder["front"].handler(ws)
-
-        sandbox = await serve(handler, "127.0.0.1", 0, max_size=None)
+        echo = Echo()
+        sandbox = await serve(echo.handler, "127.0.0.1", 0, max_size=None)
         proxy, orch, _ = await rig(upstream_port=sandbox.sockets[0].getsockname()[1])
         config = uvicorn.Config(proxy, host="127.0.0.1", port=0, lifespan="off", log_level="warning",
                                 ws_max_size=32 << 20)  # fmt: skip
@@ -72,8 +57,7 @@ async def front(rig: Rig) -> AsyncIterator[Callable[[], Awaitable[Front]]]:
         started.append((sandbox, server, task))
         while not server.started:
             await asyncio.sleep(0.01)
-        holder["front"] = Front(proxy, orch, server)
-        return holder["front"]
+        return Front(proxy, orch, server, echo)
 
     yield make
     for sandbox, server, task in started:
@@ -100,8 +84,8 @@ async def test_echo_ping_and_client_close_in_both_routing_modes(front: Any, mode
         assert await ws.recv() == big
         assert await asyncio.wait_for(await ws.ping(b"x"), 5) >= 0  # answered (by the front server)
         await ws.close(4002, "done")
-    await asyncio.wait_for(f.ended.wait(), 5)
-    assert f.closes == [(4002, "done")]
+    await asyncio.wait_for(f.echo.ended.wait(), 5)
+    assert f.echo.stats["closes"] == [[4002, "done"]]
     await f.settled()
 
 
