@@ -109,6 +109,7 @@ class _Relay:
         self.close_sent = False  # a close frame went to the sandbox
         self.client_gone = False  # the client's side ended: nothing more goes to it
         self.client_close: tuple[int, str] = (NO_STATUS, "")
+        self.pong_due: bytes | None = None  # a pong to send after the frame being written
 
     async def run(self) -> None:
         client = asyncio.create_task(self._from_client(), name=f"proxy-ws-client-{self.sandbox_id}")
@@ -130,6 +131,18 @@ class _Relay:
         frame = encode_frame(opcode, payload)
         async with self.lock:
             await self.stream.write(frame)
+            while self.pong_due is not None:
+                pong, self.pong_due = self.pong_due, None
+                await self.stream.write(encode_frame(PONG, pong))
+
+    async def _pong(self, payload: bytes) -> None:
+        """Answer a ping; while a (large) frame is being written, right after it, so the sandbox's frames
+        are read on meanwhile: a server that stops reading until it has written is never stuck on us."""
+        if self.lock.locked():
+            self.pong_due = payload  # only the latest ping needs its pong (RFC 6455 §5.5.3)
+            return
+        with contextlib.suppress(MuxError):
+            await self._write(PONG, payload)
 
     async def _close_upstream(self, code: int, reason: str) -> None:
         if self.close_sent:
@@ -212,8 +225,7 @@ class _Relay:
                 key = "text" if isinstance(event.data, str) else "bytes"
                 await self._to_client({"type": "websocket.send", key: event.data})
             elif isinstance(event, Ping):
-                with contextlib.suppress(MuxError):
-                    await self._write(PONG, event.payload)
+                await self._pong(event.payload)
             elif isinstance(event, Close):
                 await self._close_upstream(event.code, event.reason)  # the answer, unless the close was ours
                 code = event.code if sendable(event.code) else NORMAL

@@ -19,7 +19,7 @@ import pytest_asyncio
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.typing import Subprotocol
 
-from aenv.api.proxy import SandboxProxy, websocket
+from aenv.api.proxy import SandboxProxy, websocket, wsframe
 from bench.ws_echo_server import Echo
 from tests.unit.api.proxy.helpers import (
     Exchange,
@@ -32,6 +32,15 @@ from tests.unit.api.proxy.helpers import (
 )
 
 GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+
+
+async def accept_upgrade(r: asyncio.StreamReader, w: asyncio.StreamWriter, then: bytes = b"") -> None:
+    """A scripted sandbox server's side of the handshake (101 with the right accept), then ``then``."""
+    _, headers, _ = await read_request(r) or (b"", {}, b"")
+    accept = base64.b64encode(hashlib.sha1(headers[b"sec-websocket-key"] + GUID).digest())
+    w.write(b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n"
+            b"sec-websocket-accept: " + accept + b"\r\n\r\n" + then)  # fmt: skip
+    await w.drain()
 
 
 class _AnyString:
@@ -158,11 +167,7 @@ async def test_a_sandbox_that_does_not_answer_the_close_is_cut_off(rig: Rig, mon
     upstream_closed = asyncio.Event()
 
     async def deaf(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        _, headers, _ = await read_request(r) or (b"", {}, b"")
-        accept = base64.b64encode(hashlib.sha1(headers[b"sec-websocket-key"] + GUID).digest())
-        w.write(b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n"
-                b"sec-websocket-accept: " + accept + b"\r\n\r\n")  # fmt: skip
-        await w.drain()
+        await accept_upgrade(r, w)
         while await r.read(65536):  # reads the close frame, never answers it
             pass
         upstream_closed.set()
@@ -238,12 +243,7 @@ async def test_a_client_that_leaves_during_the_handshake_ends_the_relay(rig: Rig
 
 async def test_a_sandbox_breaking_the_protocol_is_closed_on_both_sides(rig: Rig) -> None:
     async def rsv(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        _, headers, _ = await read_request(r) or (b"", {}, b"")
-        accept = base64.b64encode(hashlib.sha1(headers[b"sec-websocket-key"] + GUID).digest())
-        w.write(b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n"
-                b"sec-websocket-accept: " + accept + b"\r\n\r\n" + bytes([0x81, 0x02]) + b"ok"
-                + bytes([0xC1, 0x01]) + b"x")  # fmt: skip
-        await w.drain()
+        await accept_upgrade(r, w, bytes([0x81, 0x02]) + b"ok" + bytes([0xC1, 0x01]) + b"x")
         head = await r.readexactly(2)
         assert head[0] == 0x88 and head[1] & 0x80  # a close frame, masked as a client's must be
         await r.read()
@@ -294,3 +294,35 @@ async def test_other_upgrades_are_501_and_h2c_is_ignored(rig: Rig) -> None:
     ex.body(b"")
     await ex.done()
     assert ex.status == 200
+
+
+async def test_a_ping_during_a_large_upload_does_not_stop_the_relay(rig: Rig) -> None:
+    """The sandbox pings and talks while not reading a large message of the client's: its frames still
+    reach the client, and the pong follows the message on the wire (never inside it)."""
+    go = asyncio.Event()
+    upstream_frames: list[wsframe.Event] = []
+
+    async def busy(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await accept_upgrade(r, w)
+        started = await r.readexactly(2)  # the large message is on its way
+        w.write(bytes([0x89, 0x02]) + b"p1" + bytes([0x81, 0x0A]) + b"after-ping")
+        await w.drain()
+        await go.wait()  # reads nothing more until the client has heard it
+        decoder = wsframe.FrameDecoder(1 << 30)
+        upstream_frames.extend(decoder.feed(started))
+        while len(upstream_frames) < 2 and (data := await r.read(1 << 20)):
+            upstream_frames.extend(decoder.feed(data))
+
+    proxy, orch, _ = await rig(busy)
+    ex = WsExchange(proxy)
+    await ex.next()
+    big = b"z" * (8 << 20)  # far more than the mux window and the socket buffers hold
+    ex.binary(big)
+    assert await ex.next() == {"type": "websocket.send", "text": "after-ping"}
+    go.set()
+    async with asyncio.timeout(10):
+        while len(upstream_frames) < 2:
+            await asyncio.sleep(0.01)
+    assert upstream_frames == [wsframe.Message(big), wsframe.Pong(b"p1")]
+    ex.disconnect()
+    await assert_nothing_left(proxy, orch, ex)
