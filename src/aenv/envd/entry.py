@@ -3,6 +3,12 @@
 lstat-based: a symlink reports its target's type and permission bits, the fully
 resolved target in ``symlinkTarget`` and ``isSymlink: true``; ``permissions``
 is Go ``FileMode.String()`` of the entry itself (``Lrwxrwxrwx`` for a link).
+
+``size`` is the lstat size, as E2B's envd reports it, except for directories of the sandbox's root
+filesystem: E2B's root is ext4, where a directory is whole blocks (4096 bytes while it is small),
+while the ns runtime's root is overlayfs on btrfs, where a directory reports the bytes of its names
+(0 when empty). Those are given in the root's block units, at least one block, so a directory
+reads as on E2B (on the vm runtime's ext4 root this changes nothing).
 """
 
 from __future__ import annotations
@@ -112,6 +118,22 @@ def read_metadata(path: str) -> dict[str, str]:
     return out
 
 
+_root_dev: int | None = None
+
+
+def entry_size(st: os.stat_result) -> int:
+    """The ``size`` E2B would report for this entry (see the module's docstring)."""
+    global _root_dev
+    if not stat.S_ISDIR(st.st_mode):
+        return st.st_size
+    if _root_dev is None:
+        _root_dev = os.stat("/").st_dev
+    if st.st_dev != _root_dev:
+        return st.st_size
+    block = st.st_blksize or 4096
+    return max(block, -(-st.st_size // block) * block)
+
+
 def entry_info(path: str, names: NameCache | None = None, display_path: str | None = None) -> Message:
     """EntryInfo for ``path`` (raises ``OSError`` if it cannot be lstat-ed).
 
@@ -125,7 +147,7 @@ def entry_info(path: str, names: NameCache | None = None, display_path: str | No
         "name": os.path.basename(shown.rstrip("/")) or "/",
         "type": file_type(st.st_mode),
         "path": shown,
-        "size": str(st.st_size),
+        "size": str(entry_size(st)),
         "mode": stat.S_IMODE(st.st_mode) & 0o777,
         "permissions": go_permissions(st.st_mode),
         "owner": names.user(st.st_uid),

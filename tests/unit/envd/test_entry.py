@@ -89,3 +89,26 @@ def test_metadata_from_xattrs(tmp_path: Path) -> None:
 
         pytest.skip("no user xattrs here")
     assert entry_info(str(f))["metadata"] == {"owner": "alice"}
+
+
+def test_directory_sizes_read_as_on_e2b_ext4_root() -> None:
+    """A directory of the root filesystem is whole blocks, at least one (ext4, E2B's root), whatever
+    the overlay under it reports; other entries and other filesystems keep their lstat size."""
+    import os
+    import stat as st_mod
+
+    from aenv.envd.entry import entry_size
+
+    root_dev = os.stat("/").st_dev
+
+    def fake(mode: int, size: int, dev: int) -> os.stat_result:
+        return os.stat_result((mode, 1, dev, 1, 0, 0, size, 0, 0, 0), {"st_blksize": 4096})
+
+    d = st_mod.S_IFDIR | 0o755
+    assert entry_size(fake(d, 0, root_dev)) == 4096  # an empty btrfs directory under overlay
+    assert entry_size(fake(d, 22, root_dev)) == 4096
+    assert entry_size(fake(d, 4096, root_dev)) == 4096  # ext4 (the vm root): unchanged
+    assert entry_size(fake(d, 5000, root_dev)) == 8192
+    assert entry_size(fake(d, 40, root_dev + 1)) == 40  # a tmpfs elsewhere: as it is
+    assert entry_size(fake(st_mod.S_IFREG | 0o644, 0, root_dev)) == 0
+    assert entry_size(fake(st_mod.S_IFREG | 0o644, 5, root_dev)) == 5
