@@ -34,6 +34,7 @@ from .codec import (
     parse_response_head,
     request_head,
 )
+from .connect_end import ConnectStreamEnd
 from .pool import IDLE_EXPIRY, MAX_IDLE_PER_TARGET, UpstreamPool
 from .relay import _Exchange, _NoResponse, _pump_and_watch, _relay_response
 from .routing import (
@@ -130,6 +131,8 @@ class SandboxProxy:
         if tokens and tokens != [b"h2c"]:
             await respond(send, *upgrade_refusal(tokens), close=True)
             return
+        ender = ConnectStreamEnd(send) if ConnectStreamEnd.applies_to(scope) else None
+        send = ender or send
         head, framing = request_head(scope)
         more_body = framing == "chunked"  # a chunked body may stay open (StreamInput): head first, at once
         if framing == "length":
@@ -170,6 +173,9 @@ class SandboxProxy:
                 # returning without completing it makes the server drop the client connection.
                 if not ex.gone:
                     log.info("sandbox=%s proxy port=%s failed mid-response: %r", sandbox_id, port, exc)
+                    if ender is not None:  # a Connect stream ends as E2B's does (connect_end.py)
+                        await ender.end_unavailable(f"the connection to sandbox {sandbox_id} ended before "
+                                                    "the stream completed")
             else:
                 if not isinstance(exc, (NotFound, StreamRefused, PortNotOpen)):
                     log.info("sandbox=%s proxy port=%s failed: %r", sandbox_id, port, exc)

@@ -1,0 +1,104 @@
+"""A Connect stream whose sandbox breaks off ends with an ``unavailable`` end-of-stream error when it broke
+between two envelopes (connect_end.py), as E2B's does; anything else is cut as before."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from aenv.api.proxy.connect_end import ConnectStreamEnd
+from tests.unit.api.proxy.helpers import Exchange, Handler, Rig, read_request
+
+CONNECT = [(b"content-type", b"application/connect+json")]
+
+
+def envelope(obj: object, flags: int = 0) -> bytes:
+    data = json.dumps(obj).encode()
+    return bytes([flags]) + len(data).to_bytes(4, "big") + data
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def dies_after(*pieces: bytes, content_type: bytes = b"application/connect+json") -> Handler:
+    """An upstream that starts a chunked response, sends ``pieces`` as chunks, then goes away."""
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-type: " + content_type + b"\r\ntransfer-encoding: chunked\r\n\r\n")
+        for piece in pieces:
+            w.write(chunk(piece))
+        await w.drain()
+
+    return handler
+
+
+START = envelope({"event": {"start": {"pid": 7}}})
+
+
+async def test_a_stream_cut_between_envelopes_ends_unavailable(rig: Rig) -> None:
+    proxy, _, _ = await rig(dies_after(START, envelope({"event": {"data": {"stdout": "aGk="}}})))
+    ex = Exchange(proxy, "POST", "/process.Process/Start", headers=CONNECT)
+    ex.body(b"")
+    await ex.done()
+    assert ex.complete, "the stream must end, not be cut"
+    sent = envelope({"event": {"start": {"pid": 7}}}) + envelope({"event": {"data": {"stdout": "aGk="}}})
+    body = ex.content
+    assert body.startswith(sent)
+    tail = body[len(sent):]
+    assert tail[0] == 0x02 and int.from_bytes(tail[1:5], "big") == len(tail) - 5
+    end = json.loads(tail[5:])
+    assert end["error"]["code"] == "unavailable"
+    message = end["error"]["message"]
+    assert "sbx" in message and "ended before the stream completed" in message
+    # neither of the proxy's own answers: the SDK must probe the sandbox to tell why
+    assert "was not found" not in message and "port is not open" not in message
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        (START[:3],),  # inside an envelope's prefix
+        (START, envelope({"x": 1})[:8]),  # inside a payload
+        (START, envelope({}, flags=0x02)),  # envd had ended the stream itself: nothing may follow
+    ],
+    ids=["mid-prefix", "mid-payload", "after-its-own-end"],
+)
+async def test_anything_else_is_cut_as_before(rig: Rig, pieces: tuple[bytes, ...]) -> None:
+    proxy, _, _ = await rig(dies_after(*pieces))
+    ex = Exchange(proxy, "POST", "/process.Process/Start", headers=CONNECT)
+    ex.body(b"")
+    await ex.done()
+    assert not ex.complete and ex.content == b"".join(pieces)
+
+
+async def test_other_responses_are_cut_as_before(rig: Rig) -> None:
+    proxy, _, _ = await rig(dies_after(b'{"partial": ', content_type=b"application/json"))
+    ex = Exchange(proxy, "POST", "/filesystem.Filesystem/ListDir", headers=[(b"content-type", b"application/json")])
+    ex.body(b"")
+    await ex.done()
+    assert not ex.complete and ex.content == b'{"partial": '
+
+
+async def test_envelopes_are_followed_across_any_split() -> None:
+    """Byte by byte or all at once, the tracker knows where envelopes end."""
+    parts = [START, envelope({"event": {"keepalive": {}}}), envelope({"event": {"end": {"exitCode": 0}}})]
+    whole = b"".join(parts)
+    boundaries = {sum(len(p) for p in parts[:k]) for k in range(1, len(parts) + 1)}
+    sent: list[dict[str, object]] = []
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    for size in (1, 2, 5, 7, len(whole)):
+        ender = ConnectStreamEnd(send)
+        await ender({"type": "http.response.start", "status": 200, "headers": CONNECT})
+        for i in range(0, len(whole), size):
+            await ender({"type": "http.response.body", "body": whole[i : i + size], "more_body": True})
+            if min(i + size, len(whole)) not in boundaries:
+                assert not await ender.end_unavailable("not between two envelopes")
+        assert await ender.end_unavailable("gone")
+        assert sent[-1]["more_body"] is False and not await ender.end_unavailable("twice")
