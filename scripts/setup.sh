@@ -86,6 +86,8 @@ if command -v npm >/dev/null 2>&1 && [ ! -d "$js_cache/node_modules/e2b" ]; then
 fi
 
 if [ "$(id -u)" -eq 0 ]; then
+  # CRIU >= 4.2 for process snapshots on ns (bookworm's is too old for this kernel): built once, cached.
+  ./scripts/build-criu.sh
   say "preparing the tools bundle and the base template (first run: about a minute)"
   .venv/bin/aenv setup
 else
