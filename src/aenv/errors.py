@@ -12,7 +12,8 @@ maps them to E2B-shaped HTTP errors, and nothing here knows about HTTP.
     ├── CapacityError            admission control refused: too many sandboxes or starts at once
     ├── RuntimeFailure           the runtime could not do what was asked (spawn, mount, QEMU, ...)
     │   └── SandboxUnreachable   the sandbox runs but its agent/envd did not answer
-    │       └── PortNotOpen      the sandbox runs but nothing listens on the requested port
+    │       ├── PortNotOpen      the sandbox runs but nothing listens on the requested port
+    │       └── GuestUnresponsive  a pause that needs envd's answer did not get it (the sandbox runs on)
     ├── ImageError               anything from the image pipeline (see aenv.images.errors)
     └── StoreError               metadata persistence failed
 """
@@ -80,6 +81,10 @@ class SandboxUnreachable(RuntimeFailure):
 
 
 class PortNotOpen(SandboxUnreachable):
+    pass
+
+
+class GuestUnresponsive(SandboxUnreachable):
     pass
 
 

@@ -10,7 +10,9 @@ import enum
 class SandboxState(enum.StrEnum):
     """Lifecycle: starting → running ⇄ paused → killing (then the row is deleted).
 
-    Only ``running`` and ``paused`` are ever shown to E2B clients.
+    Only ``running`` and ``paused`` are ever shown to E2B clients: a sandbox in a pause or a resume
+    shows the state it comes from until it is done (a client polling a pause at expiry must never see
+    it vanish), and any call on it waits for the transition under the sandbox's lock.
     """
 
     STARTING = "starting"
@@ -21,8 +23,21 @@ class SandboxState(enum.StrEnum):
     KILLING = "killing"
 
     @property
+    def shown(self) -> SandboxState | None:
+        """The state E2B clients see, or None while the sandbox is not theirs (starting, killing)."""
+        return _SHOWN.get(self)
+
+    @property
     def visible(self) -> bool:
-        return self in (SandboxState.RUNNING, SandboxState.PAUSED)
+        return self.shown is not None
+
+
+_SHOWN = {
+    SandboxState.RUNNING: SandboxState.RUNNING,
+    SandboxState.PAUSING: SandboxState.RUNNING,
+    SandboxState.PAUSED: SandboxState.PAUSED,
+    SandboxState.RESUMING: SandboxState.PAUSED,
+}
 
 
 class SnapshotMode(enum.StrEnum):

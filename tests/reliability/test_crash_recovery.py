@@ -56,12 +56,16 @@ def _populate(sbx: Sandbox, tag: str) -> Member:
     return Member(sbx.sandbox_id, path, content, handle.pid)
 
 
-def _assert_intact(m: Member, conn: dict[str, str]) -> Sandbox:
-    """Connect (resuming if paused) and check the file and the background process survived."""
+def _assert_intact(m: Member, conn: dict[str, str], processes: bool = True) -> Sandbox:
+    """Connect (resuming if paused) and check the file and the background process survived
+    (``processes=False``: a files-only pause or cold start was under way, so the process is gone)."""
     sbx = Sandbox.connect(m.sandbox_id, **conn)
     assert sbx.files.read(m.file_path) == m.content, f"{m.sandbox_id}: file content changed"
     pids = {p.pid for p in sbx.commands.list()}
-    assert m.pid in pids, f"{m.sandbox_id}: background process {m.pid} lost (have {sorted(pids)})"
+    if processes:
+        assert m.pid in pids, f"{m.sandbox_id}: background process {m.pid} lost (have {sorted(pids)})"
+    else:
+        assert m.pid not in pids, f"{m.sandbox_id}: process {m.pid} outlived a files-only pause"
     assert sbx.commands.run("echo alive").stdout.strip() == "alive"
     return sbx
 
@@ -87,8 +91,12 @@ CASES: dict[str, tuple[str, int]] = {
     "create.started": ("create", 3),
     "pause.stored": ("pause", 2),
     "pause.done": ("pause", 2),
+    "pause.fs.stored": ("pause_files", 1),
+    "pause.fs.done": ("pause_files", 1),
     "resume.stored": ("resume", 1),
     "resume.done": ("resume", 1),
+    "resume.cold.stored": ("resume_cold", 1),
+    "resume.cold.done": ("resume_cold", 1),
     "kill.stored": ("kill", 1),
     "kill.done": ("kill", 1),
     "snapshot.stored": ("snapshot", 1),
@@ -100,7 +108,9 @@ CASES: dict[str, tuple[str, int]] = {
 EXPECT: dict[str, str | None] = {
     "create.stored": "gone", "create.started": "gone",
     "pause.stored": "usable", "pause.done": "usable",
+    "pause.fs.stored": "usable", "pause.fs.done": "usable",
     "resume.stored": "usable", "resume.done": "usable",
+    "resume.cold.stored": "usable", "resume.cold.done": "usable",
     "kill.stored": "gone", "kill.done": "gone",
     "snapshot.stored": "usable", "snapshot.done": "usable",
     "fork.stored": "usable", "fork.done": "usable",
@@ -121,7 +131,10 @@ def _trigger(action: str, server: Server, conn: dict[str, str], victim: Sandbox 
         elif action == "pause":
             assert victim is not None
             victim.pause()
-        elif action == "resume":
+        elif action == "pause_files":
+            assert victim is not None
+            victim.pause(mode="filesystem")
+        elif action in ("resume", "resume_cold"):
             assert victim is not None
             Sandbox.connect(victim.sandbox_id, **conn)
         elif action == "kill":
@@ -158,6 +171,8 @@ def test_crash_at_fault_point(point: str, servers: ServerFactory) -> None:
         v = _populate(victim, "victim-v")
         if action == "resume":
             assert victim.pause()
+        elif action == "resume_cold":
+            assert victim.pause(mode="filesystem")  # its resume is a cold start
 
     _trigger(action, first, conn, victim)
     assert wait_dead(first) == -9, f"server did not die at {point}:\n{first.log_tail()}"
@@ -190,7 +205,8 @@ def test_crash_at_fault_point(point: str, servers: ServerFactory) -> None:
     assert Sandbox.get_info(p.sandbox_id, **conn).state == SandboxState.PAUSED
     _assert_intact(p, conn)
     if victim_status == 200 and v is not None:
-        _assert_intact(v, conn)
+        # a files-only pause or cold start was under way: recovery settles it paused, files only
+        _assert_intact(v, conn, processes=action not in ("pause_files", "resume_cold"))
 
     # Everything killed: the state dir's footprint on the host is empty again.
     for sid in live:

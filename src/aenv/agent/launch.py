@@ -7,8 +7,9 @@ must import nothing but the stdlib. Steps, in the order CRIU and isolation need 
 
 1. report our host PID and start time (read through the host's /proc before we mount our own);
 2. join the sandbox cgroups, so every descendant is accounted and limited from the first instant;
-3. overlay root (shared read-only lowers + per-sandbox upper), /proc, a minimal /dev (bind-mounted
-   host nodes, private devpts, /dev/shm), ``/.aenv`` (tools, read-only), ``/.aenv-run`` (channel);
+3. overlay root (shared read-only lowers + per-sandbox upper), /proc (its boot id the sandbox's own,
+   bind-mounted read-only from the host's file), a minimal /dev (bind-mounted host nodes, private
+   devpts, /dev/shm), ``/.aenv`` (tools, read-only), ``/.aenv-run`` (channel);
 4. hostname, loopback up;
 5. ``pivot_root`` (not chroot) and detach the old root, so no host path is reachable;
 6. drop dangerous capabilities from the bounding set, ``setsid``, stdio from inside the sandbox;
@@ -51,6 +52,7 @@ DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
 # /proc entries that are global to the host: read-only or hidden, as container runtimes do.
 PROC_READONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
 PROC_MASKED = ("kcore", "keys", "timer_list", "sched_debug", "kallsyms")
+BOOT_ID = "sys/kernel/random/boot_id"  # under /proc: each sandbox start has one of its own
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
@@ -154,6 +156,8 @@ def build_root(cfg: dict) -> str:  # type: ignore[type-arg]
     _mkdir(f"{root}/proc")
     mount("proc", f"{root}/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     harden_proc(f"{root}/proc")
+    if cfg.get("boot_id"):
+        bind(cfg["boot_id"], f"{root}/proc/{BOOT_ID}", readonly=True, extra=MS_NOSUID | MS_NODEV | MS_NOEXEC)
     setup_dev(root)
     _mkdir(f"{root}/tmp", 0o1777)
     _mkdir(f"{root}/.aenv")

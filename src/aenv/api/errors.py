@@ -24,6 +24,7 @@ STATUS: dict[type[BaseException], int] = {
     e.StateError: 409,
     e.Conflict: 409,
     e.CapacityError: 429,
+    e.GuestUnresponsive: 503,  # the SDK's ServiceBusyException: the sandbox keeps running
     e.SandboxUnreachable: 502,
     e.RuntimeFailure: 500,
     e.ImageError: 400,
@@ -58,6 +59,8 @@ def install(app: FastAPI) -> None:
         headers = None
         if isinstance(exc, e.CapacityError):
             headers = {"Retry-After": str(max(1, round(exc.retry_after)))}
+        elif isinstance(exc, e.GuestUnresponsive):
+            headers = {"Should-Retry": "false"}  # the SDK would retry a 503; the guest decides, not load
         if status >= 500:
             log.error("error %s: %s %s", status, exc, exc.context)
         return error_response(status, exc.message, headers)

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from aenv.api import serialize
 from aenv.api.auth import require_api_key
 from aenv.api.deps import orchestrator
-from aenv.api.models import ConnectBody, NewSandbox, PauseBody, TimeoutBody
+from aenv.api.models import ConnectBody, NewSandbox, PauseBody, ResumeBody, TimeoutBody
 from aenv.core.models import CreateRequest, ListQuery, SandboxState
 from aenv.core.orchestrator import Orchestrator
 from aenv.errors import InvalidRequest
@@ -69,6 +69,7 @@ def _check_metadata_size(meta: dict[str, str], limit: int) -> None:
 
 
 async def _create(body: NewSandbox, orch: Orchestrator, idempotency_key: str | None, secure_default: bool) -> JSONResponse:
+    body.refuse_unsupported()
     meta = body.metadata or {}
     _check_metadata_size(meta, orch.settings.max_metadata_bytes)
     env_vars = body.envVars or {}
@@ -81,6 +82,7 @@ async def _create(body: NewSandbox, orch: Orchestrator, idempotency_key: str | N
         metadata=meta,
         env_vars=env_vars,
         auto_pause=body.autoPause,
+        auto_pause_memory=body.autoPauseMemory is not False,
         auto_resume=bool(body.autoResume and body.autoResume.enabled),
         allow_internet=body.allow_internet_access is not False,
         secure=body.secure if body.secure is not None else secure_default,
@@ -155,6 +157,7 @@ async def kill_sandbox(sandbox_id: str, orch: Orchestrator = Depends(orchestrato
 
 @router.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
 async def set_timeout(sandbox_id: str, body: TimeoutBody, orch: Orchestrator = Depends(orchestrator)) -> Response:
+    body.refuse_unsupported()
     await orch.set_timeout(sandbox_id, body.timeout)
     return Response(status_code=204)
 
@@ -174,12 +177,18 @@ async def refresh(
 async def pause(
     sandbox_id: str, body: PauseBody | None = None, orch: Orchestrator = Depends(orchestrator)
 ) -> Response:
-    await orch.pause(sandbox_id)
+    body = body or PauseBody()
+    body.refuse_unsupported()
+    await orch.pause(sandbox_id, keep_memory=body.memory is not False, require_healthy_guest=bool(body.requireHealthyGuest))
     return Response(status_code=204)
 
 
-async def _connect(sandbox_id: str, timeout: int | None, orch: Orchestrator) -> JSONResponse:
-    sbx, resumed = await orch.connect(sandbox_id, timeout)
+async def _connect(sandbox_id: str, body: ConnectBody | None, orch: Orchestrator) -> JSONResponse:
+    body = body or ConnectBody()
+    body.refuse_unsupported()
+    auto_pause = body.autoPause if isinstance(body, ResumeBody) else None
+    sbx, resumed = await orch.connect(sandbox_id, body.timeout, keep_memory=body.memory is not False,
+                                      auto_pause=auto_pause)
     return JSONResponse(serialize.sandbox(sbx), status_code=201 if resumed else 200)
 
 
@@ -187,24 +196,24 @@ async def _connect(sandbox_id: str, timeout: int | None, orch: Orchestrator) -> 
 async def connect_v2(
     sandbox_id: str, body: ConnectBody | None = None, orch: Orchestrator = Depends(orchestrator)
 ) -> JSONResponse:
-    return await _connect(sandbox_id, body.timeout if body else None, orch)
+    return await _connect(sandbox_id, body, orch)
 
 
 @router.post("/sandboxes/{sandbox_id}/connect")
 async def connect_legacy(
     sandbox_id: str, body: ConnectBody | None = None, orch: Orchestrator = Depends(orchestrator)
 ) -> JSONResponse:
-    return await _connect(sandbox_id, body.timeout if body else None, orch)
+    return await _connect(sandbox_id, body, orch)
 
 
 @router.post("/sandboxes/{sandbox_id}/resume", status_code=201)
 async def resume_legacy(
-    sandbox_id: str, body: ConnectBody | None = None, orch: Orchestrator = Depends(orchestrator)
+    sandbox_id: str, body: ResumeBody | None = None, orch: Orchestrator = Depends(orchestrator)
 ) -> JSONResponse:
     sbx = orch.get(sandbox_id)
     if sbx.state is SandboxState.RUNNING:
         return JSONResponse({"code": 409, "message": f"sandbox '{sandbox_id}' is already running"}, status_code=409)
-    return await _connect(sandbox_id, body.timeout if body else None, orch)
+    return await _connect(sandbox_id, body or ResumeBody(), orch)
 
 
 @router.get("/sandboxes/{sandbox_id}/metrics")

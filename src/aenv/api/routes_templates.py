@@ -17,7 +17,7 @@ from aenv.api.errors import status_for
 from aenv.api.serialize import iso
 from aenv.core.orchestrator import Orchestrator
 from aenv.envd import ENVD_VERSION
-from aenv.errors import AenvError, InvalidRequest
+from aenv.errors import AenvError, InvalidRequest, TemplateNotFound
 from aenv.store.sqlite import TemplateRow
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -54,8 +54,11 @@ async def list_templates(orch: Orchestrator = Depends(orchestrator)) -> JSONResp
 
 @router.get("/templates/aliases/{alias}")
 async def get_alias(alias: str, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
-    row = orch.get_template(alias)
-    return JSONResponse({"templateID": row.id, "public": False})
+    try:
+        template_id = orch.get_template(alias).id
+    except TemplateNotFound:  # a built name whose tags are all other than ``default``
+        template_id = orch.builds.template_id_of(alias)
+    return JSONResponse({"templateID": template_id, "public": False})
 
 
 @router.get("/templates/{template_id}")

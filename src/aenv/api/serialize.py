@@ -16,6 +16,7 @@ from typing import Any
 
 from aenv.core.table import LiveSandbox
 from aenv.envd import ENVD_VERSION
+from aenv.kinds import SandboxState
 from aenv.runtime.base import ResourceSample
 
 CLIENT_ID = "aenv"
@@ -63,7 +64,8 @@ def sandbox(sbx: LiveSandbox) -> dict[str, Any]:
 
 def _common(sbx: LiveSandbox) -> dict[str, Any]:
     row = sbx.row
-    end = row.paused_at if row.state == "paused" and row.paused_at else row.end_at
+    shown = sbx.state.shown
+    end = row.paused_at if shown is SandboxState.PAUSED and row.paused_at else row.end_at
     out: dict[str, Any] = {
         "templateID": row.template_id,
         "sandboxID": row.id,
@@ -73,7 +75,7 @@ def _common(sbx: LiveSandbox) -> dict[str, Any]:
         "cpuCount": row.cpu_count,
         "memoryMB": row.memory_mb,
         "diskSizeMB": row.disk_mb,
-        "state": row.state,
+        "state": str(shown),
         "envdVersion": ENVD_VERSION,
         "metadata": row.metadata,
     }
@@ -88,6 +90,8 @@ def detail(sbx: LiveSandbox) -> dict[str, Any]:
     out["domain"] = DOMAIN.get()
     out["allowInternetAccess"] = row.allow_internet
     out["lifecycle"] = {"autoResume": row.auto_resume, "onTimeout": "pause" if row.auto_pause else "kill"}
+    if sbx.state is SandboxState.PAUSED and row.pause_mode is not None:
+        out["pauseMode"] = str(row.pause_mode)  # what the pause kept: full, or filesystem (files only)
     if row.access_token:
         out["envdAccessToken"] = row.access_token
     return out

@@ -40,7 +40,8 @@ from aenv.core.models import CreateRequest
 from aenv.core.snapshots import SnapshotFlows
 from aenv.core.table import LiveSandbox
 from aenv.core.template_flows import TemplateFlows
-from aenv.errors import AenvError, Conflict, InvalidRequest, NotFound
+from aenv.core.templates import DEFAULT_TAG, alias_for, family_of, split_tag
+from aenv.errors import AenvError, Conflict, InvalidRequest, NotFound, TemplateNotFound
 from aenv.kinds import SnapshotMode, TemplateKind
 from aenv.mux import ByteStream
 from aenv.runtime.envd_client import ENVD_PORT, EnvdError, run_command, upload
@@ -138,20 +139,47 @@ class TemplateBuilds:
 
     # ---- the E2B calls --------------------------------------------------------------------------
     def request(self, name: str, tags: list[str], cpu_count: int | None, memory_mb: int | None) -> BuildRecord:
-        """``POST /v3/templates``: a build of ``name`` (or the one in progress, shared)."""
-        active = self._active.get(name)
+        """``POST /v3/templates``: a build of ``name`` (``name:tag``; or the one in progress, shared), for
+        the template of that name: every tag of one name has one template ID, as on E2B."""
+        plain, tag = split_tag(name)
+        alias = alias_for(plain, tag)
+        active = self._active.get(alias)
         if active is not None:
             return active
-        existing = self.ctx.store.get_template(name)
-        if existing is not None and existing.alias == name and not existing.config.get("built"):
-            raise Conflict(f"template name '{name}' belongs to a {existing.kind.value} template; pick another name",
-                           template=name)
-        template_id = existing.id if existing is not None and existing.alias == name else new_id()
-        rec = BuildRecord(template_id, str(uuid.uuid4()), name, list(tags), cpu_count, memory_mb)
+        for taken in dict.fromkeys((alias, plain)):
+            existing = self.ctx.store.get_template(taken)
+            if existing is not None and existing.alias == taken and not existing.config.get("built"):
+                raise Conflict(f"template name '{taken}' belongs to a {existing.kind.value} template; pick another "
+                               "name", template=taken)  # fmt: skip
+        rec = BuildRecord(self._template_id_for(plain), str(uuid.uuid4()), alias, list(tags), cpu_count, memory_mb)
         self._records[rec.build_id] = rec
-        self._active[name] = rec
+        self._active[alias] = rec
         self._save(rec)
         return rec
+
+    def _template_id_for(self, plain: str) -> str:
+        """The ID of template ``plain``: its rows', else a build of another of its tags in progress, else new."""
+        rows = self._rows_named(plain)
+        if rows:
+            return family_of(rows[0])
+        building = (r.template_id for r in self._active.values() if split_tag(r.alias)[0] == plain)
+        return next(building, None) or new_id()
+
+    def _rows_named(self, name: str) -> list[TemplateRow]:
+        """The built rows (one per tag) of the template ``name`` (its name or its ID; ``name:tag`` for the
+        template that tag belongs to)."""
+        if ":" in name:
+            name = family_of(self.ctx.templates.resolve(name))
+        return [r for r in self.ctx.templates.list_templates()
+                if r.alias and r.config.get("built") and name in (split_tag(r.alias)[0], family_of(r))]
+
+    def template_id_of(self, name: str) -> str:
+        """``GET /templates/aliases/{name}`` for a name with tags but no ``default`` tag (E2B: the name
+        exists once a build of any of its tags is ready)."""
+        rows = self._rows_named(name)
+        if not rows:
+            raise TemplateNotFound(name)
+        return family_of(rows[0])
 
     def file_present(self, files_hash: str) -> bool:
         return self._file(files_hash).is_file()
@@ -345,17 +373,19 @@ class TemplateBuilds:
 
     def _register(self, rec: BuildRecord, base: TemplateRow, snapshot_id: str, state: BuildState,
                   spec: BuildSpec) -> None:
-        config = {**base.config, "snapshot": snapshot_id, "built": True, "build_id": rec.build_id,
+        config = {**base.config, "snapshot": snapshot_id, "built": True, "build_id": rec.build_id, "family": rec.template_id,
                   "user": _sandbox_user(base, state), "workdir": state.workdir,
                   "start_cmd": spec.start_cmd, "ready_cmd": spec.ready_cmd,
                   # the start command runs as the steps did at its point (Docker's and E2B's rule)
                   "start_user": state.user if spec.start_cmd else None,
                   "start_cwd": state.workdir if spec.start_cmd else None}
         config.pop("hidden", None)
-        # ``name:tag`` is the name itself; each extra tag is one more name for the same build
+        config.pop("tag_of", None)
+        # one row per tag: the build's own (``name`` for ``default``) and each extra tag, all of one template
         main = self.ctx.templates.register(
             alias=rec.alias, kind=TemplateKind.SNAPSHOT, rootfs=Path(base.rootfs), lowers=[Path(p) for p in base.lowers],
-            config=config, source=f"build {rec.build_id}", template_id=rec.template_id,
+            config=config, source=f"build {rec.build_id}",
+            template_id=self._row_id(rec.template_id, rec.alias, split_tag(rec.alias)[1]),
             cpu_count=rec.cpu_count or base.cpu_count, memory_mb=rec.memory_mb or base.memory_mb,
         )  # fmt: skip
         for tag in rec.tags:
@@ -372,36 +402,47 @@ class TemplateBuilds:
         return str(row.config.get("build_id", "")), list(tags)
 
     def remove_tags(self, name: str, tags: list[str]) -> None:
-        plain = name.split(":", 1)[0]
-        rows = [self.ctx.store.get_template(f"{plain}:{t}") for t in tags]
-        missing = [t for t, r in zip(tags, rows, strict=True) if r is None or not r.config.get("tag_of")]
+        """``DELETE /templates/tags``: the builds stay where another tag names them (or a sandbox runs)."""
+        rows = {split_tag(str(r.alias))[1]: r for r in self._rows_named(name)}
+        missing = [t for t in tags if t not in rows]
         if missing:
-            raise NotFound(f"template '{plain}' has no tag {', '.join(missing)}", template=plain)
-        for row in rows:
-            assert row is not None
-            self.ctx.store.delete_template(row.id)
+            raise NotFound(f"template '{name}' has no tag {', '.join(missing)}", template=name)
+        for tag in tags:
+            self.ctx.store.delete_template(rows[tag].id)
 
     def tags_of(self, template: str) -> list[dict[str, Any]]:
-        row = self.ctx.templates.resolve(template)
-        owner = str(row.config.get("tag_of") or row.id)
+        """``GET /templates/{name or ID}/tags``: every tag of the template and the build it names."""
+        rows = self._rows_named(template)
+        if not rows:
+            self.ctx.templates.resolve(template)  # a template that is not built has no tags; no template: 404
         return [
-            {"tag": t.alias.split(":", 1)[1], "buildID": str(t.config.get("build_id", "")),
+            {"tag": split_tag(str(t.alias))[1], "buildID": str(t.config.get("build_id", "")),
              "createdAt": dt.datetime.fromtimestamp(t.created_at, dt.UTC).isoformat()}
-            for t in self.ctx.templates.list_templates()
-            if t.alias and ":" in t.alias and (t.config.get("tag_of") == owner or t.id == owner)
+            for t in rows
         ]  # fmt: skip
 
     def _tag(self, row: TemplateRow, tag: str) -> None:
         if not TAG.match(tag):
             raise InvalidRequest(f"bad tag {tag!r}: letters, digits, '.', '_' and '-'")
-        owner = str(row.config.get("tag_of") or row.id)
-        plain = (row.alias or owner).split(":", 1)[0]
+        family = family_of(row)
+        alias = alias_for(split_tag(row.alias or family)[0], tag)
+        config = {**row.config, "family": family}
+        config.pop("tag_of", None)
         self.ctx.templates.register(
-            alias=f"{plain}:{tag}", kind=TemplateKind.SNAPSHOT, rootfs=Path(row.rootfs),
-            lowers=[Path(p) for p in row.lowers], config={**row.config, "tag_of": owner},
-            source=row.source, template_id=f"{owner}-{hashlib.sha256(tag.encode()).hexdigest()[:10]}",
+            alias=alias, kind=TemplateKind.SNAPSHOT, rootfs=Path(row.rootfs), lowers=[Path(p) for p in row.lowers],
+            config=config, source=row.source, template_id=self._row_id(family, alias, tag),
             cpu_count=row.cpu_count, memory_mb=row.memory_mb,
         )  # fmt: skip
+
+    def _row_id(self, family: str, alias: str, tag: str) -> str:
+        """The row of one tag keeps its ID across rebuilds: the template's own ID for ``default`` (so
+        ``Sandbox.create(template_id)`` is ``name:default``, as on E2B), derived from it for other tags."""
+        existing = self.ctx.store.get_template(alias)
+        if existing is not None and existing.alias == alias and existing.config.get("built"):
+            return existing.id
+        derived = f"{family}-{hashlib.sha256(tag.encode()).hexdigest()[:10]}"
+        taken = self.ctx.store.get_template(family)
+        return family if tag == DEFAULT_TAG and (taken is None or taken.alias == alias) else derived
 
     def _finish(self, rec: BuildRecord) -> None:
         rec.status = "ready"

@@ -7,6 +7,7 @@ each other: the dependency points one way, and no flow mutates another's private
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import shutil
 from dataclasses import dataclass
@@ -15,10 +16,13 @@ from typing import Any
 from aenv.config import Settings
 from aenv.core.table import SandboxTable
 from aenv.core.templates import TemplateCatalog
-from aenv.errors import InvalidRequest
+from aenv.errors import GuestUnresponsive, InvalidRequest
 from aenv.faults import fault_point
 from aenv.runtime.base import Runtime, RuntimeState, SandboxSpec
+from aenv.runtime.envd_client import ENVD_PORT, request
 from aenv.store.sqlite import SandboxRow, Store, TemplateRow
+
+GUEST_CHECK_TIMEOUT = 10.0  # s for envd to answer /health when a pause needs its answer
 
 
 @dataclass
@@ -36,6 +40,18 @@ class Context:
         if timeout > self.settings.max_timeout:
             hours = self.settings.max_timeout / 3600
             raise InvalidRequest(f"Timeout cannot be greater than {hours:g} hours")
+
+    async def check_guest(self, sandbox_id: str) -> None:
+        """envd in the running sandbox answers ``/health``, else GuestUnresponsive (nothing changes)."""
+        try:
+            async with asyncio.timeout(GUEST_CHECK_TIMEOUT):
+                status, _ = await request(await self.runtime.open_stream(sandbox_id, ENVD_PORT), "GET", "/health")
+        except Exception as exc:  # noqa: BLE001 - whatever stopped the answer, the guest did not give it
+            raise GuestUnresponsive(f"sandbox '{sandbox_id}': envd did not answer ({exc!r}); it keeps running",
+                                    sandbox_id=sandbox_id) from exc
+        if not 200 <= status < 300:
+            raise GuestUnresponsive(f"sandbox '{sandbox_id}': envd answered {status}; it keeps running",
+                                    sandbox_id=sandbox_id)
 
     def spec_for(self, row: SandboxRow, template: TemplateRow | None = None) -> SandboxSpec:
         """What the runtime needs to (re)create the sandbox of ``row``."""

@@ -31,6 +31,7 @@ class CreateRequest:
     metadata: dict[str, str] = field(default_factory=dict)
     env_vars: dict[str, str] = field(default_factory=dict)
     auto_pause: bool = False
+    auto_pause_memory: bool = True  # the expiry pause keeps memory (False: files only)
     auto_resume: bool = False
     allow_internet: bool = True
     secure: bool = True

@@ -7,6 +7,11 @@ the side effect becomes visible, then calls the runtime. Checkpoints (snapshot, 
 TTLs (kill, or pause with autoPause); a sampler keeps a short history of resource samples for
 ``/metrics``. Crash recovery at start-up re-adopts or cleans every sandbox the store knows and
 reconciles orphans.
+
+A pause keeps memory (``full``) or only the files (``filesystem``: every process ends, the resume is
+a cold start with a new boot id). The row's ``pause_mode`` says which *before* the runtime acts, and
+a resume that discards memory says ``filesystem`` first too, so recovery after a crash settles such
+a sandbox as stopped instead of mistaking its ended processes for a lost sandbox.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import datetime as dt
 import hashlib
 import hmac
 import logging
@@ -32,10 +38,17 @@ from aenv.core.sync import SnapshotSync
 from aenv.core.table import LiveSandbox, SandboxTable
 from aenv.core.template_flows import TemplateFlows
 from aenv.core.templates import TemplateCatalog
-from aenv.errors import AenvError, CapacityError, PortNotOpen, SandboxNotFound, SandboxUnreachable
+from aenv.errors import (
+    AenvError,
+    CapacityError,
+    GuestUnresponsive,
+    PortNotOpen,
+    SandboxNotFound,
+    SandboxUnreachable,
+)
 from aenv.faults import fault_point
 from aenv.images import ProgressCallback
-from aenv.kinds import TemplateKind
+from aenv.kinds import SnapshotMode, TemplateKind
 from aenv.mux import ByteStream, StreamRefused
 from aenv.runtime.base import ResourceSample, Runtime, RuntimeState, SnapshotResult
 from aenv.store.sqlite import SandboxRow, SnapshotRow, Store, TemplateRow, now
@@ -45,6 +58,15 @@ __all__ = ["LiveSandbox", "Orchestrator", "file_signature"]
 log = logging.getLogger("aenv.core")
 
 METRICS_INTERVAL = 5.0
+
+
+def _usec(ts: float) -> int:
+    """Microseconds since the epoch, rounded as the API's timestamps are: startedAfter is "at or after"
+    the instant a client saw (a float compare would put a sandbox after its own startedAt)."""
+    return (dt.datetime.fromtimestamp(ts, dt.UTC) - _EPOCH) // dt.timedelta(microseconds=1)
+
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
 
 def file_signature(path: str, op: str, user: str, token: str, expiration: str | None) -> str:
@@ -115,17 +137,21 @@ class Orchestrator:
                 await self.ctx.forget(row)
                 continue
             if state in (SandboxState.RUNNING, SandboxState.PAUSED, SandboxState.PAUSING, SandboxState.RESUMING):
+                # Paused without memory, or a pause/resume that was discarding it: files only.
+                stopped = state is not SandboxState.RUNNING and row.pause_mode is SnapshotMode.FILESYSTEM
                 ok = False
                 with contextlib.suppress(Exception):
-                    ok = await self.runtime.adopt(row.id, spec, RuntimeState(row.runtime_state))
+                    ok = await self.runtime.adopt(row.id, spec, RuntimeState(row.runtime_state), stopped=stopped)
                 if ok:
                     # A half-done pause/resume is settled towards the safe side: paused.
-                    if state in (SandboxState.PAUSING, SandboxState.RESUMING):
+                    if state in (SandboxState.PAUSING, SandboxState.RESUMING) or stopped:
                         with contextlib.suppress(Exception):
-                            await self.runtime.pause(row.id)
+                            row.runtime_state = (await self.runtime.pause(row.id, keep_memory=not stopped)).data
                         row.state = SandboxState.PAUSED
                         row.paused_at = row.paused_at or now()
-                        self.store.update_sandbox(row.id, state=row.state, paused_at=row.paused_at)
+                        row.pause_mode = row.pause_mode or SnapshotMode.FULL
+                        self.store.update_sandbox(row.id, state=row.state, paused_at=row.paused_at,
+                                                  pause_mode=row.pause_mode, runtime_state=row.runtime_state)
                     self.table.add(LiveSandbox(row=row, spec=spec))
                     log.info("sandbox=%s recovery: re-adopted (%s)", row.id, row.state)
                     continue
@@ -145,10 +171,10 @@ class Orchestrator:
         items = [
             s
             for s in self.table
-            if s.state in query.states
+            if s.state.shown in query.states
             and all(s.row.metadata.get(k) == v for k, v in query.metadata.items())
             and (query.template is None or query.template in (s.row.template_id, s.row.alias))
-            and (query.started_after is None or s.row.started_at > query.started_after)
+            and (query.started_after is None or _usec(s.row.started_at) >= _usec(query.started_after))
         ]
         items.sort(key=lambda s: (s.row.started_at, s.row.created_seq), reverse=query.descending)
         if query.after:
@@ -223,6 +249,7 @@ class Orchestrator:
                 memory_mb=req.memory_mb or template.memory_mb,
                 disk_mb=template.disk_mb,
                 auto_pause=req.auto_pause,
+                auto_pause_memory=req.auto_pause_memory,
                 auto_resume=req.auto_resume,
                 allow_internet=req.allow_internet,
                 metadata=dict(req.metadata),
@@ -276,40 +303,53 @@ class Orchestrator:
         log.info("sandbox=%s killed", sandbox_id)
 
     async def set_timeout(self, sandbox_id: str, timeout: int) -> None:
-        self.ctx.check_timeout(timeout)
+        """``endAt = now + timeout``; 0 expires the sandbox now (killed, or paused with autoPause)."""
+        if timeout != 0:
+            self.ctx.check_timeout(timeout)
         sbx = self.get(sandbox_id)
         async with sbx.lock:
             require_state(sbx.id, sbx.state, SandboxState.RUNNING, action="set the timeout of")
             sbx.row.end_at = now() + timeout
             self.store.update_sandbox(sbx.id, end_at=sbx.row.end_at)
+        if timeout == 0:
+            await self._expire(sbx, sbx.row.end_at)
 
-    async def pause(self, sandbox_id: str) -> None:
+    async def pause(self, sandbox_id: str, keep_memory: bool = True, require_healthy_guest: bool = False) -> None:
+        """Pause keeping memory, or (``keep_memory=False``) the files only. A files-only pause, and any
+        with ``require_healthy_guest``, first needs envd to answer (GuestUnresponsive: it runs on)."""
         sbx = self.get(sandbox_id)
         async with sbx.lock:
             require_state(sbx.id, sbx.state, SandboxState.RUNNING, action="pause")
-            await self._pause_locked(sbx)
+            if require_healthy_guest or not keep_memory:
+                await self.ctx.check_guest(sbx.id)
+            await self._pause_locked(sbx, keep_memory)
 
-    async def _pause_locked(self, sbx: LiveSandbox) -> None:
-        sbx.row.state = SandboxState.PAUSING
-        self.store.update_sandbox(sbx.id, state=sbx.row.state)
+    async def _pause_locked(self, sbx: LiveSandbox, keep_memory: bool = True) -> None:
+        mode = SnapshotMode.FULL if keep_memory else SnapshotMode.FILESYSTEM
+        step = "pause" if keep_memory else "pause.fs"
+        sbx.row.state, sbx.row.pause_mode = SandboxState.PAUSING, mode
+        self.store.update_sandbox(sbx.id, state=sbx.row.state, pause_mode=mode)
         try:
-            fault_point("pause.stored")
-            state = await self.runtime.pause(sbx.id)
+            fault_point(f"{step}.stored")
+            state = await self.runtime.pause(sbx.id, keep_memory=keep_memory)
         except BaseException:
-            sbx.row.state = SandboxState.RUNNING
-            self.store.update_sandbox(sbx.id, state=sbx.row.state)
+            sbx.row.state, sbx.row.pause_mode = SandboxState.RUNNING, None
+            self.store.update_sandbox(sbx.id, state=sbx.row.state, pause_mode=None)
             raise
-        fault_point("pause.done")
+        fault_point(f"{step}.done")
         sbx.row.state = SandboxState.PAUSED
         sbx.row.paused_at = now()
         sbx.row.runtime_state = state.data
         self.store.update_sandbox(
             sbx.id, state=sbx.row.state, paused_at=sbx.row.paused_at, runtime_state=state.data
         )
-        log.info("sandbox=%s paused", sbx.id)
+        log.info("sandbox=%s paused (%s)", sbx.id, mode)
 
-    async def connect(self, sandbox_id: str, timeout: int | None) -> tuple[LiveSandbox, bool]:
-        """E2B connect: extend a running sandbox's TTL, or resume a paused one. Returns (sandbox, resumed)."""
+    async def connect(self, sandbox_id: str, timeout: int | None, keep_memory: bool = True,
+                      auto_pause: bool | None = None) -> tuple[LiveSandbox, bool]:
+        """E2B connect: extend a running sandbox's TTL, or resume a paused one (``keep_memory=False``:
+        as a cold start on its files). ``auto_pause`` (the old resume route) sets its expiry action.
+        Returns (sandbox, resumed)."""
         timeout = timeout if timeout is not None else self.settings.default_timeout
         self.ctx.check_timeout(timeout)
         sbx = self.get(sandbox_id)
@@ -321,28 +361,39 @@ class Orchestrator:
                 self.store.update_sandbox(sbx.id, end_at=sbx.row.end_at)
                 return sbx, False
             require_state(sbx.id, sbx.state, SandboxState.PAUSED, action="resume")
-            await self._resume_locked(sbx, timeout)
+            if auto_pause is not None:
+                sbx.row.auto_pause = auto_pause
+                self.store.update_sandbox(sbx.id, auto_pause=auto_pause)
+            await self._resume_locked(sbx, timeout, keep_memory)
             return sbx, True
 
-    async def _resume_locked(self, sbx: LiveSandbox, timeout: int) -> None:
+    async def _resume_locked(self, sbx: LiveSandbox, timeout: int, keep_memory: bool = True) -> None:
+        cold = not keep_memory or sbx.row.pause_mode is SnapshotMode.FILESYSTEM
+        step = "resume.cold" if cold else "resume"
         sbx.row.state = SandboxState.RESUMING
-        self.store.update_sandbox(sbx.id, state=sbx.row.state)
+        if cold:  # from here on its memory is gone, whatever happens
+            sbx.row.pause_mode = SnapshotMode.FILESYSTEM
+        self.store.update_sandbox(sbx.id, state=sbx.row.state, pause_mode=sbx.row.pause_mode)
         try:
-            fault_point("resume.stored")
-            state = await self.runtime.resume(sbx.id, RuntimeState(sbx.row.runtime_state))
+            fault_point(f"{step}.stored")
+            state = await self.runtime.resume(sbx.id, RuntimeState(sbx.row.runtime_state), keep_memory=not cold)
         except BaseException:
             sbx.row.state = SandboxState.PAUSED
-            self.store.update_sandbox(sbx.id, state=sbx.row.state)
+            if cold:  # the runtime may have ended its processes already: settle it as stopped
+                with contextlib.suppress(Exception):
+                    sbx.row.runtime_state = (await self.runtime.pause(sbx.id, keep_memory=False)).data
+            self.store.update_sandbox(sbx.id, state=sbx.row.state, runtime_state=sbx.row.runtime_state)
             raise
-        fault_point("resume.done")
+        fault_point(f"{step}.done")
         sbx.row.state = SandboxState.RUNNING
-        sbx.row.paused_at = None
+        sbx.row.paused_at = sbx.row.pause_mode = None
         sbx.row.end_at = now() + timeout
         sbx.row.runtime_state = state.data
         self.store.update_sandbox(
-            sbx.id, state=sbx.row.state, paused_at=None, end_at=sbx.row.end_at, runtime_state=state.data
+            sbx.id, state=sbx.row.state, paused_at=None, pause_mode=None, end_at=sbx.row.end_at,
+            runtime_state=state.data,
         )
-        log.info("sandbox=%s resumed", sbx.id)
+        log.info("sandbox=%s resumed%s", sbx.id, " (cold start)" if cold else "")
         self._notify_running(sbx.id)
 
     def _notify_running(self, sandbox_id: str) -> None:
@@ -355,10 +406,12 @@ class Orchestrator:
     async def open_stream(self, sandbox_id: str, port: int) -> ByteStream:
         """A byte stream into the sandbox for the proxy. Paused sandboxes resume first when autoResume is on."""
         sbx = self.table.find(sandbox_id)
-        if sbx is None or not sbx.state.visible and sbx.state is not SandboxState.RESUMING:
+        if sbx is None or not sbx.state.visible:
             raise SandboxNotFound(sandbox_id)
         if sbx.state is not SandboxState.RUNNING:
-            if not sbx.row.auto_resume:
+            # autoResume wakes a sandbox where it stopped; one that kept only its files is resumed
+            # (cold) by an explicit connect alone, as in E2B.
+            if not sbx.row.auto_resume or sbx.row.pause_mode is SnapshotMode.FILESYSTEM:
                 raise SandboxNotFound(sandbox_id)
             async with sbx.lock:
                 if sbx.state is SandboxState.PAUSED:
@@ -397,20 +450,35 @@ class Orchestrator:
             if sbx.state is not SandboxState.RUNNING or sbx.row.end_at > at:
                 continue
             try:
-                if sbx.row.auto_pause:
-                    async with sbx.lock:
-                        if sbx.state is SandboxState.RUNNING and sbx.row.end_at <= at:
-                            await self._pause_locked(sbx)
-                            reaped.append(sbx.id)
-                else:
-                    log.info("sandbox=%s expired; killing", sbx.id)
-                    await self.kill(sbx.id)
+                if await self._expire(sbx, at):
                     reaped.append(sbx.id)
             except AenvError as exc:
                 log.warning("sandbox=%s reaper: %s", sbx.id, exc)
             except Exception:
                 log.exception("sandbox=%s reaper failed", sbx.id)
         return reaped
+
+    async def _expire(self, sbx: LiveSandbox, at: float) -> bool:
+        """The expiry of a sandbox whose end is ``at`` or earlier: paused (autoPause, keeping memory
+        unless autoPauseMemory is false) or killed. False if it changed meanwhile."""
+        if not sbx.row.auto_pause:
+            log.info("sandbox=%s expired; killing", sbx.id)
+            await self.kill(sbx.id)
+            return True
+        async with sbx.lock:
+            if sbx.state is not SandboxState.RUNNING or sbx.row.end_at > at:
+                return False
+            keep_memory = sbx.row.auto_pause_memory
+            if not keep_memory:
+                try:
+                    await self.ctx.check_guest(sbx.id)
+                except GuestUnresponsive as exc:
+                    # Its files cannot be made consistent without envd: keep everything instead of
+                    # nothing (the pause then says full, as it is).
+                    log.warning("sandbox=%s expiry pause keeps memory: %s", sbx.id, exc)
+                    keep_memory = True
+            await self._pause_locked(sbx, keep_memory)
+            return True
 
     async def _sampler(self) -> None:
         while True:

@@ -2,9 +2,9 @@
 
 Lifecycle flows (``orchestrator.py``) and checkpoint flows (``snapshots.py``) both add, look up and
 drop sandboxes; they do it only through this table, so its rules hold in one place: an entry exists
-from the moment its row is written until the row is deleted, ``get`` shows only what E2B clients may
-see (running or paused), and the creation counter that orders listings survives restarts (each row
-carries its value).
+from the moment its row is written until the row is deleted, ``get`` shows only what E2B clients
+may see (running or paused, or between the two), and the creation counter that orders listings
+survives restarts (each row carries its value).
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ class SandboxTable:
         return self._live.get(sandbox_id)
 
     def get(self, sandbox_id: str) -> LiveSandbox:
-        """A sandbox E2B clients may see (running or paused); SandboxNotFound otherwise."""
+        """A sandbox E2B clients may see (running or paused, or on its way between them: callers wait
+        for its lock and check the state again); SandboxNotFound otherwise."""
         sbx = self._live.get(sandbox_id)
         if sbx is None or not sbx.state.visible:
             raise SandboxNotFound(sandbox_id)

@@ -2,6 +2,10 @@
 
 Templates are rows in the store pointing at read-only root filesystems in the cache or state dir.
 Whatever fills the catalog (``aenv.images``) only calls ``register``; the orchestrator only calls ``resolve``.
+
+Names follow E2B's: ``name`` is ``name:default``, ``name:tag`` a tag, and ``name:<build ID>`` the build
+a tag or name of that template points at (what ``Template.get_tags`` returns and Harbor pins sandboxes
+to). A built template's rows share the ID of their template (``config.family``; see core/builds.py).
 """
 
 from __future__ import annotations
@@ -44,6 +48,26 @@ def sandbox_image_of(
     )
 
 
+DEFAULT_TAG = "default"
+
+
+def split_tag(name: str) -> tuple[str, str]:
+    """``name[:tag]`` → (name, tag); no tag is E2B's ``default``."""
+    plain, _, tag = name.partition(":")
+    return plain, tag or DEFAULT_TAG
+
+
+def alias_for(plain: str, tag: str) -> str:
+    """The alias a tag's row carries: the plain name for ``default`` (E2B: ``name`` is ``name:default``)."""
+    return plain if tag == DEFAULT_TAG else f"{plain}:{tag}"
+
+
+def family_of(row: TemplateRow) -> str:
+    """The template ID a built row belongs to: every tag of one template shares it (older rows: the
+    row a tag was copied from, else the row itself)."""
+    return str(row.config.get("family") or row.config.get("tag_of") or row.id)
+
+
 class TemplateCatalog:
     def __init__(self, settings: Settings, store: Store) -> None:
         self.settings = settings
@@ -51,9 +75,22 @@ class TemplateCatalog:
 
     def resolve(self, name: str) -> TemplateRow:
         row = self.store.get_template(name)
+        if row is None and ":" in name:
+            plain, ref = split_tag(name)
+            row = self.store.get_template(plain) if ref == DEFAULT_TAG else self._tagged(plain, ref)
         if row is None:
             raise TemplateNotFound(name)
         return row
+
+    def _tagged(self, plain: str, ref: str) -> TemplateRow | None:
+        """A row of template ``plain`` (its name or its ID) whose tag or build ID is ``ref``."""
+        for row in self.store.list_templates():
+            if not row.alias or not row.config.get("built"):
+                continue
+            name, tag = split_tag(row.alias)
+            if plain in (name, family_of(row)) and ref in (tag, row.config.get("build_id")):
+                return row
+        return None
 
     def image(self, row: TemplateRow) -> SandboxImage:
         cfg = row.config

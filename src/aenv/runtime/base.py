@@ -10,6 +10,10 @@ Lifecycle seen by a runtime::
         │                                                      │
         └──────────────────── kill() (any state) ──────────────┘
 
+A pause keeps memory (processes continue on resume) unless ``keep_memory=False``: then every
+process ends and only the files stay ("stopped"); its resume, and any ``resume(keep_memory=False)``,
+is a cold start on those files: new processes, a new boot id.
+
 Every method is idempotent where that makes sense: ``kill`` of a dead sandbox returns quietly,
 ``close`` twice is a no-op.
 """
@@ -150,18 +154,24 @@ class Runtime(Protocol):
         """A fresh byte stream to TCP ``port`` inside the sandbox (49983 = envd).
         Raises SandboxNotFound / SandboxUnreachable."""
 
-    async def pause(self, sandbox_id: str) -> RuntimeState:
-        """Stop all guest execution at once, keeping memory. Returns updated state."""
+    async def pause(self, sandbox_id: str, keep_memory: bool = True) -> RuntimeState:
+        """Stop all guest execution at once, keeping memory; ``keep_memory=False``: end every process
+        and keep only the files. Returns updated state. Pausing a stopped sandbox again (either way)
+        returns its state."""
 
-    async def resume(self, sandbox_id: str, state: RuntimeState) -> RuntimeState:
-        """Continue a paused sandbox (possibly after a server restart)."""
+    async def resume(self, sandbox_id: str, state: RuntimeState, keep_memory: bool = True) -> RuntimeState:
+        """Continue a paused sandbox (possibly after a server restart). A stopped one, or any with
+        ``keep_memory=False`` (its memory is discarded), cold-starts on its files, initialised like
+        ``create``."""
 
     async def kill(self, sandbox_id: str, state: RuntimeState | None = None) -> None:
         """Remove the sandbox entirely: processes, mounts, cgroups, sockets, its workdir. Idempotent."""
 
-    async def adopt(self, sandbox_id: str, spec: SandboxSpec, state: RuntimeState) -> bool:
+    async def adopt(self, sandbox_id: str, spec: SandboxSpec, state: RuntimeState, stopped: bool = False) -> bool:
         """After a server restart: re-attach to a sandbox left running/paused. False = it is gone
-        (the caller then calls kill() to clean leftovers)."""
+        (the caller then calls kill() to clean leftovers). ``stopped``: the store says it is (or was
+        being) paused without memory, or cold-started: whatever of it still runs is ended, its files
+        are kept, and it is a stopped sandbox (True while its files are there)."""
 
     async def metrics(self, sandbox_id: str) -> ResourceSample:
         """A current resource sample (CPU since last sample, memory, disk)."""

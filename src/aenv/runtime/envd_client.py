@@ -188,11 +188,13 @@ def dechunk(body: bytes) -> bytes:
     return bytes(out)
 
 
-async def run_process(stream: _Stream, cmd: str, args: list[str], user: str = "root") -> int | None:
+async def run_process(stream: _Stream, cmd: str, args: list[str], user: str = "root",
+                      token: str | None = None) -> int | None:
     """Run ``cmd args`` through envd's ``Process.Start`` on ``stream`` and wait for its end: the
-    exit code, or None if the answer had no end event (envd refused or the stream broke)."""
-    raw_request = build_request("POST", "/process.Process/Start", process_body(cmd, args), as_user(user),
-                                CONNECT_JSON)
+    exit code, or None if the answer had no end event (envd refused or the stream broke).
+    ``token``: the sandbox's envd access token, once ``/init`` has set one."""
+    headers = as_user(user) | ({"X-Access-Token": token} if token else {})
+    raw_request = build_request("POST", "/process.Process/Start", process_body(cmd, args), headers, CONNECT_JSON)
     try:
         response = await exchange(stream, raw_request)
     except EnvdError:

@@ -30,6 +30,8 @@ ENV_EXE = "AENV_CRIU"  # override the executable (e.g. a 4.2.1 built from source
 # Mount points inside the sandbox that are bind mounts of host paths, keyed for --external.
 EXT_TOOLS = "aenv-tools"
 EXT_RUN = "aenv-run"
+EXT_BOOT_ID = "aenv-boot-id"  # the sandbox's own boot id file (agent/launch.py); a restore gets a new one
+BOOT_ID_MOUNT = "/proc/sys/kernel/random/boot_id"
 DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
 
 Runner = Callable[..., "subprocess.CompletedProcess[str]"]
@@ -107,14 +109,17 @@ def probe(refresh: bool = False) -> CriuStatus:
 
 
 def _externals_dump() -> list[str]:
-    out = ["--external", f"mnt[/.aenv]:{EXT_TOOLS}", "--external", f"mnt[/.aenv-run]:{EXT_RUN}"]
+    out = ["--external", f"mnt[/.aenv]:{EXT_TOOLS}", "--external", f"mnt[/.aenv-run]:{EXT_RUN}",
+           "--external", f"mnt[{BOOT_ID_MOUNT}]:{EXT_BOOT_ID}"]
     for name in DEV_NODES:
         out += ["--external", f"mnt[/dev/{name}]:dev-{name}"]
     return out
 
 
-def _externals_restore(tools: Path, run_dir: Path) -> list[str]:
+def _externals_restore(tools: Path, run_dir: Path, boot_id: Path | None) -> list[str]:
     out = ["--external", f"mnt[{EXT_TOOLS}]:{tools}", "--external", f"mnt[{EXT_RUN}]:{run_dir}"]
+    if boot_id is not None:
+        out += ["--external", f"mnt[{EXT_BOOT_ID}]:{boot_id}"]
     for name in DEV_NODES:
         out += ["--external", f"mnt[dev-{name}]:/dev/{name}"]
     return out
@@ -137,12 +142,13 @@ def dump_argv(exe: str, pid: int, images: Path, *, freezer: Path | None, log: st
 
 
 def restore_argv(exe: str, images: Path, *, root: Path, pidfile: Path, tools: Path, run_dir: Path,
-                 log: str = "restore.log", extra: Sequence[str] = ()) -> list[str]:
+                 log: str = "restore.log", extra: Sequence[str] = (), boot_id: Path | None = None) -> list[str]:
     """``criu restore`` detached into ``root`` (a fresh overlay whose upper is a copy taken at dump
-    time). Each restore gets a new pid namespace, so N restores of one image run side by side."""
+    time). Each restore gets a new pid namespace, so N restores of one image run side by side.
+    ``boot_id``: the new sandbox's boot id file, bound where the dumped one was."""
     return [exe, "restore", "-D", str(images), "-o", log, "-v2", "--restore-detached",
             "--pidfile", str(pidfile), "--root", str(root), "--tcp-established", "--ext-unix-sk",
-            "--file-locks", "--manage-cgroups=ignore", *_externals_restore(tools, run_dir), *extra]
+            "--file-locks", "--manage-cgroups=ignore", *_externals_restore(tools, run_dir, boot_id), *extra]
 
 
 def in_cgroups_argv(procs_files: Sequence[str], argv: Sequence[str]) -> list[str]:

@@ -10,6 +10,10 @@ Create path:
                  ``POST /init``                                                        (~0.3 s)
 Either way the key becomes hot and the pool refills in the background.
 
+Pause is the cgroup freezer. A files-only pause (``keep_memory=False``) ends every process instead
+and keeps the directory (upper, boot id); the sandbox is then *stopped*, and its resume is a cold
+start on the same upper and lowers under the same ID: new processes, a new boot id.
+
 Disk: every sandbox directory (pool and handed-out) lives on the sandboxes dir, which is a btrfs
 volume with one quota-limited subvolume per sandbox when the host allows it (``disk.py``).
 """
@@ -41,7 +45,7 @@ from aenv.runtime.ns import cgroups
 from aenv.runtime.ns.disk import POOL_NAME, DiskQuota, remove_tree
 from aenv.runtime.ns.pool import WarmPool
 from aenv.runtime.ns.reconcile import ReconcileReport, reconcile
-from aenv.runtime.ns.sandbox import STATE_FILE, LaunchOptions, NsSandbox
+from aenv.runtime.ns.sandbox import STATE_FILE, LaunchOptions, NsSandbox, Paths
 from aenv.runtime.ns.snapshot import NsSnapshots
 from aenv.runtime.ns.zygote import Zygote, socket_path_for, sweep_stale_sockets
 from aenv.runtime.streams import open_checked
@@ -51,6 +55,20 @@ log = logging.getLogger("aenv.runtime.ns")
 
 LEGACY_POOL_DIR = "ns-pool"  # <state>/ns-pool before the pool moved onto the sandboxes volume
 POOL_NICE = 19  # pooled sandboxes start at the lowest priority; reset to 0 at hand-out
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
 
 
 def _disk_usage(path: Path) -> int:
@@ -95,6 +113,7 @@ class NsRuntime:
                               size_mb=settings.ns_volume_mb)
         self._sandboxes: dict[str, NsSandbox] = {}
         self._specs: dict[str, SandboxSpec] = {}
+        self._stopped: dict[str, dict[str, Any]] = {}  # paused without memory: its recorded state
         self.pool = WarmPool(self.pool_size, self._launch_pooled)
         self.snapshots = NsSnapshots(self)
         self._started = False
@@ -224,10 +243,11 @@ class NsRuntime:
                 opts = replace(self._opts(template, spec.allow_internet, limits, disk_mb=spec.disk_mb),
                                snapshot_layers=snapshot_layers)
                 sbx = await NsSandbox.launch(sid, root, self.layout, opts, self.host_addrs,
-                                             timeout=self.launch_timeout)
+                                             timeout=self.launch_timeout, keep_root=in_place)
             await sbx.init_envd(init_payload(spec), meanwhile=hand_out)
         except BaseException as exc:
             if sbx is not None:
+                sbx.keep_root = sbx.keep_root or in_place  # its upper holds the sandbox's files
                 await sbx.aclose(remove_dir=None if in_place else spec.workdir)
             if isinstance(exc, (EnvdError, MuxError)):
                 raise SandboxUnreachable(f"sandbox {sid}: envd did not come up: {exc}", sandbox_id=sid) from exc
@@ -235,6 +255,7 @@ class NsRuntime:
                 raise RuntimeFailure(f"sandbox {sid}: start failed: {exc}", sandbox_id=sid) from exc
             raise
         sbx.last_cpu = None
+        sbx.keep_root = False  # from now on a teardown removes what it started on, as any sandbox's
         self._sandboxes[sid] = sbx
         self._specs[sid] = spec
         return self._state(sbx, spec.workdir)
@@ -271,8 +292,12 @@ class NsRuntime:
         sbx = self._get(sandbox_id)
         return await open_checked(sandbox_id, port, sbx.open_stream, sbx.alive)
 
-    async def pause(self, sandbox_id: str) -> RuntimeState:
+    async def pause(self, sandbox_id: str, keep_memory: bool = True) -> RuntimeState:
+        if sandbox_id in self._stopped:
+            return self._stopped_state(sandbox_id)
         sbx = self._get(sandbox_id)
+        if not keep_memory:
+            return await self._stop(sandbox_id, sbx)
         try:
             await asyncio.to_thread(sbx.cgroup.freeze)
         except OSError as exc:
@@ -282,8 +307,47 @@ class NsRuntime:
         await sbx.drop_connections()
         return self._state(sbx, self._workdir(sandbox_id))
 
-    async def resume(self, sandbox_id: str, state: RuntimeState) -> RuntimeState:
+    async def _stop(self, sandbox_id: str, sbx: NsSandbox) -> RuntimeState:
+        """Files only: every process ends (init, cgroup, slirp), the directory stays; ``ns.json``
+        records it stopped, so nothing is left to kill after a crash."""
+        await sbx.stop()
+        self._sandboxes.pop(sandbox_id, None)
+        data = {**sbx.state(), "pid": None, "start": None, "slirp": None, "stopped": True}
+        await asyncio.to_thread(_write_json, sbx.paths.state_file, data)
+        self._stopped[sandbox_id] = data
+        log.info("sandbox=%s stopped (files kept)", sandbox_id)
+        return self._stopped_state(sandbox_id)
+
+    def _stopped_state(self, sandbox_id: str) -> RuntimeState:
+        workdir = self._workdir(sandbox_id)
+        return RuntimeState(data={**self._stopped[sandbox_id], "workdir": str(workdir) if workdir else None})
+
+    async def _cold_start(self, sandbox_id: str, state: RuntimeState) -> RuntimeState:
+        """Start a stopped sandbox again on its own files (a paused one's memory is discarded first):
+        same ID, directory, upper and lowers; new processes and boot id; envd initialised anew."""
+        spec = self._specs.get(sandbox_id)
+        if spec is None:
+            raise SandboxNotFound(sandbox_id)
+        if sandbox_id not in self._stopped:
+            sbx = self._from_state(sandbox_id, state)
+            if sbx is None:
+                raise SandboxNotFound(sandbox_id)
+            await self._stop(sandbox_id, sbx)
+        data = self._stopped[sandbox_id]
+        lowers = [str(p) for p in data.get("lowers") or (spec.template.lowers or (spec.template.rootfs,))]
+        depth = int(data.get("snapshot_depth") or 0)
+        root = Path(str(data.get("dir") or spec.workdir / "ns"))
+        await asyncio.to_thread(Paths(root).reset)
+        template = replace(spec.template, lowers=tuple(Path(p) for p in lowers[depth:]))
+        new = await self._launch_ready(spec, template, tuple(lowers[:depth]), root=root)
+        self._stopped.pop(sandbox_id, None)
+        log.info("sandbox=%s cold start on its files", sandbox_id)
+        return new
+
+    async def resume(self, sandbox_id: str, state: RuntimeState, keep_memory: bool = True) -> RuntimeState:
         await self.start()
+        if not keep_memory or sandbox_id in self._stopped or state.data.get("stopped"):
+            return await self._cold_start(sandbox_id, state)
         sbx = self._from_state(sandbox_id, state)
         if sbx is None or not sbx.alive():
             raise SandboxNotFound(sandbox_id)
@@ -304,8 +368,11 @@ class NsRuntime:
     async def kill(self, sandbox_id: str, state: RuntimeState | None = None) -> None:
         await self.start()
         workdir = self._workdir(sandbox_id, state)
+        stopped = self._stopped.pop(sandbox_id, None)
         sbx = self._sandboxes.pop(sandbox_id, None) or self._from_state(sandbox_id, state) \
             or self._from_state_file(sandbox_id)
+        if sbx is None and stopped is not None and self.layout is not None:
+            sbx = NsSandbox.from_state(self.layout, stopped)
         self._specs.pop(sandbox_id, None)
         if sbx is not None:
             await sbx.aclose(remove_dir=workdir)
@@ -332,9 +399,11 @@ class NsRuntime:
             return None
         return NsSandbox.from_state(self.layout, data)
 
-    async def adopt(self, sandbox_id: str, spec: SandboxSpec, state: RuntimeState) -> bool:
+    async def adopt(self, sandbox_id: str, spec: SandboxSpec, state: RuntimeState, stopped: bool = False) -> bool:
         await self.start()
         assert self.layout is not None
+        if stopped:
+            return await self._adopt_stopped(sandbox_id, spec, state)
         if not state.data.get("cgroup"):
             return False
         sbx = NsSandbox.from_state(self.layout, state.data)
@@ -346,6 +415,31 @@ class NsRuntime:
                 sbx.slirp = await Slirp.start(sbx.init.pid)
                 await asyncio.to_thread(sbx.write_state)
         self._sandboxes[sandbox_id] = sbx
+        self._specs[sandbox_id] = spec
+        return True
+
+    async def _adopt_stopped(self, sandbox_id: str, spec: SandboxSpec, state: RuntimeState) -> bool:
+        """After a restart, a sandbox the store says is paused without memory, or was being stopped or
+        cold-started: end whatever of it still runs (the processes the store recorded, those its
+        ``ns.json`` names: a cold start in flight, and its cgroup's members), keep its files."""
+        assert self.layout is not None
+        root = Path(str(state.data.get("dir") or spec.workdir / "ns"))
+        on_disk = await asyncio.to_thread(_read_json, root / STATE_FILE)
+        for data in (state.data, on_disk):
+            if data.get("pid") and data.get("cgroup") and data.get("dir"):
+                await NsSandbox.from_state(self.layout, data).stop()
+        cg = cgroups.Cgroup(self.layout, sandbox_id)
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(cg.kill_all)
+            await asyncio.to_thread(cg.remove)
+        if not (root / "upper").is_dir():
+            return False
+        recorded = {**on_disk, **state.data} if state.data.get("lowers") else {**state.data, **on_disk}
+        data = {**recorded, "name": sandbox_id, "dir": str(root), "cgroup": sandbox_id, "pid": None,
+                "start": None, "slirp": None, "stopped": True}
+        data.pop("workdir", None)
+        await asyncio.to_thread(_write_json, root / STATE_FILE, data)
+        self._stopped[sandbox_id] = data
         self._specs[sandbox_id] = spec
         return True
 
@@ -374,7 +468,13 @@ class NsRuntime:
         return used if used is not None else _disk_usage(sbx.paths.upper)
 
     # ---- SnapshotCapable (see snapshot.py) -------------------------------------------------------
+    def _refuse_stopped(self, sandbox_id: str, action: str) -> None:
+        if sandbox_id in self._stopped:
+            raise StateError(f"cannot {action} sandbox {sandbox_id}: it is paused without memory (no processes); "
+                             "resume it first", sandbox_id=sandbox_id)
+
     async def snapshot(self, sandbox_id: str, into: Path, mode: SnapshotMode) -> SnapshotResult:
+        self._refuse_stopped(sandbox_id, "snapshot")
         return await self.snapshots.snapshot(sandbox_id, into, mode)
 
     async def create_from_snapshot(self, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
@@ -384,6 +484,7 @@ class NsRuntime:
         return await self.snapshots.fork_mode(sandbox_id)
 
     async def rollback(self, sandbox_id: str, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
+        self._refuse_stopped(sandbox_id, "roll back")
         return await self.snapshots.rollback(sandbox_id, spec, snapshot, result)
 
     def capabilities(self) -> dict[str, Any]:
@@ -394,7 +495,7 @@ class NsRuntime:
             "isolation": "namespaces (pid, mount, uts, ipc, net) + cgroups + capability bounding set; "
                          "no user namespace, no seccomp: weaker than vm",
             "cgroups": f"v{self.layout.version}" if self.layout else "unknown",
-            "pause": "freezer",
+            "pause": "freezer; files only: processes end, cold start on resume",
             "network": {"offline": "loopback-only netns",
                         "internet": "slirp4netns + in-netns filter" if slirp_available() else None},
             "snapshot": process,

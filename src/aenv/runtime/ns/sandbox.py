@@ -3,7 +3,7 @@
 Ownership (released in reverse order by ``aclose``, which is idempotent and finishes under
 cancellation):
 
-    directory  <dir>/ (upper, work, run, ns.json)         removed last; with disk quotas a btrfs
+    directory  <dir>/ (upper, work, run, ns.json, boot_id) removed last; with disk quotas a btrfs
                                                            subvolume limited to the disk size (disk.py)
     cgroup     <hierarchy>/aenv/<name>                     rmdir after every member died
     process    unshare (stage 1, our child) -> init (PID 1 of the sandbox: the agent)
@@ -15,6 +15,11 @@ with the init process.
 
 ``ns.json`` in the directory repeats what ``RuntimeState.data`` holds (pid + start time, cgroup name,
 slirp pid), so reconciliation after a crash can find and clean up a sandbox the store never heard of.
+
+``boot_id`` is the sandbox's own ``/proc/sys/kernel/random/boot_id`` (bind-mounted read-only over the
+host's): the kernel is shared, but each start of a sandbox is a boot of its own, so every launch
+writes a new one and a freeze/thaw keeps it. The file sits outside upper and run, out of the
+sandbox's reach.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import stat
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +65,7 @@ from aenv.runtime.tools import launch_argv
 log = logging.getLogger(__name__)
 
 STATE_FILE = "ns.json"
+BOOT_ID_FILE = "boot_id"
 RUN_MOUNT = "/.aenv-run"
 SOCKET_NAME = "mux.sock"
 LAUNCHER = str(Path(launcher_mod.__file__).resolve())
@@ -96,10 +103,27 @@ class Paths:
     def socket(self) -> Path:
         return self.run / SOCKET_NAME
 
+    @property
+    def boot_id(self) -> Path:
+        return self.root / BOOT_ID_FILE
+
     def prepare(self) -> None:
         for d in (self.upper, self.work, self.merged, self.run):
             d.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o700)
+
+    def reset(self) -> None:
+        """Make work, run and the mount point fresh for a new start on the same upper (a cold start
+        after a files-only pause, a restart after a failed rollback)."""
+        for d in (self.work, self.run, self.merged):
+            shutil.rmtree(d, ignore_errors=True)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def new_boot_id(self) -> str:
+        """Write a fresh boot id (the kernel's format: a random UUID and a newline) for the next start."""
+        value = str(uuid.uuid4())
+        self.boot_id.write_text(value + "\n")
+        return value
 
 
 @dataclass(frozen=True)
@@ -165,7 +189,7 @@ def _connect_path(sock: Path) -> tuple[int, str]:
 
 class NsSandbox:
     def __init__(self, name: str, paths: Paths, cgroup: Cgroup, opts: LaunchOptions | None,
-                 init: ProcRef | None = None, slirp: Slirp | None = None) -> None:
+                 init: ProcRef | None = None, slirp: Slirp | None = None, keep_root: bool = False) -> None:
         self.name = name  # sandbox ID, or pool-… until hand-out
         self.paths = paths
         self.cgroup = cgroup
@@ -185,12 +209,15 @@ class NsSandbox:
         self._session_lock = asyncio.Lock()
         self._closed = False
         self.last_cpu: tuple[float, int] | None = None
+        # The root holds files this sandbox did not make (a start on an existing upper): a teardown
+        # removes only what ``aclose(remove_dir=...)`` names.
+        self.keep_root = keep_root
 
     # ---- start ----------------------------------------------------------------------------------
     @classmethod
     async def launch(cls, name: str, root: Path, layout: Layout, opts: LaunchOptions,
-                     host_addrs: list[str], timeout: float = 30.0) -> NsSandbox:
-        sbx = cls(name, Paths(root), Cgroup(layout, name), opts)
+                     host_addrs: list[str], timeout: float = 30.0, keep_root: bool = False) -> NsSandbox:
+        sbx = cls(name, Paths(root), Cgroup(layout, name), opts, keep_root=keep_root)
         try:
             async with asyncio.timeout(timeout):
                 await sbx._start(host_addrs)
@@ -208,6 +235,7 @@ class NsSandbox:
             if opts.disk is not None:
                 opts.disk.make_root(self.paths.root, opts.disk_mb)
             self.paths.prepare()
+            self.paths.new_boot_id()
             self.cgroup.create()
             self.cgroup.set_limits(cpu, mem, pids)
             self.cgroup.set_weight(low=opts.nice > 0)
@@ -217,7 +245,7 @@ class NsSandbox:
             "merged": str(self.paths.merged), "lowers": self.lowers, "upper": str(self.paths.upper),
             "work": str(self.paths.work), "tools": str(opts.tools), "run": str(self.paths.run),
             "cgroup_procs": self.cgroup.procs_files(), "hostname": opts.hostname,
-            "resolv_conf": RESOLV_CONF if opts.allow_internet else None,
+            "resolv_conf": RESOLV_CONF if opts.allow_internet else None, "boot_id": str(self.paths.boot_id),
             "argv": agent_argv(opts), "env": {}, "log": None,
         }
         cfg["nice"] = opts.nice
@@ -485,6 +513,6 @@ class NsSandbox:
                             ignore=shutil.ignore_patterns("*.sock"))
         with contextlib.suppress(Exception):
             self.cgroup.remove()
-        for d in (self.paths.root, remove_dir):
+        for d in (None if self.keep_root else self.paths.root, remove_dir):
             if d is not None:
                 remove_tree(d)  # a quota subvolume goes at once, whatever its size

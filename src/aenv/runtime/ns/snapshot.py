@@ -387,6 +387,7 @@ class NsSnapshots:
             paths.root.mkdir(parents=True, exist_ok=True)
             copy_tree(snapshot / UPPER, paths.upper)
             paths.prepare()
+            paths.new_boot_id()  # restored processes keep running, but in a sandbox of its own
             cg.create()
             cg.set_limits(spec.cpu_count, spec.memory_mb, spec.pids_limit)
             pidfile = paths.run / "criu-restore.pid"
@@ -394,7 +395,8 @@ class NsSnapshots:
             try:
                 _run(criu.in_cgroups_argv(cg.procs_files(), criu.restore_argv(
                     status.exe or "criu", snapshot / CRIU_DIR, root=paths.merged, pidfile=pidfile,
-                    tools=rt.tools or Path("/nonexistent"), run_dir=paths.run, log=str(paths.run / "restore.log"))))
+                    tools=rt.tools or Path("/nonexistent"), run_dir=paths.run, log=str(paths.run / "restore.log"),
+                    boot_id=paths.boot_id)))
             finally:
                 subprocess.run(["umount", "-l", str(paths.merged)], check=False, capture_output=True)
             return int(pidfile.read_text().strip())
@@ -428,9 +430,9 @@ def _take_back(root: Path, aside: Path) -> None:
     """Undo the set-aside after a failed start: the old root (moved whole to ``aside``) goes back
     into place over whatever the failed start left there; work, run and the mount point are made
     fresh, the upper is kept. A no-op for the upper if the root never left."""
+    from aenv.runtime.ns.sandbox import Paths
+
     if aside.exists():
         remove_tree(root)
         os.rename(aside, root)
-    for name in ("work", "run", "rootfs"):
-        shutil.rmtree(root / name, ignore_errors=True)
-    root.mkdir(parents=True, exist_ok=True)
+    Paths(root).reset()

@@ -21,6 +21,7 @@ hand-out, restore, fork and resume gives the guest the host's wall time and fres
 forks of one snapshot never share random state.
 
 Pause is ``stop`` (vCPUs halt, memory kept), then release to disk after a while (``release.py``).
+A files-only pause ends QEMU and keeps the disk; its resume boots on that disk (``coldboot.py``).
 Kill ends QEMU and removes the run dir. QEMUs outlive the server on purpose: ``close`` ends only
 what holds no user state (pool QEMUs; the template RAM once no sandbox is left), and after a
 restart ``adopt`` re-attaches and ``reconcile`` removes whatever under the run root nobody owns.
@@ -46,7 +47,7 @@ from aenv.mux import ByteStream
 from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec, SnapshotResult
 from aenv.runtime.streams import open_checked
 
-from . import disk, frozen, netjail
+from . import coldboot, disk, frozen, netjail
 from . import reconcile as reconciling
 from . import template as templates
 from .accel import AccelChoice, choose_accel, qemu_binary
@@ -109,6 +110,7 @@ class VmRuntime:
         # Template RAM files, mapped share=off by every sandbox: a ramfs, so none can punch them.
         self.frozen_dir = self.shm_dir / "frozen"
         self.warm_timeout = warm_timeout
+        self.boot_timeout = boot_timeout  # a template's first boot, and a stopped sandbox's cold boot
         self.vm_dir = settings.state_dir / "vm"
         self.templates_dir = self.vm_dir / "templates"
         self.run_root = run_root or _short_run_root(self.vm_dir / "run")
@@ -277,11 +279,18 @@ class VmRuntime:
             sandbox_id, port, sbx.open_stream, lambda: sbx.machine.alive, channel_errors=(MachineError,)
         )
 
-    async def pause(self, sandbox_id: str) -> RuntimeState:
+    async def pause(self, sandbox_id: str, keep_memory: bool = True) -> RuntimeState:
         """``stop`` at once (vCPUs halt, memory kept); after ``vm_release_paused_after`` seconds
-        still paused, the VM is saved to disk and QEMU ends (0: before this returns)."""
+        still paused, the VM is saved to disk and QEMU ends (0: before this returns).
+        ``keep_memory=False``: the guest syncs, QEMU ends, the disk stays (``coldboot.py``)."""
         async with self.table.lock(sandbox_id):
-            if sandbox_id in self.table.released:
+            rel = self.table.released.get(sandbox_id)
+            if rel is not None and (keep_memory or not rel.memory):
+                return self.table.state_of(sandbox_id)
+            if not keep_memory:
+                self.release.cancel(sandbox_id)
+                with translated(sandbox_id, "pause (files only)", after="pause"):
+                    await coldboot.stop_locked(self.table, sandbox_id)
                 return self.table.state_of(sandbox_id)
             sbx = self.table.get(sandbox_id)
             with translated(sandbox_id, "pause"):
@@ -295,9 +304,19 @@ class VmRuntime:
                 self.release.schedule(sandbox_id)
             return self.table.state_of(sandbox_id)
 
-    async def resume(self, sandbox_id: str, state: RuntimeState) -> RuntimeState:
+    async def resume(self, sandbox_id: str, state: RuntimeState, keep_memory: bool = True) -> RuntimeState:
         async with self.table.lock(sandbox_id):
             self.release.cancel(sandbox_id)
+            rel = self.table.released.get(sandbox_id)
+            if not keep_memory or (rel is not None and not rel.memory):
+                spec = self.table.specs.get(sandbox_id)
+                if spec is None:
+                    raise StateError(f"sandbox {sandbox_id}: no spec to boot it with", sandbox_id=sandbox_id)
+                with translated(sandbox_id, "cold boot", after="boot"):
+                    await coldboot.stop_locked(self.table, sandbox_id)  # its memory, if any, is discarded
+                    sbx = await coldboot.boot_locked(self.table, self.templates, sandbox_id, spec, shm_dir=self.shm_dir,
+                                                     pids_limit=self.settings.pids_limit, timeout=self.boot_timeout)
+                return self.table.state(sbx, spec)
             with translated(sandbox_id, "resume", after="resume"):
                 if sandbox_id in self.table.released:
                     sbx = await self.release.load_locked(sandbox_id, run=True)
@@ -332,10 +351,13 @@ class VmRuntime:
         keep |= {str(k) for k in known_ids if k in self.table.running}
         return await reconciling.reconcile(self.run_root, self.shm_dir, keep, set(self.table.running))
 
-    async def adopt(self, sandbox_id: str, spec: SandboxSpec, state: RuntimeState) -> bool:
-        """Re-attach to a VM left running by a previous server (see ``reconcile.adopt``). False when
-        it is gone (the caller then kills/cleans)."""
+    async def adopt(self, sandbox_id: str, spec: SandboxSpec, state: RuntimeState, stopped: bool = False) -> bool:
+        """Re-attach to a VM left running by a previous server (see ``reconcile.adopt``), or, with
+        ``stopped``, take back a stopped one's disk (``coldboot.adopt_stopped``). False when it is
+        gone (the caller then kills/cleans)."""
         await self.start()
+        if stopped:
+            return await asyncio.to_thread(coldboot.adopt_stopped, self.table, sandbox_id, spec, state) is not None
         found = await reconciling.adopt(self.table, sandbox_id, spec, state)
         if isinstance(found, VmSandbox):
             await self.release.adopted(sandbox_id, found)
@@ -372,7 +394,14 @@ class VmRuntime:
         )  # fmt: skip
 
     # ---- SnapshotCapable (see snapshot.py) -------------------------------------------------------
+    def _refuse_stopped(self, sandbox_id: str, action: str) -> None:
+        rel = self.table.released.get(sandbox_id)
+        if rel is not None and not rel.memory:
+            raise StateError(f"cannot {action} sandbox {sandbox_id}: it is paused without memory (no VM); "
+                             "resume it first", sandbox_id=sandbox_id)
+
     async def snapshot(self, sandbox_id: str, into: Path, mode: SnapshotMode) -> SnapshotResult:
+        self._refuse_stopped(sandbox_id, "snapshot")
         return await self.snapshots.snapshot(sandbox_id, into, mode)
 
     async def create_from_snapshot(self, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
@@ -382,6 +411,7 @@ class VmRuntime:
         return await self.snapshots.fork_mode(sandbox_id)
 
     async def rollback(self, sandbox_id: str, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
+        self._refuse_stopped(sandbox_id, "roll back")
         return await self.snapshots.rollback(sandbox_id, spec, snapshot, result)
 
     def capabilities(self) -> dict[str, Any]:
@@ -392,7 +422,8 @@ class VmRuntime:
             if self.accel is None
             else {"name": self.accel.accel, "reason": self.accel.reason},
             "pause": "qmp stop; saved to disk and QEMU ended after "
-            f"{self.release.release_after:g} s paused (vm_release_paused_after)",
+            f"{self.release.release_after:g} s paused (vm_release_paused_after); "
+            "files only: guest sync, QEMU ended, cold boot on its disk at resume",
             "network": {"offline": "user-mode netdev restrict=on", "internet": "QEMU user-mode (slirp) in its own netns: slirp4netns + in-netns filter"
                         if netjail.available() else None},
             "snapshot": "full (device state + RAM + disk)",

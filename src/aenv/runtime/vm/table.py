@@ -2,7 +2,9 @@
 
 A sandbox is in one of two forms here: *running* (a :class:`~.sandbox.VmSandbox`: a QEMU process,
 running or paused in RAM) or *released* (a :class:`Released`: paused, saved to disk, its QEMU
-ended; ``release.py`` moves it between the two). Beside them: the spec each was created with and
+ended; ``release.py`` moves it between the two). A released one without memory (``memory=False``)
+is *stopped*: only its disk was kept (a files-only pause), and it comes back by a cold boot
+(``coldboot.py``). Beside them: the spec each was created with and
 one lock per sandbox, which pause, resume, release, snapshot and kill take so that a release to
 disk never runs in the middle of another of them. Everything else (pools, templates, snapshot
 files being written) is not a sandbox and lives elsewhere.
@@ -25,6 +27,9 @@ RELEASED_STATE = "released.full"  # in a run dir: a paused sandbox saved to disk
 # of the base RAM image, and last this marker (JSON: which base RAM), whose presence means released.
 RELEASED_LAYERED = "released.json"
 RELEASED_FILES = ("released.devices", "released.layer", "released.base")
+# A stopped sandbox (paused keeping its files only): its disk overlays stay, and this marker (JSON:
+# which overlay is on top) says so; it comes back by booting on that disk.
+STOPPED_MARKER = "stopped.json"
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,7 @@ class Released:
     template_key: str
     disk_generation: int
     allow_internet: bool
+    memory: bool = True  # False: stopped, only the disk kept
 
     @property
     def state_file(self) -> Path:
@@ -47,7 +53,12 @@ class Released:
     def marker(self) -> Path:
         return self.run_dir / RELEASED_LAYERED
 
+    @property
+    def stopped_marker(self) -> Path:
+        return self.run_dir / STOPPED_MARKER
+
     def files(self) -> list[Path]:
+        """The saved memory state (none for a stopped one: its marker stays until it boots)."""
         return [self.state_file, self.marker, *(self.run_dir / n for n in RELEASED_FILES)]
 
     def state(self) -> dict[str, Any]:
@@ -57,6 +68,7 @@ class Released:
             "template_key": self.template_key,
             "released": str(self.state_file),
             "disk_generation": self.disk_generation,
+            "stopped": not self.memory,
         }
 
 

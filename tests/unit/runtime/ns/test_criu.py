@@ -72,6 +72,7 @@ def test_dump_argv() -> None:
     assert argv[argv.index("--freeze-cgroup") + 1] == "/sys/fs/cgroup/freezer/aenv/sb1"
     ext = [argv[i + 1] for i, a in enumerate(argv) if a == "--external"]
     assert "mnt[/.aenv]:aenv-tools" in ext and "mnt[/.aenv-run]:aenv-run" in ext and "mnt[/dev/null]:dev-null" in ext
+    assert "mnt[/proc/sys/kernel/random/boot_id]:aenv-boot-id" in ext
     assert "--leave-running" not in criu.dump_argv("/c", 1, Path("/i"), freezer=None, leave_running=False)
 
 
@@ -83,6 +84,9 @@ def test_restore_argv_maps_externals_back() -> None:
     assert argv[argv.index("--pidfile") + 1] == "/w/ns/run/pid"
     ext = [argv[i + 1] for i, a in enumerate(argv) if a == "--external"]
     assert "mnt[aenv-tools]:/cache/tools" in ext and "mnt[aenv-run]:/w/ns/run" in ext and "mnt[dev-null]:/dev/null" in ext
+    with_boot_id = criu.restore_argv("/c", Path("/i"), root=Path("/r"), pidfile=Path("/p"), tools=Path("/t"),
+                                     run_dir=Path("/w/ns/run"), boot_id=Path("/w/ns/boot_id"))
+    assert "mnt[aenv-boot-id]:/w/ns/boot_id" in with_boot_id
 
 
 def test_in_cgroups_argv_joins_then_execs(tmp_path: Path) -> None:
