@@ -24,6 +24,9 @@ class ExitStatus(enum.IntEnum):
     INTERRUPTED = 130
 
 
+NARROW = 16  # the most a squeezed column of a fitted table takes
+
+
 class Printer:
     def __init__(self, quiet: bool = False) -> None:
         self.out = Console(file=sys.stdout, highlight=False, soft_wrap=True)
@@ -36,13 +39,25 @@ class Printer:
     def json(self, obj: Any) -> None:
         sys.stdout.write(json.dumps(obj, indent=2) + "\n")
 
-    def table(self, columns: Sequence[str], rows: Iterable[Sequence[str]]) -> None:
-        """A borderless table on stdout (what every ``ls`` prints without ``-o json``)."""
+    def table(self, columns: Sequence[str], rows: Iterable[Sequence[str]], *, whole: Sequence[int] = ()) -> None:
+        """A borderless table on stdout (what every ``ls`` prints without ``-o json``). With ``whole``
+        the table fits the terminal on one line a row: those columns (IDs) are never shortened, the
+        others take at most ``NARROW`` characters and the last one the rest, ending in "…"."""
         from rich.table import Table
 
-        table = Table(box=None)
-        for col in columns:
-            table.add_column(col)
+        rows = [tuple(r) for r in rows]
+        table = Table(box=None, pad_edge=not whole)
+        if not whole:
+            for col in columns:
+                table.add_column(col)
+        else:
+            natural = [max([len(col), *(len(r[i]) for r in rows)]) for i, col in enumerate(columns)]
+            widths = [n if i in whole else min(n, NARROW) for i, n in enumerate(natural)]
+            room = self.out.width - sum(widths[:-1]) - 2 * (len(columns) - 1)
+            if len(columns) - 1 not in whole:
+                widths[-1] = max(min(natural[-1], room), len(columns[-1]))
+            for col, width in zip(columns, widths, strict=True):
+                table.add_column(col, no_wrap=True, overflow="ellipsis", width=width)
         for row in rows:
             table.add_row(*row)
         self.out.print(table)

@@ -91,15 +91,25 @@ def exec_(
 def ls(
     output: str = typer.Option("table", "--output", "-o", help="table | json"),
     state: str = typer.Option("running,paused", help="comma list of states"),
+    metadata: list[str] = typer.Option([], "--metadata", "-m", help="only sandboxes with this KEY=VALUE (repeatable)"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="print only the IDs, one a line"),
     server: Optional[str] = ServerOpt,
     api_key: Optional[str] = KeyOpt,
 ) -> None:
-    """List sandboxes."""
+    """List sandboxes like `docker ps`: full IDs, relative times; `aenv rm $(aenv ls -q -m run=X)`."""
+    from aenv.cli import listing
+
     client = _client(server, api_key)
+    try:
+        wanted = listing.parse_metadata(metadata)
+    except ValueError as exc:
+        client.printer.fail(str(exc), hint="e.g. --metadata run=r1", status=ExitStatus.USAGE)
     items: list[dict[str, Any]] = []
     token: str | None = None
     while True:
-        params = {"state": state, "limit": 100, **({"nextToken": token} if token else {})}
+        params: dict[str, Any] = {"state": state, "limit": 100, **({"nextToken": token} if token else {})}
+        if wanted:
+            params["metadata"] = listing.metadata_query(wanted)
         resp = client.request("GET", "/v2/sandboxes", params=params)
         items += resp.json()
         token = resp.headers.get("x-next-token")
@@ -108,16 +118,13 @@ def ls(
     if output == "json":
         client.printer.json(items)
         return
-    client.printer.table(
-        ("SANDBOX ID", "TEMPLATE", "STATE", "STARTED", "ENDS", "CPU", "MEM MB"),
-        (
-            (
-                s["sandboxID"], s.get("alias") or s["templateID"], s["state"], s["startedAt"][:19],
-                s["endAt"][:19], str(s["cpuCount"]), str(s["memoryMB"]),
-            )
-            for s in items
-        ),
-    )
+    if quiet:
+        for s in items:
+            client.printer.data(s["sandboxID"])
+        return
+    client.printer.table(listing.COLUMNS, listing.rows(items), whole=(0,))
+    if len(items) > listing.COUNT_LINE_AFTER:
+        client.printer.data(listing.count_line(items))
 
 
 @app.command()
