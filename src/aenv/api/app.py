@@ -20,6 +20,7 @@ from aenv.api.auth import key_digests, require_api_key
 from aenv.api.proxy import SandboxProxy
 from aenv.api.routes_builds import router as builds_router
 from aenv.api.routes_builds import uploads as build_uploads_router
+from aenv.api.routes_fleet import router as fleet_router
 from aenv.api.routes_sandboxes import router as sandboxes_router
 from aenv.api.routes_snapshots import router as snapshots_router
 from aenv.api.routes_templates import router as templates_router
@@ -88,6 +89,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
     api.include_router(builds_router)
     api.include_router(build_uploads_router)
     api.include_router(sandboxes_router)
+    api.include_router(fleet_router)
     api.include_router(templates_router)
     api.include_router(snapshots_router)
 

@@ -149,12 +149,35 @@ def resume(
 
 
 @app.command()
-def rm(sandbox_ids: list[str], server: Optional[str] = ServerOpt, api_key: Optional[str] = KeyOpt) -> None:
-    """Kill and remove sandboxes."""
+def rm(
+    sandbox_ids: Optional[list[str]] = typer.Argument(None, help="sandbox IDs"),
+    metadata: list[str] = typer.Option([], "--metadata", "-m",
+                                       help="also every sandbox with this KEY=VALUE (repeatable: all must match)"),
+    server: Optional[str] = ServerOpt,
+    api_key: Optional[str] = KeyOpt,
+) -> None:
+    """Kill and remove sandboxes: by ID, or all a run tagged (`aenv rm --metadata run=X`)."""
+    from aenv.cli import listing
+
     client = _client(server, api_key)
-    for sid in sandbox_ids:
+    if not sandbox_ids and not metadata:
+        client.printer.fail("nothing to remove", hint="give sandbox IDs or --metadata KEY=VALUE", status=ExitStatus.USAGE)
+    try:
+        wanted = listing.parse_metadata(metadata)
+    except ValueError as exc:
+        client.printer.fail(str(exc), hint="e.g. --metadata run=r1", status=ExitStatus.USAGE)
+    for sid in sandbox_ids or []:
         client.request("DELETE", f"/sandboxes/{sid}")
         client.printer.info(f"removed {sid}")
+    if wanted:
+        report = client.request("POST", "/aenv/sandboxes/kill", json={"metadata": wanted}).json()
+        for sid in report["killed"]:
+            client.printer.data(sid)
+        tag = ",".join(f"{k}={v}" for k, v in wanted.items())
+        client.printer.info(f"removed {len(report['killed'])} sandboxes tagged {tag}")
+        if report["failed"]:
+            client.printer.fail(f"{len(report['failed'])} sandboxes tagged {tag} could not be removed",
+                                causes=[f"{f['sandboxID']}: {f['message']}" for f in report["failed"][:5]])
 
 
 @app.command("timeout")

@@ -31,6 +31,7 @@ from aenv.config import Settings
 from aenv.core.build_spec import BuildSpec
 from aenv.core.builds import BuildRecord, TemplateBuilds
 from aenv.core.context import Context
+from aenv.core.fleet import KillReport, kill_matching
 from aenv.core.ids import new_id, new_token
 from aenv.core.models import CreateRequest, ListQuery, SandboxState, require_state
 from aenv.core.snapshots import SnapshotFlows, result_of
@@ -301,6 +302,10 @@ class Orchestrator:
             await self.ctx.forget(sbx.row)
         self.snapshots.collect_garbage()
         log.info("sandbox=%s killed", sandbox_id)
+
+    async def kill_matching(self, metadata: dict[str, str]) -> KillReport:
+        """Kill every sandbox tagged with all of ``metadata``, even one still starting (``fleet.py``)."""
+        return await kill_matching(self.table, self.kill, metadata)
 
     async def set_timeout(self, sandbox_id: str, timeout: int) -> None:
         """``endAt = now + timeout``; 0 expires the sandbox now (killed, or paused with autoPause)."""

@@ -83,3 +83,14 @@ def test_ls_count_line_when_long(client: TestClient, aenv: Callable[..., Result]
     assert "SANDBOX ID" not in aenv("ls", "-q").output and len(aenv("ls", "-q").output.split()) == 25
     assert count_line([]) == "0 sandboxes"
 
+
+
+def test_rm_by_metadata(client: TestClient, aenv: Callable[..., Result]) -> None:
+    tagged = {_create(client, metadata={"run": "X"}) for _ in range(3)}
+    keep = _create(client, metadata={"run": "Y"})
+    result = aenv("rm", "--metadata", "run=X")
+    assert result.exit_code == 0, result.output
+    assert set(result.output.split()[:3]) == tagged and "removed 3 sandboxes tagged run=X" in result.output
+    assert aenv("ls", "-q").output.split() == [keep]
+    assert aenv("rm").exit_code == 2 and aenv("rm", "-m", "run").exit_code == 2
+    assert aenv("rm", keep).exit_code == 0 and aenv("ls", "-q").output == ""
