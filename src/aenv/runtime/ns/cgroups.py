@@ -177,6 +177,11 @@ class Cgroup:
         _write(cpu / "cpu.cfs_period_us", str(CFS_PERIOD_US))
         _write(cpu / "cpu.cfs_quota_us", str(quota))
         memory = self.dir("memory")
+        # v1 keeps memory.limit_in_bytes <= memory.memsw.limit_in_bytes at every write (EINVAL
+        # otherwise): raising a limit (a pooled sandbox handed out with more memory) moves memsw first.
+        with contextlib.suppress(OSError):
+            if int(_read(memory / "memory.memsw.limit_in_bytes")) < mem:
+                _write(memory / "memory.memsw.limit_in_bytes", str(mem))
         try:
             _write(memory / "memory.limit_in_bytes", str(mem))
         except OSError as exc:

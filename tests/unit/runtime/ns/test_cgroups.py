@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,36 @@ def test_scope_separates_runtimes(fake_v1: Layout, tmp_path: Path) -> None:
     assert Cgroup(a, "sbx").dir("memory") == fake_v1.v1["memory"] / "aenv" / a.scope / "sbx"
     assert cgroups.list_names(a) == {"sbx"}
     assert cgroups.list_names(b) == set()  # b's reconciliation never sees a's sandboxes
+
+
+def test_v1_memory_limit_can_be_raised_past_memsw(tmp_path: Path) -> None:
+    """A pooled sandbox got the default limits (memsw == limit); handing it out with more memory
+    raised memory.limit_in_bytes above memsw, which a real v1 hierarchy refuses with EINVAL."""
+    import os
+
+    try:
+        layout = cgroups.detect()
+    except cgroups.CgroupError as exc:
+        pytest.skip(f"no usable cgroups: {exc}")
+    if os.geteuid() != 0 or layout.version != 1:
+        pytest.skip("needs root and a cgroup v1 memory hierarchy")
+    import dataclasses
+
+    layout = dataclasses.replace(layout, scope=cgroups.scope_for(tmp_path / "state"))
+    if not (layout.base("memory").parent / "memory.memsw.limit_in_bytes").exists():
+        pytest.skip("no swap accounting (memory.memsw.*) on this kernel")
+    cg = Cgroup(layout, "raise-test")
+    cg.create()
+    try:
+        cg.set_limits(cpu_count=1, memory_mb=256, pids=99)
+        cg.set_limits(cpu_count=1, memory_mb=1024, pids=99)
+        for f in ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"):
+            assert int((cg.dir("memory") / f).read_text()) == 1024 * 1024 * 1024
+        cg.set_limits(cpu_count=1, memory_mb=128, pids=99)
+        for f in ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"):
+            assert int((cg.dir("memory") / f).read_text()) == 128 * 1024 * 1024
+    finally:
+        cg.remove()
+        for d in layout.parents():
+            with contextlib.suppress(OSError):
+                d.rmdir()
