@@ -48,7 +48,18 @@ class Settings(BaseModel):
     max_timeout: int = Field(86400, gt=0, description="largest TTL a client may ask for, seconds")
     api_keys: list[str] = Field(default_factory=list, description="accepted X-API-KEY values; empty = no auth")
     max_sandboxes: int = Field(1000, gt=0, description="admission limit on live sandboxes")
-    max_concurrent_starts: int = Field(32, gt=0, description="creates in flight before answering 429")
+    max_concurrent_starts: int = Field(32, gt=0, description="creates starting at once; more wait in the admission queue")
+    admission_queue: int = Field(1024, ge=0, description="creates that may wait for a start slot; past it 429 (reason capacity)")
+    admission_wait: float = Field(
+        30.0, gt=0, description="seconds a create waits for a start slot before 429 (reason capacity); below the SDKs' 60 s request timeout"
+    )
+    admission_group_key: str = Field(
+        "run", description="metadata key whose value, with the API key, makes a fair-share group of the admission queue"
+    )
+    key_quotas: dict[str, int] = Field(
+        default_factory=dict, description="live + starting sandboxes per API key (key or sha256:<hex> = N); past it 429 (reason quota)"
+    )
+    default_key_quota: int | None = Field(None, gt=0, description="that quota for keys not in key_quotas; unset = none")
     pool_size: int = Field(2, ge=0, description="pre-started sandboxes kept ready per hot template")
     reaper_interval: float = Field(1.0, gt=0, description="seconds between TTL sweeps")
     default_cpu_count: int = Field(2, gt=0)
@@ -134,7 +145,7 @@ class Settings(BaseModel):
 
 
 _LIST_FIELDS = {"api_keys", "insecure_registries"}
-_DICT_FIELDS = {"registry_mirrors"}
+_DICT_FIELDS = {"registry_mirrors", "key_quotas"}
 
 
 def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:

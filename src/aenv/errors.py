@@ -67,9 +67,13 @@ class Conflict(AenvError):
 
 
 class CapacityError(AenvError):
-    def __init__(self, message: str, retry_after: float = 1.0, **context: Any) -> None:
+    """Not now, maybe later: ``reason`` says why (``capacity``: the node is busy or full; ``quota``:
+    the API key holds its quota; ``restoring``: what it needs is being restored), ``retry_after`` when."""
+
+    def __init__(self, message: str, retry_after: float = 1.0, reason: str = "capacity", **context: Any) -> None:
         super().__init__(message, **context)
         self.retry_after = retry_after
+        self.reason = reason
 
 
 class RuntimeFailure(AenvError):

@@ -34,14 +34,20 @@ def key_is_valid(presented: str | None, digests: list[str]) -> bool:
     return ok
 
 
-async def require_api_key(request: Request) -> None:
-    digests: list[str] = request.app.state.api_key_digests
-    if not digests:
-        return
+def presented_key(request: Request) -> str | None:
+    """The key a request carries: ``X-API-KEY``, else an ``Authorization: Bearer`` token."""
     presented = request.headers.get("x-api-key")
     if presented is None:
         auth = request.headers.get("authorization", "")
         if auth.lower().startswith("bearer "):
             presented = auth[7:].strip()
+    return presented
+
+
+async def require_api_key(request: Request) -> None:
+    digests: list[str] = request.app.state.api_key_digests
+    if not digests:
+        return
+    presented = presented_key(request)
     if not key_is_valid(presented, digests):
         raise HTTPException(401, "Invalid API key, please check your credentials")

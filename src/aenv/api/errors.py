@@ -57,13 +57,16 @@ def install(app: FastAPI) -> None:
     async def _domain(_: Request, exc: e.AenvError) -> JSONResponse:
         status = status_for(exc)
         headers = None
+        extra: dict[str, Any] = {}
         if isinstance(exc, e.CapacityError):
             headers = {"Retry-After": str(max(1, round(exc.retry_after)))}
+            extra["reason"] = exc.reason  # machine-readable: capacity | quota | restoring
+            status = 503 if exc.reason == "restoring" else status
         elif isinstance(exc, e.GuestUnresponsive):
             headers = {"Should-Retry": "false"}  # the SDK would retry a 503; the guest decides, not load
         if status >= 500:
             log.error("error %s: %s %s", status, exc, exc.context)
-        return error_response(status, exc.message, headers)
+        return error_response(status, exc.message, headers, **extra)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -10,9 +10,10 @@ from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from aenv.api import serialize
-from aenv.api.auth import require_api_key
+from aenv.api.auth import presented_key, require_api_key
 from aenv.api.deps import orchestrator
 from aenv.api.models import ConnectBody, NewSandbox, PauseBody, ResumeBody, TimeoutBody
+from aenv.core.admission import owner_of
 from aenv.core.models import CreateRequest, ListQuery, SandboxState
 from aenv.core.orchestrator import Orchestrator
 from aenv.errors import InvalidRequest
@@ -68,7 +69,8 @@ def _check_metadata_size(meta: dict[str, str], limit: int) -> None:
         raise InvalidRequest(f"metadata too large: {size} bytes, the limit is {limit}")
 
 
-async def _create(body: NewSandbox, orch: Orchestrator, idempotency_key: str | None, secure_default: bool) -> JSONResponse:
+async def _create(body: NewSandbox, orch: Orchestrator, idempotency_key: str | None, secure_default: bool,
+                  owner: str) -> JSONResponse:
     body.refuse_unsupported()
     meta = body.metadata or {}
     _check_metadata_size(meta, orch.settings.max_metadata_bytes)
@@ -89,6 +91,7 @@ async def _create(body: NewSandbox, orch: Orchestrator, idempotency_key: str | N
         cpu_count=body.cpuCount,
         memory_mb=body.memoryMB,
         idempotency_key=idempotency_key,
+        owner=owner,
     )
     sbx = await orch.create(req)
     return JSONResponse(serialize.sandbox(sbx), status_code=201)
@@ -96,17 +99,18 @@ async def _create(body: NewSandbox, orch: Orchestrator, idempotency_key: str | N
 
 @router.post("/v2/sandboxes", status_code=201)
 async def create_v2(
+    request: Request,
     body: NewSandbox,
     orch: Orchestrator = Depends(orchestrator),
     idempotency_key: str | None = Header(default=None, alias="Idempotency-Key"),
 ) -> JSONResponse:
     # New SDKs do not send `secure`; E2B issues an access token by default, and so do we.
-    return await _create(body, orch, idempotency_key, secure_default=True)
+    return await _create(body, orch, idempotency_key, secure_default=True, owner=owner_of(presented_key(request)))
 
 
 @router.post("/sandboxes", status_code=201)
-async def create_legacy(body: NewSandbox, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
-    return await _create(body, orch, None, secure_default=False)
+async def create_legacy(request: Request, body: NewSandbox, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
+    return await _create(body, orch, None, secure_default=False, owner=owner_of(presented_key(request)))
 
 
 @router.get("/v2/sandboxes")

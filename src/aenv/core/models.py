@@ -38,6 +38,7 @@ class CreateRequest:
     cpu_count: int | None = None
     memory_mb: int | None = None
     idempotency_key: str | None = None
+    owner: str = ""  # whose quota it counts for (admission.owner_of the API key)
 
 
 @dataclass(frozen=True)

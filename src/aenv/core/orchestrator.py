@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from aenv.config import Settings
+from aenv.core.admission import Admission
 from aenv.core.build_spec import BuildSpec
 from aenv.core.builds import BuildRecord, TemplateBuilds
 from aenv.core.context import Context
@@ -41,7 +42,6 @@ from aenv.core.template_flows import TemplateFlows
 from aenv.core.templates import TemplateCatalog
 from aenv.errors import (
     AenvError,
-    CapacityError,
     GuestUnresponsive,
     PortNotOpen,
     SandboxNotFound,
@@ -88,7 +88,7 @@ class Orchestrator:
         self.snapshots = SnapshotFlows(self.ctx, self.sync)
         self.template_flows = TemplateFlows(self.ctx)
         self.builds = TemplateBuilds(self.ctx, self, self.snapshots, self.template_flows)
-        self._starting = 0
+        self.admission = Admission(settings, self.table)
         self._tasks: list[asyncio.Task[None]] = []
         self._idempotency: dict[str, asyncio.Future[LiveSandbox]] = {}
         # Called with a sandbox ID when it becomes usable (created, resumed); must not block. The proxy
@@ -230,12 +230,8 @@ class Orchestrator:
         timeout = req.timeout if req.timeout is not None else self.settings.default_timeout
         self.ctx.check_timeout(timeout)
         template = await self.sync.resolve_template(req.template)  # may fetch a snapshot from the repository
-        if len(self.table) >= self.settings.max_sandboxes:
-            raise CapacityError(f"sandbox limit of {self.settings.max_sandboxes} reached", retry_after=5)
-        if self._starting >= self.settings.max_concurrent_starts:
-            raise CapacityError("too many sandboxes starting at once", retry_after=0.5)
-        self._starting += 1
-        try:
+        # A burst waits its turn here (fairly per API key and run), or is a readable 429 (admission.py).
+        async with self.admission.slot(req.owner, req.metadata.get(self.settings.admission_group_key)):
             sandbox_id = new_id()
             started = now()
             row = SandboxRow(
@@ -286,10 +282,9 @@ class Orchestrator:
                 sandbox_id, state=row.state, started_at=row.started_at, end_at=row.end_at, runtime_state=state.data
             )
             log.info("sandbox=%s created template=%s runtime=%s", sandbox_id, template.id, self.runtime.name)
+            self.admission.owns(req.owner, sandbox_id)
             self._notify_running(sandbox_id)
             return sbx
-        finally:
-            self._starting -= 1
 
     async def kill(self, sandbox_id: str) -> None:
         sbx = self.get(sandbox_id)
@@ -495,7 +490,8 @@ class Orchestrator:
                     sbx.samples.append(await self.runtime.metrics(sbx.id))
 
     def stats(self) -> dict[str, Any]:
-        return {"sandboxes": self.table.counts_by_state(), "starting": self._starting, "runtime": self.runtime.name}
+        return {"sandboxes": self.table.counts_by_state(), "starting": self.admission.starting,
+                "waiting": self.admission.waiting, "runtime": self.runtime.name}
 
     def capabilities(self) -> dict[str, Any]:
         return self.runtime.capabilities()
