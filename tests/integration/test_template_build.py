@@ -68,6 +68,16 @@ def test_a_failing_step_fails_the_build_and_registers_nothing(e2b_env: dict[str,
     assert not Template.exists(name)
 
 
+def test_a_step_as_a_user_that_does_not_exist_fails_in_e2b_words(e2b_env: dict[str, str]) -> None:
+    name = _name("nouser")
+    template = Template().from_template("base").run_cmd("whoami", user="root123")
+    with pytest.raises(BuildException) as info:
+        Template.build(template, name)
+    assert "failed to run command 'whoami': command failed: unauthenticated: invalid username: 'root123'" \
+        in str(info.value)  # the E2B SDK's own test_run_command_as_user_that_does_not_exist
+    assert not Template.exists(name)
+
+
 def test_a_rebuild_redoes_only_the_changed_last_step(e2b_env: dict[str, str]) -> None:
     name = _name("cache")
     first = "date +%s%N > /opt/stamp"

@@ -336,7 +336,9 @@ class TemplateBuilds:
             for line in (res.stdout + res.stderr).decode(errors="replace").splitlines():
                 rec.log(line, step=label)
         if res.exit_code is None:
-            raise BuildFailed(f"step {label} ({what}) did not finish: {res.error or 'no exit status'}")
+            # E2B's words for a command envd refused, which the SDK's own tests look for
+            raise BuildFailed(f"step {label} ({what}): failed to run command '{cmd}': command failed: "
+                              f"{res.error or 'no exit status'}")
         if res.exit_code != 0 and not quiet:
             raise BuildFailed(f"step {label} ({what}) failed with exit code {res.exit_code}")
         return res.exit_code

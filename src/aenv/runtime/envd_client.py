@@ -210,7 +210,7 @@ class CommandResult:
     exit_code: int | None  # None: no end event (envd refused, or the stream broke)
     stdout: bytes
     stderr: bytes
-    error: str = ""  # envd's end-of-stream error, if any
+    error: str = ""  # envd's end-of-stream error, if any: "unauthenticated: invalid username: 'x'"
 
 
 async def run_command(stream: _Stream, cmd: str, *, user: str = "root", envs: dict[str, str] | None = None,
@@ -230,8 +230,9 @@ def _command_result(stream_body: bytes) -> CommandResult:
     code: int | None = None
     out, err, error = bytearray(), bytearray(), ""
     for flags, msg in _envelopes(stream_body):
-        if flags & 0x02:  # end of stream: an error, if any
-            error = str((msg.get("error") or {}).get("message") or "")
+        if flags & 0x02:  # end of stream: an error, if any, as Connect prints one ("code: message")
+            e = msg.get("error") or {}
+            error = ": ".join(str(part) for part in (e.get("code"), e.get("message")) if part)
             continue
         event = msg.get("event") or {}
         data = event.get("data") or {}
