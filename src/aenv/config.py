@@ -69,6 +69,12 @@ class Settings(BaseModel):
         True, description="ns: enforce each sandbox's disk size (a btrfs volume on the sandboxes dir, one subvolume + quota per sandbox)"
     )
     ns_volume_mb: int = Field(0, ge=0, description="ns: size of that sparse volume image; 0 = min(64 GiB, half the free space)")
+    ns_criu: Path | None = Field(
+        None, description="ns: the CRIU (>= 4.2) for process snapshots; unset = AENV_CRIU, else <cache_dir>/criu/current/criu (scripts/build-criu.sh), else criu on PATH"
+    )
+    ns_release_paused_after: float = Field(
+        300.0, ge=0, description="ns: seconds a sandbox stays paused (frozen) before its processes are saved to disk with CRIU and end; resume restores them (0 = at once; needs CRIU, else it stays frozen)"
+    )
     pids_limit: int = Field(4096, gt=0, description="max processes per sandbox")
     max_metadata_bytes: int = Field(16384, gt=0, description="largest metadata map accepted at create")
     metrics_public: bool = Field(True, description="serve /metrics without an API key")

@@ -62,11 +62,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--start-cwd", default="", help="the start command's directory (default: /)")
     ap.add_argument("--log", default="/dev/null", help="file for agent and envd logs")
     ap.add_argument("--no-envd", action="store_true", help="do not start envd (tests)")
+    ap.add_argument("--checkpointable", action="store_true", help="keep every process CRIU-dumpable (no io_uring)")
     return ap.parse_args(argv)
 
 
-def child_env(template_env: dict[str, str]) -> dict[str, str]:
+def child_env(template_env: dict[str, str], checkpointable: bool = False) -> dict[str, str]:
+    """``checkpointable`` (ns with CRIU): libuv (node's loop) uses io_uring when it may, which CRIU
+    cannot dump; UV_USE_IO_URING=0 keeps such processes dumpable, and envd then runs on asyncio's
+    loop (uvloop's libuv opens a ring whatever the variable says). A template may still set it."""
     env = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8"}
+    if checkpointable:
+        env["UV_USE_IO_URING"] = "0"
     env.update({str(k): str(v) for k, v in template_env.items()})
     return env
 
@@ -110,7 +116,7 @@ async def amain(args: argparse.Namespace, envd_pid: int | None = None) -> None:
     loop = asyncio.get_running_loop()
     reaper = Reaper(loop)
     reaper.install()
-    env = child_env(json.loads(args.env_json))
+    env = child_env(json.loads(args.env_json), args.checkpointable)
     if not args.no_envd:
         argv = [*python_argv(), "-m", envd_module(), *envd_args(args)]
         reaper.supervise(Supervised("envd", argv, env, stdout=args.log), running_pid=envd_pid)
@@ -156,7 +162,7 @@ def main(argv: list[str] | None = None, *, envd_by_fork: bool = False) -> int:
     )
     envd_pid = None
     if envd_by_fork and not args.no_envd:
-        envd_pid = fork_envd(args, child_env(json.loads(args.env_json)))
+        envd_pid = fork_envd(args, child_env(json.loads(args.env_json), args.checkpointable))
     try:
         asyncio.run(amain(args, envd_pid))
     except KeyboardInterrupt:

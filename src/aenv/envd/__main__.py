@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> None:
         date_header=False,
         log_level=args.log_level,
         timeout_keep_alive=330,  # longer than the SDK pool's 300 s keep-alive expiry
+        # A sandbox that must stay CRIU-dumpable asks for no io_uring; uvloop's libuv opens one anyway.
+        loop="asyncio" if os.environ.get("UV_USE_IO_URING") == "0" else "auto",
     )
     sockets = [config.bind_socket()]
     if args.uds:

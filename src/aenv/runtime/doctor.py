@@ -18,14 +18,15 @@ def _cgroup_mode() -> str:
     return "none found"
 
 
-def _criu() -> str:
-    """The same detection the ns runtime uses (``criu --version`` >= 4.2 and ``criu check``)."""
+def _criu(settings: Settings) -> str:
+    """The same detection the ns runtime uses (the set-up's build, ``criu --version`` >= 4.2 and
+    ``criu check``)."""
     from aenv.runtime.ns.criu import probe
 
-    st = probe()
+    st = probe(settings=settings)
     if st.usable:
-        return f"{st.describe()}: ns snapshots, fork and rollback can keep processes (offline sandboxes)"
-    return f"{st.reason}; ns snapshots, fork and rollback are filesystem-only"
+        return f"{st.describe()}: ns snapshots, fork and rollback keep processes"
+    return f"{st.reason}; ns snapshots, fork and rollback are filesystem-only (scripts/build-criu.sh builds it)"
 
 
 def _disk_quota(settings: Settings) -> str:
@@ -49,7 +50,7 @@ def collect(settings: Settings) -> dict[str, Any]:
         "vm runtime": "usable" if vm_reason is None else f"unavailable: {vm_reason}",
         "auto picks": f"{auto}: {auto_why}",
         "qemu": shutil.which("qemu-system-x86_64") or "absent",
-        "criu": _criu(),
+        "criu": _criu(settings),
         "ns disk quota": _disk_quota(settings),
         "isolation note": "ns sandboxes share the host kernel (weaker isolation than vm); see README SECURITY",
         "state dir": str(settings.state_dir),

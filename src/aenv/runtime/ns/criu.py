@@ -4,14 +4,27 @@ Process snapshots (``mode=full``) need CRIU >= 4.2 on this kernel family: Debian
 ``criu check`` (vDSO layout of kernels >= 6.13) and 4.1 cannot dump INET sockets on kernels >= 6.16
 (see ``shared/notes/storage-and-runtime.md`` §4). So the capability is *detected*, never assumed:
 ``criu --version`` must say >= 4.2 **and** ``criu check`` must pass. ``probe()`` caches its answer
-per executable path for the life of the process.
+per executable path for the life of the process. Which executable: ``AENV_CRIU``, else the
+``ns_criu`` setting, else the one the set-up builds (``<cache_dir>/criu/current/criu``,
+``scripts/build-criu.sh``), else ``criu`` on PATH.
 
 The builders only make argv lists (unit-tested without a CRIU binary); ``snapshot.py`` runs them.
 What the sandbox design gives CRIU (``launcher.py``): ``pivot_root`` (not chroot), ``setsid`` inside the
 pid namespace, stdio opened inside the sandbox, no inherited host fds. What is external to the dumped
 tree and must be named on both sides: the read-only tools bind (``/.aenv``), the channel bind
-(``/.aenv-run``), the bind-mounted host device nodes in ``/dev``, and the host end of the agent's
-unix-socket channel (``--ext-unix-sk``).
+(``/.aenv-run``), the boot id file, the bind-mounted host device nodes in ``/dev`` and the ``/dev/null``
+masks over host-global ``/proc`` files, and the **network namespace**: it is external (not dumped), and
+every restore runs in a fresh one set up like a new sandbox's (loopback; internet: filter + slirp4netns),
+which CRIU joins through ``--inherit-fd``. That is faster than dumping it and is the only way with
+slirp4netns (its tap is held outside the tree). Listening and loopback sockets are restored into it.
+
+Two conditions the sandbox must meet, found here (dump.log): every mapped file must come from a mount
+of the sandbox's own mount namespace, so sandboxes that may be dumped are started by exec inside the
+sandbox, not forked from the zygote (whose preloaded modules are mapped from the host's mount:
+"Can't lookup mount=… for fd=-3"); and no process may hold a socket of the host's network namespace
+(the server's connections to the agent and envd: the accepted end of a unix connection lives in the
+*connecting* side's netns, "Unix socket … not found"), so the host closes them before a dump
+(``NsSandbox.quiesce``). envd runs with ``UV_USE_IO_URING=0``: CRIU cannot dump io_uring.
 """
 
 from __future__ import annotations
@@ -23,6 +36,12 @@ import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from aenv.agent.launch import PROC_MASKED
+
+if TYPE_CHECKING:
+    from aenv.config import Settings
 
 MIN_VERSION = (4, 2)
 ENV_EXE = "AENV_CRIU"  # override the executable (e.g. a 4.2.1 built from source in /opt)
@@ -30,6 +49,9 @@ ENV_EXE = "AENV_CRIU"  # override the executable (e.g. a 4.2.1 built from source
 # Mount points inside the sandbox that are bind mounts of host paths, keyed for --external.
 EXT_TOOLS = "aenv-tools"
 EXT_RUN = "aenv-run"
+EXT_NET = "aenv-net"  # the sandbox's network namespace: never dumped, a fresh one at each restore
+NET_FD = 3  # where the restore wrapper opens that fresh namespace for --inherit-fd
+CACHE_SUBPATH = ("criu", "current", "criu")  # under the cache dir: what scripts/build-criu.sh leaves
 EXT_BOOT_ID = "aenv-boot-id"  # the sandbox's own boot id file (agent/launch.py); a restore gets a new one
 BOOT_ID_MOUNT = "/proc/sys/kernel/random/boot_id"
 DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
@@ -62,13 +84,23 @@ def parse_version(text: str) -> tuple[int, int, int] | None:
     return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
 
 
-def find_exe() -> str | None:
-    exe = os.environ.get(ENV_EXE)
-    if exe:
-        return exe if os.access(exe, os.X_OK) else None
-    return shutil.which("criu") or next(
-        (p for p in ("/usr/sbin/criu", "/usr/local/sbin/criu") if os.access(p, os.X_OK)), None
-    )
+def candidates(settings: Settings | None = None) -> list[str]:
+    """Where to look, first match wins: AENV_CRIU, the ns_criu setting, the set-up's build, PATH."""
+    from aenv.config import default_cache_dir
+
+    env = os.environ.get(ENV_EXE)
+    if env:
+        return [env]  # an explicit choice: nothing else is tried behind its back
+    if settings is not None and settings.ns_criu is not None:
+        return [str(settings.ns_criu)]
+    cache = settings.cache_dir if settings is not None else default_cache_dir()
+    out = [str(cache.joinpath(*CACHE_SUBPATH))]
+    which = shutil.which("criu")
+    return out + ([which] if which else []) + ["/usr/sbin/criu", "/usr/local/sbin/criu"]
+
+
+def find_exe(settings: Settings | None = None) -> str | None:
+    return next((p for p in candidates(settings) if os.access(p, os.X_OK)), None)
 
 
 def evaluate(exe: str | None, run: Runner = subprocess.run) -> CriuStatus:
@@ -100,40 +132,56 @@ def evaluate(exe: str | None, run: Runner = subprocess.run) -> CriuStatus:
 _cache: dict[str | None, CriuStatus] = {}
 
 
-def probe(refresh: bool = False) -> CriuStatus:
+def probe(refresh: bool = False, settings: Settings | None = None) -> CriuStatus:
     """The (cached) status of the CRIU this process would use."""
-    exe = find_exe()
+    exe = find_exe(settings)
     if refresh or exe not in _cache:
         _cache[exe] = evaluate(exe)
     return _cache[exe]
 
 
-def _externals_dump() -> list[str]:
+def masked_here() -> tuple[str, ...]:
+    """The /proc files a sandbox on this host masks with /dev/null (``launch.harden_proc`` masks those
+    that exist): each one is a bind of a host node, so an external mount for CRIU."""
+    return tuple(n for n in PROC_MASKED if os.path.exists(f"/proc/{n}"))
+
+
+def _masks(masked: Sequence[str]) -> list[tuple[str, str]]:
+    """(mount point in the sandbox, key) of every ``/dev/null`` bind: device nodes and /proc masks."""
+    return [(f"/dev/{n}", f"dev-{n}") for n in DEV_NODES] + [(f"/proc/{n}", f"proc-{n}") for n in masked]
+
+
+def _externals_dump(masked: Sequence[str], net_inode: int | None) -> list[str]:
     out = ["--external", f"mnt[/.aenv]:{EXT_TOOLS}", "--external", f"mnt[/.aenv-run]:{EXT_RUN}",
            "--external", f"mnt[{BOOT_ID_MOUNT}]:{EXT_BOOT_ID}"]
-    for name in DEV_NODES:
-        out += ["--external", f"mnt[/dev/{name}]:dev-{name}"]
+    for point, key in _masks(masked):
+        out += ["--external", f"mnt[{point}]:{key}"]
+    if net_inode is not None:
+        out += ["--external", f"net[{net_inode}]:{EXT_NET}"]
     return out
 
 
-def _externals_restore(tools: Path, run_dir: Path, boot_id: Path | None) -> list[str]:
+def _externals_restore(tools: Path, run_dir: Path, boot_id: Path | None, masked: Sequence[str]) -> list[str]:
     out = ["--external", f"mnt[{EXT_TOOLS}]:{tools}", "--external", f"mnt[{EXT_RUN}]:{run_dir}"]
     if boot_id is not None:
         out += ["--external", f"mnt[{EXT_BOOT_ID}]:{boot_id}"]
-    for name in DEV_NODES:
-        out += ["--external", f"mnt[dev-{name}]:/dev/{name}"]
+    for point, key in _masks(masked):
+        out += ["--external", f"mnt[{key}]:{'/dev/null' if point.startswith('/proc/') else point}"]
     return out
 
 
 def dump_argv(exe: str, pid: int, images: Path, *, freezer: Path | None, log: str = "dump.log",
-              leave_running: bool = True) -> list[str]:
+              leave_running: bool = True, net_inode: int | None = None,
+              masked: Sequence[str] | None = None) -> list[str]:
     """``criu dump`` of the process tree rooted at the sandbox init (host ``pid``).
 
     ``freezer``: the sandbox's freezer cgroup dir; the caller freezes it first so the tree is
-    consistent with the upper copied right after, and CRIU then leaves it frozen."""
+    consistent with the upper copied right after, and CRIU then leaves it frozen. ``net_inode``: the
+    inode of the sandbox's network namespace, dumped as external. ``masked``: the /proc files the
+    sandbox has masked (those that exist on this host: ``launch.harden_proc``)."""
     argv = [exe, "dump", "-t", str(pid), "-D", str(images), "-o", log, "-v2",
             "--tcp-established", "--ext-unix-sk", "--file-locks", "--manage-cgroups=ignore",
-            *_externals_dump()]
+            *_externals_dump(masked_here() if masked is None else masked, net_inode)]
     if freezer is not None:
         argv += ["--freeze-cgroup", str(freezer)]
     if leave_running:
@@ -142,13 +190,26 @@ def dump_argv(exe: str, pid: int, images: Path, *, freezer: Path | None, log: st
 
 
 def restore_argv(exe: str, images: Path, *, root: Path, pidfile: Path, tools: Path, run_dir: Path,
-                 log: str = "restore.log", extra: Sequence[str] = (), boot_id: Path | None = None) -> list[str]:
+                 log: str = "restore.log", extra: Sequence[str] = (), boot_id: Path | None = None,
+                 masked: Sequence[str] | None = None, net_external: bool = True) -> list[str]:
     """``criu restore`` detached into ``root`` (a fresh overlay whose upper is a copy taken at dump
     time). Each restore gets a new pid namespace, so N restores of one image run side by side.
-    ``boot_id``: the new sandbox's boot id file, bound where the dumped one was."""
+    ``boot_id``: the new sandbox's boot id file, bound where the dumped one was. ``net_external``:
+    the image's network namespace was external; the restored tree joins the one open at ``NET_FD``
+    (``in_fresh_netns_argv``)."""
+    net = ["--inherit-fd", f"fd[{NET_FD}]:{EXT_NET}"] if net_external else []
     return [exe, "restore", "-D", str(images), "-o", log, "-v2", "--restore-detached",
             "--pidfile", str(pidfile), "--root", str(root), "--tcp-established", "--ext-unix-sk",
-            "--file-locks", "--manage-cgroups=ignore", *_externals_restore(tools, run_dir, boot_id), *extra]
+            "--file-locks", "--manage-cgroups=ignore", *_externals_restore(tools, run_dir, boot_id, masked_here() if masked is None else masked),
+            *net, *extra]
+
+
+def in_fresh_netns_argv(argv: Sequence[str]) -> list[str]:
+    """Run ``argv`` in a new network namespace with loopback up and that namespace open at ``NET_FD``
+    (what ``restore_argv(net_external=True)`` inherits). The namespace lives as long as the restored
+    tree is in it; the runtime adds the filter and slirp4netns for internet access afterwards."""
+    script = f'ip link set lo up && exec "$@" {NET_FD}</proc/self/ns/net'
+    return ["unshare", "--net", "--", "/bin/sh", "-c", script, "sh", *argv]
 
 
 def in_cgroups_argv(procs_files: Sequence[str], argv: Sequence[str]) -> list[str]:

@@ -40,7 +40,7 @@ from aenv.kinds import SnapshotMode
 from aenv.mux import ByteStream, MuxError
 from aenv.runtime.base import ResourceSample, RuntimeState, SandboxImage, SandboxSpec, SnapshotResult
 from aenv.runtime.envd_client import EnvdError, init_payload
-from aenv.runtime.network import Slirp, host_ipv4_addresses, slirp_available
+from aenv.runtime.network import Slirp, host_ipv4_addresses, install_firewall, slirp_available
 from aenv.runtime.ns import cgroups
 from aenv.runtime.ns.disk import POOL_NAME, DiskQuota, remove_tree
 from aenv.runtime.ns.pool import WarmPool
@@ -130,12 +130,21 @@ class NsRuntime:
         await asyncio.to_thread(self.disk.setup)  # mounts the sandboxes volume (before any launch)
         self.settings.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         self.pool_dir.mkdir(parents=True, exist_ok=True)
-        if self.zygote is None and os.environ.get("AENV_NS_ZYGOTE", "1") != "0":
+        if self.zygote is None and await asyncio.to_thread(self._want_zygote):
             tmp = Path(tempfile.gettempdir())
             await asyncio.to_thread(sweep_stale_sockets, tmp)
             self.zygote = Zygote(self.tools, socket_path_for(tmp, os.getpid(), id(self)))
             await self.zygote.ensure()
         self._started = True
+
+    def _want_zygote(self) -> bool:
+        """The zygote makes starts cheap, but CRIU cannot dump what it forks (its preloaded modules
+        are mapped from the host's mount): with a usable CRIU sandboxes are started by exec, so every
+        one can be snapshotted with its processes. AENV_NS_ZYGOTE=1/0 forces either way."""
+        forced = os.environ.get("AENV_NS_ZYGOTE")
+        if forced in ("0", "1"):
+            return forced == "1"
+        return not self.snapshots.criu_status().usable
 
     async def close(self) -> None:
         """Kill pooled sandboxes and drop channels; handed-out sandboxes keep running."""
@@ -259,6 +268,40 @@ class NsRuntime:
         self._sandboxes[sid] = sbx
         self._specs[sid] = spec
         return self._state(sbx, spec.workdir)
+
+    def restored_sandbox(self, spec: SandboxSpec, layers: tuple[str, ...], lowers: tuple[Path, ...],
+                         root: Path | None) -> NsSandbox:
+        """The ``NsSandbox`` a process restore fills in: ``spec``'s limits and network on the snapshot's
+        layers (``layers[0]`` is the snapshot's own upper, copied in as the sandbox's upper)."""
+        assert self.layout is not None
+        opts = replace(self._opts(replace(spec.template, lowers=lowers), spec.allow_internet,
+                                  (spec.cpu_count, spec.memory_mb, spec.pids_limit), disk_mb=spec.disk_mb),
+                       snapshot_layers=layers[1:], zygote=None)
+        sbx = NsSandbox(spec.sandbox_id, Paths(root or spec.workdir / "ns"), cgroups.Cgroup(self.layout, spec.sandbox_id),
+                        opts)
+        return sbx
+
+    async def attach_restored(self, sbx: NsSandbox, spec: SandboxSpec, pid: int) -> None:
+        """After ``criu restore``: record the init, give the fresh network namespace the sandbox's
+        network (internet: filter, then slirp4netns), connect to the restored agent, ``/init`` envd
+        with the new identity, and make the sandbox live."""
+        from aenv.runtime.process import ProcRef
+
+        sid = spec.sandbox_id
+        ref = ProcRef.of(pid)
+        if ref is None:
+            raise RuntimeFailure(f"sandbox {sid}: restored init {pid} exited at once", sandbox_id=sid)
+        sbx.init = ref
+        await asyncio.to_thread(sbx.write_state)
+        if sbx.allow_internet:
+            await install_firewall(pid, self.host_addrs)
+            sbx.slirp = await Slirp.start(pid)
+            await asyncio.to_thread(sbx.write_state)
+        await sbx._connect(wait=True)
+        await sbx.health()
+        await sbx.init_envd(init_payload(spec))
+        self._sandboxes[sid] = sbx
+        self._specs[sid] = spec
 
     def _hand_out(self, sbx: NsSandbox, sid: str, root: Path, limits: tuple[int, int, int], disk_mb: int) -> None:
         if sbx.opts is not None and sbx.opts.disk is not None and sbx.opts.disk_mb != disk_mb:
@@ -489,7 +532,7 @@ class NsRuntime:
 
     def capabilities(self) -> dict[str, Any]:
         status = self.snapshots.criu_status()
-        process = "filesystem+processes (criu, offline sandboxes)" if status.usable else "filesystem"
+        process = "filesystem+processes (criu)" if status.usable and self.zygote is None else "filesystem"
         return {
             "runtime": "ns",
             "isolation": "namespaces (pid, mount, uts, ipc, net) + cgroups + capability bounding set; "

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -35,7 +36,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -162,6 +163,8 @@ def agent_argv(opts: LaunchOptions) -> list[str]:
         "--env-json", json.dumps(t.env),
         "--log", f"{RUN_MOUNT}/agent.log" if opts.debug_log else "/dev/null",
     ]
+    if opts.zygote is None:  # started by exec: CRIU can dump it, so keep it dumpable (criu.py)
+        argv.append("--checkpointable")
     if t.start_cmd:
         argv += ["--start-cmd", t.start_cmd]
         if t.start_user:
@@ -198,6 +201,8 @@ class NsSandbox:
         self.slirp = slirp
         self.allow_internet = bool(opts and opts.allow_internet)
         self.template_id = opts.template.template_id if opts else ""
+        # forked from the zygote: CRIU cannot dump it (criu.py); unknown after a restart = assume so
+        self.from_zygote = bool(opts and opts.zygote is not None)
         # The overlay lowers this sandbox runs on (top first) and how many of them, from the top,
         # are snapshot layers: a snapshot of it records both so a restore can rebuild the stack.
         self.lowers: list[str] = opts.lowers() if opts else []
@@ -207,6 +212,7 @@ class NsSandbox:
         self._init_stream: ByteStream | None = None  # opened by warm_up for /init
         self._direct: set[DirectStream] = set()  # open connections straight to envd's socket
         self._session_lock = asyncio.Lock()
+        self._gate: asyncio.Event | None = None  # set while a dump is prepared: new streams wait for it
         self._closed = False
         self.last_cpu: tuple[float, int] | None = None
         # The root holds files this sandbox did not make (a start on an existing upper): a teardown
@@ -250,6 +256,7 @@ class NsSandbox:
         }
         cfg["nice"] = opts.nice
         report = await opts.zygote.launch(cfg) if opts.zygote is not None else None
+        self.from_zygote = report is not None
         if report is None:
             # Plain path: util-linux unshare (stays behind to reap) + the launcher under the host Python.
             self._stage1 = Reaped.spawn(
@@ -366,6 +373,8 @@ class NsSandbox:
         """A stream to ``port`` in the sandbox. envd traffic goes straight to envd's own socket once
         it listens there (see aenv.mux.direct); everything else, and envd while it starts, through
         the agent's mux."""
+        while (gate := self._gate) is not None:  # a dump is being taken: no host socket may appear
+            await gate.wait()
         if port == ENVD_PORT:
             direct = await self._open_direct()
             if direct is not None:
@@ -405,6 +414,33 @@ class NsSandbox:
         for stream in list(self._direct):
             await stream.aclose()
 
+    @contextlib.asynccontextmanager
+    async def quiesce(self, timeout: float = 5.0) -> AsyncIterator[None]:
+        """Hold new streams back and close every host connection until the sandbox holds no socket
+        of the host's network namespace: what a CRIU dump needs (``checkpoint.py``). In-flight
+        requests are cut (envd keeps the processes they started); new ones wait and then proceed."""
+        from aenv.runtime.ns.checkpoint import wait_no_host_sockets
+
+        assert self.init is not None
+        gate = self._gate = asyncio.Event()
+        frozen = False
+        try:
+            await self.drop_connections()
+            # A paused sandbox cannot close its ends: it runs for the few ms that takes.
+            frozen = await asyncio.to_thread(self.cgroup.frozen)
+            if frozen:
+                await asyncio.to_thread(self.cgroup.thaw)
+            try:
+                await asyncio.to_thread(wait_no_host_sockets, functools.partial(self.cgroup.pids, "pids"),
+                                        self.init.pid, timeout)
+            finally:
+                if frozen:
+                    await asyncio.to_thread(self.cgroup.freeze)
+            yield
+        finally:
+            self._gate = None
+            gate.set()
+
     # ---- hand-out -------------------------------------------------------------------------------
     def reprioritize(self, nice: int = 0) -> None:
         """Back to normal priority at hand-out (pooled sandboxes start niced). Niceness is per
@@ -441,6 +477,7 @@ class NsSandbox:
             "template_id": self.template_id,
             "lowers": self.lowers,
             "snapshot_depth": self.snapshot_depth,
+            "zygote": self.from_zygote,
         }
 
     def write_state(self) -> None:
@@ -458,6 +495,7 @@ class NsSandbox:
         sbx.template_id = str(data.get("template_id", ""))
         sbx.lowers = [str(p) for p in data.get("lowers") or []]
         sbx.snapshot_depth = int(data.get("snapshot_depth") or 0)
+        sbx.from_zygote = bool(data.get("zygote", True))
         return sbx
 
     def alive(self) -> bool:

@@ -49,7 +49,8 @@ from typing import TYPE_CHECKING, Any
 from aenv.errors import InvalidRequest, RuntimeFailure, StateError
 from aenv.kinds import SnapshotMode
 from aenv.runtime.base import RuntimeState, SandboxSpec, SnapshotResult
-from aenv.runtime.ns import criu
+from aenv.runtime.ns import checkpoint, criu
+from aenv.runtime.ns.checkpoint import CheckpointError
 from aenv.runtime.ns.disk import remove_tree
 
 if TYPE_CHECKING:
@@ -187,7 +188,7 @@ class NsSnapshots:
 
     # -- what is possible --
     def criu_status(self) -> criu.CriuStatus:
-        return criu.probe()
+        return criu.probe(settings=self.rt.settings)
 
     def best_mode(self, sbx: NsSandbox) -> SnapshotMode:
         return SnapshotMode.FULL if self._full_refusal(sbx) is None else SnapshotMode.FILESYSTEM
@@ -199,8 +200,9 @@ class NsSnapshots:
         status = self.criu_status()
         if not status.usable:
             return f"process snapshots need CRIU >= 4.2 ({status.reason})"
-        if sbx.allow_internet:
-            return "process snapshots of ns sandboxes with internet access are not supported (slirp4netns)"
+        if sbx.from_zygote:
+            return ("it was started from the zygote, whose preloaded files CRIU cannot map "
+                    "(AENV_NS_ZYGOTE=1 with CRIU present)")
         return None
 
     # -- snapshot --
@@ -219,7 +221,11 @@ class NsSnapshots:
         compact = needs_compaction(lowers, depth, str(into / UPPER))
         t0 = time.perf_counter()
         try:
-            frozen_s = await asyncio.to_thread(self._capture, sbx, into, mode)
+            if mode is SnapshotMode.FULL:
+                async with sbx.quiesce():
+                    frozen_s = await asyncio.to_thread(self._capture, sbx, into, mode)
+            else:
+                frozen_s = await asyncio.to_thread(self._capture, sbx, into, mode)
             if compact:
                 await asyncio.to_thread(self._compact, into, lowers[:depth])
                 lowers, depth = lowers[depth:], 0
@@ -227,6 +233,9 @@ class NsSnapshots:
                 await asyncio.to_thread(os.rename, into / ".capture", into / UPPER)
         except BaseException as exc:
             await asyncio.shield(asyncio.to_thread(_clean_capture, into))
+            if isinstance(exc, CheckpointError):  # the sandbox runs on, untouched; nothing is downgraded
+                raise StateError(f"sandbox {sandbox_id}: its processes cannot be snapshotted: {exc} "
+                                 "(mode=filesystem keeps only its files)", sandbox_id=sandbox_id) from exc
             if isinstance(exc, OSError):
                 raise RuntimeFailure(f"sandbox {sandbox_id}: snapshot failed: {exc}", sandbox_id=sandbox_id) from exc
             raise
@@ -268,12 +277,11 @@ class NsSnapshots:
                 sbx.cgroup.thaw()
         return time.perf_counter() - t0
 
-    def _criu_dump(self, sbx: NsSandbox, images: Path) -> None:
+    def _criu_dump(self, sbx: NsSandbox, images: Path, leave_running: bool = True) -> None:
         status = self.criu_status()
         assert status.exe is not None and sbx.init is not None
-        images.mkdir(parents=True, exist_ok=True)
-        freezer = sbx.cgroup.dir("freezer")
-        _run(criu.dump_argv(status.exe, sbx.init.pid, images, freezer=freezer))
+        checkpoint.dump(status.exe, sbx.init.pid, images, freezer=sbx.cgroup.dir("freezer"),
+                        leave_running=leave_running)
 
     def _compact(self, into: Path, snapshot_layers_top_first: list[str]) -> None:
         layers = [Path(p) for p in reversed(snapshot_layers_top_first)] + [into / ".capture"]
@@ -351,74 +359,49 @@ class NsSnapshots:
     async def _restore_full(self, spec: SandboxSpec, snapshot: Path, result: SnapshotResult,
                             layers: tuple[str, ...], lowers: tuple[Path, ...], root: Path | None = None) -> RuntimeState:
         """``criu restore`` of a full snapshot into a fresh overlay whose upper is a *copy* of the
-        snapshot's upper (CRIU needs the files exactly as at dump time), in the new sandbox's cgroups,
-        then a handshake with the restored agent and ``/init`` with the new identity.
-
-        NOT exercised on this machine (no CRIU >= 4.2 here): unit tests cover the command lines only;
-        the integration test is ``@pytest.mark.criu`` and skips."""
-        from aenv.runtime.envd_client import init_payload
-        from aenv.runtime.ns.cgroups import Cgroup
-        from aenv.runtime.ns.sandbox import NsSandbox, Paths
-        from aenv.runtime.process import ProcRef
-
+        snapshot's upper (CRIU needs the files exactly as at dump time), in the new sandbox's cgroups
+        and a fresh network namespace (``checkpoint.restore``), then the host's connection to the
+        restored agent and ``/init`` with the new identity (ID, token, env)."""
         status = self.criu_status()
         if not status.usable or status.exe is None:
             raise StateError(f"snapshot {snapshot.name} holds processes but CRIU is not usable here "
                              f"({status.reason}); start it on a host with CRIU >= 4.2")
-        if spec.allow_internet or result.data.get("allow_internet"):
-            raise StateError("process snapshots restore only into offline ns sandboxes (allowInternetAccess=false)")
         rt = self.rt
         await rt.start()
-        assert rt.layout is not None and rt.tools is not None
-        sid = spec.sandbox_id
-        paths = Paths(root or spec.workdir / "ns")
-        cg = Cgroup(rt.layout, sid)
-        below = [*layers[1:], *map(str, lowers)]
-        opts = replace(rt._opts(replace(spec.template, lowers=lowers), False,
-                                (spec.cpu_count, spec.memory_mb, spec.pids_limit), disk_mb=spec.disk_mb),
-                       snapshot_layers=layers[1:])
-        sbx = NsSandbox(sid, paths, cg, opts)
-        sbx.lowers, sbx.snapshot_depth = below, len(layers) - 1
+        sbx = rt.restored_sandbox(spec, layers, lowers, root)
+        exe, tools = status.exe, rt.tools or Path("/nonexistent")
 
         def prepare_and_restore() -> int:
-            shutil.rmtree(paths.upper, ignore_errors=True)
-            if opts.disk is not None:  # the quota subvolume must exist before the copy lands in it
-                opts.disk.make_root(paths.root, spec.disk_mb)
-            paths.root.mkdir(parents=True, exist_ok=True)
-            copy_tree(snapshot / UPPER, paths.upper)
-            paths.prepare()
-            paths.new_boot_id()  # restored processes keep running, but in a sandbox of its own
-            cg.create()
-            cg.set_limits(spec.cpu_count, spec.memory_mb, spec.pids_limit)
-            pidfile = paths.run / "criu-restore.pid"
-            _run(criu.mount_overlay_argv(below, paths.upper, paths.work, paths.merged))
-            try:
-                _run(criu.in_cgroups_argv(cg.procs_files(), criu.restore_argv(
-                    status.exe or "criu", snapshot / CRIU_DIR, root=paths.merged, pidfile=pidfile,
-                    tools=rt.tools or Path("/nonexistent"), run_dir=paths.run, log=str(paths.run / "restore.log"),
-                    boot_id=paths.boot_id)))
-            finally:
-                subprocess.run(["umount", "-l", str(paths.merged)], check=False, capture_output=True)
-            return int(pidfile.read_text().strip())
+            return restore_into(sbx, spec, snapshot / UPPER, snapshot / CRIU_DIR, exe, tools)
 
         try:
             pid = await asyncio.to_thread(prepare_and_restore)
-            ref = ProcRef.of(pid)
-            if ref is None:
-                raise RuntimeFailure(f"sandbox {sid}: restored init {pid} exited at once", sandbox_id=sid)
-            sbx.init = ref
-            await asyncio.to_thread(sbx.write_state)
-            await sbx._connect(wait=True)
-            await sbx.health()
-            await sbx.init_envd(init_payload(spec))
+            await rt.attach_restored(sbx, spec, pid)
         except BaseException as exc:
             await sbx.aclose(remove_dir=None if root else spec.workdir)
-            if isinstance(exc, OSError):
-                raise RuntimeFailure(f"sandbox {sid}: process restore failed: {exc}", sandbox_id=sid) from exc
+            if isinstance(exc, CheckpointError | OSError):
+                raise RuntimeFailure(f"sandbox {spec.sandbox_id}: process restore failed: {exc}",
+                                     sandbox_id=spec.sandbox_id) from exc
             raise
-        rt._sandboxes[sid] = sbx
-        rt._specs[sid] = spec
         return rt._state(sbx, spec.workdir)
+
+
+def restore_into(sbx: NsSandbox, spec: SandboxSpec, upper: Path, images: Path, exe: str, tools: Path) -> int:
+    """Blocking: make ``sbx``'s directory and cgroups, copy ``upper`` in, restore ``images``; the pid."""
+    paths, cg, opts = sbx.paths, sbx.cgroup, sbx.opts
+    shutil.rmtree(paths.upper, ignore_errors=True)
+    if opts is not None and opts.disk is not None:  # the quota subvolume must exist before the copy lands in it
+        opts.disk.make_root(paths.root, spec.disk_mb)
+    paths.root.mkdir(parents=True, exist_ok=True)
+    copy_tree(upper, paths.upper)
+    paths.prepare()
+    paths.new_boot_id()  # restored processes keep running, but in a sandbox (a boot) of its own
+    cg.create()
+    cg.set_limits(spec.cpu_count, spec.memory_mb, spec.pids_limit)
+    return checkpoint.restore(exe, images, lowers=sbx.lowers, upper=paths.upper, work=paths.work,
+                              merged=paths.merged, run_dir=paths.run, tools=tools, boot_id=paths.boot_id,
+                              procs_files=cg.procs_files())
+
 
 def _clean_capture(into: Path) -> None:
     for name in (".capture", UPPER, CRIU_DIR):

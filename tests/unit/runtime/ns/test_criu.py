@@ -102,3 +102,40 @@ def test_mount_overlay_argv() -> None:
     argv = criu.mount_overlay_argv(["/s/a/upper", "/rootfs"], Path("/w/upper"), Path("/w/work"), Path("/w/rootfs"))
     assert argv == ["mount", "-t", "overlay", "overlay", "-o",
                     "lowerdir=/s/a/upper:/rootfs,upperdir=/w/upper,workdir=/w/work", "/w/rootfs"]
+
+
+def test_exe_search_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """AENV_CRIU alone when set; else the ns_criu setting; else the set-up's build in the cache, then PATH."""
+    from aenv.config import Settings
+
+    built = tmp_path / "cache" / "criu" / "current" / "criu"
+    built.parent.mkdir(parents=True)
+    built.write_text("#!/bin/sh\n")
+    built.chmod(0o755)
+    monkeypatch.delenv(criu.ENV_EXE, raising=False)
+    settings = Settings(state_dir=tmp_path / "state", cache_dir=tmp_path / "cache")
+    assert criu.find_exe(settings) == str(built)
+    assert criu.candidates(settings)[0] == str(built)
+    other = Settings(state_dir=tmp_path / "state", cache_dir=tmp_path / "cache", ns_criu=tmp_path / "mine")
+    assert criu.candidates(other) == [str(tmp_path / "mine")] and criu.find_exe(other) is None
+    monkeypatch.setenv(criu.ENV_EXE, str(built))
+    assert criu.candidates(other) == [str(built)]
+
+
+def test_network_namespace_is_external() -> None:
+    """Dumped as external by inode, joined at restore from the fd the fresh-netns wrapper opens."""
+    argv = criu.dump_argv("/c", 7, Path("/i"), freezer=None, net_inode=4026532999, masked=("keys",))
+    ext = [argv[i + 1] for i, a in enumerate(argv) if a == "--external"]
+    assert "net[4026532999]:aenv-net" in ext and "mnt[/proc/keys]:proc-keys" in ext
+    restore = criu.restore_argv("/c", Path("/i"), root=Path("/r"), pidfile=Path("/p"), tools=Path("/t"),
+                                run_dir=Path("/run"), masked=("keys",))
+    assert restore[restore.index("--inherit-fd") + 1] == f"fd[{criu.NET_FD}]:aenv-net"
+    ext = [restore[i + 1] for i, a in enumerate(restore) if a == "--external"]
+    assert "mnt[proc-keys]:/dev/null" in ext
+    wrapped = criu.in_fresh_netns_argv(["/c", "restore"])
+    assert wrapped[:3] == ["unshare", "--net", "--"] and wrapped[-2:] == ["/c", "restore"]
+    assert f"{criu.NET_FD}</proc/self/ns/net" in wrapped[5] and "lo up" in wrapped[5]
+
+
+def test_masked_here_only_names_what_exists() -> None:
+    assert all(Path(f"/proc/{n}").exists() for n in criu.masked_here())

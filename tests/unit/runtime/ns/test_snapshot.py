@@ -194,17 +194,28 @@ class _FakeCgroup:
         return self.tmp / "cg" / controller / "sb1"
 
 
-def _fake_runtime(tmp: Path, log: list[str], allow_internet: bool = False) -> Any:
+def _fake_runtime(tmp: Path, log: list[str], allow_internet: bool = False, from_zygote: bool = False) -> Any:
+    import contextlib
+    from collections.abc import AsyncIterator
     from types import SimpleNamespace
 
     from aenv.runtime.ns.sandbox import Paths
     from aenv.runtime.process import ProcRef
 
+    @contextlib.asynccontextmanager
+    async def quiesce() -> AsyncIterator[None]:
+        log.append("quiesce")
+        try:
+            yield
+        finally:
+            log.append("streams open")
+
     paths = Paths(tmp / "sbx")
     paths.upper.mkdir(parents=True)
-    sbx = SimpleNamespace(cgroup=_FakeCgroup(log, tmp), init=ProcRef(4242, 1), paths=paths,
-                          allow_internet=allow_internet, lowers=["/rootfs"], snapshot_depth=0)
-    return SimpleNamespace(_get=lambda sid: sbx, _specs={})
+    sbx = SimpleNamespace(cgroup=_FakeCgroup(log, tmp), init=ProcRef(4242, 1), paths=paths, quiesce=quiesce,
+                          allow_internet=allow_internet, from_zygote=from_zygote, lowers=["/rootfs"],
+                          snapshot_depth=0)
+    return SimpleNamespace(_get=lambda sid: sbx, _specs={}, settings=None)
 
 
 @pytest.fixture
@@ -212,7 +223,7 @@ def usable_criu(monkeypatch: pytest.MonkeyPatch) -> None:
     from aenv.runtime.ns import criu
 
     status = criu.CriuStatus("/opt/criu", (4, 2, 1), True, "criu 4.2.1 at /opt/criu")
-    monkeypatch.setattr(criu, "probe", lambda refresh=False: status)
+    monkeypatch.setattr(criu, "probe", lambda refresh=False, settings=None: status)
 
 
 async def test_full_snapshot_dumps_while_frozen(tmp_path: Path, usable_criu: None,
@@ -220,31 +231,56 @@ async def test_full_snapshot_dumps_while_frozen(tmp_path: Path, usable_criu: Non
     log: list[str] = []
 
     def run(argv: list[str]) -> None:
-        log.append(argv[1] if argv[0] == "/opt/criu" else argv[0])
+        log.append(argv[0])
         if argv[0] == "cp":
             Path(argv[-1]).mkdir()
 
+    def dump(exe: str, pid: int, images: Path, *, freezer: Path | None, leave_running: bool = True) -> None:
+        assert (exe, pid, leave_running) == ("/opt/criu", 4242, True) and freezer is not None
+        log.append("dump")
+
     monkeypatch.setattr(snap, "_run", run)
+    monkeypatch.setattr(snap.checkpoint, "dump", dump)
     into = tmp_path / "snap"
     into.mkdir()
-    ns = snap.NsSnapshots(_fake_runtime(tmp_path, log))
+    ns = snap.NsSnapshots(_fake_runtime(tmp_path, log, allow_internet=True))
     result = await ns.snapshot("sb1", into, "full")
-    assert log == ["freeze", "dump", "cp", "thaw"]
+    # no host connection while dumping; the files are copied while still frozen
+    assert log == ["quiesce", "freeze", "dump", "cp", "thaw", "streams open"]
     assert result.mode == "full" and result.layers == ("upper", "criu")
     assert result.data["criu"] == "4.2.1 at /opt/criu" and (into / "upper").is_dir()
 
 
 async def test_full_snapshot_refusals(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, usable_criu: None) -> None:
-    ns = snap.NsSnapshots(_fake_runtime(tmp_path, [], allow_internet=True))
-    with pytest.raises(StateError, match="internet"):
+    ns = snap.NsSnapshots(_fake_runtime(tmp_path, [], from_zygote=True))
+    with pytest.raises(StateError, match="zygote"):
         await ns.snapshot("sb1", tmp_path, "full")
     assert ns.best_mode(ns.rt._get("sb1")) == "filesystem"
+
+
+async def test_full_snapshot_dump_failure_is_explicit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      usable_criu: None) -> None:
+    """A process CRIU cannot dump fails the request with CRIU's reason; nothing is kept, nothing is
+    downgraded to a filesystem snapshot, and the sandbox runs on (thawed)."""
+    log: list[str] = []
+
+    def dump(*a: Any, **kw: Any) -> None:
+        raise snap.CheckpointError("criu dump failed: Unknown shit 600 (anon_inode:[io_uring])")
+
+    monkeypatch.setattr(snap.checkpoint, "dump", dump)
+    into = tmp_path / "snap"
+    into.mkdir()
+    ns = snap.NsSnapshots(_fake_runtime(tmp_path, log))
+    with pytest.raises(StateError, match=r"cannot be snapshotted: criu dump failed: .*io_uring.*mode=filesystem"):
+        await ns.snapshot("sb1", into, "full")
+    assert log == ["quiesce", "freeze", "thaw", "streams open"]
+    assert list(into.iterdir()) == []
 
 
 async def test_full_snapshot_refused_without_criu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from aenv.runtime.ns import criu
 
-    monkeypatch.setattr(criu, "probe", lambda refresh=False: criu.evaluate(None))
+    monkeypatch.setattr(criu, "probe", lambda refresh=False, settings=None: criu.evaluate(None))
     ns = snap.NsSnapshots(_fake_runtime(tmp_path, []))
     with pytest.raises(StateError, match="can only take filesystem snapshots here.*CRIU"):
         await ns.snapshot("sb1", tmp_path, "full")

@@ -1,0 +1,135 @@
+"""CRIU dump and restore of one ns sandbox's process tree (blocking helpers; callers run them in threads).
+
+``criu.py`` builds the command lines; this module runs them against a real sandbox and turns CRIU's
+failures into reasons a client can read (the ``Error`` lines of ``dump.log`` / ``restore.log``: which
+process, which file or socket). What a dump needs from the sandbox beyond ``criu.py``'s externals:
+
+* no socket of the host's network namespace in any process (``host_sockets``): the server's own
+  connections to the agent and envd are such sockets, so the host closes its ends first and waits
+  for the sandbox to close the others (``NsSandbox.quiesce``);
+* a consistent tree: the cgroup is frozen around the dump and the copy of the upper.
+
+A restore runs CRIU in a fresh network namespace (``criu.in_fresh_netns_argv``) and inside the new
+sandbox's cgroups (``criu.in_cgroups_argv``), on an overlay mounted on the host only for the restore.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from aenv.runtime.ns import criu
+
+DUMP_LOG = "dump.log"
+RESTORE_LOG = "restore.log"
+_NET_TABLES = ("unix", "tcp", "tcp6", "udp", "udp6", "raw", "raw6", "netlink", "packet", "udplite", "udplite6")
+_SOCKET = re.compile(r"socket:\[(\d+)\]")
+# Logged on every run because CAP_SYS_RESOURCE is missing for criu's own rlimit: not a failure.
+_NOISE = ("RLIMIT_NOFILE",)
+
+
+class CheckpointError(Exception):
+    """A dump or restore that failed, with the reason taken from CRIU's log."""
+
+
+def net_inode(pid: int) -> int:
+    """The inode of ``pid``'s network namespace (what ``--external net[...]`` names)."""
+    return os.stat(f"/proc/{pid}/ns/net").st_ino
+
+
+def _netns_sockets(pid: int) -> set[int]:
+    """Every socket inode of ``pid``'s network namespace, from its /proc/<pid>/net tables."""
+    out: set[int] = set()
+    for table in _NET_TABLES:
+        try:
+            with open(f"/proc/{pid}/net/{table}") as fh:
+                lines = fh.read().splitlines()[1:]
+        except OSError:
+            continue
+        col = 6 if table == "unix" else (5 if table == "packet" else (8 if table == "netlink" else 9))
+        for line in lines:
+            parts = line.split()
+            if len(parts) > col and parts[col].isdigit():
+                out.add(int(parts[col]))
+    return out
+
+
+def host_sockets(pids: list[int], init_pid: int) -> list[tuple[int, int]]:
+    """(pid, inode) of each socket held by ``pids`` that is not of the sandbox's network namespace."""
+    inside = _netns_sockets(init_pid)
+    found: list[tuple[int, int]] = []
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                m = _SOCKET.fullmatch(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                if m and int(m.group(1)) not in inside:
+                    found.append((pid, int(m.group(1))))
+    return found
+
+
+def wait_no_host_sockets(pids: Callable[[], list[int]], init_pid: int, timeout: float) -> None:
+    """Wait until no process of the sandbox holds a host socket (they close their ends after ours)."""
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while True:
+        left = host_sockets(pids(), init_pid)
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"processes still hold connections to the host ({len(left)} sockets, e.g. "
+                                  f"pid {left[0][0]} socket {left[0][1]}); cannot dump them")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.02)
+
+
+def reason(log: Path, limit: int = 3) -> str:
+    """The last meaningful ``Error`` lines of a CRIU log, short enough for an API message."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return f"(no log at {log})"
+    errors = [ln.split("): ", 1)[-1].strip() for ln in lines
+              if "Error (" in ln and not any(n in ln for n in _NOISE)]
+    errors = [e for e in errors if e and not e.startswith(("Dumping FAILED", "Restoring FAILED"))]
+    return "; ".join(errors[-limit:]) if errors else (lines[-1].strip() if lines else "no reason logged")
+
+
+def run_criu(argv: list[str], log: Path, what: str) -> None:
+    proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        why = reason(log) if log.exists() else (proc.stderr.strip()[-400:] or f"exit {proc.returncode}")
+        raise CheckpointError(f"criu {what} failed: {why}")
+
+
+def dump(exe: str, init_pid: int, images: Path, *, freezer: Path | None, leave_running: bool = True) -> None:
+    """``criu dump`` of the tree rooted at ``init_pid`` into ``images``, its network namespace external."""
+    images.mkdir(parents=True, exist_ok=True)
+    argv = criu.dump_argv(exe, init_pid, images, freezer=freezer, log=DUMP_LOG, leave_running=leave_running,
+                          net_inode=net_inode(init_pid))
+    run_criu(argv, images / DUMP_LOG, "dump")
+
+
+def restore(exe: str, images: Path, *, lowers: list[str], upper: Path, work: Path, merged: Path, run_dir: Path,
+            tools: Path, boot_id: Path, procs_files: list[str]) -> int:
+    """``criu restore`` into a fresh network namespace and the given cgroups; returns the restored
+    init's host pid. The overlay is mounted on the host only while CRIU runs (the restored tree keeps
+    its own copy in its mount namespace)."""
+    pidfile = run_dir / "criu-restore.pid"
+    log = run_dir / RESTORE_LOG
+    subprocess.run(criu.mount_overlay_argv(lowers, upper, work, merged), check=True, capture_output=True)
+    try:
+        run_criu(criu.in_cgroups_argv(procs_files, criu.in_fresh_netns_argv(criu.restore_argv(
+            exe, images, root=merged, pidfile=pidfile, tools=tools, run_dir=run_dir, log=str(log),
+            boot_id=boot_id))), log, "restore")
+    finally:
+        subprocess.run(["umount", "-l", str(merged)], check=False, capture_output=True)
+    return int(pidfile.read_text().strip())

@@ -1,0 +1,50 @@
+"""``runtime/ns/checkpoint.py``: CRIU's failure reasons, and which sockets count as the host's."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from aenv.runtime.ns import checkpoint
+
+
+def test_reason_keeps_the_errors_that_matter(tmp_path: Path) -> None:
+    log = tmp_path / "dump.log"
+    log.write_text(
+        "(00.03) Error (criu/util.c:1534): rlimit: Can't setup RLIMIT_NOFILE for self: Operation not permitted\n"
+        "(00.04) some info\n"
+        "(00.05) Error (criu/files-reg.c:1790): Can't lookup mount=27 for fd=-3 path=/x.so\n"
+        "(00.05) Error (criu/cr-dump.c:1440): Collect mappings (pid: 2552) failed with -1\n"
+        "(00.08) Error (criu/cr-dump.c:1975): Dumping FAILED.\n")
+    assert checkpoint.reason(log) == ("Can't lookup mount=27 for fd=-3 path=/x.so; "
+                                      "Collect mappings (pid: 2552) failed with -1")
+    assert "no log" in checkpoint.reason(tmp_path / "missing.log")
+
+
+def test_run_criu_raises_with_the_reason(tmp_path: Path) -> None:
+    log = tmp_path / "restore.log"
+    log.write_text("(00.1) Error (criu/x.c:1): the real cause\n")
+    with pytest.raises(checkpoint.CheckpointError, match="criu restore failed: the real cause"):
+        checkpoint.run_criu(["/bin/false"], log, "restore")
+    checkpoint.run_criu(["/bin/true"], log, "restore")
+
+
+def test_host_sockets_are_those_of_another_netns() -> None:
+    """Our own sockets are in our namespace's tables; an inode that is not listed there is the host's."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s, socket.socket() as t:
+        s.bind(f"\0aenv-test-{os.getpid()}")
+        t.bind(("127.0.0.1", 0))
+        t.listen()
+        assert checkpoint.host_sockets([os.getpid()], os.getpid()) == []
+        inode = os.fstat(s.fileno()).st_ino
+        assert inode in checkpoint._netns_sockets(os.getpid())
+        assert os.fstat(t.fileno()).st_ino in checkpoint._netns_sockets(os.getpid())
+
+
+def test_wait_no_host_sockets_times_out_with_the_culprit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(checkpoint, "host_sockets", lambda pids, init: [(41, 609273)])
+    with pytest.raises(checkpoint.CheckpointError, match="pid 41 socket 609273"):
+        checkpoint.wait_no_host_sockets(lambda: [41], 41, timeout=0.01)
