@@ -1,0 +1,151 @@
+"""GRPO-shaped groups: prepare one sandbox, fork it n ways, roll out each child, keep the best k.
+
+Preparing (installing a task, checking out a repo, warming a model server) is done once; aenv's fork
+(``POST /sandboxes/{id}/fork``, through ``aenv.client``) copies the prepared sandbox into n children
+with new IDs, so every rollout of the group starts from the same state at the cost of one fork.
+The parent ends after the fork; children whose rollout failed on the infrastructure side get no
+score; the best ``keep`` children by score stay running (to branch again, or to inspect) and the
+rest are killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from aenv.client import AenvClient
+from aenv.rl._episode import AsyncEpisode, Episode
+from aenv.rl._outcome import INFRA_FAILED, Outcome
+
+
+@dataclass
+class Member:
+    index: int
+    sandbox_id: str | None
+    score: float | None
+    outcome: Outcome
+
+
+@dataclass
+class GroupResult:
+    members: list[Member]
+    kept: list[str]  # sandbox IDs left running: the best ``keep`` by score
+    fork_mode: str | None  # "full" (memory too) or "filesystem"
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def scores(self) -> list[float | None]:
+        return [m.score for m in self.members]
+
+
+def _client(connection: dict[str, Any]) -> AenvClient:
+    url = connection.get("api_url") or os.environ.get("E2B_API_URL") or "http://127.0.0.1:8000"
+    return AenvClient(url, connection.get("api_key") or os.environ.get("E2B_API_KEY"))
+
+
+def _fork(parent_id: str, n: int, timeout: int, connection: dict[str, Any]) -> tuple[list[str], list[str], str | None]:
+    with _client(connection) as c:
+        result = c.fork(parent_id, n, timeout=timeout)
+    return result.sandbox_ids, result.errors, result.mode
+
+
+def _rank(members: list[Member], keep: int) -> tuple[list[str], list[str]]:
+    """(kept, to kill): the best ``keep`` scored members stay, every other started one goes."""
+    scored = sorted((m for m in members if m.score is not None and m.outcome.status != INFRA_FAILED
+                     and m.sandbox_id), key=lambda m: m.score or 0.0, reverse=True)
+    kept = [m.sandbox_id for m in scored[:keep] if m.sandbox_id]
+    return kept, [m.sandbox_id for m in members if m.sandbox_id and m.sandbox_id not in kept]
+
+
+def _failed_forks(errors: list[str], first: int) -> list[Member]:
+    out = []
+    for i, why in enumerate(errors, start=first):
+        outcome = Outcome()
+        outcome.status, outcome.error = INFRA_FAILED, f"fork: {why}"
+        out.append(Member(i, None, None, outcome))
+    return out
+
+
+def run_group(template: str, n: int, rollout: Callable[[Episode, int], float], *,
+              prepare: Callable[[Episode], None] | None = None, keep: int = 0, run: str | None = None,
+              group_id: str | None = None, timeout: int = 300, **connection: Any) -> GroupResult:
+    """Prepare once, fork ``n`` ways, ``rollout(episode, i) -> score`` in threads, keep the best ``keep``."""
+    gid = group_id or uuid.uuid4().hex[:12]
+    metrics: dict[str, Any] = {}
+    t0 = time.monotonic()
+    with Episode(template, rollout_id=f"{gid}-parent", run=run, timeout=timeout, suppress_infra=False,
+                 **connection) as parent:
+        if prepare is not None:
+            prepare(parent)
+        metrics["prepare_s"] = round(time.monotonic() - t0, 4)
+        t1 = time.monotonic()
+        ids, errors, mode = _fork(parent.sandbox.sandbox_id, n, timeout, connection)
+        metrics["fork_s"] = round(time.monotonic() - t1, 4)
+
+    def one(i: int, sandbox_id: str) -> Member:
+        ep = Episode(template, rollout_id=f"{gid}-{i}", run=run, timeout=timeout, sandbox_id=sandbox_id,
+                     kill=False, **connection)
+        try:
+            with ep:
+                ep.score = rollout(ep, i)
+        except Exception:  # noqa: BLE001 - the caller's bug ends this member, not the group
+            pass
+        return Member(i, sandbox_id, ep.score if ep.outcome.status != INFRA_FAILED else None, ep.outcome)
+
+    with ThreadPoolExecutor(max(1, len(ids))) as pool:
+        members = list(pool.map(one, range(len(ids)), ids))
+    members += _failed_forks(errors, len(ids))
+    kept, doomed = _rank(members, keep)
+    from e2b import Sandbox
+
+    for sid in doomed:
+        with contextlib.suppress(Exception):
+            Sandbox.kill(sid, **connection)
+    metrics["total_s"] = round(time.monotonic() - t0, 4)
+    return GroupResult(members, kept, mode, metrics)
+
+
+async def arun_group(template: str, n: int, rollout: Callable[[AsyncEpisode, int], Awaitable[float]], *,
+                     prepare: Callable[[AsyncEpisode], Awaitable[None]] | None = None, keep: int = 0,
+                     run: str | None = None, group_id: str | None = None, timeout: int = 300,
+                     **connection: Any) -> GroupResult:
+    """``run_group`` over the async SDK: the rollouts run concurrently on the event loop."""
+    gid = group_id or uuid.uuid4().hex[:12]
+    metrics: dict[str, Any] = {}
+    t0 = time.monotonic()
+    async with AsyncEpisode(template, rollout_id=f"{gid}-parent", run=run, timeout=timeout,
+                            suppress_infra=False, **connection) as parent:
+        if prepare is not None:
+            await prepare(parent)
+        metrics["prepare_s"] = round(time.monotonic() - t0, 4)
+        t1 = time.monotonic()
+        ids, errors, mode = await asyncio.to_thread(_fork, parent.sandbox.sandbox_id, n, timeout, connection)
+        metrics["fork_s"] = round(time.monotonic() - t1, 4)
+
+    async def one(i: int, sandbox_id: str) -> Member:
+        ep = AsyncEpisode(template, rollout_id=f"{gid}-{i}", run=run, timeout=timeout, sandbox_id=sandbox_id,
+                          kill=False, **connection)
+        try:
+            async with ep:
+                ep.score = await rollout(ep, i)
+        except Exception:  # noqa: BLE001 - the caller's bug ends this member, not the group
+            pass
+        return Member(i, sandbox_id, ep.score if ep.outcome.status != INFRA_FAILED else None, ep.outcome)
+
+    members = list(await asyncio.gather(*(one(i, sid) for i, sid in enumerate(ids))))
+    members += _failed_forks(errors, len(ids))
+    kept, doomed = _rank(members, keep)
+    from e2b import AsyncSandbox
+
+    for sid in doomed:
+        with contextlib.suppress(Exception):
+            await AsyncSandbox.kill(sid, **connection)
+    metrics["total_s"] = round(time.monotonic() - t0, 4)
+    return GroupResult(members, kept, mode, metrics)

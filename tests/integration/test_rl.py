@@ -1,0 +1,94 @@
+"""``aenv.rl`` against a real server through the unmodified SDK: episodes (idempotent create, keepalive,
+kill on exit, outcomes) and GRPO-shaped groups (prepare once, fork, score, keep the best)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import httpx
+import pytest
+
+from aenv.rl import COMMAND_FAILED, INFRA_FAILED, OK, AsyncEpisode, Episode, arun_group, run_group
+from tests.integration.conftest import API_KEY, Server
+
+
+def _listed(server: Server, **metadata: str) -> list[str]:
+    q = "&".join(f"{k}={v}" for k, v in metadata.items())
+    resp = httpx.get(server.url + "/v2/sandboxes", params={"metadata": q}, headers={"X-API-KEY": API_KEY},
+                     trust_env=False)
+    return [s["sandboxID"] for s in resp.json()]
+
+
+def test_episode_outcomes_keepalive_and_kill(server: Server, e2b_env: dict[str, str]) -> None:
+    run = f"rl-{uuid.uuid4().hex[:8]}"
+    with Episode("base", rollout_id=f"{run}-0", run=run, timeout=5, keepalive=1) as ep:
+        assert _listed(server, run=run, rollout=f"{run}-0") == [ep.sandbox_id]
+        assert ep.run("echo hi").stdout == "hi\n" and ep.outcome.status == OK
+        time.sleep(7)  # past its 5 s TTL: the keepalive holds it
+        failed = ep.run("echo nope >&2; exit 3")
+        assert failed.exit_code == 3
+    assert ep.outcome.status == COMMAND_FAILED and ep.outcome.exit_code == 3 and "nope" in (ep.outcome.error or "")
+    assert ep.metrics["keepalives"] >= 4 and ep.metrics["commands"] == 2 and ep.metrics["create_s"] > 0
+    assert _listed(server, run=run) == []  # killed on exit
+
+
+def test_episode_create_is_idempotent_by_rollout_id(server: Server, e2b_env: dict[str, str]) -> None:
+    rid = f"rl-{uuid.uuid4().hex[:8]}"
+    with Episode("base", rollout_id=rid, kill=False) as first, Episode("base", rollout_id=rid) as retry:
+        assert retry.sandbox_id == first.sandbox_id
+    assert _listed(server, rollout=rid) == []
+
+
+def test_a_lost_sandbox_is_an_infra_failure(server: Server, e2b_env: dict[str, str]) -> None:
+    with Episode("base", rollout_id=f"rl-{uuid.uuid4().hex[:8]}") as ep:
+        httpx.delete(f"{server.url}/sandboxes/{ep.sandbox_id}", headers={"X-API-KEY": API_KEY}, trust_env=False)
+        ep.run("echo never")
+        pytest.fail("the command on a killed sandbox must raise")
+    assert ep.outcome.status == INFRA_FAILED and ep.outcome.infra_failure and ep.outcome.error
+
+
+def test_user_errors_propagate(server: Server, e2b_env: dict[str, str]) -> None:
+    with pytest.raises(ZeroDivisionError), Episode("base", rollout_id=f"rl-{uuid.uuid4().hex[:8]}") as ep:
+        1 / 0  # noqa: B018
+    assert ep.outcome.status == "error" and _listed(server, rollout=ep.rollout_id) == []
+
+
+def test_group_prepares_once_forks_and_keeps_the_best(server: Server, e2b_env: dict[str, str]) -> None:
+    run = f"rl-{uuid.uuid4().hex[:8]}"
+
+    def prepare(ep: Episode) -> None:
+        ep.run("echo prepared > /tmp/task")
+
+    def rollout(ep: Episode, i: int) -> float:
+        assert ep.run("cat /tmp/task").stdout == "prepared\n"  # every child starts from the prepared state
+        ep.run(f"exit {i % 2}")  # odd children's command fails: still scored
+        return float(i)
+
+    result = run_group("base", 4, rollout, prepare=prepare, keep=1, run=run, timeout=120)
+    try:
+        assert result.scores == [0.0, 1.0, 2.0, 3.0]
+        assert [m.outcome.status for m in result.members] == [OK, COMMAND_FAILED, OK, COMMAND_FAILED]
+        assert result.kept == [result.members[3].sandbox_id]
+        assert _listed(server, run=run) == result.kept  # the parent and the other children are gone
+        assert result.fork_mode in ("full", "filesystem") and result.metrics["fork_s"] > 0
+    finally:
+        httpx.post(server.url + "/aenv/sandboxes/kill", json={"metadata": {"run": run}},
+                   headers={"X-API-KEY": API_KEY}, trust_env=False)
+
+
+async def test_async_episode_and_group(server: Server, e2b_env: dict[str, str]) -> None:
+    run = f"rl-{uuid.uuid4().hex[:8]}"
+    async with AsyncEpisode("base", rollout_id=f"{run}-solo", run=run, timeout=4, keepalive=1) as ep:
+        import asyncio
+
+        await asyncio.sleep(5)
+        assert (await ep.run("echo async")).stdout == "async\n"
+    assert ep.outcome.ok and ep.metrics["keepalives"] >= 3
+
+    async def rollout(child: AsyncEpisode, i: int) -> float:
+        return float((await child.run("echo 7")).stdout.strip()) + i
+
+    result = await arun_group("base", 2, rollout, run=run, keep=0, timeout=120)
+    assert result.scores == [7.0, 8.0] and result.kept == []
+    assert _listed(server, run=run) == []
