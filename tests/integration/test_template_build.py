@@ -134,3 +134,23 @@ async def test_async_build_and_exists(e2b_env: dict[str, str]) -> None:
         assert (await sbx.commands.run("cat /opt/a")).stdout.strip() == "async"
     finally:
         await sbx.kill()
+
+
+def test_env_values_expand_variables_as_docker_and_e2b_do(e2b_env: dict[str, str]) -> None:
+    """``ENV PATH=/opt/tools/bin:$PATH`` (as the SDK sends a Dockerfile's ENV, unexpanded) extends the
+    PATH the steps run with instead of setting it to the literal text, which lost /usr/sbin and /bin."""
+    template = (
+        Template().from_template("base")
+        .set_envs({"A": "/x", "PATH": "/opt/tools/bin:$PATH"})
+        .set_envs({"B": "${A}/bin"})
+        .run_cmd("mkdir -p /opt/tools/bin && printf '#!/bin/sh\\necho tool-ok\\n' > /opt/tools/bin/mytool"
+                 " && chmod +x /opt/tools/bin/mytool")
+        .run_cmd('{ mytool; echo "$B"; command -v useradd; } > /opt/out')
+    )  # fmt: skip
+    name = _name("envx")
+    Template.build(template, name)
+    sbx = Sandbox.create(name, timeout=120)
+    try:
+        assert sbx.commands.run("cat /opt/out").stdout.split("\n")[:3] == ["tool-ok", "/x/bin", "/usr/sbin/useradd"]
+    finally:
+        sbx.kill()

@@ -3,7 +3,8 @@ is in a sandbox: the step list, the cache key of every step, and the shell a COP
 
 Steps are E2B's: RUN (a command, optionally as a user), COPY (an uploaded tar of files under a source
 pattern, to a destination, optionally owned by a user and with a mode), ENV (build-time variables: E2B
-documents them as "available only during template build"), WORKDIR and USER (for the steps after them,
+documents them as "available only during template build"; ``$NAME`` in a value is expanded in the
+build sandbox, over the variables set so far), WORKDIR and USER (for the steps after them,
 and the sandbox's defaults). Every step's cache key hashes the base and everything before it, so a
 rebuild that changes only the last step finds the state before it and redoes that step alone.
 """
@@ -112,6 +113,31 @@ class BuildState:
         if step.type == "USER":
             return BuildState(dict(self.env), step.args[0], step.args[0], self.workdir)
         return self
+
+
+_REFERENCE = re.compile(r"\$(?:([A-Za-z_][A-Za-z0-9_]*)|\{([A-Za-z_][A-Za-z0-9_]*)\})")
+
+
+def env_references(step: Step) -> list[str]:
+    """The variables an ENV step's values name (``$NAME`` / ``${NAME}``), in order, once each. The SDK
+    sends them unexpanded (``ENV PATH=/opt/bin:$PATH`` arrives as written): the builder expands them
+    in the sandbox, as E2B's does (``printf | envsubst``)."""
+    names = [m[1] or m[2] for value in step.args[1::2] for m in _REFERENCE.finditer(value)]
+    return list(dict.fromkeys(names))
+
+
+def lookup_script(names: list[str]) -> str:
+    """POSIX sh printing each variable's value (empty when unset) NUL-terminated; the names are
+    identifiers (``env_references``), so they need no quoting."""
+    return "printf '%s\\000' " + " ".join(f'"${{{n}-}}"' for n in names)
+
+
+def expand_env(step: Step, values: dict[str, str]) -> Step:
+    """The ENV step with ``$NAME`` / ``${NAME}`` replaced by ``values`` (unset: empty), envsubst's rule:
+    other ``$`` forms (``$$``, ``${A:-x}``, ``$(...)``) stay as written."""
+    args = [a if i % 2 == 0 else _REFERENCE.sub(lambda m: values.get(m[1] or m[2], ""), a)
+            for i, a in enumerate(step.args)]  # fmt: skip
+    return Step(step.type, tuple(args), step.files_hash, step.force)
 
 
 def chain_keys(base_key: str, spec: BuildSpec) -> list[str]:

@@ -33,7 +33,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from aenv.core.build_spec import BuildSpec, BuildState, Step, chain_keys, copy_script, final_key, first_forced
+from aenv.core.build_spec import (
+    BuildSpec,
+    BuildState,
+    Step,
+    chain_keys,
+    copy_script,
+    env_references,
+    expand_env,
+    final_key,
+    first_forced,
+    lookup_script,
+)
 from aenv.core.context import Context
 from aenv.core.ids import new_id
 from aenv.core.models import CreateRequest
@@ -257,8 +268,7 @@ class TemplateBuilds:
             for i, s in enumerate(spec.steps[first:], first + 1):
                 step = str(i)
                 rec.log(f"step {i}/{len(spec.steps)}: {s.describe()}", step=step)
-                await self._apply(rec, sandbox_id, s, state, step)
-                state = state.after(s)
+                state = state.after(await self._apply(rec, sandbox_id, s, state, step))
                 snap = await self._checkpoint(sandbox_id, base, state, SnapshotMode.FILESYSTEM) if s.changes_files \
                     else (str(cache[keys[i - 1]]["snapshot"]) if keys[i - 1] in cache and i > 1 else None)
                 if snap is not None:
@@ -309,7 +319,10 @@ class TemplateBuilds:
         return row is not None and row.state == "ready" and Path(row.dir).is_dir() \
             and self.ctx.store.get_template(row.id) is not None
 
-    async def _apply(self, rec: BuildRecord, sandbox_id: str, step: Step, state: BuildState, label: str) -> None:
+    async def _apply(self, rec: BuildRecord, sandbox_id: str, step: Step, state: BuildState, label: str) -> Step:
+        """Runs the step; returns it as the state takes it (an ENV step with its values expanded)."""
+        if step.type == "ENV" and (names := env_references(step)):
+            return expand_env(step, await self._lookup(sandbox_id, names, state, label, step.describe()))
         if step.type == "RUN":
             user = step.args[1] if len(step.args) > 1 and step.args[1] else state.user
             await self._sh(rec, sandbox_id, step.args[0], user, state, label, what=step.describe())
@@ -324,6 +337,20 @@ class TemplateBuilds:
             await self._sh(rec, sandbox_id, copy_script(step, archive), "root", state, label, what=step.describe())
         elif step.type == "WORKDIR":
             await self._sh(rec, sandbox_id, f"mkdir -p '{step.args[0]}'", "root", state, label, what=step.describe())
+        return step
+
+    async def _lookup(self, sandbox_id: str, names: list[str], state: BuildState, label: str, what: str) -> dict[str, str]:
+        """The values ``names`` have for a step's shell in the build sandbox (root, with the variables
+        set so far over the sandbox's own environment), so ``ENV PATH=/opt/bin:$PATH`` extends PATH."""
+        stream = await self.door.open_stream(sandbox_id, ENVD_PORT)
+        try:
+            res = await run_command(stream, lookup_script(names), user="root", envs=state.env)
+        except EnvdError as exc:
+            raise BuildFailed(f"step {label} ({what}): the sandbox did not answer: {exc}") from exc
+        if res.exit_code != 0:
+            raise BuildFailed(f"step {label} ({what}): expanding {', '.join(names)} failed: "
+                              f"{(res.stderr.decode(errors='replace') or res.error).strip()[:300]}")
+        return dict(zip(names, res.stdout.decode(errors="replace").split("\0"), strict=False))
 
     async def _sh(self, rec: BuildRecord, sandbox_id: str, cmd: str, user: str, state: BuildState, label: str,
                   *, what: str, quiet: bool = False) -> int:

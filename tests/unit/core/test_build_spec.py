@@ -11,7 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from aenv.core.build_spec import BuildSpec, BuildState, Step, chain_keys, copy_script, final_key, first_forced
+from aenv.core.build_spec import (
+    BuildSpec,
+    BuildState,
+    Step,
+    chain_keys,
+    copy_script,
+    env_references,
+    expand_env,
+    final_key,
+    first_forced,
+    lookup_script,
+)
 from aenv.errors import InvalidRequest
 
 HASH = "a" * 64
@@ -106,3 +117,18 @@ def test_copy_changes_only_what_it_copies_and_fails_on_no_match(tmp_path: Path) 
     assert (dest / "existing").stat().st_mode & 0o777 == 0o600  # the destination's other files are untouched
     failed = _run_copy(tmp_path, Step("COPY", ("missing*", str(dest)), HASH), {"tool": "t"})
     assert failed.returncode != 0 and "nothing matches" in failed.stderr
+
+
+def test_env_values_expand_references_as_envsubst_does_with_what_a_shell_sees() -> None:
+    """The SDK sends ``ENV PATH=/opt/bin:$PATH`` as written; the builder looks the names up with a
+    shell in the sandbox and expands ``$NAME`` / ``${NAME}`` only (unset: empty)."""
+    step = Step("ENV", ("PATH", "/opt/tools/bin:$PATH", "B", "${A}/bin:$NOPE:$$:${A:-x}:$(id)", "PLAIN", "a b"))
+    names = env_references(step)
+    assert names == ["PATH", "A", "NOPE"]
+    env = {"PATH": "/usr/bin:/bin", "A": "/x y", "HOME": "/root"}
+    res = subprocess.run(["/bin/sh", "-c", lookup_script(names)], env=env, capture_output=True, check=True)
+    values = dict(zip(names, res.stdout.decode().split("\0"), strict=False))
+    assert values == {"PATH": "/usr/bin:/bin", "A": "/x y", "NOPE": ""}
+    out = expand_env(step, values)
+    assert out.args == ("PATH", "/opt/tools/bin:/usr/bin:/bin", "B", "/x y/bin::$$:${A:-x}:$(id)", "PLAIN", "a b")
+    assert env_references(Step("ENV", ("A", "no references"))) == []
