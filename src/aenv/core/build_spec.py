@@ -174,6 +174,10 @@ def copy_script(step: Step, archive: str) -> str:
     pattern = src if any(c in src for c in "*?[") else shlex.quote(src)
     lines = [
         "set -e",
+        # a relative destination is the build's working directory's (the step runs in it), as
+        # Docker's and E2B's: resolved before the script moves into the unpacked upload
+        f"dest={shlex.quote(dest)}",
+        'case "$dest" in /*) ;; *) dest="$PWD/$dest" ;; esac',
         f"rm -rf {unpack}; mkdir -p {unpack}",
         f"tar -xf {archive} -C {unpack}",
         f"cd {unpack}",
@@ -187,7 +191,6 @@ def copy_script(step: Step, archive: str) -> str:
     if mode:
         lines.append(f'chmod -R {mode} "$@"')
     lines += [
-        f"dest={shlex.quote(dest)}",
         'if [ $# -eq 1 ] && [ -d "$1" ]; then mkdir -p "$dest"; cp -a "$1/." "$dest/"',
         'elif [ $# -eq 1 ] && [ "${dest%/}" = "$dest" ]; then mkdir -p "$(dirname "$dest")"; cp -a "$1" "$dest"',
         'else mkdir -p "$dest"; cp -a "$@" "$dest/"; fi',
