@@ -110,6 +110,11 @@ class Settings(BaseModel):
     )
     tls_cert: Path | None = Field(None, description="serve HTTPS with this PEM certificate (chain); needs tls_key")
     tls_key: Path | None = Field(None, description="the PEM private key of tls_cert")
+    sandbox_dns: str | None = Field(
+        None, description="IPv4 address of the DNS server sandboxes with internet use (their queries to "
+        "10.0.2.3 are redirected to it, and the egress proxy resolves domain rules with it); unset = the "
+        "host's resolver, through slirp4netns"
+    )
     ws_max_message: int = Field(
         16 * 1024 * 1024, gt=0, description="largest WebSocket message relayed into or out of a sandbox, bytes"
     )

@@ -206,7 +206,7 @@ def test_a_command_whose_sandbox_is_killed_ends_as_not_running(e2b_env: dict[str
 @pytest.mark.parametrize(
     ("options", "named"),
     [
-        ({"network": {"allow_out": ["1.1.1.1"], "deny_out": ["0.0.0.0/0"]}}, "network"),
+        ({"network": {"egress_proxy": {"address": "proxy.example.com:1080"}}}, "network.egressProxy"),
         ({"volume_mounts": {"/data": "vol"}}, "volumeMounts"),
         ({"mcp": {"exa": {"apiKey": "k"}}}, "mcp"),
     ],

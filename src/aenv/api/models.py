@@ -8,6 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
+from aenv.core.network import NetworkRequest
 from aenv.errors import InvalidRequest
 
 
@@ -38,14 +39,43 @@ class AutoResume(_Strict):
     enabled: StrictBool = False
 
 
-# network: what aenv does today is all-or-nothing egress (``allow_internet_access``). These keys are
-# accepted only with the value that changes nothing; any other network setting is refused by name.
-_NETWORK_NO_OPS: dict[str, tuple[Any, ...]] = {
-    "allowPublicTraffic": (None, True),  # sandbox URLs need no traffic token: aenv issues none
-    "allowOut": ([],),
-    "denyOut": ([],),
-    "rules": ({},),
-}
+class NetworkConfig(_Strict):
+    """E2B's ``network`` (create) and the body of ``PUT /sandboxes/{id}/network``. What aenv enforces:
+    the egress lists, allowPublicTraffic and maskRequestHost (create only), allow_internet_access
+    (update only); a field it does not is refused by name unless it asks for nothing."""
+
+    allowOut: list[str] | None = None
+    denyOut: list[str] | None = None
+    dnsServers: list[str] | None = None
+    allowPublicTraffic: StrictBool | None = None
+    maskRequestHost: str | None = None
+    egressProxy: dict[str, Any] | None = None
+    rules: dict[str, Any] | None = None
+    httpsPorts: list[int] | None = None
+
+    def request(self, prefix: str = "network.") -> NetworkRequest:
+        """The validated settings (the egress lists themselves are checked in ``core/network.py``)."""
+        if self.egressProxy is not None:
+            raise InvalidRequest(f"{prefix}egressProxy: a SOCKS5 egress proxy is not supported by aenv")
+        if self.rules:
+            raise InvalidRequest(f"{prefix}rules: per-domain request transforms are not supported by aenv "
+                                 "(they need TLS interception); allowOut takes domains")
+        if self.httpsPorts:
+            raise InvalidRequest(f"{prefix}httpsPorts: the proxy reaches sandbox ports over plain HTTP only")
+        return NetworkRequest(self.allowOut, self.denyOut, self.dnsServers, self.allowPublicTraffic,
+                              self.maskRequestHost)
+
+
+class NetworkUpdate(NetworkConfig):
+    """``PUT /sandboxes/{id}/network``: replaces the egress rules; inbound settings are create-only."""
+
+    allow_internet_access: StrictBool | None = None
+
+    def request(self, prefix: str = "") -> NetworkRequest:
+        for name in ("allowPublicTraffic", "maskRequestHost"):
+            if getattr(self, name) is not None:
+                raise InvalidRequest(f"{name}: set at create only (E2B's network update does not take it)")
+        return super().request(prefix)
 
 
 class NewSandbox(_Strict):
@@ -58,8 +88,8 @@ class NewSandbox(_Strict):
     autoResume: AutoResume | None = None
     allow_internet_access: StrictBool | None = None
     secure: StrictBool | None = None
+    network: NetworkConfig | None = None
     # E2B fields aenv refuses unless empty (refuse_unsupported says why)
-    network: dict[str, Any] | None = None
     mcp: Any = None
     iam: dict[str, Any] | None = None
     volumeMounts: list[Any] | None = None
@@ -75,12 +105,8 @@ class NewSandbox(_Strict):
             raise InvalidRequest("iam: workload identity tokens are not supported by aenv")
         if self.volumeMounts:
             raise InvalidRequest("volumeMounts: volumes are not supported by aenv")
-        for key, value in (self.network or {}).items():
-            if value not in _NETWORK_NO_OPS.get(key, ()):
-                raise InvalidRequest(
-                    f"network.{key}: egress rules are not supported by aenv yet; "
-                    "allow_internet_access (true or false) is"
-                )
+        if self.network is not None:
+            self.network.request()
         resume = bool(self.autoResume and self.autoResume.enabled)
         if self.autoPauseMemory is not None and not self.autoPause:
             raise InvalidRequest("autoPauseMemory is only allowed with autoPause: true")

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from aenv.api import serialize
 from aenv.api.auth import presented_key, require_api_key
 from aenv.api.deps import orchestrator
-from aenv.api.models import ConnectBody, NewSandbox, PauseBody, ResumeBody, TimeoutBody
+from aenv.api.models import ConnectBody, NetworkUpdate, NewSandbox, PauseBody, ResumeBody, TimeoutBody
 from aenv.core.admission import owner_of
 from aenv.core.models import CreateRequest, ListQuery, SandboxState
 from aenv.core.orchestrator import Orchestrator
@@ -91,6 +91,7 @@ async def _create(body: NewSandbox, orch: Orchestrator, idempotency_key: str | N
         cpu_count=body.cpuCount,
         memory_mb=body.memoryMB,
         idempotency_key=idempotency_key,
+        network=body.network.request() if body.network is not None else None,
         owner=owner,
     )
     sbx = await orch.create(req)
@@ -156,6 +157,14 @@ async def get_sandbox(sandbox_id: str, orch: Orchestrator = Depends(orchestrator
 @router.delete("/sandboxes/{sandbox_id}", status_code=204)
 async def kill_sandbox(sandbox_id: str, orch: Orchestrator = Depends(orchestrator)) -> Response:
     await orch.kill(sandbox_id)
+    return Response(status_code=204)
+
+
+@router.put("/sandboxes/{sandbox_id}/network", status_code=204)
+async def update_network(sandbox_id: str, body: NetworkUpdate, orch: Orchestrator = Depends(orchestrator)) -> Response:
+    """E2B's live network update (``sbx.update_network``): the body replaces the egress rules."""
+    body.refuse_unsupported()
+    await orch.update_network(sandbox_id, body.request(), body.allow_internet_access)
     return Response(status_code=204)
 
 

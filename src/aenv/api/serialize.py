@@ -53,7 +53,7 @@ def sandbox(sbx: LiveSandbox) -> dict[str, Any]:
         "clientID": CLIENT_ID,
         "envdVersion": ENVD_VERSION,
         "domain": DOMAIN.get(),
-        "trafficAccessToken": None,
+        "trafficAccessToken": row.traffic_token,  # None unless allowPublicTraffic was false
     }
     if row.alias:
         out["alias"] = row.alias
@@ -89,6 +89,8 @@ def detail(sbx: LiveSandbox) -> dict[str, Any]:
     row = sbx.row
     out["domain"] = DOMAIN.get()
     out["allowInternetAccess"] = row.allow_internet
+    if row.network:
+        out["network"] = dict(row.network)
     out["lifecycle"] = {"autoResume": row.auto_resume, "onTimeout": "pause" if row.auto_pause else "kill"}
     if sbx.state is SandboxState.PAUSED and row.pause_mode is not None:
         out["pauseMode"] = str(row.pause_mode)  # what the pause kept: full, or filesystem (files only)

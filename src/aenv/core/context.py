@@ -65,7 +65,7 @@ class Context:
             memory_mb=row.memory_mb,
             disk_mb=row.disk_mb,
             pids_limit=self.settings.pids_limit,
-            allow_internet=row.allow_internet,
+            allow_internet=row.allow_internet or bool(row.network.get("allowOut")),  # network.needs_internet
             env_vars=dict(row.env_vars),
             access_token=row.access_token,
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from aenv.core.network import NetworkRequest
 from aenv.errors import StateError
 from aenv.kinds import SandboxState
 
@@ -38,6 +39,7 @@ class CreateRequest:
     cpu_count: int | None = None
     memory_mb: int | None = None
     idempotency_key: str | None = None
+    network: NetworkRequest | None = None  # E2B's network settings (core/network.py)
     owner: str = ""  # whose quota it counts for (admission.owner_of the API key)
 
 

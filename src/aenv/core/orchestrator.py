@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from aenv.config import Settings
+from aenv.core import network as net
 from aenv.core.admission import Admission
 from aenv.core.build_spec import BuildSpec
 from aenv.core.builds import BuildRecord, TemplateBuilds
@@ -52,6 +53,7 @@ from aenv.images import ProgressCallback
 from aenv.kinds import SnapshotMode, TemplateKind
 from aenv.mux import ByteStream, StreamRefused
 from aenv.runtime.base import ResourceSample, Runtime, RuntimeState, SnapshotResult
+from aenv.runtime.network import configure_dns as set_sandbox_dns
 from aenv.store.sqlite import SandboxRow, SnapshotRow, Store, TemplateRow, now
 
 __all__ = ["LiveSandbox", "Orchestrator", "file_signature"]
@@ -84,6 +86,7 @@ class Orchestrator:
         self.templates = templates
         self.table = SandboxTable()
         self.ctx = Context(settings, store, runtime, templates, self.table)
+        set_sandbox_dns(settings.sandbox_dns)
         self.sync = SnapshotSync(self.ctx)
         self.snapshots = SnapshotFlows(self.ctx, self.sync)
         self.template_flows = TemplateFlows(self.ctx)
@@ -143,6 +146,8 @@ class Orchestrator:
                 ok = False
                 with contextlib.suppress(Exception):
                     ok = await self.runtime.adopt(row.id, spec, RuntimeState(row.runtime_state), stopped=stopped)
+                if ok and not await net.enforce_adopted(self.runtime, row):
+                    ok = False
                 if ok:
                     # A half-done pause/resume is settled towards the safe side: paused.
                     if state in (SandboxState.PAUSING, SandboxState.RESUMING) or stopped:
@@ -163,6 +168,13 @@ class Orchestrator:
         reconcile = getattr(self.runtime, "reconcile", None)
         if reconcile is not None:
             await reconcile(self.table.ids())
+
+    async def update_network(self, sandbox_id: str, req: net.NetworkRequest, allow_internet: bool | None) -> None:
+        """``PUT /sandboxes/{id}/network``: replace the sandbox's egress rules, live (``network.update``)."""
+        sbx = self.get(sandbox_id)
+        async with sbx.lock:
+            require_state(sbx.id, sbx.state, SandboxState.RUNNING, SandboxState.PAUSED, action="update the network of")
+            await net.update(self.runtime, self.store, sbx, req, allow_internet)
 
     # ---- queries --------------------------------------------------------------------------------
     def get(self, sandbox_id: str) -> LiveSandbox:
@@ -249,6 +261,8 @@ class Orchestrator:
                 auto_pause_memory=req.auto_pause_memory,
                 auto_resume=req.auto_resume,
                 allow_internet=req.allow_internet,
+                network=net.record_of(req.network),
+                traffic_token=new_token() if req.network and req.network.allow_public_traffic is False else None,
                 metadata=dict(req.metadata),
                 env_vars=dict(req.env_vars),
                 access_token=new_token() if req.secure else None,
@@ -265,6 +279,7 @@ class Orchestrator:
             self.store.put_sandbox(row)
             try:
                 fault_point("create.stored")
+                await net.enforce(self.runtime, row)  # before the sandbox has a network namespace
                 if snapshot is not None:
                     state = await self.snapshots.runtime.create_from_snapshot(spec, Path(snapshot.dir), result_of(snapshot))
                 else:

@@ -21,6 +21,7 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
+from aenv.core import network as net
 from aenv.core.context import Context
 from aenv.core.ids import new_id, new_token
 from aenv.core.models import require_state
@@ -292,6 +293,7 @@ class SnapshotFlows:
                 fault_point("fork.stored")
                 point = await self._snapshot_locked(rt, src, None, mode, internal=True)
                 for child in children:  # the fork point's files back the children
+                    await net.enforce(self.ctx.runtime, child.row)  # the parent's policy, before the child has a network
                     child.row.depends_on = sorted(set(child.row.depends_on) | {point.id})
                     self.store.update_sandbox(child.id, depends_on=child.row.depends_on)
                 result = result_of(point)
@@ -334,6 +336,8 @@ class SnapshotFlows:
             end_at=t + timeout,
             paused_at=None,
             access_token=new_token() if src.row.access_token else None,
+            traffic_token=new_token() if src.row.traffic_token else None,
+            network=dict(src.row.network),
             runtime_state={},
             idempotency_key=None,
             created_seq=self.ctx.table.next_seq(),

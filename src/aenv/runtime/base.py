@@ -27,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from aenv.kinds import SnapshotMode
 from aenv.mux.stream import ByteStream
+from aenv.runtime.netpolicy import EgressPolicy
 from aenv.snapshots.record import normalize
 
 
@@ -183,6 +184,15 @@ class Runtime(Protocol):
     def capabilities(self) -> dict[str, Any]:
         """What this runtime can do here, for ``aenv doctor`` and API responses
         (e.g. {"pause": "freezer", "snapshot": "filesystem", "fork": "filesystem+criu"})."""
+
+
+@runtime_checkable
+class EgressCapable(Protocol):
+    """Optional runtime extension: E2B's egress rules (``runtime/egress.py``, ``runtime/netpolicy.py``)."""
+
+    async def set_egress(self, sandbox_id: str, policy: EgressPolicy | None) -> None:
+        """Register the sandbox's policy (None or empty: no rules) for every network namespace the
+        runtime makes for it from now on, and put it into the one it runs in, if any, at once."""
 
 
 @runtime_checkable

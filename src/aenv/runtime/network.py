@@ -27,6 +27,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from aenv.runtime.netpolicy import EgressPolicy, render
 from aenv.runtime.process import ProcRef, Reaped
 
 SLIRP_GATEWAY = "10.0.2.2"
@@ -57,28 +58,36 @@ def host_ipv4_addresses() -> list[str]:
     return addrs
 
 
-def firewall_rules(host_addrs: list[str]) -> str:
-    """iptables-restore input for the sandbox netns: loopback and slirp's DNS allowed, the host and
-    every private/special range rejected, the rest (the internet) allowed."""
-    lines = ["*filter", ":INPUT ACCEPT [0:0]", ":FORWARD DROP [0:0]", ":OUTPUT ACCEPT [0:0]",
-             "-A OUTPUT -o lo -j ACCEPT"]
-    for proto in ("udp", "tcp"):
-        lines.append(f"-A OUTPUT -d {SLIRP_DNS}/32 -p {proto} --dport 53 -j ACCEPT")
-    for addr in sorted(set(host_addrs)):
-        if ipaddress.ip_address(addr).version == 4:
-            lines.append(f"-A OUTPUT -d {addr}/32 -j REJECT")
-    for cidr in BLOCKED_RANGES:
-        lines.append(f"-A OUTPUT -d {cidr} -j REJECT")
-    lines.append("COMMIT")
-    return "\n".join(lines) + "\n"
+# Where sandboxes' DNS queries go: slirp4netns's resolver (which asks the host's), or the server's
+# ``sandbox_dns`` setting, to which the filter redirects them (``configure_dns``).
+_resolver = SLIRP_DNS
 
 
-async def install_firewall(pid: int, host_addrs: list[str]) -> None:
+def configure_dns(server: str | None) -> None:
+    """Send every sandbox's queries to ``server`` (an IPv4 address) instead of slirp's resolver."""
+    global _resolver
+    _resolver = str(ipaddress.IPv4Address(server)) if server else SLIRP_DNS
+
+
+def resolver() -> str:
+    return _resolver
+
+
+def firewall_rules(host_addrs: list[str], policy: EgressPolicy | None = None, proxy_port: int | None = None) -> str:
+    """iptables-restore input for the sandbox netns: loopback and DNS allowed, the host and every
+    private/special range rejected, the rest (the internet) allowed, unless ``policy`` says otherwise
+    (``netpolicy.render``)."""
+    return render(host_addrs, BLOCKED_RANGES, _resolver, SLIRP_DNS, policy, proxy_port)
+
+
+async def install_firewall(pid: int, host_addrs: list[str], policy: EgressPolicy | None = None,
+                           proxy_port: int | None = None) -> None:
+    """Replace the filter of ``pid``'s network namespace (both tables, atomically)."""
     proc = await asyncio.create_subprocess_exec(
         "nsenter", f"--net=/proc/{pid}/ns/net", "iptables-restore",
         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
-    _, err = await proc.communicate(firewall_rules(host_addrs).encode())
+    _, err = await proc.communicate(firewall_rules(host_addrs, policy, proxy_port).encode())
     if proc.returncode != 0:
         raise NetworkError(f"iptables-restore in sandbox netns failed: {err.decode(errors='replace').strip()}")
 

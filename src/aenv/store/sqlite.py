@@ -21,7 +21,7 @@ from typing import Any
 from aenv.errors import StoreError
 from aenv.kinds import SandboxState, SnapshotMode, TemplateKind
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # Columns added after a database was first created, per table, as (name, SQL definition). A store
 # opening an older database adds the ones it lacks (``ALTER TABLE ... ADD COLUMN``, existing rows get
@@ -30,6 +30,8 @@ _ADDED_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
     "sandboxes": (
         ("auto_pause_memory", "INTEGER NOT NULL DEFAULT 1"),  # v2: autoPauseMemory
         ("pause_mode", "TEXT"),  # v2: what the current (or last) pause keeps: full | filesystem
+        ("network", "TEXT NOT NULL DEFAULT '{}'"),  # v3: E2B's network settings (egress rules, masking)
+        ("traffic_token", "TEXT"),  # v3: required on user ports when allowPublicTraffic is false
     ),
 }
 
@@ -55,6 +57,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     metadata TEXT NOT NULL DEFAULT '{}',
     env_vars TEXT NOT NULL DEFAULT '{}',
     access_token TEXT,
+    network TEXT NOT NULL DEFAULT '{}',
+    traffic_token TEXT,
     runtime_state TEXT NOT NULL DEFAULT '{}',
     idempotency_key TEXT,
     created_seq INTEGER NOT NULL DEFAULT 0,
@@ -125,6 +129,10 @@ class SandboxRow:
     # What the pause keeps, written before the runtime acts: full (processes and memory) or
     # filesystem (files only; the resume is a cold start). None while it never was paused.
     pause_mode: SnapshotMode | None = None
+    # E2B's network settings as the API shows them: allowOut, denyOut, dnsServers (the egress
+    # policy, runtime/netpolicy.py), allowPublicTraffic, maskRequestHost. Empty: none given.
+    network: dict[str, Any] = field(default_factory=dict)
+    traffic_token: str | None = None  # e2b-traffic-access-token for user ports (allowPublicTraffic: false)
 
     def __post_init__(self) -> None:
         self.state = SandboxState(self.state)  # the database holds the plain value
@@ -173,7 +181,7 @@ class SnapshotRow:
         self.mode = SnapshotMode(self.mode)
 
 
-_JSON_FIELDS = {"metadata", "env_vars", "runtime_state", "lowers", "config", "pinned_layers", "depends_on", "result"}
+_JSON_FIELDS = {"network", "metadata", "env_vars", "runtime_state", "lowers", "config", "pinned_layers", "depends_on", "result"}
 _BOOL_FIELDS = {"auto_pause", "auto_resume", "auto_pause_memory", "allow_internet", "internal", "published"}
 
 

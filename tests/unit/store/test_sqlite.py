@@ -122,8 +122,12 @@ def test_an_older_database_gains_the_new_columns_and_keeps_its_rows(tmp_path: Pa
         store.update_sandbox("old1", pause_mode=SnapshotMode.FILESYSTEM, auto_pause_memory=False)
         again = store.get_sandbox("old1")
         assert again is not None and again.pause_mode is SnapshotMode.FILESYSTEM and again.auto_pause_memory is False
+        assert again.network == {} and again.traffic_token is None  # v3
+        store.update_sandbox("old1", network={"denyOut": ["0.0.0.0/0"]}, traffic_token="t")
+        third = store.get_sandbox("old1")
+        assert third is not None and third.network == {"denyOut": ["0.0.0.0/0"]} and third.traffic_token == "t"
         version = store._query("SELECT value FROM meta WHERE key='schema_version'")[0]["value"]
-        assert int(version) == SCHEMA_VERSION == 2
+        assert int(version) == SCHEMA_VERSION == 3
     finally:
         store.close()
     Store(path).close()  # opening a migrated database again changes nothing

@@ -19,6 +19,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 
+from aenv.core.network import ingress_of
 from aenv.core.orchestrator import Orchestrator
 from aenv.errors import NotFound, PortNotOpen
 from aenv.mux import ByteStream, MuxError, StreamRefused
@@ -39,6 +40,7 @@ from .pool import IDLE_EXPIRY, MAX_IDLE_PER_TARGET, UpstreamPool
 from .relay import _Exchange, _NoResponse, _pump_and_watch, _relay_response
 from .routing import (
     ENVD_PORT,
+    ingress,
     refusal,
     respond,
     route,
@@ -110,8 +112,16 @@ class SandboxProxy:
                 return
         await self.app(scope, receive, send)
 
-    async def _proxy_websocket(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str, port: int) -> None:
+    def _ingress(self, scope: Scope, sandbox_id: str, port: int) -> tuple[Scope, tuple[int, bytes] | None]:
+        """The scope to forward and any refusal: ``refusal``, then the sandbox's inbound settings."""
         refused = refusal(scope, port)
+        sbx = self._get().table.find(sandbox_id) if refused is None and port != ENVD_PORT else None
+        if sbx is None or (sbx.row.traffic_token is None and not sbx.row.network):
+            return scope, refused
+        return ingress(scope, sandbox_id, port, ingress_of(sbx.row))
+
+    async def _proxy_websocket(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str, port: int) -> None:
+        scope, refused = self._ingress(scope, sandbox_id, port)
         if refused is not None:
             await receive()  # websocket.connect
             await deny(scope, send, *refused)
@@ -123,7 +133,7 @@ class SandboxProxy:
         await proxy_websocket(scope, receive, send, sandbox_id, open_stream, self.upgraded, self.ws_max_message)
 
     async def _proxy_http(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str, port: int) -> None:
-        refused = refusal(scope, port)
+        scope, refused = self._ingress(scope, sandbox_id, port)
         if refused is not None:
             await respond(send, *refused)
             return

@@ -9,6 +9,7 @@ a sandbox that cannot be reached.
 
 from __future__ import annotations
 
+import hmac
 import json
 import re
 from collections.abc import Callable
@@ -90,6 +91,31 @@ def refusal(scope: Scope, port: int) -> tuple[int, bytes] | None:
     if port == ENVD_PORT and scope["path"] in _ENVD_INTERNAL:
         return json_error(403, {"code": 403, "message": "internal envd route"})
     return None
+
+
+def ingress(scope: Scope, sandbox_id: str, port: int, rules: tuple[str | None, str | None]) -> tuple[Scope, tuple[int, bytes] | None]:
+    """E2B's inbound settings on a user port (envd has its own token): with a traffic token
+    (``allowPublicTraffic: false``) a request without ``e2b-traffic-access-token`` is a 403; the token
+    is not passed on, and ``maskRequestHost`` (``${PORT}`` = the port) is the Host the sandbox sees.
+    Returns the scope to forward and the refusal, if any."""
+    token, mask = rules
+    if port == ENVD_PORT or (token is None and mask is None):
+        return scope, None
+    headers: list[tuple[bytes, bytes]] = []
+    given = b""
+    for name, value in scope.get("headers", ()):
+        if name == b"e2b-traffic-access-token":
+            given = value.strip()
+        elif name == b"host" and mask is not None:
+            continue
+        else:
+            headers.append((name, value))
+    if token is not None and not hmac.compare_digest(given, token.encode()):
+        message = f"sandbox {sandbox_id} requires a valid e2b-traffic-access-token header (allowPublicTraffic is false)"
+        return scope, json_error(403, {"code": 403, "message": message})
+    if mask is not None:
+        headers.append((b"host", mask.replace("${PORT}", str(port)).encode("latin-1", "replace")))
+    return {**scope, "headers": headers}, None
 
 
 def unsigned_files_url() -> tuple[int, bytes]:

@@ -29,7 +29,7 @@ import os
 import secrets
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -39,12 +39,15 @@ from aenv.errors import RuntimeFailure, SandboxNotFound, SandboxUnreachable, Sta
 from aenv.kinds import SnapshotMode
 from aenv.mux import ByteStream, MuxError
 from aenv.runtime.base import ResourceSample, RuntimeState, SandboxImage, SandboxSpec, SnapshotResult
+from aenv.runtime.egress import ENFORCER
 from aenv.runtime.envd_client import EnvdError, init_payload
+from aenv.runtime.netpolicy import EgressPolicy
 from aenv.runtime.network import Slirp, host_ipv4_addresses, install_firewall, slirp_available
 from aenv.runtime.ns import cgroups
 from aenv.runtime.ns.disk import POOL_NAME, DiskQuota, remove_tree
 from aenv.runtime.ns.pool import WarmPool
 from aenv.runtime.ns.reconcile import ReconcileReport, reconcile
+from aenv.runtime.ns.release import RELEASED_DIR, NsReleaser
 from aenv.runtime.ns.sandbox import STATE_FILE, LaunchOptions, NsSandbox, Paths
 from aenv.runtime.ns.snapshot import NsSnapshots
 from aenv.runtime.ns.zygote import Zygote, socket_path_for, sweep_stale_sockets
@@ -116,6 +119,7 @@ class NsRuntime:
         self._stopped: dict[str, dict[str, Any]] = {}  # paused without memory: its recorded state
         self.pool = WarmPool(self.pool_size, self._launch_pooled)
         self.snapshots = NsSnapshots(self)
+        self.releaser = NsReleaser(self, settings.ns_release_paused_after)
         self._started = False
 
     # ---- host-wide lifecycle --------------------------------------------------------------------
@@ -149,6 +153,7 @@ class NsRuntime:
     async def close(self) -> None:
         """Kill pooled sandboxes and drop channels; handed-out sandboxes keep running."""
         await self.pool.aclose()
+        await self.releaser.aclose()
         if self.zygote is not None:
             await self.zygote.aclose()
             self.zygote = None
@@ -207,7 +212,7 @@ class NsRuntime:
 
     # ---- Runtime protocol -----------------------------------------------------------------------
     async def create(self, spec: SandboxSpec) -> RuntimeState:
-        return await self._launch_ready(spec, spec.template, (), use_pool=True)
+        return await self._egress_ensured(spec.sandbox_id, self._launch_ready(spec, spec.template, (), use_pool=True))
 
     async def _prelaunch(self, name: str, root: Path, spec: SandboxSpec, template: SandboxImage,
                          snapshot_layers: tuple[str, ...]) -> NsSandbox:
@@ -348,7 +353,13 @@ class NsRuntime:
         # The proxy's idle keep-alive streams must not be reused into a frozen sandbox (a request
         # would hang instead of getting 502); envd keeps processes whose client left.
         await sbx.drop_connections()
+        self._schedule_release(sbx)
         return self._state(sbx, self._workdir(sandbox_id))
+
+    def _schedule_release(self, sbx: NsSandbox) -> None:
+        """A paused sandbox goes to disk after ns_release_paused_after s (``release.py``), where CRIU can dump it."""
+        if self.snapshots._full_refusal(sbx) is None:
+            self.releaser.schedule(sbx.name)
 
     async def _stop(self, sandbox_id: str, sbx: NsSandbox) -> RuntimeState:
         """Files only: every process ends (init, cgroup, slirp), the directory stays; ``ns.json``
@@ -388,7 +399,13 @@ class NsRuntime:
         return new
 
     async def resume(self, sandbox_id: str, state: RuntimeState, keep_memory: bool = True) -> RuntimeState:
+        return await self._egress_ensured(sandbox_id, self._resume(sandbox_id, state, keep_memory))
+
+    async def _resume(self, sandbox_id: str, state: RuntimeState, keep_memory: bool) -> RuntimeState:
         await self.start()
+        self.releaser.cancel(sandbox_id)
+        if sandbox_id in self.releaser.released:
+            return await self._resume_released(sandbox_id, state, keep_memory)
         if not keep_memory or sandbox_id in self._stopped or state.data.get("stopped"):
             return await self._cold_start(sandbox_id, state)
         sbx = self._from_state(sandbox_id, state)
@@ -401,6 +418,21 @@ class NsRuntime:
         self._sandboxes.setdefault(sandbox_id, sbx)
         return self._state(sbx, self._workdir(sandbox_id, state))
 
+    async def _resume_released(self, sandbox_id: str, state: RuntimeState, keep_memory: bool) -> RuntimeState:
+        """Processes back from disk (``release.py``); a resume without memory drops the images and cold-starts."""
+        spec = self._specs.get(sandbox_id)
+        if spec is None:
+            raise SandboxNotFound(sandbox_id)
+        async with self.releaser.lock(sandbox_id):
+            if not keep_memory:
+                data = self.releaser.forget(sandbox_id) or {}
+                root = Path(str(data.get("dir") or spec.workdir / "ns"))
+                await asyncio.to_thread(remove_tree, root / RELEASED_DIR)
+                self._stopped[sandbox_id] = {**data, "pid": None, "start": None, "slirp": None, "stopped": True}
+                return await self._cold_start(sandbox_id, state)
+            sbx = await self.releaser.load(sandbox_id, spec)
+        return self._state(sbx, spec.workdir)
+
     def _workdir(self, sandbox_id: str, state: RuntimeState | None = None) -> Path | None:
         spec = self._specs.get(sandbox_id)
         if spec is not None:
@@ -410,8 +442,10 @@ class NsRuntime:
 
     async def kill(self, sandbox_id: str, state: RuntimeState | None = None) -> None:
         await self.start()
+        ENFORCER.forget(sandbox_id)
         workdir = self._workdir(sandbox_id, state)
-        stopped = self._stopped.pop(sandbox_id, None)
+        released = self.releaser.forget(sandbox_id)
+        stopped = self._stopped.pop(sandbox_id, None) or released
         sbx = self._sandboxes.pop(sandbox_id, None) or self._from_state(sandbox_id, state) \
             or self._from_state_file(sandbox_id)
         if sbx is None and stopped is not None and self.layout is not None:
@@ -449,9 +483,14 @@ class NsRuntime:
             return await self._adopt_stopped(sandbox_id, spec, state)
         if not state.data.get("cgroup"):
             return False
+        if state.data.get("dir") and await self.releaser.adopted(sandbox_id, Path(str(state.data["dir"]))):
+            self._specs[sandbox_id] = spec
+            return True
         sbx = NsSandbox.from_state(self.layout, state.data)
         if not sbx.alive() or not sbx.cgroup.exists():
             return False
+        if await asyncio.to_thread(sbx.cgroup.frozen):
+            self._schedule_release(sbx)
         if sbx.allow_internet and sbx.slirp is not None and not sbx.slirp.ref.alive():
             assert sbx.init is not None
             with contextlib.suppress(Exception):
@@ -512,6 +551,9 @@ class NsRuntime:
 
     # ---- SnapshotCapable (see snapshot.py) -------------------------------------------------------
     def _refuse_stopped(self, sandbox_id: str, action: str) -> None:
+        if sandbox_id in self.releaser.released:
+            raise StateError(f"cannot {action} sandbox {sandbox_id}: it is paused and released to disk; "
+                             "resume it first", sandbox_id=sandbox_id)
         if sandbox_id in self._stopped:
             raise StateError(f"cannot {action} sandbox {sandbox_id}: it is paused without memory (no processes); "
                              "resume it first", sandbox_id=sandbox_id)
@@ -521,14 +563,31 @@ class NsRuntime:
         return await self.snapshots.snapshot(sandbox_id, into, mode)
 
     async def create_from_snapshot(self, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
-        return await self.snapshots.create_from_snapshot(spec, snapshot, result)
+        return await self._egress_ensured(spec.sandbox_id, self.snapshots.create_from_snapshot(spec, snapshot, result))
 
     async def fork_mode(self, sandbox_id: str) -> SnapshotMode:
         return await self.snapshots.fork_mode(sandbox_id)
 
     async def rollback(self, sandbox_id: str, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
         self._refuse_stopped(sandbox_id, "roll back")
-        return await self.snapshots.rollback(sandbox_id, spec, snapshot, result)
+        return await self._egress_ensured(sandbox_id, self.snapshots.rollback(sandbox_id, spec, snapshot, result))
+
+    # ---- egress policy (runtime/egress.py) --------------------------------------------------------
+    async def set_egress(self, sandbox_id: str, policy: EgressPolicy | None) -> None:
+        """Register the sandbox's policy; a running one gets it in its filter now."""
+        ENFORCER.register(sandbox_id, policy)
+        sbx = self._sandboxes.get(sandbox_id)
+        if sbx is not None and sbx.allow_internet and sbx.init is not None and sbx.alive():
+            await ENFORCER.install(sandbox_id, sbx.init.pid, self.host_addrs)
+
+    async def _egress_ensured(self, sandbox_id: str, started: Awaitable[RuntimeState]) -> RuntimeState:
+        """``started``, then the sandbox's policy in its namespace if that is a new one (a pooled
+        sandbox was filtered under its pool name; a process restore made a fresh namespace)."""
+        state = await started
+        sbx = self._sandboxes.get(sandbox_id)
+        if sbx is not None and sbx.allow_internet and sbx.init is not None and ENFORCER.has(sandbox_id):
+            await ENFORCER.ensure(sandbox_id, sbx.init.pid, self.host_addrs)
+        return state
 
     def capabilities(self) -> dict[str, Any]:
         status = self.snapshots.criu_status()
@@ -538,7 +597,8 @@ class NsRuntime:
             "isolation": "namespaces (pid, mount, uts, ipc, net) + cgroups + capability bounding set; "
                          "no user namespace, no seccomp: weaker than vm",
             "cgroups": f"v{self.layout.version}" if self.layout else "unknown",
-            "pause": "freezer; files only: processes end, cold start on resume",
+            "pause": "freezer, released to disk with CRIU after ns_release_paused_after s; "
+                     "files only: processes end, cold start on resume",
             "network": {"offline": "loopback-only netns",
                         "internet": "slirp4netns + in-netns filter" if slirp_available() else None},
             "snapshot": process,

@@ -48,6 +48,7 @@ from aenv.mux import ByteStream, MuxSession, StreamClosed
 from aenv.mux.direct import DirectStream, open_direct
 from aenv.mux.session import open_unix_session
 from aenv.runtime.base import SandboxImage
+from aenv.runtime.egress import ENFORCER
 from aenv.runtime.envd_client import (
     ENVD_PORT,
     EnvdError,
@@ -56,7 +57,7 @@ from aenv.runtime.envd_client import (
     send_request,
     warm_up_request,
 )
-from aenv.runtime.network import RESOLV_CONF, Slirp, install_firewall, kill_slirps_serving
+from aenv.runtime.network import RESOLV_CONF, Slirp, kill_slirps_serving
 from aenv.runtime.ns.cgroups import Cgroup, Layout
 from aenv.runtime.ns.disk import DiskQuota, remove_tree
 from aenv.runtime.ns.zygote import Zygote
@@ -277,7 +278,7 @@ class NsSandbox:
         self.write_state()
         if opts.allow_internet:
             # filter first: the tap device (and so any route out) only exists once slirp is up
-            await install_firewall(self.init.pid, host_addrs)
+            await ENFORCER.install(self.name, self.init.pid, host_addrs)
             self.slirp = await Slirp.start(self.init.pid)
             fault_point("ns.slirp.started")
             self.write_state()

@@ -178,7 +178,7 @@ class Machine:
         try:
             if exit_r >= 0:
                 try:
-                    m.slirp = await netjail.connect(proc.pid, exit_r)
+                    m.slirp = await netjail.connect(proc.pid, exit_r, cfg.name)
                 except netjail.JailError as exc:
                     raise MachineError(f"vm {cfg.name}: network namespace: {exc}; {m.stderr_tail()}") from exc
             await m._connect_qmp(timeout)

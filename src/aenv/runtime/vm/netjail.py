@@ -26,7 +26,8 @@ import os
 import time
 from pathlib import Path
 
-from aenv.runtime.network import RESOLV_CONF, Slirp, host_ipv4_addresses, install_firewall, slirp_available
+from aenv.runtime.egress import ENFORCER
+from aenv.runtime.network import RESOLV_CONF, Slirp, host_ipv4_addresses, slirp_available
 
 # ``$0`` is the resolv.conf to show QEMU; a host without one has no resolver to hide.
 _ENTER = 'if [ -e /etc/resolv.conf ]; then mount --bind "$0" /etc/resolv.conf || exit 97; fi; exec "$@"'
@@ -53,7 +54,7 @@ def write_resolv_conf(path: Path) -> None:
     path.write_text(RESOLV_CONF)
 
 
-def _host_addresses() -> list[str]:
+def host_addresses() -> list[str]:
     """The host's IPv4 addresses, re-read at most every 30 s (each spawn filters them out)."""
     global _host_addrs
     now = time.monotonic()
@@ -70,21 +71,22 @@ def _in_own_netns(pid: int) -> bool:
         return False
 
 
-async def connect(pid: int, exit_fd: int, timeout: float = 5.0) -> Slirp:
+async def connect(pid: int, exit_fd: int, key: str = "", timeout: float = 5.0) -> Slirp:
     """Filter, then slirp4netns, for the jailed process ``pid`` (filter first: the tap, and so any
-    route out, only exists once slirp is up). ``exit_fd`` is handed to slirp4netns and closed here."""
+    route out, only exists once slirp is up). ``exit_fd`` is handed to slirp4netns and closed here.
+    ``key``: the sandbox the QEMU runs; its egress policy, if one is registered, is in that filter."""
     try:
         async with asyncio.timeout(timeout):
             while not _in_own_netns(pid):  # never set up the host's own namespace by mistake
                 if not Path(f"/proc/{pid}").exists():
                     raise JailError(f"process {pid} exited before entering its network namespace")
                 await asyncio.sleep(0.001)
-        addrs = await asyncio.to_thread(_host_addresses)
-        await install_firewall(pid, addrs)
+        addrs = await asyncio.to_thread(host_addresses)
+        await ENFORCER.install(key, pid, addrs)
         return await Slirp.start(pid, exit_fd=exit_fd)
     except TimeoutError as exc:
         raise JailError(f"process {pid} did not enter its own network namespace in {timeout:.0f} s") from exc
-    except RuntimeError as exc:  # NetworkError: iptables-restore or slirp4netns failed
+    except (RuntimeError, OSError) as exc:  # NetworkError: iptables-restore or slirp4netns failed
         if isinstance(exc, JailError):
             raise
         raise JailError(str(exc)) from exc

@@ -45,6 +45,8 @@ from aenv.errors import RuntimeFailure, StateError
 from aenv.kinds import SnapshotMode
 from aenv.mux import ByteStream
 from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec, SnapshotResult
+from aenv.runtime.egress import ENFORCER
+from aenv.runtime.netpolicy import EgressPolicy
 from aenv.runtime.streams import open_checked
 
 from . import coldboot, disk, frozen, netjail
@@ -271,6 +273,7 @@ class VmRuntime:
             sid, tpl.key, (t_end - t0) * 1000, (t_restored - t0) * 1000, (t_end - t_restored) * 1000,
         )  # fmt: skip
         self.table.add(sid, sbx, spec)
+        await self._egress_ensure(sid)  # a pooled QEMU was filtered under its pool name
         return self.table.state(sbx, spec)
 
     async def open_stream(self, sandbox_id: str, port: int) -> ByteStream:
@@ -329,6 +332,7 @@ class VmRuntime:
             return self.table.state(sbx, self.table.specs.get(sandbox_id))
 
     async def kill(self, sandbox_id: str, state: RuntimeState | None = None) -> None:
+        ENFORCER.forget(sandbox_id)
         self.release.cancel(sandbox_id)
         await self.snapshots.written(sandbox_id)
         sbx, rel, spec = self.table.remove(sandbox_id, drop_lock=True)
@@ -405,14 +409,32 @@ class VmRuntime:
         return await self.snapshots.snapshot(sandbox_id, into, mode)
 
     async def create_from_snapshot(self, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
-        return await self.snapshots.create_from_snapshot(spec, snapshot, result)
+        state = await self.snapshots.create_from_snapshot(spec, snapshot, result)
+        await self._egress_ensure(spec.sandbox_id)  # it may be a QEMU of the blank pool
+        return state
 
     async def fork_mode(self, sandbox_id: str) -> SnapshotMode:
         return await self.snapshots.fork_mode(sandbox_id)
 
     async def rollback(self, sandbox_id: str, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
         self._refuse_stopped(sandbox_id, "roll back")
-        return await self.snapshots.rollback(sandbox_id, spec, snapshot, result)
+        state = await self.snapshots.rollback(sandbox_id, spec, snapshot, result)
+        await self._egress_ensure(sandbox_id)
+        return state
+
+    # ---- egress policy (runtime/egress.py) --------------------------------------------------------
+    async def set_egress(self, sandbox_id: str, policy: EgressPolicy | None) -> None:
+        """Register the sandbox's policy: every QEMU started for it from now on has it in its jail's
+        filter from the start (netjail.connect); a running one gets it now."""
+        ENFORCER.register(sandbox_id, policy)
+        sbx = self.table.running.get(sandbox_id)
+        if sbx is not None and sbx.machine.cfg.network == "user" and sbx.machine.alive:
+            await ENFORCER.install(sandbox_id, sbx.machine.proc.pid, await asyncio.to_thread(netjail.host_addresses))
+
+    async def _egress_ensure(self, sandbox_id: str) -> None:
+        sbx = self.table.running.get(sandbox_id)
+        if sbx is not None and sbx.machine.cfg.network == "user" and ENFORCER.has(sandbox_id):
+            await ENFORCER.ensure(sandbox_id, sbx.machine.proc.pid, await asyncio.to_thread(netjail.host_addresses))
 
     def capabilities(self) -> dict[str, Any]:
         return {

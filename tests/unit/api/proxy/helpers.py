@@ -62,8 +62,11 @@ class Upstream:
 
 class FakeOrchestrator:
     def __init__(self, host: MuxSession) -> None:
+        from aenv.core.table import SandboxTable
+
         self.host = host
         self.opened = 0
+        self.table = SandboxTable()  # the proxy reads a sandbox's inbound settings (traffic token, Host mask)
 
     async def open_stream(self, sandbox_id: str, port: int) -> Any:
         if sandbox_id != "sbx":

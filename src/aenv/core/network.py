@@ -1,0 +1,126 @@
+"""E2B's network settings of a sandbox, kept in its row and enforced by the runtime.
+
+The row keeps what the API shows (``SandboxRow.network``: allowOut, denyOut, dnsServers,
+allowPublicTraffic, maskRequestHost) and the traffic token; from it come the egress policy the
+runtime enforces (``egress_of``) and what the proxy checks on inbound traffic (``ingress_of``). The
+policy is registered with the runtime before a sandbox's first network namespace exists (create,
+fork children) and again after a restart; the runtime keeps it for every namespace it makes for the
+sandbox (restores into new QEMUs, cold starts) and ``update`` replaces it live.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Any
+
+from aenv.errors import InvalidRequest
+from aenv.runtime.base import EgressCapable, Runtime
+from aenv.runtime.netpolicy import EgressPolicy, from_record, parse
+from aenv.runtime.network import BLOCKED_RANGES
+from aenv.store.sqlite import SandboxRow
+
+log = logging.getLogger("aenv.network")
+
+
+@dataclass(frozen=True)
+class NetworkRequest:
+    """The ``network`` of a create, or the body of ``PUT /sandboxes/{id}/network`` (then without
+    allowPublicTraffic and maskRequestHost)."""
+
+    allow_out: list[str] | None = None
+    deny_out: list[str] | None = None
+    dns_servers: list[str] | None = None
+    allow_public_traffic: bool | None = None
+    mask_request_host: str | None = None
+
+
+def record_of(req: NetworkRequest | None, keep: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The row's ``network`` for ``req`` (validated: a 400 names what aenv cannot enforce). ``keep``:
+    the settings of the old record an update does not touch (inbound ones)."""
+    if req is None:
+        return {}
+    policy = parse(req.allow_out, req.deny_out, req.dns_servers, BLOCKED_RANGES)
+    out: dict[str, Any] = {}
+    if req.allow_out is not None:
+        out["allowOut"] = policy.record["allowOut"]
+    if req.deny_out is not None:
+        out["denyOut"] = policy.record["denyOut"]
+    if req.dns_servers is not None:
+        out["dnsServers"] = policy.record["dnsServers"]
+    for key in ("allowPublicTraffic", "maskRequestHost"):
+        if keep and key in keep:
+            out[key] = keep[key]
+    if req.allow_public_traffic is not None:
+        out["allowPublicTraffic"] = req.allow_public_traffic
+    if req.mask_request_host is not None:
+        if not req.mask_request_host or len(req.mask_request_host) > 253 or any(
+            c in req.mask_request_host for c in "\r\n\0 "
+        ):
+            raise InvalidRequest("network.maskRequestHost: a host name (with ${PORT} where the port goes)")
+        out["maskRequestHost"] = req.mask_request_host
+    return out
+
+
+def needs_internet(row: SandboxRow) -> bool:
+    """Whether the sandbox needs a way out at all: ``allowOut`` keeps its entries reachable even
+    with ``allow_internet_access: false`` (E2B: that is the same as denying 0.0.0.0/0)."""
+    return row.allow_internet or bool(row.network.get("allowOut"))
+
+
+def egress_of(row: SandboxRow) -> EgressPolicy | None:
+    """The policy the runtime enforces for ``row``; None for none (nothing denied). Without
+    internet access it denies everything: a sandbox that has a network (it was made with one, and an
+    update took it away) keeps only what ``allowOut`` names."""
+    policy = from_record(row.network, BLOCKED_RANGES)
+    if not row.allow_internet:
+        policy = policy.with_deny_all()
+    return None if policy.empty else policy
+
+
+def ingress_of(row: SandboxRow) -> tuple[str | None, str | None]:
+    """(the traffic token user ports require, or None; the Host to show the sandbox, or None)."""
+    mask = row.network.get("maskRequestHost")
+    return row.traffic_token, mask if isinstance(mask, str) else None
+
+
+async def enforce(runtime: Runtime, row: SandboxRow) -> None:
+    """Register ``row``'s egress policy with the runtime (and apply it where the sandbox runs)."""
+    if row.allow_internet and not row.network:
+        return  # the common case: no rules
+    policy = egress_of(row)
+    if not isinstance(runtime, EgressCapable):
+        if policy is not None and needs_internet(row):
+            raise InvalidRequest(f"network: the {runtime.name} runtime cannot enforce egress rules")
+        return
+    await runtime.set_egress(row.id, policy)
+
+
+async def update(runtime: Runtime, store: Any, sbx: Any, req: NetworkRequest, allow_internet: bool | None) -> None:
+    """``PUT /sandboxes/{id}/network``: the body replaces the egress settings (a field left out is
+    cleared; ``allow_internet_access`` left out means true), inbound ones stay. The caller holds the
+    sandbox's lock (running or paused); a paused sandbox resumes with the new policy in its filter."""
+    if not isinstance(runtime, EgressCapable):
+        raise InvalidRequest(f"network: the {runtime.name} runtime cannot enforce egress rules")
+    row: SandboxRow = sbx.row
+    new = replace(row, network=record_of(req, keep=row.network), allow_internet=allow_internet is not False)
+    if needs_internet(new) and not sbx.spec.allow_internet:
+        raise InvalidRequest(
+            "network: this sandbox was created with allow_internet_access: false and has no network; aenv "
+            'cannot add one to a running sandbox (create it with denyOut: ["0.0.0.0/0"] instead)'
+        )
+    policy = egress_of(new)
+    row.network, row.allow_internet = new.network, new.allow_internet
+    store.update_sandbox(row.id, network=row.network, allow_internet=row.allow_internet)
+    await runtime.set_egress(row.id, policy)
+
+
+async def enforce_adopted(runtime: Runtime, row: SandboxRow) -> bool:
+    """After a restart: the adopted sandbox's policy back in force. False when it cannot be: such a
+    sandbox must not run on without it (the caller removes it: fail closed)."""
+    try:
+        await enforce(runtime, row)
+        return True
+    except Exception as exc:  # noqa: BLE001 - any failure means the policy is not in force
+        log.warning("sandbox=%s recovery: its network policy could not be applied (%r); removing", row.id, exc)
+        return False

@@ -1,0 +1,300 @@
+"""Enforcing a sandbox's egress policy: its filter, and the egress proxy that checks domain rules.
+
+Shared by both runtimes; one :data:`ENFORCER` per server. A runtime hands it every network
+namespace it sets up (``install``: ns at launch, vm in ``netjail.connect`` before slirp4netns gives it
+a way out) and it renders that namespace's filter with the policy registered for the sandbox, so a
+sandbox (a fork child, a vm restored into a new QEMU) never runs a moment without its policy; ``apply``
+replaces the filter of a running one (``PUT /sandboxes/{id}/network``), atomically, and cuts
+connections the new rules deny (the filter has no ``ESTABLISHED`` exception).
+
+Domain rules need the host name of each connection, which only the connection itself carries. With a
+domain in ``allowOut`` and something denied, TCP to a denied address is redirected (iptables
+``REDIRECT`` in the namespace's ``nat`` table) to a listener the server owns *inside that namespace*
+(a socket made there with ``setns``, accepted on the server's event loop). The proxy reads the first
+bytes, takes the TLS SNI or the HTTP ``Host``, and lets the connection through only for an allowed
+domain, to an address that domain resolves to (the sandbox's claim of a name cannot send it to any
+other address: a name from the sandbox's ``/etc/hosts`` is resolved again), never to the host or a
+private range; anything else is closed. It connects from the host's side as slirp4netns does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ipaddress
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+
+from aenv.runtime import network
+from aenv.runtime.netpolicy import EgressPolicy
+from aenv.runtime.sniff import MAX_PEEK, NeedMore, a_answers, a_query, host_name
+
+log = logging.getLogger("aenv.egress")
+
+_CLONE_NEWNET = 0x40000000
+_SO_ORIGINAL_DST = 80
+_PEEK_TIMEOUT = 10.0
+_RESOLVE_TTL = 30.0
+_BLOCKED = tuple(ipaddress.IPv4Network(c) for c in network.BLOCKED_RANGES)
+
+
+def _netns_inode(pid: int) -> int:
+    return os.stat(f"/proc/{pid}/ns/net").st_ino
+
+
+def listen_in_netns(pid: int) -> socket.socket:
+    """A listening TCP socket on 127.0.0.1 (port chosen by the kernel) in ``pid``'s network namespace.
+    Made on a thread of its own that enters the namespace and ends: no other thread ever changes."""
+    out: list[socket.socket | BaseException] = []
+
+    def run() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        try:
+            fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                if libc.setns(fd, _CLONE_NEWNET) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"setns into the network namespace of {pid}: {os.strerror(err)}")
+            finally:
+                os.close(fd)
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                sock.bind(("127.0.0.1", 0))
+                sock.listen(256)
+                sock.setblocking(False)
+            except BaseException:
+                sock.close()
+                raise
+            out.append(sock)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            out.append(exc)
+
+    t = threading.Thread(target=run, name=f"netns-{pid}")
+    t.start()
+    t.join()
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
+
+
+def original_dst(sock: socket.socket) -> tuple[str, int]:
+    raw = sock.getsockopt(socket.SOL_IP, _SO_ORIGINAL_DST, 16)
+    port = struct.unpack_from("!H", raw, 2)[0]
+    return socket.inet_ntoa(raw[4:8]), port
+
+
+@dataclass
+class _Listener:
+    inode: int
+    server: asyncio.Server
+    port: int
+    conns: set[asyncio.StreamWriter] = field(default_factory=set)
+
+    def close(self) -> None:
+        self.server.close()
+        for w in list(self.conns):
+            w.close()
+
+
+class Enforcer:
+    """Policies by sandbox, the filters they became, and the egress proxy's listeners."""
+
+    def __init__(self) -> None:
+        self.policies: dict[str, EgressPolicy] = {}
+        self._listeners: dict[str, _Listener] = {}
+        self._host_addrs: set[str] = set()
+        self._installed: dict[str, int] = {}  # key -> the network namespace (inode) its filter is in
+        self._resolved: dict[str, tuple[float, list[str]]] = {}
+
+    def register(self, key: str, policy: EgressPolicy | None) -> None:
+        if policy is None or policy.empty:
+            self.policies.pop(key, None)
+        else:
+            self.policies[key] = policy
+
+    def has(self, key: str) -> bool:
+        return key in self.policies or key in self._listeners
+
+    def forget(self, key: str) -> None:
+        """The sandbox is gone: drop its policy and end its proxy and connections."""
+        self.policies.pop(key, None)
+        self._installed.pop(key, None)
+        lst = self._listeners.pop(key, None)
+        if lst is not None:
+            lst.close()
+
+    async def ensure(self, key: str, pid: int, host_addrs: list[str]) -> None:
+        """``install`` unless ``pid``'s namespace already has ``key``'s filter."""
+        try:
+            if self._installed.get(key) == _netns_inode(pid):
+                return
+        except OSError:
+            return  # gone: nothing to filter
+        await self.install(key, pid, host_addrs)
+
+    def close(self) -> None:
+        """Server stop: the listeners end (a sandbox's redirected connections then fail, closed)."""
+        for key in list(self._listeners):
+            self._listeners.pop(key).close()
+
+    async def install(self, key: str, pid: int, host_addrs: list[str]) -> None:
+        """Write the filter of ``pid``'s namespace with ``key``'s policy (the base filter without one)."""
+        policy = self.policies.get(key)
+        self._host_addrs.update(host_addrs)
+        port = None
+        if policy is not None and policy.needs_proxy:
+            port = await self._listen(key, pid)
+        else:
+            lst = self._listeners.pop(key, None)
+            if lst is not None:
+                lst.close()
+        await network.install_firewall(pid, host_addrs, policy, port)
+        if key:
+            self._installed[key] = _netns_inode(pid)
+
+    async def _listen(self, key: str, pid: int) -> int:
+        inode = _netns_inode(pid)
+        lst = self._listeners.get(key)
+        if lst is not None and lst.inode == inode:
+            return lst.port
+        if lst is not None:
+            lst.close()
+        if not await _lo_up(pid):  # down in a namespace nobody brought it up in (a vm's QEMU jail)
+            raise network.NetworkError(f"could not bring up lo in the network namespace of {pid}")
+        sock = await asyncio.to_thread(listen_in_netns, pid)
+        conns: set[asyncio.StreamWriter] = set()
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            conns.add(writer)
+            try:
+                await self._serve(key, reader, writer)
+            finally:
+                conns.discard(writer)
+                writer.close()
+
+        try:
+            server = await asyncio.start_server(handle, sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+        lst = _Listener(inode, server, sock.getsockname()[1], conns)
+        self._listeners[key] = lst
+        return lst.port
+
+    # ---- the proxy --------------------------------------------------------------------------------
+    async def _serve(self, key: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            dst, port = original_dst(writer.get_extra_info("socket"))
+        except OSError:
+            return
+        data = b""
+        name: str | None = None
+        try:
+            async with asyncio.timeout(_PEEK_TIMEOUT):
+                while True:
+                    chunk = await reader.read(MAX_PEEK - len(data))
+                    if not chunk:
+                        return
+                    data += chunk
+                    try:
+                        name = host_name(data)
+                        break
+                    except NeedMore:
+                        if len(data) >= MAX_PEEK:
+                            break
+        except (TimeoutError, ConnectionError):
+            return
+        policy = self.policies.get(key)
+        if policy is None or name is None or not policy.allows_domain(name):
+            log.info("sandbox=%s egress denied: %s:%d (%s)", key, dst, port, name or "no host name")
+            return
+        addrs = await self._resolve(name)
+        target = dst if dst in addrs else next(iter(addrs), None)
+        if target is None or self._unreachable(target):
+            log.info("sandbox=%s egress denied: %s resolves to %s", key, name, addrs or "nothing")
+            return
+        try:
+            up_reader, up_writer = await asyncio.open_connection(target, port)
+        except OSError as exc:
+            log.info("sandbox=%s egress to %s (%s:%d) failed: %r", key, name, target, port, exc)
+            return
+        try:
+            up_writer.write(data)
+            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+        finally:
+            up_writer.close()
+
+    def _unreachable(self, addr: str) -> bool:
+        ip = ipaddress.IPv4Address(addr)
+        return addr in self._host_addrs or any(ip in n for n in _BLOCKED)
+
+    async def _resolve(self, name: str) -> list[str]:
+        """The A records of ``name`` from the sandboxes' resolver (cached briefly)."""
+        hit = self._resolved.get(name)
+        if hit is not None and time.monotonic() - hit[0] < _RESOLVE_TTL:
+            return hit[1]
+        server = network.resolver()
+        addrs: list[str] = []
+        with contextlib.suppress(OSError, TimeoutError):
+            if server == network.SLIRP_DNS:  # slirp's resolver asks the host's: so do we
+                infos = await asyncio.get_running_loop().getaddrinfo(name, None, family=socket.AF_INET,
+                                                                     type=socket.SOCK_STREAM)
+                addrs = sorted({str(i[4][0]) for i in infos})
+            else:
+                addrs = await _query(server, name)
+        self._resolved[name] = (time.monotonic(), addrs)
+        return addrs
+
+
+async def _lo_up(pid: int) -> bool:
+    proc = await asyncio.create_subprocess_exec(
+        # route_localnet: a connection redirected to 127.0.0.1 keeps the source address of the
+        # sandbox's interface, which loopback would otherwise drop as a martian
+        "nsenter", f"--net=/proc/{pid}/ns/net", "sh", "-c",
+        "ip link set lo up && echo 1 > /proc/sys/net/ipv4/conf/all/route_localnet",
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )
+    return await proc.wait() == 0
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while chunk := await reader.read(65536):
+            writer.write(chunk)
+            await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()
+    except (ConnectionError, OSError):
+        writer.close()
+
+
+async def _query(server: str, name: str, timeout: float = 3.0) -> list[str]:
+    loop = asyncio.get_running_loop()
+    qid, query = a_query(name)
+    answer: asyncio.Future[list[str]] = loop.create_future()
+
+    class _Reply(asyncio.DatagramProtocol):
+        def datagram_received(self, data: bytes, addr: tuple[str | bytes, int]) -> None:
+            if not answer.done():
+                answer.set_result(a_answers(qid, data))
+
+        def error_received(self, exc: Exception) -> None:
+            if not answer.done():
+                answer.set_result([])
+
+    transport, _ = await loop.create_datagram_endpoint(_Reply, remote_addr=(server, 53))
+    try:
+        transport.sendto(query)
+        async with asyncio.timeout(timeout):
+            return await answer
+    finally:
+        transport.close()
+
+
+ENFORCER = Enforcer()
