@@ -85,6 +85,12 @@ if command -v npm >/dev/null 2>&1 && [ ! -d "$js_cache/node_modules/e2b" ]; then
   (cd "$js_cache" && npm install --silent --no-audit --no-fund e2b@2) || say "npm install e2b failed: the JS tests will try again"
 fi
 
+# Harbor for the Harbor end-to-end test (a venv of its own: it needs Python >= 3.12), once, in the
+# machine's aenv cache; not for `serve`. Where it cannot be had the script says why and the test skips.
+if [ "$mode" != serve ]; then
+  ./scripts/install-harbor.sh >/dev/null || say "Harbor not installed: tests/integration/test_harbor.py will try again"
+fi
+
 if [ "$(id -u)" -eq 0 ]; then
   # CRIU >= 4.2 for process snapshots on ns (bookworm's is too old for this kernel): built once, cached.
   ./scripts/build-criu.sh

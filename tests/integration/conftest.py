@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from aenv.testing.server import API_KEY, Server, discard_vm_state, start_server, stop_server
+from tests.fixtures.plugin import PushedImages
 
 __all__ = ["API_KEY", "Server", "start_server", "stop_server"]
 
@@ -32,15 +33,14 @@ def runtime_name() -> str:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests that drive the server (the SDK suite) are marked ``sdk``: CI runs them a second time
+    """Tests that drive a server (the SDK suite) are marked ``sdk``: CI runs them a second time
     with ``AENV_TEST_RUNTIME=vm`` (``scripts/setup.sh test``)."""
     for item in items:
-        if "server" in getattr(item, "fixturenames", ()):
+        if {"server", "mirror_server"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.sdk)
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory, runtime_name: str) -> Iterator[Server]:
+def _needs_runtime(runtime_name: str) -> None:
     _needs_root()
     if runtime_name == "vm":
         from aenv.config import Settings
@@ -48,6 +48,11 @@ def server(tmp_path_factory: pytest.TempPathFactory, runtime_name: str) -> Itera
 
         if (why := unavailable_reason(Settings())) is not None:
             pytest.skip(f"vm runtime unavailable: {why}")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory, runtime_name: str) -> Iterator[Server]:
+    _needs_runtime(runtime_name)
     srv = start_server(tmp_path_factory.mktemp("aenv-server"), runtime_name)
     yield srv
     # Kill what the session left, then stop the server so it cleans up its runtime.
@@ -58,6 +63,22 @@ def server(tmp_path_factory: pytest.TempPathFactory, runtime_name: str) -> Itera
         pass
     stop_server(srv)
     discard_vm_state(srv.state_dir)  # QEMUs a killed server left, and the template RAM in /dev/shm
+
+
+@pytest.fixture(scope="module")
+def mirror_server(
+    tmp_path_factory: pytest.TempPathFactory, pushed_images: PushedImages, runtime_name: str
+) -> Iterator[Server]:
+    """A server of its own whose ``docker.io`` is the session's local registry (``FROM debian:bookworm``
+    and ``from_image`` resolve offline), with no pool: its tests build templates, they do not race creates."""
+    _needs_runtime(runtime_name)
+    srv = start_server(
+        tmp_path_factory.mktemp("mirror-server"), runtime_name,
+        {"AENV_REGISTRY_MIRRORS": f"docker.io={pushed_images.registry.url}", "AENV_POOL_SIZE": "0"},
+    )  # fmt: skip
+    yield srv
+    stop_server(srv)
+    discard_vm_state(srv.state_dir)
 
 
 @pytest.fixture(scope="session")

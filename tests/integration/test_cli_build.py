@@ -8,13 +8,12 @@ import os
 import secrets
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from aenv.cli.build import instructions, unsupported
-from aenv.testing.server import API_KEY, Server, discard_vm_state, start_server, stop_server
+from aenv.testing.server import API_KEY, Server
 from tests.fixtures.plugin import PushedImages
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the ns and vm runtimes need root")
@@ -33,19 +32,6 @@ RUN python3 -c "print(6 * 7)" > answer
 USER user
 CMD ["python3", "-m", "http.server", "8123"]
 """
-
-
-@pytest.fixture(scope="module")
-def mirror_server(
-    tmp_path_factory: pytest.TempPathFactory, pushed_images: PushedImages, runtime_name: str
-) -> Iterator[Server]:
-    srv = start_server(
-        tmp_path_factory.mktemp("build-server"), runtime_name,
-        {"AENV_REGISTRY_MIRRORS": f"docker.io={pushed_images.registry.url}", "AENV_POOL_SIZE": "0"},
-    )  # fmt: skip
-    yield srv
-    stop_server(srv)
-    discard_vm_state(srv.state_dir)
 
 
 def _aenv(server: Server | None, *args: str) -> subprocess.CompletedProcess[str]:
