@@ -42,6 +42,8 @@ POINTS: dict[str, str] = {
     "fork.done": "fork: runtime forked, children still starting in the store",
     "pull.layer": "image pull: in the middle of writing a layer blob to the cache",
     "ns.slirp.started": "ns launch: slirp4netns running, its pid not yet in the sandbox's ns.json",
+    "ns.release.marked": "ns release to disk: CRIU images and the released marker written, processes not yet ended",
+    "ns.release.restored": "ns resume from disk: tree restored and in ns.json, released marker not yet removed",
     "publish.layer": "snapshot publish: a layer packed, before it is uploaded to the repository",
 }
 

@@ -1,0 +1,175 @@
+"""Paused ns sandboxes released to disk: after ``ns_release_paused_after`` seconds frozen, a sandbox's
+process tree is dumped with CRIU into ``<root>/released/criu`` and its processes end, so a long pause
+holds no memory; resume restores the tree on the sandbox's own upper (untouched since: nothing ran).
+
+Crash safety: the dump leaves the tree running (frozen); the marker ``released/released.json`` is
+written next, and only then are the processes killed. So after a crash either the tree still runs
+(no marker: an ordinary paused sandbox; a partial image dir is removed) or the marker says released
+(anything left of the sandbox is killed). A resume restores, records the new init in ``ns.json``, and
+removes the marker last: a crash in between leaves it released again (the restored tree is killed at
+adoption and restored once more at the next resume).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aenv.faults import fault_point
+from aenv.runtime.base import SandboxSpec
+from aenv.runtime.ns import checkpoint
+
+if TYPE_CHECKING:
+    from aenv.runtime.ns.runtime import NsRuntime
+    from aenv.runtime.ns.sandbox import NsSandbox
+
+log = logging.getLogger("aenv.runtime.ns")
+
+RELEASED_DIR = "released"
+MARKER = "released.json"
+
+
+def marker(root: Path) -> Path:
+    return root / RELEASED_DIR / MARKER
+
+
+def read_marker(root: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(marker(root).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _write_marker(root: Path, data: dict[str, Any]) -> None:
+    tmp = marker(root).with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, marker(root))
+
+
+class NsReleaser:
+    """Release timers, the released sandboxes' recorded state, and a lock per sandbox."""
+
+    def __init__(self, rt: NsRuntime, after: float) -> None:
+        self.rt = rt
+        self.after = after
+        self.released: dict[str, dict[str, Any]] = {}
+        self._timers: dict[str, asyncio.Task[None]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def lock(self, sandbox_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(sandbox_id, asyncio.Lock())
+
+    def schedule(self, sandbox_id: str) -> None:
+        """Release after ``after`` s if the sandbox is still paused then (and CRIU can dump it)."""
+        self.cancel(sandbox_id)
+        task = asyncio.get_running_loop().create_task(self._later(sandbox_id), name=f"ns-release-{sandbox_id}")
+        self._timers[sandbox_id] = task
+        task.add_done_callback(lambda t: self._timers.pop(sandbox_id, None) if self._timers.get(sandbox_id) is t else None)
+
+    def cancel(self, sandbox_id: str) -> None:
+        task = self._timers.pop(sandbox_id, None)
+        if task is not None:
+            task.cancel()
+
+    async def aclose(self) -> None:
+        for sid in list(self._timers):
+            self.cancel(sid)
+
+    async def _later(self, sandbox_id: str) -> None:
+        await asyncio.sleep(self.after)
+        try:
+            await self.release(sandbox_id)
+        except Exception:  # the sandbox stays paused in memory, which is still correct
+            log.exception("sandbox=%s release to disk failed; it stays paused in memory", sandbox_id)
+
+    async def release(self, sandbox_id: str) -> bool:
+        """Dump the frozen sandbox, mark it released, end its processes. False if it is not releasable."""
+        async with self.lock(sandbox_id):
+            sbx = self.rt._sandboxes.get(sandbox_id)
+            status = self.rt.snapshots.criu_status()
+            if sbx is None or sbx.init is None or status.exe is None or self.rt.snapshots._full_refusal(sbx):
+                return False
+            if not await asyncio.to_thread(sbx.cgroup.frozen):
+                return False  # resumed meanwhile
+            root = sbx.paths.root
+            images = root / RELEASED_DIR / "criu"
+            await asyncio.to_thread(shutil.rmtree, root / RELEASED_DIR, True)
+            async with sbx.quiesce():
+                await asyncio.to_thread(checkpoint.dump, status.exe, sbx.init.pid, images,
+                                        freezer=sbx.cgroup.dir("freezer"))
+            data = {**sbx.state(), "released": True}
+            await asyncio.to_thread(_write_marker, root, data)
+            fault_point("ns.release.marked")
+            await sbx.stop()  # processes, cgroup and slirp end; the directory stays
+            self.rt._sandboxes.pop(sandbox_id, None)
+            self.released[sandbox_id] = data
+            log.info("sandbox=%s released to disk (%s)", sandbox_id, images)
+            return True
+
+    async def load(self, sandbox_id: str, spec: SandboxSpec) -> NsSandbox:
+        """Restore a released sandbox on its own files; caller holds ``lock(sandbox_id)``."""
+        data = self.released[sandbox_id]
+        status = self.rt.snapshots.criu_status()
+        if status.exe is None or not status.usable:
+            from aenv.errors import StateError
+
+            raise StateError(f"sandbox {sandbox_id} was released to disk with CRIU, which is not usable now "
+                             f"({status.reason})", sandbox_id=sandbox_id)
+        root = Path(str(data["dir"]))
+        lowers = [str(p) for p in data.get("lowers") or []]
+        depth = int(data.get("snapshot_depth") or 0)
+        sbx = self.rt.restored_sandbox(spec, ("", *lowers[:depth]), tuple(Path(p) for p in lowers[depth:]), root)
+        exe, tools = status.exe, self.rt.tools or Path("/nonexistent")
+
+        def restore() -> int:
+            from aenv.runtime.ns.sandbox import Paths
+
+            Paths(root).reset()
+            sbx.paths.prepare()
+            sbx.cgroup.create()
+            sbx.cgroup.set_limits(spec.cpu_count, spec.memory_mb, spec.pids_limit)
+            return checkpoint.restore(exe, root / RELEASED_DIR / "criu", lowers=sbx.lowers, upper=sbx.paths.upper,
+                                      work=sbx.paths.work, merged=sbx.paths.merged, run_dir=sbx.paths.run,
+                                      tools=tools, boot_id=sbx.paths.boot_id, procs_files=sbx.cgroup.procs_files())
+
+        try:
+            pid = await asyncio.to_thread(restore)
+            await self.rt.attach_restored(sbx, spec, pid)
+        except BaseException:
+            await sbx.stop()  # its processes and cgroup; the files and the images stay: still released
+            raise
+        fault_point("ns.release.restored")
+        await asyncio.to_thread(shutil.rmtree, root / RELEASED_DIR, True)  # the marker goes with it, last
+        self.released.pop(sandbox_id, None)
+        log.info("sandbox=%s restored from disk", sandbox_id)
+        return sbx
+
+    def forget(self, sandbox_id: str) -> dict[str, Any] | None:
+        self.cancel(sandbox_id)
+        self._locks.pop(sandbox_id, None)
+        return self.released.pop(sandbox_id, None)
+
+    async def adopted(self, sandbox_id: str, root: Path) -> bool:
+        """After a restart: a sandbox whose marker says released (kill whatever of it runs) is registered
+        released; one that is not loses any partial image dir. True if released."""
+        data = await asyncio.to_thread(read_marker, root)
+        if data is None:
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(shutil.rmtree, root / RELEASED_DIR)
+            return False
+        from aenv.runtime.ns import cgroups
+
+        assert self.rt.layout is not None
+        cg = cgroups.Cgroup(self.rt.layout, sandbox_id)
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(cg.kill_all)
+            await asyncio.to_thread(cg.remove)
+        self.released[sandbox_id] = data
+        return True

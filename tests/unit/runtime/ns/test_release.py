@@ -1,0 +1,49 @@
+"""``runtime/ns/release.py``: what the released marker means across a restart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from aenv.runtime.ns import release
+
+
+async def test_no_marker_means_paused_in_memory_and_partial_images_go(tmp_path: Path) -> None:
+    (tmp_path / release.RELEASED_DIR / "criu").mkdir(parents=True)  # a dump the server died in
+    r = release.NsReleaser(SimpleNamespace(), after=1.0)  # type: ignore[arg-type]
+    assert await r.adopted("sb1", tmp_path) is False
+    assert not (tmp_path / release.RELEASED_DIR).exists() and r.released == {}
+
+
+async def test_marker_means_released(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / release.RELEASED_DIR).mkdir()
+    release.marker(tmp_path).write_text(json.dumps({"dir": str(tmp_path), "lowers": ["/rootfs"], "released": True}))
+    killed: list[str] = []
+
+    class Cg:
+        def __init__(self, layout: object, name: str) -> None:
+            self.name = name
+
+        def kill_all(self) -> None:
+            killed.append(self.name)
+
+        def remove(self) -> None:
+            pass
+
+    from aenv.runtime.ns import cgroups
+
+    monkeypatch.setattr(cgroups, "Cgroup", Cg)
+    r = release.NsReleaser(SimpleNamespace(layout=object()), after=1.0)  # type: ignore[arg-type]
+    assert await r.adopted("sb1", tmp_path) is True
+    assert killed == ["sb1"]  # a tree restored before the crash is ended: the images are the truth
+    assert r.released["sb1"]["lowers"] == ["/rootfs"]
+    assert r.forget("sb1") is not None and "sb1" not in r.released
+
+
+def test_bad_marker_reads_as_none(tmp_path: Path) -> None:
+    (tmp_path / release.RELEASED_DIR).mkdir()
+    release.marker(tmp_path).write_text("{")
+    assert release.read_marker(tmp_path) is None
