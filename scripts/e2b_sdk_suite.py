@@ -1,0 +1,159 @@
+"""Run the E2B Python SDK's own test suite (packages/python-sdk/tests of e2b-dev/E2B) against aenv.
+
+    .venv/bin/python scripts/e2b_sdk_suite.py --sdk /path/to/E2B/packages/python-sdk \\
+        --python /path/to/venv-with-that-sdk/bin/python --runtime ns [-- extra pytest args]
+
+It starts a local registry with aenv's fixture images under the names the SDK's template tests
+build FROM (no internet needed), starts ``aenv serve`` on the runtime with that registry as the
+docker.io mirror, and runs pytest in the SDK checkout with the exemptions below deselected. The
+SDK tests are not modified: the exemptions are node IDs, each with its reason. Exit status is
+pytest's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
+
+from aenv.images.registry import RegistryClient  # noqa: E402
+from aenv.testing.server import API_KEY, free_port, reap_vms, start_server, stop_server  # noqa: E402
+from tests.fixtures import images as fx  # noqa: E402
+from tests.fixtures.oci import image_config, push_image  # noqa: E402
+from tests.fixtures.registry import start_registry  # noqa: E402
+from tests.integration.test_domain_tls import make_tls  # noqa: E402
+
+# The images the SDK's template tests start FROM, all served by the Debian fixture image (the
+# `base` rootfs in two layers: Debian bookworm, bash, python3, a `user` account). Tests that
+# need what only the real image has are exempt below.
+IMAGES = ("ubuntu:22.04", "ubuntu:24.04", "e2bdev/base:latest", "python:3", "debian:stable")
+
+S = "tests/sync/sandbox_sync"
+A = "tests/async/sandbox_async"
+BOTH = (S, A)
+PUBLIC = "public internet: curls a public site or 1.1.1.1 / 8.8.8.8 (this host has none)"
+NET16 = "pending issue 16 (the `network` create option: allowOut/denyOut/allowPublicTraffic/maskRequestHost)"
+
+# Deselected: what no self-hosted offline server can give (public internet, E2B's hosted templates
+# and services). Node ID (or a file) -> reason.
+EXEMPT: dict[str, str] = {
+    **{f"{d}/test_internet_access.py::test_internet_access_enabled": PUBLIC for d in BOTH},
+    **{f"{d}/test_internet_access.py::test_internet_access_default": PUBLIC for d in BOTH},
+    **{f"{d}/test_network.py::{t}": f"{PUBLIC}; and {NET16}" for d in BOTH for t in (
+        "test_allow_specific_ip_with_deny_all", "test_deny_specific_ip", "test_deny_all_traffic",
+        "test_allow_takes_precedence_over_deny", "test_update_network_applies_restrictions",
+        "test_update_network_clears_existing_rules")},
+    **{f"{d}/test_network.py::test_firewall_transform_injects_headers":
+       f"E2B's hosted `httpbin` template (go-httpbin); and {NET16}" for d in BOTH},
+    **{f"{d}/test_create.py::test_mcp_gateway_start_failure_kills_created_sandbox":
+       "E2B's hosted MCP gateway (its mcp-gateway image and MCP servers); aenv refuses `mcp` with a 400"
+       for d in BOTH},
+}
+
+# Run, and expected to fail (strict xfail: one that starts passing fails the run, so the list
+# shrinks). Node ID -> (runtimes, reason).
+CRIU15 = "pending issue 15: Sandbox.create_snapshot asks for a full (memory) snapshot; ns needs CRIU for it"
+KNOWN: dict[str, tuple[tuple[str, ...], str]] = {
+    **{f"{d}/test_snapshot_api.py": (("ns",), CRIU15) for d in BOTH},
+    **{f"{d}/test_network.py::{t}": (("ns", "vm"), NET16) for d in BOTH
+       for t in ("test_allow_public_traffic_false", "test_mask_request_host")},
+    **{f"{d}/test_host.py::test_ping_server": (("ns", "vm"),
+       "aenv's `base` template has python3 but no `python` command (E2B's base has one); the test runs "
+       "`python -m http.server`") for d in BOTH},
+    **{f"{d}/commands/test_sandbox_killed_during_run.py::test_kill_sandbox_while_command_is_running": (
+       ("ns", "vm"), "SDK 2.45.1 probes /health only after a transport error (E2B: an HTTP/2 stream reset); "
+       "aenv ends the Connect stream with `unavailable` (what newer SDKs probe on) or, over HTTP/1.1, with "
+       "a cut chunked body, which pyqwest reports as a protocol error, so the SDK says 'likely due to "
+       "sandbox timeout'") for d in BOTH},
+}
+
+
+async def push_images(registry_url: str) -> None:
+    image = await asyncio.to_thread(fx.debian_image)
+    cfg = image_config(image.layers, cmd=image.cmd, workdir="/")
+    async with RegistryClient(mirrors={"docker.io": registry_url}) as client:
+        for name in IMAGES:
+            await push_image(client, name, image.layers, cfg)
+
+
+def run_suite(args: argparse.Namespace, tmp: Path) -> int:
+    reg = start_registry(tmp / "registry")
+    try:
+        asyncio.run(push_images(reg.url))
+        # As E2B's users run the suite: HTTPS and only E2B_DOMAIN, so sandbox hosts are
+        # <port>-<id>.aenv.localhost:PORT (resolved locally) and the SDK's own URL rules apply.
+        tls_dir = tmp / "tls"
+        tls_dir.mkdir(exist_ok=True)
+        tls = make_tls(tls_dir, ["aenv.localhost", "*.aenv.localhost", "localhost"])
+        port = free_port()
+        server_env = {
+            "AENV_REGISTRY_MIRRORS": f"docker.io={reg.url}",
+            "AENV_INSECURE_REGISTRIES": reg.host,
+            "PYTHONPATH": str(ROOT / "src"),  # the server of this checkout, whatever is installed
+        }
+        server = start_server(tmp, args.runtime, extra_env=server_env, port=port, tls=tls)
+        try:
+            env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
+            env |= {
+                "E2B_DOMAIN": f"aenv.localhost:{port}",
+                "E2B_API_KEY": API_KEY,
+                "SSL_CERT_FILE": str(tls.ca),
+                "NO_PROXY": "127.0.0.1,localhost,.localhost",
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "scripts"), os.environ.get("PYTHONPATH")])),
+            }
+            deselect = [] if args.no_exempt else [f"--deselect={node}" for node in EXEMPT]
+            known = {node: why for node, (where, why) in KNOWN.items() if args.runtime in where}
+            env["AENV_SDK_XFAIL"] = json.dumps(known)
+            cmd = [args.python, "-m", "pytest", "-p", "no:cacheprovider", "-p", "e2b_sdk_localhost",
+                   *deselect, *args.pytest_args]
+            print(f"aenv {args.runtime} at {server.url}; log {server.log_path}", file=sys.stderr)
+            # One sandbox first: on vm the template's first boot under TCG outlasts the suite's 30 s
+            # pytest timeout, which would fail whichever test comes first.
+            warm = "from e2b import Sandbox; Sandbox.create('base', timeout=120).kill()"
+            subprocess.run([args.python, "-c", warm], cwd=args.sdk, env=env, check=True, timeout=600)
+            if args.exec:  # anything else against the same server and environment (a reproduction)
+                return subprocess.call(args.exec, shell=True, cwd=args.sdk, env=env)
+            return subprocess.call(cmd, cwd=args.sdk, env=env)
+        finally:
+            stop_server(server)
+            if args.runtime == "vm":
+                reap_vms(server.state_dir)
+    finally:
+        reg.stop()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sdk", type=Path, required=True, help="checkout of packages/python-sdk")
+    ap.add_argument("--python", required=True, help="a Python with that SDK and its test deps installed")
+    ap.add_argument("--runtime", choices=("ns", "vm"), default="ns")
+    ap.add_argument("--no-exempt", action="store_true", help="run the exempt tests too")
+    ap.add_argument("--keep", type=Path, help="state directory to keep (default: a temp dir)")
+    ap.add_argument("--exec", help="run this shell command (in the SDK checkout) instead of pytest")
+    ap.add_argument("--list-exempt", action="store_true", help="print the exemptions and exit")
+    ap.add_argument("pytest_args", nargs="*", help="after --: passed to pytest (default: tests)")
+    args = ap.parse_args()
+    if args.list_exempt:
+        for node, why in EXEMPT.items():
+            print(f"deselected\t{node}\t{why}")
+        for node, (where, why) in KNOWN.items():
+            print(f"xfail {','.join(where)}\t{node}\t{why}")
+        return 0
+    args.pytest_args = args.pytest_args or ["tests"]
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        return run_suite(args, args.keep)
+    with tempfile.TemporaryDirectory(prefix="aenv-sdk-suite-") as tmp:
+        return run_suite(args, Path(tmp))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
