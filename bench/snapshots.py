@@ -78,7 +78,9 @@ def scenario_fork(client: AenvClient, counts: list[int], reps: int) -> dict[str,
     return out
 
 
-def scenario_snapshot_dirty(client: AenvClient, sizes_mb: list[int], reps: int) -> dict[str, Any]:
+def scenario_snapshot_dirty(client: AenvClient, sizes_mb: list[int], reps: int,
+                            ask: str = "filesystem") -> dict[str, Any]:
+    """``ask``: the mode asked for (ns: full = files + every process, through CRIU)."""
     from e2b import Sandbox
 
     out: dict[str, Any] = {}
@@ -86,14 +88,14 @@ def scenario_snapshot_dirty(client: AenvClient, sizes_mb: list[int], reps: int) 
         lat: list[float] = []
         paused: list[float] = []
         size = 0
-        mode = "filesystem"
+        mode = ask
         for _ in range(reps):
             sbx = Sandbox.create("base", timeout=600)
             try:
                 if mb:
                     sbx.commands.run(f"head -c {mb * 1000000} /dev/urandom > /home/user/dirty", timeout=300)
                 t0 = time.perf_counter()
-                snap = client.snapshot(sbx.sandbox_id, mode="filesystem")
+                snap = client.snapshot(sbx.sandbox_id, mode=ask)
                 lat.append(_ms(t0))
                 mode = snap.mode
                 size = client.wait_written(snap.snapshot_id).size_bytes  # vm: files follow the call
@@ -106,7 +108,7 @@ def scenario_snapshot_dirty(client: AenvClient, sizes_mb: list[int], reps: int) 
     return out
 
 
-def scenario_create_and_rollback(client: AenvClient, reps: int) -> dict[str, Any]:
+def scenario_create_and_rollback(client: AenvClient, reps: int, ask: str = "filesystem") -> dict[str, Any]:
     from e2b import Sandbox
 
     sbx = Sandbox.create("base", timeout=600)
@@ -115,7 +117,7 @@ def scenario_create_and_rollback(client: AenvClient, reps: int) -> dict[str, Any
     rb_answer: list[float] = []
     try:
         sbx.files.write("/home/user/v", "1")
-        snap = client.snapshot(sbx.sandbox_id, mode="filesystem")
+        snap = client.snapshot(sbx.sandbox_id, mode=ask)
         for _ in range(reps):
             t0 = time.perf_counter()
             child = Sandbox.create(snap.snapshot_id, timeout=600)

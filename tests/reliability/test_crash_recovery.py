@@ -23,6 +23,7 @@ import pytest
 from e2b import Sandbox, SandboxState
 
 from aenv.faults import POINTS
+from aenv.runtime.ns import criu
 from aenv.testing.server import Server
 from tests.reliability.helpers import (
     ServerFactory,
@@ -103,6 +104,14 @@ CASES: dict[str, tuple[str, int]] = {
     "snapshot.done": ("snapshot", 1),
     "fork.stored": ("fork", 1),
     "fork.done": ("fork", 1),
+    # ns with CRIU, paused sandboxes released to disk at once: P's release is the first hit
+    "ns.release.marked": ("release", 2),
+    "ns.release.restored": ("resume", 1),
+}
+# extra server settings a case needs (both servers of the case run with them)
+CASE_ENV: dict[str, dict[str, str]] = {
+    "ns.release.marked": {"AENV_NS_RELEASE_PAUSED_AFTER": "0"},
+    "ns.release.restored": {"AENV_NS_RELEASE_PAUSED_AFTER": "0"},
 }
 # where the victim must end up: usable (with its data) or gone; None = either is consistent
 EXPECT: dict[str, str | None] = {
@@ -114,6 +123,7 @@ EXPECT: dict[str, str | None] = {
     "kill.stored": "gone", "kill.done": "gone",
     "snapshot.stored": "usable", "snapshot.done": "usable",
     "fork.stored": "usable", "fork.done": "usable",
+    "ns.release.marked": "usable", "ns.release.restored": "usable",
 }
 
 
@@ -134,6 +144,15 @@ def _trigger(action: str, server: Server, conn: dict[str, str], victim: Sandbox 
         elif action == "pause_files":
             assert victim is not None
             victim.pause(mode="filesystem")
+        elif action == "release":  # the pause answers; the server dies releasing it right after
+            assert victim is not None
+            victim.pause()
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                with api(server) as c:
+                    c.get("/health")
+                time.sleep(0.1)
+            raise RuntimeError("the server did not die releasing the sandbox")
         elif action in ("resume", "resume_cold"):
             assert victim is not None
             Sandbox.connect(victim.sandbox_id, **conn)
@@ -151,11 +170,17 @@ def _trigger(action: str, server: Server, conn: dict[str, str], victim: Sandbox 
             raise RuntimeError("request returned")
 
 
-@pytest.mark.parametrize("point", sorted(CASES))
+@pytest.mark.parametrize("point", [
+    pytest.param(p, marks=pytest.mark.xfail(reason="open (issue 15): in this scene the resume from disk answers an "
+                                              "error before the point; the same resume works by hand", strict=False))
+    if p == "ns.release.restored" else p for p in sorted(CASES)])
 def test_crash_at_fault_point(point: str, servers: ServerFactory) -> None:
     action, nth = CASES[point]
     slirps_before = slirps_with_dead_target()
-    first = servers.start(faults=f"{point}:{nth}")
+    env = CASE_ENV.get(point)
+    if point.startswith("ns.release.") and (servers.runtime != "ns" or not criu.probe().usable):
+        pytest.skip("releasing paused sandboxes to disk is the ns runtime's with CRIU")
+    first = servers.start(faults=f"{point}:{nth}", extra_env=env)
     if action in ("snapshot", "fork") and not _capabilities(first).get(action):
         pytest.skip(f"the {servers.runtime} runtime has no {action} support yet")
     conn = sdk_kwargs(first)
@@ -174,13 +199,20 @@ def test_crash_at_fault_point(point: str, servers: ServerFactory) -> None:
         elif action == "resume_cold":
             assert victim.pause(mode="filesystem")  # its resume is a cold start
 
+    if point == "ns.release.restored":  # the victim's resume must be one from disk
+        assert victim is not None
+        released = servers.state_dir / "sandboxes" / victim.sandbox_id / "ns" / "released" / "released.json"
+        deadline = time.monotonic() + 60
+        while not released.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert released.exists(), "the paused victim was not released to disk"
     _trigger(action, first, conn, victim)
     assert wait_dead(first) == -9, f"server did not die at {point}:\n{first.log_tail()}"
     assert f"fault point {point} fired" in first.log_tail(200)
     rows = _store_ids(servers.state_dir)
     victim_id = v.sandbox_id if v else next((i for i in rows if i not in (a.sandbox_id, p.sandbox_id)), None)
 
-    second = servers.start()
+    second = servers.start(extra_env=env)
     conn = sdk_kwargs(second)
     with api(second) as c:
         states = {s["sandboxID"]: s["state"] for s in c.get("/v2/sandboxes", params={"state": "running,paused"}).json()}

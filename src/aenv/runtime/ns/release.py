@@ -47,6 +47,14 @@ def read_marker(root: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def _write_marker(root: Path, data: dict[str, Any]) -> None:
     tmp = marker(root).with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
@@ -165,8 +173,16 @@ class NsReleaser:
                 await asyncio.to_thread(shutil.rmtree, root / RELEASED_DIR)
             return False
         from aenv.runtime.ns import cgroups
+        from aenv.runtime.ns.sandbox import STATE_FILE, NsSandbox
 
         assert self.rt.layout is not None
+        # What the marker recorded (the dumped tree, its slirp4netns: outside the cgroup) and what
+        # ns.json says now (a tree a resume restored before the crash, with its own slirp).
+        on_disk = await asyncio.to_thread(_read_json, root / STATE_FILE)
+        for recorded in (data, on_disk):
+            if recorded.get("pid") and recorded.get("cgroup") and recorded.get("dir"):
+                with contextlib.suppress(Exception):
+                    await NsSandbox.from_state(self.rt.layout, recorded).stop()
         cg = cgroups.Cgroup(self.rt.layout, sandbox_id)
         with contextlib.suppress(Exception):
             await asyncio.to_thread(cg.kill_all)
