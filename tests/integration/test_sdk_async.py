@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from e2b import AsyncSandbox, CommandExitException, FilesystemEventType, PtySize
+from e2b import AsyncSandbox, CommandExitException, FilesystemEventType, PtySize, TimeoutException
 
 
 async def test_async_lifecycle_commands_files(e2b_env: dict[str, str]) -> None:
@@ -61,5 +61,22 @@ async def test_async_pty_and_pause(e2b_env: dict[str, str]) -> None:
         again = await AsyncSandbox.connect(sbx.sandbox_id)
         assert await again.files.read("/home/user/keep.txt") == "kept"
         assert await again.is_running()
+    finally:
+        await sbx.kill()
+
+
+async def test_async_command_timeout_is_a_timeout(e2b_env: dict[str, str]) -> None:
+    """A command past its ``timeout`` raises TimeoutException in the async SDK too: envd ends the
+    stream with ``deadline_exceeded`` at the deadline (as E2B's does) and kills the process, instead
+    of sending the killed process's end event (which the SDK reads as exit code -1)."""
+    sbx = await AsyncSandbox.create("base")
+    try:
+        with pytest.raises(TimeoutException):
+            await sbx.commands.run("sleep 30", timeout=2)
+        for _ in range(400):  # the kill is asynchronous; a slow guest (TCG) needs a while
+            if not any("sleep 30" in " ".join(p.args) for p in await sbx.commands.list()):
+                break
+            await asyncio.sleep(0.05)
+        assert not any("sleep 30" in " ".join(p.args) for p in await sbx.commands.list())
     finally:
         await sbx.kill()

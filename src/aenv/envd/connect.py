@@ -312,17 +312,17 @@ async def with_keepalive(
 class ServerStreamEndpoint:
     """ASGI app for one server-streaming method.
 
-    ``keepalive`` is the message sent on idle streams. ``deadline_grace`` lets a
-    handler that enforces the deadline itself (Start kills its process) deliver
-    its final message before the stream is cut with ``deadline_exceeded``.
+    ``keepalive`` is the message sent on idle streams. At the call's deadline the
+    stream is cut with ``deadline_exceeded``, as connect-go's server does; a handler
+    that also acts on the deadline (Start kills its process) sends nothing more, so
+    the SDKs raise their TimeoutException rather than read a killed process's end.
     A client disconnect only stops streaming; the handler is cancelled and must
     not treat that as a reason to stop the work it streams about.
     """
 
-    def __init__(self, handler: StreamHandler, keepalive: Message, deadline_grace: float = 0.0) -> None:
+    def __init__(self, handler: StreamHandler, keepalive: Message) -> None:
         self.handler = handler
         self.keepalive = keepalive
-        self.deadline_grace = deadline_grace
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -339,7 +339,7 @@ class ServerStreamEndpoint:
         watcher = asyncio.create_task(_wait_disconnect(receive))
         timeout = None
         if ctx.deadline is not None:
-            timeout = max(0.0, ctx.deadline + self.deadline_grace - asyncio.get_running_loop().time())
+            timeout = max(0.0, ctx.deadline - asyncio.get_running_loop().time())
         error: EnvdError | None = None
         try:
             done, _ = await asyncio.wait(

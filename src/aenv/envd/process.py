@@ -36,7 +36,6 @@ from aenv.envd.proctable import ManagedProcess, ProcessConfig, ProcessTable, Spa
 
 _SIGNALS = {"SIGNAL_UNSPECIFIED": 0, "SIGNAL_SIGTERM": 15, "SIGNAL_SIGKILL": 9}
 _KEEPALIVE: Message = {"event": {"keepalive": {}}}
-START_DEADLINE_GRACE_S = 1.0
 DEFAULT_PTY_SIZE = (80, 24)
 
 
@@ -48,7 +47,7 @@ class ProcessService:
     def routes(self) -> dict[str, object]:
         prefix = "/process.Process/"
         return {
-            prefix + "Start": ServerStreamEndpoint(self.start, _KEEPALIVE, START_DEADLINE_GRACE_S),
+            prefix + "Start": ServerStreamEndpoint(self.start, _KEEPALIVE),
             prefix + "Connect": ServerStreamEndpoint(self.connect, _KEEPALIVE),
             prefix + "List": UnaryEndpoint(self.list),
             prefix + "SendInput": UnaryEndpoint(self.send_input),
