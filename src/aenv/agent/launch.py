@@ -13,6 +13,8 @@ must import nothing but the stdlib. Steps, in the order CRIU and isolation need 
 4. hostname, loopback up;
 5. ``pivot_root`` (not chroot) and detach the old root, so no host path is reachable;
 6. drop dangerous capabilities from the bounding set, ``setsid``, stdio from inside the sandbox;
+   then ``no_new_privs`` and the seccomp filter (``syscall_filter.py``), last, because the steps above
+   need ``mount`` and ``pivot_root``;
 7. exec the agent from ``/.aenv`` with an empty environment and no inherited fds.
 
 Everything is mounted inside the private mount namespace: nothing appears on the host, so a crash
@@ -28,6 +30,17 @@ import os
 import socket
 import struct
 import sys
+
+try:  # the zygote imports us as a module ...
+    from aenv.agent import syscall_filter
+except ImportError:  # ... the plain path runs us as a script in isolated mode: load it from beside us
+    import importlib.util
+
+    _spec = importlib.util.spec_from_file_location(
+        "aenv_syscall_filter", os.path.join(os.path.dirname(os.path.abspath(__file__)), "syscall_filter.py"))
+    assert _spec is not None and _spec.loader is not None
+    syscall_filter = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(syscall_filter)
 
 MS_RDONLY = 0x1
 MS_NOSUID = 0x2
@@ -251,6 +264,8 @@ def enter(cfg: dict) -> None:  # type: ignore[type-arg]
     os.dup2(null, 0)
     os.dup2(log, 1)
     os.dup2(log, 2)
+    if cfg.get("seccomp", True):
+        syscall_filter.install()
 
 
 def run(cfg: dict) -> None:  # type: ignore[type-arg]
