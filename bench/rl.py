@@ -16,6 +16,7 @@ import uuid
 from typing import Any
 
 from bench.context import Ctx
+from bench.rl_groups import best_of_prepared, grpo_capacity
 from bench.rows import ms_since, row, scenario
 
 CHILDREN = 16
@@ -123,7 +124,8 @@ def _docker_loop(ctx: Ctx) -> dict[str, Any]:
 
 
 def rl_loop(ctx: Ctx) -> dict[str, Any]:
-    """Prepare a state, fork 16, score each, keep the best, kill the rest; docker: commit + run."""
+    """Prepare a state, fork 16, score each, keep the best, kill the rest (docker: commit + run); a GRPO step
+    (N prompts × 16 forks) at capacity; best-of-16 by fork vs 16 cold creates on a preparation-heavy task."""
     systems: list[tuple[str, Any]] = [(ctx.system, _aenv_loop)]
     if ctx.heavy_docker() is not None:
         systems.append(("docker", _docker_loop))
@@ -143,4 +145,6 @@ def rl_loop(ctx: Ctx) -> dict[str, Any]:
             label = {"fork": f"  fork ×{CHILDREN} (until created)", "score": f"  score ×{CHILDREN}",
                      "kill": f"  kill {CHILDREN - 1}", "prepare": "  prepare (create, files, process)"}[phase]
             rows.append(row(label, name, [r[phase] for r in rs]))
+    rows += grpo_capacity(ctx)
+    rows += best_of_prepared(ctx)
     return scenario(f"RL-shaped loop: best of {CHILDREN}", rows)

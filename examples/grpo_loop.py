@@ -32,8 +32,8 @@ GROUP = 16
 
 def prepare_command(prompt: int, prepare_mb: int = 0) -> str:
     """Lay out prompt ``prompt``'s task, plus ``prepare_mb`` MB of 'installed' files (the heavy part)."""
-    heavy = (f" && mkdir -p /opt/deps && for i in $(seq 1 {max(1, prepare_mb // 16)}); do "
-             f"head -c {min(16, prepare_mb)}M /dev/urandom > /opt/deps/pkg$i.bin; done") if prepare_mb else ""
+    heavy = (f" && mkdir -p $HOME/.deps && for i in $(seq 1 {max(1, prepare_mb // 16)}); do "
+             f"head -c {min(16, prepare_mb)}M /dev/urandom > $HOME/.deps/pkg$i.bin; done") if prepare_mb else ""
     return f"mkdir -p /tmp/task && echo {answer(prompt)} > /tmp/task/.answer{heavy}"
 
 
