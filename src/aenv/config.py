@@ -60,6 +60,12 @@ class Settings(BaseModel):
         default_factory=dict, description="live + starting sandboxes per API key (key or sha256:<hex> = N); past it 429 (reason quota)"
     )
     default_key_quota: int | None = Field(None, gt=0, description="that quota for keys not in key_quotas; unset = none")
+    webhook_urls: list[str] = Field(
+        default_factory=list, description="lifecycle webhook receivers (created, paused, resumed, forked, killed)"
+    )
+    webhook_secret: str | None = Field(None, description="HMAC-SHA256 key of the webhooks' X-Aenv-Signature")
+    webhook_attempts: int = Field(8, gt=0, description="deliveries tried this often (backoff 1 s, 2 s, 4 s, ...)")
+    webhook_backoff: float = Field(1.0, gt=0, description="first retry delay of a webhook delivery, seconds")
     pool_size: int = Field(2, ge=0, description="pre-started sandboxes kept ready per hot template")
     reaper_interval: float = Field(1.0, gt=0, description="seconds between TTL sweeps")
     default_cpu_count: int = Field(2, gt=0)
@@ -155,7 +161,7 @@ class Settings(BaseModel):
         return self.snapshot_store.strip() or None
 
 
-_LIST_FIELDS = {"api_keys", "insecure_registries"}
+_LIST_FIELDS = {"api_keys", "insecure_registries", "webhook_urls"}
 _DICT_FIELDS = {"registry_mirrors", "key_quotas"}
 
 

@@ -24,9 +24,11 @@ from aenv.api.routes_fleet import router as fleet_router
 from aenv.api.routes_sandboxes import router as sandboxes_router
 from aenv.api.routes_snapshots import router as snapshots_router
 from aenv.api.routes_templates import router as templates_router
+from aenv.api.routes_webhooks import router as webhooks_router
 from aenv.config import Settings
 from aenv.core.orchestrator import Orchestrator
 from aenv.core.templates import TemplateCatalog
+from aenv.core.webhooks import Webhooks
 from aenv.runtime.base import Runtime
 from aenv.store.sqlite import Store
 
@@ -63,11 +65,15 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
         if ensure_base:
             await asyncio.to_thread(orch.ensure_base_template)  # base, and code-interpreter-v1 if built
         orch.on_running.append(proxy.prewarm)
+        webhooks = Webhooks(settings, store)
+        orch.on_event.append(webhooks.emit)
         repository = _snapshot_repository(settings)
         if repository is not None:
             orch.attach_repository(repository)
         await orch.start()
+        await webhooks.start()  # first what a killed server left pending
         holder["orch"] = orch
+        app.state.webhooks = webhooks
         app.state.orchestrator = orch
         app.state.catalog = catalog
         app.state.settings = settings
@@ -81,6 +87,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
                 task.cancel()
             await proxy.aclose()
             await orch.close()
+            await webhooks.close()
             store.close()
 
     api = FastAPI(title="aenv", version=__version__, lifespan=lifespan)
@@ -92,6 +99,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
     api.include_router(fleet_router)
     api.include_router(templates_router)
     api.include_router(snapshots_router)
+    api.include_router(webhooks_router)
 
     @api.get("/health")
     async def health() -> JSONResponse:

@@ -97,6 +97,9 @@ class Orchestrator:
         # Called with a sandbox ID when it becomes usable (created, resumed); must not block. The proxy
         # opens its first envd stream there, ahead of the client's first request.
         self.on_running: list[Callable[[str], None]] = []
+        # Called with (event, row, extra) on created, paused, resumed, forked, killed (core/webhooks.py);
+        # must not block: a hook logs the event and returns.
+        self.on_event: list[Callable[[str, SandboxRow, dict[str, str]], None]] = []
 
     # ---- lifecycle of the orchestrator itself ---------------------------------------------------
     def attach_repository(self, repository: Any) -> None:
@@ -299,6 +302,7 @@ class Orchestrator:
             log.info("sandbox=%s created template=%s runtime=%s", sandbox_id, template.id, self.runtime.name)
             self.admission.owns(req.owner, sandbox_id)
             self._notify_running(sandbox_id)
+            self._emit("created", row)
             return sbx
 
     async def kill(self, sandbox_id: str) -> None:
@@ -312,6 +316,7 @@ class Orchestrator:
             await self.ctx.forget(sbx.row)
         self.snapshots.collect_garbage()
         log.info("sandbox=%s killed", sandbox_id)
+        self._emit("killed", sbx.row)
 
     async def kill_matching(self, metadata: dict[str, str]) -> KillReport:
         """Kill every sandbox tagged with all of ``metadata``, even one still starting (``fleet.py``)."""
@@ -359,6 +364,7 @@ class Orchestrator:
             sbx.id, state=sbx.row.state, paused_at=sbx.row.paused_at, runtime_state=state.data
         )
         log.info("sandbox=%s paused (%s)", sbx.id, mode)
+        self._emit("paused", sbx.row)
 
     async def connect(self, sandbox_id: str, timeout: int | None, keep_memory: bool = True,
                       auto_pause: bool | None = None) -> tuple[LiveSandbox, bool]:
@@ -410,6 +416,7 @@ class Orchestrator:
         )
         log.info("sandbox=%s resumed%s", sbx.id, " (cold start)" if cold else "")
         self._notify_running(sbx.id)
+        self._emit("resumed", sbx.row)
 
     def _notify_running(self, sandbox_id: str) -> None:
         for hook in self.on_running:
@@ -417,6 +424,13 @@ class Orchestrator:
                 hook(sandbox_id)
             except Exception:  # noqa: BLE001 - a hook is an optimisation, never a reason to fail
                 log.exception("sandbox=%s on_running hook failed", sandbox_id)
+
+    def _emit(self, event: str, row: SandboxRow, **extra: str) -> None:
+        for hook in self.on_event:
+            try:
+                hook(event, row, extra)
+            except Exception:  # noqa: BLE001 - an event hook never fails the lifecycle step it reports
+                log.exception("sandbox=%s on_event hook failed (%s)", row.id, event)
 
     async def open_stream(self, sandbox_id: str, port: int) -> ByteStream:
         """A byte stream into the sandbox for the proxy. Paused sandboxes resume first when autoResume is on."""
@@ -516,7 +530,11 @@ class Orchestrator:
         return await self.snapshots.create(sandbox_id, name, mode)
 
     async def fork(self, sandbox_id: str, count: int, timeout: int | None) -> list[LiveSandbox | AenvError]:
-        return await self.snapshots.fork(sandbox_id, count, timeout)
+        out = await self.snapshots.fork(sandbox_id, count, timeout)
+        for child in out:
+            if isinstance(child, LiveSandbox):
+                self._emit("forked", child.row, parentSandboxId=sandbox_id)
+        return out
 
     async def rollback(self, sandbox_id: str, snapshot_id: str) -> LiveSandbox:
         return await self.snapshots.rollback(sandbox_id, snapshot_id)

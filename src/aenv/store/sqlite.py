@@ -98,6 +98,22 @@ CREATE TABLE IF NOT EXISTS snapshots (
     size_bytes INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS snapshots_sandbox ON snapshots(sandbox_id);
+-- Lifecycle webhook deliveries (store/webhook_log.py): a new table, so older databases get it here too.
+CREATE TABLE IF NOT EXISTS webhook_deliveries (
+    id TEXT PRIMARY KEY,
+    url TEXT NOT NULL,
+    event TEXT NOT NULL,
+    sandbox_id TEXT NOT NULL,
+    body TEXT NOT NULL,
+    state TEXT NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    next_at REAL NOT NULL,
+    created_at REAL NOT NULL,
+    delivered_at REAL,
+    last_status INTEGER,
+    last_error TEXT
+);
+CREATE INDEX IF NOT EXISTS webhook_deliveries_due ON webhook_deliveries(state, next_at);
 """
 
 
