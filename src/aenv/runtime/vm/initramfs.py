@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from aenv.runtime.network import SLIRP_DNS
+
 BUILDER_VERSION = "3"
 BUSYBOX = Path("/bin/busybox")  # Debian busybox-static
 CHANNEL_NAME = "aenv"  # virtserialport name=; the guest finds its port by this name
@@ -97,6 +99,13 @@ mount -t ext4 -o noatime "$r" /newroot || die "cannot mount root $r"
 t=$(disk tools) || die "no disk with serial 'tools'"
 mkdir -p /newroot/.aenv
 mount -t ext4 -o ro "$t" /newroot/.aenv || die "cannot mount tools $t"
+# The guest's DNS is slirp's resolver, as a container runtime gives a container its resolv.conf: the
+# image's own names whatever resolved where it was built (often the build host's private resolver),
+# which the jail's filter rejects, and the server's sandbox_dns is reached through 10.0.2.3 only.
+if [ -d /newroot/etc ]; then
+    rm -f /newroot/etc/resolv.conf
+    echo "nameserver __DNS__" > /newroot/etc/resolv.conf || say "cannot write /etc/resolv.conf"
+fi
 # Per-template agent arguments (env, default user, start command): a raw disk (serial 'config')
 # holding one shell-quoted line. Read it while /sys and /dev are still here, before they move.
 set --
@@ -135,7 +144,7 @@ def render_init(agent_argv: Sequence[str], channel_name: str = CHANNEL_NAME) -> 
     if not channel_name.replace("-", "").replace(".", "").isalnum():
         raise InitramfsError(f"channel name {channel_name!r}: alphanumerics, '-' and '.' only")
     agent = shlex.join(agent_argv).replace(PORT_PLACEHOLDER, '"$port"')
-    return INIT_TEMPLATE.replace("__AGENT__", agent).replace("__NAME__", channel_name)
+    return INIT_TEMPLATE.replace("__AGENT__", agent).replace("__NAME__", channel_name).replace("__DNS__", SLIRP_DNS)
 
 
 def default_agent_argv() -> list[str]:

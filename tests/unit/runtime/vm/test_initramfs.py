@@ -89,3 +89,18 @@ def test_init_reads_the_config_disk_before_moving_sys_and_dev() -> None:
     (this once silently dropped every template's env and start command)."""
     script = initramfs.render_init(["/agent", initramfs.PORT_PLACEHOLDER])
     assert script.index("disk config") < script.index('mount --move "/$d"')
+
+
+def test_init_gives_the_guest_slirps_resolver(tmp_path: Path) -> None:
+    """The guest resolves through slirp's 10.0.2.3 (the jail's filter lets only that out, and on to
+    the server's sandbox_dns), whatever the image's resolv.conf named or linked to: the image's
+    one was the build host's resolver, which no guest query reached."""
+    script = initramfs.render_init(["/agent", initramfs.PORT_PLACEHOLDER])
+    start = script.index("if [ -d /newroot/etc ]")
+    block = script[start : script.index("\nfi\n", start) + 4].replace("/newroot", str(tmp_path))
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "resolv.conf").symlink_to("../run/systemd/resolve/stub-resolv.conf")
+    subprocess.run(["/bin/busybox", "sh", "-c", "say() { :; }\n" + block], check=True)
+    conf = tmp_path / "etc" / "resolv.conf"
+    assert not conf.is_symlink() and conf.read_text() == "nameserver 10.0.2.3\n"
+    assert script.index("resolv.conf") < script.index("switch_root /newroot")
