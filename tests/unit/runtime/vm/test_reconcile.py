@@ -3,6 +3,7 @@ generation of a run dir, the kill of a recorded process that is no longer ours."
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from aenv.runtime.base import RuntimeState
@@ -36,6 +37,11 @@ def test_kill_recorded_leaves_a_process_that_is_not_our_qemu() -> None:
 
     proc = subprocess.Popen(["sleep", "30"])
     try:
+        # until its exec, the child's command line is still this test process's (a busy host is slow)
+        for _ in range(500):
+            if Path(f"/proc/{proc.pid}/cmdline").read_bytes().startswith(b"sleep"):
+                break
+            time.sleep(0.01)
         kill_recorded(RuntimeState({"pid": proc.pid, "qmp": "/nonexistent/q.sock"}))
         kill_recorded(RuntimeState({"pid": "not-a-pid", "qmp": "x"}))
         assert proc.poll() is None  # its command line does not name that QMP socket
