@@ -65,7 +65,9 @@ class Context:
             memory_mb=row.memory_mb,
             disk_mb=row.disk_mb,
             pids_limit=self.settings.pids_limit,
-            allow_internet=row.allow_internet or bool(row.network.get("allowOut")),  # network.needs_internet
+            # whether it was made with a way out (a row from before store v4: network.needs_internet)
+            allow_internet=row.has_network if row.has_network is not None else (
+                row.allow_internet or bool(row.network.get("allowOut"))),
             env_vars=dict(row.env_vars),
             access_token=row.access_token,
         )

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from aenv.core.network import NetworkRequest
 from aenv.errors import StateError
 from aenv.kinds import SandboxState
 
-__all__ = ["CreateRequest", "ListQuery", "SandboxState", "require_state"]
+__all__ = ["CreateRequest", "ListQuery", "NetworkRequest", "SandboxState", "require_state"]
 
 
 def require_state(sandbox_id: str, current: SandboxState, *allowed: SandboxState, action: str) -> None:
@@ -23,6 +22,18 @@ def require_state(sandbox_id: str, current: SandboxState, *allowed: SandboxState
             sandbox_id=sandbox_id,
             state=current.value,
         )
+
+
+@dataclass(frozen=True)
+class NetworkRequest:
+    """The ``network`` of a create, or the body of ``PUT /sandboxes/{id}/network`` (then without
+    allowPublicTraffic and maskRequestHost); validated and enforced by ``network.py``."""
+
+    allow_out: list[str] | None = None
+    deny_out: list[str] | None = None
+    dns_servers: list[str] | None = None
+    allow_public_traffic: bool | None = None
+    mask_request_host: str | None = None
 
 
 @dataclass(frozen=True)

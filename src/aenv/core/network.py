@@ -1,38 +1,50 @@
 """E2B's network settings of a sandbox, kept in its row and enforced by the runtime.
 
 The row keeps what the API shows (``SandboxRow.network``: allowOut, denyOut, dnsServers,
-allowPublicTraffic, maskRequestHost) and the traffic token; from it come the egress policy the
-runtime enforces (``egress_of``) and what the proxy checks on inbound traffic (``ingress_of``). The
-policy is registered with the runtime before a sandbox's first network namespace exists (create,
-fork children) and again after a restart; the runtime keeps it for every namespace it makes for the
-sandbox (restores into new QEMUs, cold starts) and ``update`` replaces it live.
+allowPublicTraffic, maskRequestHost), the traffic token and whether the sandbox was made with a way
+out at all (``has_network``: fixed at create, unlike ``allow_internet``, which an update switches);
+from it come the egress policy the runtime enforces (``egress_of``) and what the proxy checks on
+inbound traffic (``ingress_of``). The policy is registered with the runtime before a sandbox's
+first network namespace exists (create, fork children) and again after a restart (``adopt``, which
+fails closed); the runtime keeps it for every namespace it makes for the sandbox (restores into new
+QEMUs, cold starts) and ``update`` replaces it live. The orchestrator only calls these steps.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
+from aenv.config import Settings
+from aenv.core.ids import new_token
+from aenv.core.models import NetworkRequest, SandboxState, require_state
 from aenv.errors import InvalidRequest
-from aenv.runtime.base import EgressCapable, Runtime
+from aenv.runtime.base import EgressCapable, Runtime, RuntimeState, SandboxSpec
 from aenv.runtime.netpolicy import EgressPolicy, from_record, parse
-from aenv.runtime.network import BLOCKED_RANGES
+from aenv.runtime.network import BLOCKED_RANGES, configure_dns
 from aenv.store.sqlite import SandboxRow
+
+__all__ = ["NetworkRequest", "adopt", "configure", "egress_of", "enforce", "ingress_of", "row_fields", "update"]
 
 log = logging.getLogger("aenv.network")
 
 
-@dataclass(frozen=True)
-class NetworkRequest:
-    """The ``network`` of a create, or the body of ``PUT /sandboxes/{id}/network`` (then without
-    allowPublicTraffic and maskRequestHost)."""
+def configure(settings: Settings) -> None:
+    """The server's ``sandbox_dns``: where every sandbox's queries go, and the egress proxy asks."""
+    configure_dns(settings.sandbox_dns)
 
-    allow_out: list[str] | None = None
-    deny_out: list[str] | None = None
-    dns_servers: list[str] | None = None
-    allow_public_traffic: bool | None = None
-    mask_request_host: str | None = None
+
+def row_fields(req: NetworkRequest | None, allow_internet: bool) -> dict[str, Any]:
+    """The network columns of a new sandbox's row (``req`` validated: a 400 names what aenv cannot
+    enforce). ``allowOut`` gives a way out even without internet access (``needs_internet``)."""
+    record = record_of(req)
+    return {
+        "allow_internet": allow_internet,
+        "network": record,
+        "traffic_token": new_token() if req is not None and req.allow_public_traffic is False else None,
+        "has_network": allow_internet or bool(record.get("allowOut")),
+    }
 
 
 def record_of(req: NetworkRequest | None, keep: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -98,13 +110,19 @@ async def enforce(runtime: Runtime, row: SandboxRow) -> None:
 
 async def update(runtime: Runtime, store: Any, sbx: Any, req: NetworkRequest, allow_internet: bool | None) -> None:
     """``PUT /sandboxes/{id}/network``: the body replaces the egress settings (a field left out is
-    cleared; ``allow_internet_access`` left out means true), inbound ones stay. The caller holds the
-    sandbox's lock (running or paused); a paused sandbox resumes with the new policy in its filter."""
+    cleared; ``allow_internet_access`` left out means true), inbound ones stay. Under the sandbox's
+    lock, running or paused; a paused sandbox resumes with the new policy in its filter."""
+    async with sbx.lock:
+        require_state(sbx.id, sbx.state, SandboxState.RUNNING, SandboxState.PAUSED, action="update the network of")
+        await _update_locked(runtime, store, sbx, req, allow_internet)
+
+
+async def _update_locked(runtime: Runtime, store: Any, sbx: Any, req: NetworkRequest, allow_internet: bool | None) -> None:
     if not isinstance(runtime, EgressCapable):
         raise InvalidRequest(f"network: the {runtime.name} runtime cannot enforce egress rules")
     row: SandboxRow = sbx.row
     new = replace(row, network=record_of(req, keep=row.network), allow_internet=allow_internet is not False)
-    if needs_internet(new) and not sbx.spec.allow_internet:
+    if needs_internet(new) and not sbx.spec.allow_internet:  # the spec says whether it has a network
         raise InvalidRequest(
             "network: this sandbox was created with allow_internet_access: false and has no network; aenv "
             'cannot add one to a running sandbox (create it with denyOut: ["0.0.0.0/0"] instead)'
@@ -115,9 +133,15 @@ async def update(runtime: Runtime, store: Any, sbx: Any, req: NetworkRequest, al
     await runtime.set_egress(row.id, policy)
 
 
-async def enforce_adopted(runtime: Runtime, row: SandboxRow) -> bool:
-    """After a restart: the adopted sandbox's policy back in force. False when it cannot be: such a
-    sandbox must not run on without it (the caller removes it: fail closed)."""
+async def adopt(runtime: Runtime, row: SandboxRow, spec: SandboxSpec, stopped: bool) -> bool:
+    """After a restart: the runtime adopts what survived of the sandbox, then its policy is back in
+    force. False when either fails: such a sandbox must not run on without its policy (the caller
+    removes it: fail closed)."""
+    try:
+        if not await runtime.adopt(row.id, spec, RuntimeState(row.runtime_state), stopped=stopped):
+            return False
+    except Exception:  # noqa: BLE001 - whatever it was, the sandbox was not adopted
+        return False
     try:
         await enforce(runtime, row)
         return True

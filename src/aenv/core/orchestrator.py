@@ -53,7 +53,6 @@ from aenv.images import ProgressCallback
 from aenv.kinds import SnapshotMode, TemplateKind
 from aenv.mux import ByteStream, StreamRefused
 from aenv.runtime.base import ResourceSample, Runtime, RuntimeState, SnapshotResult
-from aenv.runtime.network import configure_dns as set_sandbox_dns
 from aenv.store.sqlite import SandboxRow, SnapshotRow, Store, TemplateRow, now
 
 __all__ = ["LiveSandbox", "Orchestrator", "file_signature"]
@@ -86,7 +85,7 @@ class Orchestrator:
         self.templates = templates
         self.table = SandboxTable()
         self.ctx = Context(settings, store, runtime, templates, self.table)
-        set_sandbox_dns(settings.sandbox_dns)
+        net.configure(settings)
         self.sync = SnapshotSync(self.ctx)
         self.snapshots = SnapshotFlows(self.ctx, self.sync)
         self.template_flows = TemplateFlows(self.ctx)
@@ -146,12 +145,7 @@ class Orchestrator:
             if state in (SandboxState.RUNNING, SandboxState.PAUSED, SandboxState.PAUSING, SandboxState.RESUMING):
                 # Paused without memory, or a pause/resume that was discarding it: files only.
                 stopped = state is not SandboxState.RUNNING and row.pause_mode is SnapshotMode.FILESYSTEM
-                ok = False
-                with contextlib.suppress(Exception):
-                    ok = await self.runtime.adopt(row.id, spec, RuntimeState(row.runtime_state), stopped=stopped)
-                if ok and not await net.enforce_adopted(self.runtime, row):
-                    ok = False
-                if ok:
+                if await net.adopt(self.runtime, row, spec, stopped):  # with its network policy, or not at all
                     # A half-done pause/resume is settled towards the safe side: paused.
                     if state in (SandboxState.PAUSING, SandboxState.RESUMING) or stopped:
                         with contextlib.suppress(Exception):
@@ -174,10 +168,7 @@ class Orchestrator:
 
     async def update_network(self, sandbox_id: str, req: net.NetworkRequest, allow_internet: bool | None) -> None:
         """``PUT /sandboxes/{id}/network``: replace the sandbox's egress rules, live (``network.update``)."""
-        sbx = self.get(sandbox_id)
-        async with sbx.lock:
-            require_state(sbx.id, sbx.state, SandboxState.RUNNING, SandboxState.PAUSED, action="update the network of")
-            await net.update(self.runtime, self.store, sbx, req, allow_internet)
+        await net.update(self.runtime, self.store, self.get(sandbox_id), req, allow_internet)
 
     # ---- queries --------------------------------------------------------------------------------
     def get(self, sandbox_id: str) -> LiveSandbox:
@@ -263,9 +254,7 @@ class Orchestrator:
                 auto_pause=req.auto_pause,
                 auto_pause_memory=req.auto_pause_memory,
                 auto_resume=req.auto_resume,
-                allow_internet=req.allow_internet,
-                network=net.record_of(req.network),
-                traffic_token=new_token() if req.network and req.network.allow_public_traffic is False else None,
+                **net.row_fields(req.network, req.allow_internet),
                 metadata=dict(req.metadata),
                 env_vars=dict(req.env_vars),
                 access_token=new_token() if req.secure else None,

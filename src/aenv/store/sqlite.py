@@ -21,7 +21,7 @@ from typing import Any
 from aenv.errors import StoreError
 from aenv.kinds import SandboxState, SnapshotMode, TemplateKind
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 # Columns added after a database was first created, per table, as (name, SQL definition). A store
 # opening an older database adds the ones it lacks (``ALTER TABLE ... ADD COLUMN``, existing rows get
@@ -32,6 +32,7 @@ _ADDED_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
         ("pause_mode", "TEXT"),  # v2: what the current (or last) pause keeps: full | filesystem
         ("network", "TEXT NOT NULL DEFAULT '{}'"),  # v3: E2B's network settings (egress rules, masking)
         ("traffic_token", "TEXT"),  # v3: required on user ports when allowPublicTraffic is false
+        ("has_network", "INTEGER"),  # v4: made with a way out (NULL: a row from before v4)
     ),
 }
 
@@ -59,6 +60,7 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     access_token TEXT,
     network TEXT NOT NULL DEFAULT '{}',
     traffic_token TEXT,
+    has_network INTEGER,
     runtime_state TEXT NOT NULL DEFAULT '{}',
     idempotency_key TEXT,
     created_seq INTEGER NOT NULL DEFAULT 0,
@@ -149,9 +151,15 @@ class SandboxRow:
     # policy, runtime/netpolicy.py), allowPublicTraffic, maskRequestHost. Empty: none given.
     network: dict[str, Any] = field(default_factory=dict)
     traffic_token: str | None = None  # e2b-traffic-access-token for user ports (allowPublicTraffic: false)
+    # Whether the sandbox was made with a way out (slirp): fixed at create, while allow_internet is
+    # what E2B's allowInternetAccess says now (an update can turn it off and on again). None: a row
+    # from before v4, where core derives it from the other fields.
+    has_network: bool | None = None
 
     def __post_init__(self) -> None:
         self.state = SandboxState(self.state)  # the database holds the plain value
+        if self.has_network is not None:
+            self.has_network = bool(self.has_network)  # the database holds 0/1
         if self.pause_mode is not None:
             self.pause_mode = SnapshotMode(self.pause_mode)
 

@@ -126,8 +126,12 @@ def test_an_older_database_gains_the_new_columns_and_keeps_its_rows(tmp_path: Pa
         store.update_sandbox("old1", network={"denyOut": ["0.0.0.0/0"]}, traffic_token="t")
         third = store.get_sandbox("old1")
         assert third is not None and third.network == {"denyOut": ["0.0.0.0/0"]} and third.traffic_token == "t"
+        assert third.has_network is None  # v4: unknown for an older row
+        store.update_sandbox("old1", has_network=True)
+        fourth = store.get_sandbox("old1")
+        assert fourth is not None and fourth.has_network is True
         version = store._query("SELECT value FROM meta WHERE key='schema_version'")[0]["value"]
-        assert int(version) == SCHEMA_VERSION == 3
+        assert int(version) == SCHEMA_VERSION == 4
     finally:
         store.close()
     Store(path).close()  # opening a migrated database again changes nothing
