@@ -110,12 +110,28 @@ def run_criu(argv: list[str], log: Path, what: str) -> None:
         raise CheckpointError(f"criu {what} failed: {why}")
 
 
+def kdat_cache(exe: str) -> Path | None:
+    """The directory that keeps CRIU's kernel probe between runs (``criu.in_kdat_cache_argv``), made
+    on first use; None where it cannot be (no /dev/shm): CRIU then probes every time, as before."""
+    path = criu.kdat_dir(exe)
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+        # CRIU creates the cache with O_EXCL on "<file>.tmp" and a failed save leaves that file
+        # behind, blocking every later save: a leftover is never fresher than a missing cache.
+        with contextlib.suppress(FileNotFoundError):
+            if time.time() - (path / "criu.kdat.tmp").stat().st_mtime > 60:
+                (path / "criu.kdat.tmp").unlink()
+    except OSError:
+        return None
+    return path
+
+
 def dump(exe: str, init_pid: int, images: Path, *, freezer: Path | None, leave_running: bool = True) -> None:
     """``criu dump`` of the tree rooted at ``init_pid`` into ``images``, its network namespace external."""
     images.mkdir(parents=True, exist_ok=True)
     argv = criu.dump_argv(exe, init_pid, images, freezer=freezer, log=DUMP_LOG, leave_running=leave_running,
                           net_inode=net_inode(init_pid))
-    run_criu(argv, images / DUMP_LOG, "dump")
+    run_criu(criu.in_kdat_cache_argv(kdat_cache(exe), argv), images / DUMP_LOG, "dump")
 
 
 def restore(exe: str, images: Path, *, lowers: list[str], upper: Path, work: Path, merged: Path, run_dir: Path,
@@ -129,7 +145,7 @@ def restore(exe: str, images: Path, *, lowers: list[str], upper: Path, work: Pat
     try:
         run_criu(criu.in_cgroups_argv(procs_files, criu.in_fresh_netns_argv(criu.restore_argv(
             exe, images, root=merged, pidfile=pidfile, tools=tools, run_dir=run_dir, log=str(log),
-            boot_id=boot_id))), log, "restore")
+            boot_id=boot_id), kdat=kdat_cache(exe))), log, "restore")
     finally:
         subprocess.run(["umount", "-l", str(merged)], check=False, capture_output=True)
     return int(pidfile.read_text().strip())

@@ -25,10 +25,20 @@ sandbox, not forked from the zygote (whose preloaded modules are mapped from the
 (the server's connections to the agent and envd: the accepted end of a unix connection lives in the
 *connecting* side's netns, "Unix socket … not found"), so the host closes them before a dump
 (``NsSandbox.quiesce``). envd runs with ``UV_USE_IO_URING=0``: CRIU cannot dump io_uring.
+
+Two costs paid on every CRIU run that are not the sandbox's, both removed here (measured under load:
+~60 ms of each dump and restore): CRIU probes the kernel (``kerndat``) and keeps the answer only in
+``/run/criu.kdat`` *when /run is a tmpfs*, which it is not in many containers (this one: ext4), so it
+probed again every time; ``in_kdat_cache_argv`` runs CRIU in a private mount namespace whose ``/run``
+is a directory of ``/dev/shm`` (a tmpfs, emptied at reboot like /run), keyed by the executable. And its
+network lock runs ``iptables-restore`` twice per run: the namespace is external (restores get a fresh
+one with no peers; a dump's source keeps its own, and connections to outside slirp4netns cannot be
+restored into a new namespace anyway), so ``--network-lock skip``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -55,6 +65,7 @@ CACHE_SUBPATH = ("criu", "current", "criu")  # under the cache dir: what scripts
 EXT_BOOT_ID = "aenv-boot-id"  # the sandbox's own boot id file (agent/launch.py); a restore gets a new one
 BOOT_ID_MOUNT = "/proc/sys/kernel/random/boot_id"
 DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
+KDAT_BASE = Path("/dev/shm")  # a tmpfs on any Linux host: CRIU keeps its kernel probe only on one
 
 Runner = Callable[..., "subprocess.CompletedProcess[str]"]
 
@@ -179,7 +190,7 @@ def dump_argv(exe: str, pid: int, images: Path, *, freezer: Path | None, log: st
     consistent with the upper copied right after, and CRIU then leaves it frozen. ``net_inode``: the
     inode of the sandbox's network namespace, dumped as external. ``masked``: the /proc files the
     sandbox has masked (those that exist on this host: ``launch.harden_proc``)."""
-    argv = [exe, "dump", "-t", str(pid), "-D", str(images), "-o", log, "-v2",
+    argv = [exe, "dump", "-t", str(pid), "-D", str(images), "-o", log, "-v2", "--network-lock", "skip",
             "--tcp-established", "--ext-unix-sk", "--file-locks", "--manage-cgroups=ignore",
             *_externals_dump(masked_here() if masked is None else masked, net_inode)]
     if freezer is not None:
@@ -198,18 +209,39 @@ def restore_argv(exe: str, images: Path, *, root: Path, pidfile: Path, tools: Pa
     the image's network namespace was external; the restored tree joins the one open at ``NET_FD``
     (``in_fresh_netns_argv``)."""
     net = ["--inherit-fd", f"fd[{NET_FD}]:{EXT_NET}"] if net_external else []
-    return [exe, "restore", "-D", str(images), "-o", log, "-v2", "--restore-detached",
+    return [exe, "restore", "-D", str(images), "-o", log, "-v2", "--network-lock", "skip", "--restore-detached",
             "--pidfile", str(pidfile), "--root", str(root), "--tcp-established", "--ext-unix-sk",
             "--file-locks", "--manage-cgroups=ignore", *_externals_restore(tools, run_dir, boot_id, masked_here() if masked is None else masked),
             *net, *extra]
 
 
-def in_fresh_netns_argv(argv: Sequence[str]) -> list[str]:
+def kdat_dir(exe: str, base: Path = KDAT_BASE) -> Path:
+    """Where ``exe``'s kernel probe is kept: one directory per executable (another build may lay
+    its cache out differently; CRIU only checks two magic numbers and the size)."""
+    return base / f"aenv-criu-{hashlib.sha256(exe.encode()).hexdigest()[:12]}"
+
+
+def _kdat_prefix(kdat: Path | None) -> str:
+    return f'mount --bind "{kdat}" /run && ' if kdat is not None else ""
+
+
+def in_kdat_cache_argv(kdat: Path | None, argv: Sequence[str]) -> list[str]:
+    """Run CRIU (``argv``) with ``/run`` bound to ``kdat`` (a tmpfs dir) in a private mount namespace,
+    so its kernel probe is kept between runs (see the module doc). ``None``: run it as is."""
+    if kdat is None:
+        return list(argv)
+    return ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c",
+            _kdat_prefix(kdat) + 'exec "$@"', "sh", *argv]
+
+
+def in_fresh_netns_argv(argv: Sequence[str], kdat: Path | None = None) -> list[str]:
     """Run ``argv`` in a new network namespace with loopback up and that namespace open at ``NET_FD``
     (what ``restore_argv(net_external=True)`` inherits). The namespace lives as long as the restored
-    tree is in it; the runtime adds the filter and slirp4netns for internet access afterwards."""
-    script = f'ip link set lo up && exec "$@" {NET_FD}</proc/self/ns/net'
-    return ["unshare", "--net", "--", "/bin/sh", "-c", script, "sh", *argv]
+    tree is in it; the runtime adds the filter and slirp4netns for internet access afterwards.
+    ``kdat``: also a private mount namespace with CRIU's probe cache (``in_kdat_cache_argv``)."""
+    script = f'{_kdat_prefix(kdat)}ip link set lo up && exec "$@" {NET_FD}</proc/self/ns/net'
+    mount = ["--mount", "--propagation", "private"] if kdat is not None else []
+    return ["unshare", "--net", *mount, "--", "/bin/sh", "-c", script, "sh", *argv]
 
 
 def in_cgroups_argv(procs_files: Sequence[str], argv: Sequence[str]) -> list[str]:

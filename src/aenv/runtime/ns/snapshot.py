@@ -33,6 +33,7 @@ mode available (``fork_mode``) and reports it in ``SnapshotResult.mode``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import errno
 import logging
@@ -72,6 +73,7 @@ ENV_MAX_DEPTH = "AENV_NS_SNAPSHOT_MAX_DEPTH"  # override (tests use a small one 
 MAX_MOUNT_OPTIONS = 3584  # bytes of "lowerdir=…,upperdir=…,workdir=…" (the kernel's limit is one page)
 OPAQUE_XATTR = "trusted.overlay.opaque"
 MODES = ("full", "filesystem")
+MAX_RESTORES = 64  # concurrent process restores (aenv's fork limit): see _restore_pool
 
 
 # ---- filesystem primitives (blocking; run in a thread) -----------------------------------------
@@ -375,7 +377,7 @@ class NsSnapshots:
             return restore_into(sbx, spec, snapshot / UPPER, snapshot / CRIU_DIR, exe, tools)
 
         try:
-            pid = await asyncio.to_thread(prepare_and_restore)
+            pid = await asyncio.get_running_loop().run_in_executor(_restore_pool(), prepare_and_restore)
             await rt.attach_restored(sbx, spec, pid)
         except BaseException as exc:
             await sbx.aclose(remove_dir=None if root else spec.workdir)
@@ -384,6 +386,18 @@ class NsSnapshots:
                                      sandbox_id=spec.sandbox_id) from exc
             raise
         return rt._state(sbx, spec.workdir)
+
+
+_POOL: list[concurrent.futures.ThreadPoolExecutor] = []
+
+
+def _restore_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads for restores: the loop's default executor has ``cpu_count + 4`` threads (6 here), so
+    a ``fork(16)`` restored its children in three waves behind each other; each restore is mostly
+    waiting on CRIU, so all of a fork's children get a thread (measured: fork x16 2.9 -> 1.8 s)."""
+    if not _POOL:
+        _POOL.append(concurrent.futures.ThreadPoolExecutor(MAX_RESTORES, thread_name_prefix="aenv-criu-restore"))
+    return _POOL[0]
 
 
 def restore_into(sbx: NsSandbox, spec: SandboxSpec, upper: Path, images: Path, exe: str, tools: Path) -> int:

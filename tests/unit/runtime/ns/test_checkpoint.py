@@ -48,3 +48,20 @@ def test_wait_no_host_sockets_times_out_with_the_culprit(monkeypatch: pytest.Mon
     monkeypatch.setattr(checkpoint, "host_sockets", lambda pids, init: [(41, 609273)])
     with pytest.raises(checkpoint.CheckpointError, match="pid 41 socket 609273"):
         checkpoint.wait_no_host_sockets(lambda: [41], 41, timeout=0.01)
+
+
+def test_kdat_cache_drops_a_stale_tmp_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CRIU's failed save leaves criu.kdat.tmp behind and then never saves again (O_EXCL): an old one goes."""
+    from aenv.runtime.ns import criu
+
+    monkeypatch.setattr(criu, "KDAT_BASE", tmp_path)
+    monkeypatch.setattr(criu.kdat_dir, "__defaults__", (tmp_path,))
+    d = checkpoint.kdat_cache("/opt/criu")
+    assert d is not None and d.is_dir() and d.parent == tmp_path
+    stale = d / "criu.kdat.tmp"
+    stale.write_bytes(b"")
+    os.utime(stale, (1, 1))
+    assert checkpoint.kdat_cache("/opt/criu") == d and not stale.exists()
+    fresh = d / "criu.kdat.tmp"
+    fresh.write_bytes(b"")  # another CRIU saving right now: left alone
+    assert checkpoint.kdat_cache("/opt/criu") == d and fresh.exists()

@@ -139,3 +139,25 @@ def test_network_namespace_is_external() -> None:
 
 def test_masked_here_only_names_what_exists() -> None:
     assert all(Path(f"/proc/{n}").exists() for n in criu.masked_here())
+
+
+def test_kdat_cache_wrappers_bind_a_tmpfs_dir_over_run(tmp_path: Path) -> None:
+    """CRIU keeps its kernel probe only on a tmpfs /run: the wrappers give it one in a private mount
+    namespace (one directory per executable); without a directory they run CRIU as is."""
+    d = criu.kdat_dir("/opt/criu", base=tmp_path)
+    assert d.parent == tmp_path and d != criu.kdat_dir("/other/criu", base=tmp_path)
+    assert criu.in_kdat_cache_argv(None, ["/c", "dump"]) == ["/c", "dump"]
+    wrapped = criu.in_kdat_cache_argv(d, ["/c", "dump"])
+    assert wrapped[:4] == ["unshare", "--mount", "--propagation", "private"] and wrapped[-2:] == ["/c", "dump"]
+    assert f'mount --bind "{d}" /run' in wrapped[7]
+    net = criu.in_fresh_netns_argv(["/c", "restore"], kdat=d)
+    assert net[:5] == ["unshare", "--net", "--mount", "--propagation", "private"]
+    assert f'mount --bind "{d}" /run' in net[8] and "lo up" in net[8]
+
+
+def test_no_network_lock() -> None:
+    """The namespace is external on both sides: CRIU's iptables lock (two iptables-restore runs) is skipped."""
+    for argv in (criu.dump_argv("/c", 1, Path("/i"), freezer=None),
+                 criu.restore_argv("/c", Path("/i"), root=Path("/r"), pidfile=Path("/p"), tools=Path("/t"),
+                                   run_dir=Path("/run"))):
+        assert argv[argv.index("--network-lock") + 1] == "skip"
