@@ -143,10 +143,13 @@ def test_traffic_token_and_host_mask(net_server: Server) -> None:
     })
     try:
         assert sbx.traffic_access_token
-        listen = ("import socket; s = socket.create_server(('', 8080)); c, _ = s.accept(); "
-                  "open('/tmp/req.txt', 'wb').write(c.recv(65536))")
+        listen = ("import socket; s = socket.create_server(('', 8080)); open('/tmp/listening', 'w').close(); "
+                  "c, _ = s.accept(); open('/tmp/req.txt', 'wb').write(c.recv(65536))")
         sbx.commands.run(f'python3 -c "{listen}"', background=True)
-        time.sleep(1)
+        for _ in range(300):  # a Python start takes seconds in a vm under TCG
+            if sbx.files.exists("/tmp/listening"):
+                break
+            time.sleep(0.1)
         url = f"{net_server.url}/"
         headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8080"}
         with httpx.Client(trust_env=False, timeout=10) as client:
@@ -179,3 +182,98 @@ def test_policy_survives_a_restart_and_is_kept_by_forks(net_server: Server, host
             kid.kill()
     finally:
         sbx.kill()
+
+
+# Tries OTHER:80 every few ms from the moment it runs, counting tries and noting any answer.
+_KNOCKER = """
+import os, socket, time
+i = 0
+while True:
+    i += 1
+    try:
+        with socket.create_connection(("@OTHER@", 80), timeout=1) as s:
+            s.sendall(b"GET / HTTP/1.0\\r\\nHost: x\\r\\n\\r\\n")
+            if b"addr=" in s.recv(4096):
+                open("/tmp/reached", "a").write(f"{i}\\n")
+    except OSError:
+        pass
+    with open("/tmp/tries.new", "w") as f:
+        f.write(str(i))
+    os.replace("/tmp/tries.new", "/tmp/tries")
+    time.sleep(0.005)
+""".replace("@OTHER@", OTHER)
+
+
+def _tries(sbx: Sandbox) -> int:
+    out = sbx.commands.run("cat /tmp/tries 2>/dev/null; true", timeout=30).stdout.strip()
+    return int(out) if out.isdigit() else 0
+
+
+def test_a_restored_process_tree_never_runs_without_the_policy(net_server: Server, hosts: PolicyHosts) -> None:
+    """A fork child whose processes are restored (CRIU on ns, a new QEMU on vm) gets a fresh
+    network namespace: the policy must be in its filter before slirp gives it a way out. A process
+    that knocks on a denied host every few ms from its first instant never gets an answer."""
+    sbx = Sandbox.create("base", timeout=300, network={"deny_out": [ALL_TRAFFIC], "allow_out": [ALLOWED]})
+    try:
+        sbx.files.write("/tmp/knock.py", _KNOCKER)
+        sbx.commands.run("python3 /tmp/knock.py", background=True)
+        for _ in range(300):
+            if _tries(sbx) > 0:
+                break
+            time.sleep(0.1)
+        at_fork = _tries(sbx)
+        assert at_fork > 0 and not sbx.files.exists("/tmp/reached")
+        child = httpx.post(f"{net_server.url}/sandboxes/{sbx.sandbox_id}/fork", json={"count": 1},
+                           headers={"X-API-KEY": API_KEY}, trust_env=False, timeout=300).json()[0]
+        kid = Sandbox.connect(child["sandbox"]["sandboxID"])
+        try:
+            moved = _tries(kid)
+            if moved <= at_fork:
+                time.sleep(1)
+                if _tries(kid) <= moved:
+                    pytest.skip("forks here keep files only (no CRIU): no process is restored")
+            assert not kid.files.exists("/tmp/reached"), kid.files.read("/tmp/reached")
+            assert "addr=" not in _get(kid, OTHER) and f"addr={ALLOWED}" in _get(kid, ALLOWED)
+        finally:
+            kid.kill()
+    finally:
+        sbx.kill()
+
+
+def test_policy_and_internet_switch_survive_a_restart(tmp_path: Path, runtime_name: str, hosts: PolicyHosts,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server restart on the same state dir re-applies each sandbox's policy. A sandbox an update
+    took off the internet still has its network after the restart: turning egress on again is
+    allowed (the check once read 'made without a network' from the switched allowInternetAccess)."""
+    if runtime_name == "vm":
+        from aenv.config import Settings
+        from aenv.runtime.vm.runtime import unavailable_reason
+
+        if (why := unavailable_reason(Settings())) is not None:
+            pytest.skip(f"vm runtime unavailable: {why}")
+    env = {"AENV_SANDBOX_DNS": DNS}
+    srv = start_server(tmp_path, runtime_name, extra_env=env)
+    for key in ("E2B_API_URL", "E2B_SANDBOX_URL"):
+        monkeypatch.setenv(key, srv.url)  # the same port after each restart
+    monkeypatch.setenv("E2B_API_KEY", API_KEY)
+    try:
+        sbx = Sandbox.create("base", timeout=600, network={"deny_out": [ALL_TRAFFIC], "allow_out": [ALLOWED]})
+        sid = sbx.sandbox_id
+        assert f"addr={ALLOWED}" in _get(sbx, ALLOWED) and "addr=" not in _get(sbx, OTHER)
+        stop_server(srv)
+        srv = start_server(tmp_path, runtime_name, extra_env=env, port=int(srv.url.rsplit(":", 1)[1]))
+        sbx = Sandbox.connect(sid)
+        assert f"addr={ALLOWED}" in _get(sbx, ALLOWED) and "addr=" not in _get(sbx, OTHER)  # still in force
+
+        sbx.update_network({"allow_internet_access": False})
+        assert "addr=" not in _get(sbx, ALLOWED)
+        stop_server(srv)
+        srv = start_server(tmp_path, runtime_name, extra_env=env, port=int(srv.url.rsplit(":", 1)[1]))
+        sbx = Sandbox.connect(sid)
+        assert "addr=" not in _get(sbx, ALLOWED) and "addr=" not in _get(sbx, OTHER)  # still off
+        sbx.update_network({"deny_out": ["203.0.113.0/30"], "allow_out": [OTHER]})  # egress back on
+        assert "addr=" not in _get(sbx, ALLOWED) and f"addr={OTHER}" in _get(sbx, OTHER)
+        sbx.kill()
+    finally:
+        stop_server(srv)
+        discard_vm_state(srv.state_dir)

@@ -42,7 +42,7 @@ from aenv.runtime.base import ResourceSample, RuntimeState, SandboxImage, Sandbo
 from aenv.runtime.egress import ENFORCER
 from aenv.runtime.envd_client import EnvdError, init_payload
 from aenv.runtime.netpolicy import EgressPolicy
-from aenv.runtime.network import Slirp, host_ipv4_addresses, install_firewall, slirp_available
+from aenv.runtime.network import Slirp, host_ipv4_addresses, slirp_available
 from aenv.runtime.ns import cgroups
 from aenv.runtime.ns.disk import POOL_NAME, DiskQuota, remove_tree
 from aenv.runtime.ns.pool import WarmPool
@@ -212,7 +212,10 @@ class NsRuntime:
 
     # ---- Runtime protocol -----------------------------------------------------------------------
     async def create(self, spec: SandboxSpec) -> RuntimeState:
-        return await self._egress_ensured(spec.sandbox_id, self._launch_ready(spec, spec.template, (), use_pool=True))
+        # A pooled sandbox has run its template's start command under the base filter since it was
+        # pooled: with a policy, that command starts in a namespace that has the policy from the start.
+        use_pool = not (spec.template.start_cmd and ENFORCER.has(spec.sandbox_id))
+        return await self._egress_ensured(spec.sandbox_id, self._launch_ready(spec, spec.template, (), use_pool=use_pool))
 
     async def _prelaunch(self, name: str, root: Path, spec: SandboxSpec, template: SandboxImage,
                          snapshot_layers: tuple[str, ...]) -> NsSandbox:
@@ -298,8 +301,8 @@ class NsRuntime:
             raise RuntimeFailure(f"sandbox {sid}: restored init {pid} exited at once", sandbox_id=sid)
         sbx.init = ref
         await asyncio.to_thread(sbx.write_state)
-        if sbx.allow_internet:
-            await install_firewall(pid, self.host_addrs)
+        if sbx.allow_internet:  # its policy in the filter before slirp gives the restored tree a way out
+            await ENFORCER.install(sid, pid, self.host_addrs)
             sbx.slirp = await Slirp.start(pid)
             await asyncio.to_thread(sbx.write_state)
         await sbx._connect(wait=True)

@@ -247,7 +247,10 @@ class VmRuntime:
             tpl = await self.template_for(spec)
         except Exception as exc:
             raise RuntimeFailure(f"sandbox {sid}: template: {exc}", sandbox_id=sid) from exc
-        sbx: VmSandbox | None = self.pool.take(tpl.key, spec.allow_internet)
+        # A pooled QEMU has run the template's start command under the base filter since it was
+        # pooled: with a policy, a QEMU of its own, jailed with the policy before the guest runs.
+        policy_first = bool(spec.template.start_cmd) and ENFORCER.has(sid)
+        sbx: VmSandbox | None = None if policy_first else self.pool.take(tpl.key, spec.allow_internet)
         t0 = time.perf_counter()
         if sbx is not None:
             sbx.machine.set_nice(0)

@@ -36,8 +36,9 @@ from typing import Any
 from aenv.errors import RuntimeFailure, StateError
 from aenv.kinds import SnapshotMode
 from aenv.runtime.base import UNFINISHED_MARKER, RuntimeState, SandboxSpec, SnapshotResult
+from aenv.runtime.egress import ENFORCER
 
-from . import disk, memlayer
+from . import disk, memlayer, netjail
 from .errors import translated
 from .frozen import link_or_copy
 from .machine import Machine, MachineError
@@ -299,6 +300,10 @@ class VmSnapshots:
             try:
                 if blank is not None:
                     blank.machine.set_nice(0)
+                    if blank.machine.cfg.network == "user" and ENFORCER.has(sid):
+                        # jailed under its pool name: the sandbox's policy before its guest runs
+                        await ENFORCER.install(sid, blank.machine.proc.pid,
+                                               await asyncio.to_thread(netjail.host_addresses))
                     # Spawned ahead of time on the template's disk: re-point it at the snapshot's.
                     await asyncio.to_thread(disk.retarget_overlay, run_paths(run_dir)["root"], snapshot / SNAP_DISK)
                     await blank.machine.retarget_root("root", snapshot / SNAP_DISK)
