@@ -17,7 +17,7 @@ import pytest
 from e2b import ALL_TRAFFIC, Sandbox
 
 from aenv.testing.server import API_KEY, Server, discard_vm_state, start_server, stop_server
-from tests.fixtures.policyhosts import ALLOWED, DNS, OTHER, PolicyHosts, policy_hosts
+from tests.fixtures.policyhosts import ALLOWED, DNS, OTHER, PAIR_CIDR, PolicyHosts, policy_hosts
 
 pytestmark = pytest.mark.sdk
 
@@ -101,7 +101,7 @@ def test_ip_and_cidr_rules_allow_wins_and_live_updates(net_server: Server, hosts
         info = sbx.get_info()
         assert info.network is not None and info.network.get("deny_out") == [ALL_TRAFFIC]
 
-        sbx.update_network({"deny_out": ["203.0.113.0/30"], "allow_out": [OTHER]})  # a CIDR, allow wins
+        sbx.update_network({"deny_out": [PAIR_CIDR], "allow_out": [OTHER]})  # a CIDR, allow wins
         assert "addr=" not in _get(sbx, ALLOWED)
         assert f"addr={OTHER}" in _get(sbx, OTHER)
         assert _resolves(sbx, "allowed.test")  # the sandbox's DNS is the test's DNS server
@@ -271,7 +271,7 @@ def test_policy_and_internet_switch_survive_a_restart(tmp_path: Path, runtime_na
         srv = start_server(tmp_path, runtime_name, extra_env=env, port=int(srv.url.rsplit(":", 1)[1]))
         sbx = Sandbox.connect(sid)
         assert "addr=" not in _get(sbx, ALLOWED) and "addr=" not in _get(sbx, OTHER)  # still off
-        sbx.update_network({"deny_out": ["203.0.113.0/30"], "allow_out": [OTHER]})  # egress back on
+        sbx.update_network({"deny_out": [PAIR_CIDR], "allow_out": [OTHER]})  # egress back on
         assert "addr=" not in _get(sbx, ALLOWED) and f"addr={OTHER}" in _get(sbx, OTHER)
         sbx.kill()
     finally:
