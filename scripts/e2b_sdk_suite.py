@@ -40,19 +40,21 @@ S = "tests/sync/sandbox_sync"
 A = "tests/async/sandbox_async"
 BOTH = (S, A)
 PUBLIC = "public internet: curls a public site or 1.1.1.1 / 8.8.8.8 (this host has none)"
-NET16 = "pending issue 16 (the `network` create option: allowOut/denyOut/allowPublicTraffic/maskRequestHost)"
 
 # Deselected: what no self-hosted offline server can give (public internet, E2B's hosted templates
 # and services). Node ID (or a file) -> reason.
 EXEMPT: dict[str, str] = {
     **{f"{d}/test_internet_access.py::test_internet_access_enabled": PUBLIC for d in BOTH},
     **{f"{d}/test_internet_access.py::test_internet_access_default": PUBLIC for d in BOTH},
-    **{f"{d}/test_network.py::{t}": f"{PUBLIC}; and {NET16}" for d in BOTH for t in (
+    # (the rules themselves are enforced: tests/integration/test_network_policy.py checks each of these
+    # cases against test hosts of its own)
+    **{f"{d}/test_network.py::{t}": PUBLIC for d in BOTH for t in (
         "test_allow_specific_ip_with_deny_all", "test_deny_specific_ip", "test_deny_all_traffic",
         "test_allow_takes_precedence_over_deny", "test_update_network_applies_restrictions",
         "test_update_network_clears_existing_rules")},
     **{f"{d}/test_network.py::test_firewall_transform_injects_headers":
-       f"E2B's hosted `httpbin` template (go-httpbin); and {NET16}" for d in BOTH},
+       "E2B's hosted `httpbin` template (go-httpbin), and `rules` (header transforms, which need TLS "
+       "interception) are refused with a 400 naming them" for d in BOTH},
     **{f"{d}/test_create.py::test_mcp_gateway_start_failure_kills_created_sandbox":
        "E2B's hosted MCP gateway (its mcp-gateway image and MCP servers); aenv refuses `mcp` with a 400"
        for d in BOTH},
@@ -60,14 +62,7 @@ EXEMPT: dict[str, str] = {
 
 # Run, and expected to fail (strict xfail: one that starts passing fails the run, so the list
 # shrinks). Node ID -> (runtimes, reason).
-CRIU15 = "pending issue 15: Sandbox.create_snapshot asks for a full (memory) snapshot; ns needs CRIU for it"
 KNOWN: dict[str, tuple[tuple[str, ...], str]] = {
-    **{f"{d}/test_snapshot_api.py": (("ns",), CRIU15) for d in BOTH},
-    **{f"{d}/test_network.py::{t}": (("ns", "vm"), NET16) for d in BOTH
-       for t in ("test_allow_public_traffic_false", "test_mask_request_host")},
-    **{f"{d}/test_host.py::test_ping_server": (("ns", "vm"),
-       "aenv's `base` template has python3 but no `python` command (E2B's base has one); the test runs "
-       "`python -m http.server`") for d in BOTH},
     **{f"{d}/commands/test_sandbox_killed_during_run.py::test_kill_sandbox_while_command_is_running": (
        ("ns", "vm"), "SDK 2.45.1 probes /health only after a transport error (E2B: an HTTP/2 stream reset); "
        "aenv ends the Connect stream with `unavailable` (what newer SDKs probe on) or, over HTTP/1.1, with "

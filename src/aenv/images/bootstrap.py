@@ -33,6 +33,7 @@ DEFAULT_MIRROR = "http://deb.debian.org/debian"
 BASE_PACKAGES: tuple[str, ...] = (
     "bash",
     "python3",
+    "python-is-python3",  # `python`, as E2B's base has (the SDK suite's test_ping_server runs `python -m http.server`)
     "git",
     "curl",
     "ca-certificates",
