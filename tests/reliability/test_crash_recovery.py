@@ -170,10 +170,7 @@ def _trigger(action: str, server: Server, conn: dict[str, str], victim: Sandbox 
             raise RuntimeError("request returned")
 
 
-@pytest.mark.parametrize("point", [
-    pytest.param(p, marks=pytest.mark.xfail(reason="open (issue 15): in this scene the resume from disk answers an "
-                                              "error before the point; the same resume works by hand", strict=False))
-    if p == "ns.release.restored" else p for p in sorted(CASES)])
+@pytest.mark.parametrize("point", sorted(CASES))
 def test_crash_at_fault_point(point: str, servers: ServerFactory) -> None:
     action, nth = CASES[point]
     slirps_before = slirps_with_dead_target()

@@ -68,7 +68,8 @@ class NsReleaser:
         self.rt = rt
         self.after = after
         self.released: dict[str, dict[str, Any]] = {}
-        self._timers: dict[str, asyncio.Task[None]] = {}
+        self._timers: dict[str, asyncio.Task[None]] = {}  # waiting out ``after``: cancel() stops them
+        self._running: set[asyncio.Task[None]] = set()  # releasing now: only shutdown cancels them
         self._locks: dict[str, asyncio.Lock] = {}
 
     def lock(self, sandbox_id: str) -> asyncio.Lock:
@@ -87,15 +88,33 @@ class NsReleaser:
             task.cancel()
 
     async def aclose(self) -> None:
+        """Server shutdown: timers and releases under way end (a half-done release is safe: see above)."""
         for sid in list(self._timers):
             self.cancel(sid)
+        for task in list(self._running):
+            task.cancel()
 
     async def _later(self, sandbox_id: str) -> None:
         await asyncio.sleep(self.after)
+        # From here on the release is not cancelled: a resume that comes meanwhile waits for its lock.
+        # Cancelled half-way (after the marker, during the stop) it left a sandbox the resume then
+        # thawed while it was being killed (the crash case ns.release.restored never got to its point).
+        me = asyncio.current_task()
+        if me is not None and self._timers.get(sandbox_id) is me:
+            del self._timers[sandbox_id]
+            self._running.add(me)
         try:
             await self.release(sandbox_id)
         except Exception:  # the sandbox stays paused in memory, which is still correct
             log.exception("sandbox=%s release to disk failed; it stays paused in memory", sandbox_id)
+        finally:
+            self._running.discard(me)
+
+    async def settled(self, sandbox_id: str) -> None:
+        """Cancel a release not yet begun and wait for one under way (resume, kill)."""
+        self.cancel(sandbox_id)
+        async with self.lock(sandbox_id):
+            pass
 
     async def release(self, sandbox_id: str) -> bool:
         """Dump the frozen sandbox, mark it released, end its processes. False if it is not releasable."""

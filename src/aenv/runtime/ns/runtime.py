@@ -406,7 +406,7 @@ class NsRuntime:
 
     async def _resume(self, sandbox_id: str, state: RuntimeState, keep_memory: bool) -> RuntimeState:
         await self.start()
-        self.releaser.cancel(sandbox_id)
+        await self.releaser.settled(sandbox_id)  # a release under way ends first, either way
         if sandbox_id in self.releaser.released:
             return await self._resume_released(sandbox_id, state, keep_memory)
         if not keep_memory or sandbox_id in self._stopped or state.data.get("stopped"):
@@ -447,6 +447,7 @@ class NsRuntime:
         await self.start()
         ENFORCER.forget(sandbox_id)
         workdir = self._workdir(sandbox_id, state)
+        await self.releaser.settled(sandbox_id)
         released = self.releaser.forget(sandbox_id)
         stopped = self._stopped.pop(sandbox_id, None) or released
         sbx = self._sandboxes.pop(sandbox_id, None) or self._from_state(sandbox_id, state) \

@@ -47,3 +47,33 @@ def test_bad_marker_reads_as_none(tmp_path: Path) -> None:
     (tmp_path / release.RELEASED_DIR).mkdir()
     release.marker(tmp_path).write_text("{")
     assert release.read_marker(tmp_path) is None
+
+
+async def test_a_release_under_way_is_waited_for_not_cancelled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resume (or kill) that comes while the release dumps and stops the sandbox waits for it: cancelled
+    half-way, the release left a sandbox being killed that the resume then thawed."""
+    import asyncio
+
+    r = release.NsReleaser(SimpleNamespace(), after=0.0)  # type: ignore[arg-type]
+    started, go = asyncio.Event(), asyncio.Event()
+
+    async def releasing(sandbox_id: str) -> bool:
+        async with r.lock(sandbox_id):
+            started.set()
+            await go.wait()
+            r.released[sandbox_id] = {"released": True}
+        return True
+
+    monkeypatch.setattr(r, "release", releasing)
+    r.schedule("sb1")
+    await started.wait()
+    waiter = asyncio.create_task(r.settled("sb1"))
+    await asyncio.sleep(0.02)
+    assert not waiter.done()
+    go.set()
+    await waiter
+    assert "sb1" in r.released
+    r.schedule("sb2")  # not begun yet: settled() cancels it
+    await r.settled("sb2")
+    assert "sb2" not in r.released
+    await r.aclose()
