@@ -92,6 +92,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--against", metavar="REV",
                     help="also serve git revision REV (e.g. HEAD~3) from a temporary worktree and sample it "
                          "beside this checkout in create and roundtrip: regressions measured in one run")
+    ap.add_argument("--network", metavar="JSON",
+                    help="create this checkout's sandboxes (create, concurrent, roundtrip) with this E2B network, "
+                         'the SDK\'s form, e.g. \'{"deny_out": ["0.0.0.0/0"], "allow_out": ["1.1.1.1", "example.com"]}\': '
+                         "what a policy costs; --against's server gets none (older commits refuse it)")
     ap.add_argument("--list", action="store_true", help="list scenarios and exit")
     return ap
 
@@ -164,7 +168,7 @@ def _run_runtime(runtime: str, names: list[str], args: argparse.Namespace, with_
         os.environ.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=os.environ.get("E2B_API_KEY", API_KEY),
                           NO_PROXY="127.0.0.1,localhost")
         client = stack.enter_context(AenvClient(url, os.environ["E2B_API_KEY"]))
-        ctx = Ctx(runtime, url, state_dir, args.smoke, client)
+        ctx = Ctx(runtime, url, state_dir, args.smoke, client, network=json.loads(args.network) if args.network else None)
         with console.status(f"{runtime}: first sandbox (template, warm pool)"):
             t0 = time.perf_counter()
             _warm_up()

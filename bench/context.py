@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from aenv.client import AenvClient
@@ -25,10 +25,11 @@ class Ctx:
     runc: RuncBaseline | None = None
     qemu: QemuColdBoot | None = None
     previous: PreviousServer | None = None  # --against REV: an earlier commit, served beside this one
+    network: dict[str, Any] | None = None  # --network: this checkout's sandboxes are made with it
 
     @property
     def system(self) -> str:
-        return f"aenv-{self.runtime}"
+        return f"aenv-{self.runtime}" + ("+policy" if self.network else "")
 
     def heavy_docker(self) -> DockerBaseline | None:
         """The docker baseline for scenarios where it costs many seconds (bursts, commit + run ×16): not in

@@ -21,12 +21,13 @@ from bench.rows import alternate, ms_since, row, scenario, timed, value_row
 TEMPLATE = "base"
 
 
-def _sandbox(url: str | None = None) -> Any:
-    """A sandbox on the server under test, or on the server at ``url`` (``--against``)."""
+def _sandbox(url: str | None = None, network: dict[str, Any] | None = None) -> Any:
+    """A sandbox on the server under test (with ``--network``'s policy), or on the server at ``url``
+    (``--against``)."""
     from e2b import Sandbox
 
     if url is None:
-        return Sandbox.create(TEMPLATE, timeout=600)
+        return Sandbox.create(TEMPLATE, timeout=600, network=network)  # type: ignore[arg-type]
     return Sandbox.create(TEMPLATE, timeout=600, api_url=url, sandbox_url=url)
 
 
@@ -36,7 +37,7 @@ def create_first_command(ctx: Ctx) -> dict[str, Any]:
     def on(url: str | None) -> Callable[[], float]:
         def once() -> float:
             t0 = time.perf_counter()
-            sbx = _sandbox(url)
+            sbx = _sandbox(url, ctx.network if url is None else None)
             sbx.commands.run("true")
             took = ms_since(t0)
             sbx.kill()
@@ -76,7 +77,7 @@ def concurrent_creates(ctx: Ctx) -> dict[str, Any]:
 
     def create_once() -> float:
         t0 = time.perf_counter()
-        sbx = _sandbox()
+        sbx = _sandbox(None, ctx.network)
         sbx.commands.run("true")
         took = ms_since(t0)
         sbx.kill()
@@ -113,7 +114,7 @@ def round_trip(ctx: Ctx) -> dict[str, Any]:
     after 100 ms of quiet. The second costs more for every system on a VM host: the vCPUs halted and
     must be woken (one wake-up per process on the path), caches are cold. An agent loop sees both:
     bursts of tool calls, and single calls after the LLM thought."""
-    sbx = _sandbox()
+    sbx = _sandbox(None, ctx.network)
     prev = _sandbox(ctx.previous.url) if ctx.previous is not None else None
     cid = ctx.docker.start_idle() if ctx.docker is not None else None
     try:
