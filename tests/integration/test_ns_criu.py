@@ -167,3 +167,37 @@ def test_pause_restart_resume_keeps_processes(tmp_path: Path, e2b_env: dict[str,
         again.kill()
     finally:
         stop_server(srv)
+
+
+def test_start_from_the_templates_process_image_can_be_forked(server: Server, owned: list[str]) -> None:
+    """A start the pool cannot serve (here: from a filesystem snapshot) restores the template's process
+    image once one is made (procimage.py): it has the snapshot's files, the sandbox's own identity, and
+    it can be forked with its processes, which a zygote-started sandbox could not."""
+    from e2b import Sandbox
+
+    from aenv.client import AenvClient
+
+    src = Sandbox.create("base", timeout=600)
+    owned.append(src.sandbox_id)
+    src.files.write("/home/user/mark", "from-the-snapshot")
+    with AenvClient(server.url, API_KEY, timeout=300) as client:
+        snap = client.snapshot(src.sandbox_id, mode="filesystem").snapshot_id
+        client.wait_written(snap)
+        first = Sandbox.create(snap, timeout=600)  # a miss: started by exec, the image is made meanwhile
+        owned.append(first.sandbox_id)
+        deadline = time.monotonic() + 120
+        while "process image of template" not in server.log_tail(400) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "process image of template" in server.log_tail(400), server.log_tail(60)
+        sbx = Sandbox.create(snap, timeout=600)
+        owned.append(sbx.sandbox_id)
+        assert sbx.files.read("/home/user/mark") == "from-the-snapshot"
+        assert sbx.commands.run("echo $E2B_SANDBOX_ID").stdout.strip() == sbx.sandbox_id
+        boot = sbx.commands.run("cat /proc/sys/kernel/random/boot_id").stdout
+        assert boot != first.commands.run("cat /proc/sys/kernel/random/boot_id").stdout
+        secret = start_worker(sbx)
+        result = client.fork(sbx.sandbox_id, 2)
+    owned.extend(result.sandbox_ids)
+    assert result.mode == "full" and len(result.sandbox_ids) == 2
+    for sid in result.sandbox_ids:
+        assert probe(Sandbox.connect(sid))[0] == secret

@@ -87,7 +87,15 @@ async def test_fork_one_child_failing(rt: NsRuntime, settings: Settings, templat
             raise RuntimeFailure("injected start failure")
         return await real(spec, *a, **kw)
 
+    real_full = rt.snapshots.restore_processes
+
+    async def flaky_full(spec: SandboxSpec, *a: Any, **kw: Any) -> RuntimeState:  # a fork with processes (CRIU)
+        if spec.sandbox_id == children[1].sandbox_id:
+            raise RuntimeFailure("injected restore failure")
+        return await real_full(spec, *a, **kw)
+
     monkeypatch.setattr(rt, "_launch_ready", flaky)
+    monkeypatch.setattr(rt.snapshots, "restore_processes", flaky_full)
     scratch = tmp_path / "fork"
     result, states = await fork_via(rt, src.sandbox_id, children, scratch)
     monkeypatch.undo()

@@ -46,6 +46,7 @@ from aenv.runtime.network import Slirp, host_ipv4_addresses, slirp_available
 from aenv.runtime.ns import cgroups
 from aenv.runtime.ns.disk import POOL_NAME, DiskQuota, remove_tree
 from aenv.runtime.ns.pool import WarmPool
+from aenv.runtime.ns.procimage import ProcImages
 from aenv.runtime.ns.reconcile import ReconcileReport, reconcile
 from aenv.runtime.ns.release import RELEASED_DIR, NsReleaser
 from aenv.runtime.ns.sandbox import STATE_FILE, LaunchOptions, NsSandbox, Paths
@@ -120,6 +121,7 @@ class NsRuntime:
         self.pool = WarmPool(self.pool_size, self._launch_pooled)
         self.snapshots = NsSnapshots(self)
         self.releaser = NsReleaser(self, settings.ns_release_paused_after)
+        self.procimages = ProcImages(self)
         self._started = False
 
     # ---- host-wide lifecycle --------------------------------------------------------------------
@@ -154,6 +156,7 @@ class NsRuntime:
         """Kill pooled sandboxes and drop channels; handed-out sandboxes keep running."""
         await self.pool.aclose()
         await self.releaser.aclose()
+        await self.procimages.aclose()
         if self.zygote is not None:
             await self.zygote.aclose()
             self.zygote = None
@@ -246,6 +249,10 @@ class NsRuntime:
         root = root or spec.workdir / "ns"
         sbx = prelaunched or (
             self.pool.take(spec.template, spec.allow_internet) if use_pool and not snapshot_layers else None)
+        if sbx is None and not in_place:  # not from the pool: restore the template's process image if there is one
+            restored = await self.procimages.start(spec, template, snapshot_layers)
+            if restored is not None:
+                return restored
         hand_out: Callable[[], None] | None = None
         try:
             if sbx is not None and sbx is prelaunched:

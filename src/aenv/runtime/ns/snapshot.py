@@ -294,7 +294,7 @@ class NsSnapshots:
     async def create_from_snapshot(self, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
         layers, lowers = stack_of(snapshot, result)
         if result.mode is SnapshotMode.FULL:
-            return await self._restore_full(spec, snapshot, result, layers, lowers)
+            return await self.restore_processes(spec, snapshot, layers, lowers)
         template = replace(spec.template, lowers=lowers)
         return await self.rt._launch_ready(spec, template, layers)
 
@@ -327,7 +327,7 @@ class NsSnapshots:
                 state = await self.rt._launch_ready(spec, template, layers, root=root, prelaunched=new)
             else:
                 await asyncio.to_thread(os.rename, root, aside)
-                state = await self._restore_full(spec, snapshot, result, layers, lowers, root=root)
+                state = await self.restore_processes(spec, snapshot, layers, lowers, root=root)
         except Exception:
             log.warning("sandbox=%s rollback to %s failed; restarting it on its own files", sandbox_id, snapshot.name)
             if new is not None:
@@ -358,10 +358,11 @@ class NsSnapshots:
         if self._cleanups:
             await asyncio.gather(*self._cleanups, return_exceptions=True)
 
-    async def _restore_full(self, spec: SandboxSpec, snapshot: Path, result: SnapshotResult,
-                            layers: tuple[str, ...], lowers: tuple[Path, ...], root: Path | None = None) -> RuntimeState:
-        """``criu restore`` of a full snapshot into a fresh overlay whose upper is a *copy* of the
-        snapshot's upper (CRIU needs the files exactly as at dump time), in the new sandbox's cgroups
+    async def restore_processes(self, spec: SandboxSpec, snapshot: Path, layers: tuple[str, ...],
+                                lowers: tuple[Path, ...], root: Path | None = None) -> RuntimeState:
+        """``criu restore`` of ``snapshot``'s images (a full snapshot, or a template's process image:
+        ``procimage.py``) into a fresh overlay whose upper is a *copy* of ``layers[0]`` (CRIU needs the
+        files exactly as at dump time) over ``layers[1:]`` and ``lowers``, in the new sandbox's cgroups
         and a fresh network namespace (``checkpoint.restore``), then the host's connection to the
         restored agent and ``/init`` with the new identity (ID, token, env)."""
         status = self.criu_status()
@@ -374,7 +375,7 @@ class NsSnapshots:
         exe, tools = status.exe, rt.tools or Path("/nonexistent")
 
         def prepare_and_restore() -> int:
-            return restore_into(sbx, spec, snapshot / UPPER, snapshot / CRIU_DIR, exe, tools)
+            return restore_into(sbx, spec, Path(layers[0]), snapshot / CRIU_DIR, exe, tools)
 
         try:
             pid = await asyncio.get_running_loop().run_in_executor(_restore_pool(), prepare_and_restore)
