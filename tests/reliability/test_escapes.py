@@ -184,8 +184,13 @@ def test_another_sandbox_and_its_envd_unreachable(online: Sandbox, neighbour: Sa
 
 
 @pytest.mark.usefixtures("ns_only")
-def test_every_process_runs_filtered_without_new_privileges(sbx: Sandbox) -> None:
-    out = sbx.commands.run("grep -hE '^(Seccomp|NoNewPrivs):' /proc/[0-9]*/status | sort | uniq -c",
-                           user="root").stdout
-    lines = {" ".join(line.split()[1:]) for line in out.splitlines()}
-    assert lines == {"NoNewPrivs: 1", "Seccomp: 2"}, out
+def test_every_process_runs_filtered_and_sudo_stays_inside_the_filter(sbx: Sandbox) -> None:
+    """Every process, a sudo'd one included, runs under the filter; sudo raises ``user`` to the
+    sandbox's root as on E2B (no ``no_new_privs``), and that root still cannot mount or unshare."""
+    out = sbx.commands.run("grep -hE '^Seccomp:' /proc/[0-9]*/status | sort | uniq -c", user="root").stdout
+    assert {" ".join(line.split()[1:]) for line in out.splitlines()} == {"Seccomp: 2"}, out
+    assert sbx.commands.run("sudo id -u").stdout.strip() == "0"
+    assert sbx.commands.run("sudo grep -E '^Seccomp:' /proc/self/status").stdout.split() == ["Seccomp:", "2"]
+    for attempt in ("sudo mount -t tmpfs none /mnt", "sudo unshare -m true"):
+        with pytest.raises(CommandExitException):
+            sbx.commands.run(attempt)

@@ -12,9 +12,10 @@ must import nothing but the stdlib. Steps, in the order CRIU and isolation need 
    devpts, /dev/shm), ``/.aenv`` (tools, read-only), ``/.aenv-run`` (channel);
 4. hostname, loopback up;
 5. ``pivot_root`` (not chroot) and detach the old root, so no host path is reachable;
-6. drop dangerous capabilities from the bounding set, ``setsid``, stdio from inside the sandbox;
-   then ``no_new_privs`` and the seccomp filter (``syscall_filter.py``), last, because the steps above
-   need ``mount`` and ``pivot_root``;
+6. drop dangerous capabilities from the bounding set; load the seccomp filter (``syscall_filter.py``)
+   after the steps above, which need ``mount`` and ``pivot_root``, and before trimming our own
+   capabilities, because without ``no_new_privs`` (opt-in: it would break ``sudo``) only a holder of
+   CAP_SYS_ADMIN may load one; then ``setsid``, stdio from inside the sandbox;
 7. exec the agent from ``/.aenv`` with an empty environment and no inherited fds.
 
 Everything is mounted inside the private mount namespace: nothing appears on the host, so a crash
@@ -255,6 +256,8 @@ def enter(cfg: dict) -> None:  # type: ignore[type-arg]
     loopback_up()
     pivot(root)
     drop_capabilities()
+    if cfg.get("seccomp", True):
+        syscall_filter.install(no_new_privs=bool(cfg.get("no_new_privs", False)))
     limit_current_capabilities()
     os.setsid()
     report({"pid": pid, "start": start})
@@ -264,8 +267,6 @@ def enter(cfg: dict) -> None:  # type: ignore[type-arg]
     os.dup2(null, 0)
     os.dup2(log, 1)
     os.dup2(log, 2)
-    if cfg.get("seccomp", True):
-        syscall_filter.install()
 
 
 def run(cfg: dict) -> None:  # type: ignore[type-arg]

@@ -141,11 +141,15 @@ def _prctl(libc: ctypes.CDLL, what: str, option: int, *args: object) -> None:
         raise OSError(err, f"prctl({what}): {errno.errorcode.get(err, err)}")
 
 
-def install() -> None:
-    """Set ``no_new_privs`` and load the filter into this (single-threaded) process; its children and
-    everything it execs inherit both, and neither can be undone."""
+def install(no_new_privs: bool = False) -> None:
+    """Load the filter into this (single-threaded) process; its children and everything it execs
+    inherit it, and it cannot be undone. Without ``no_new_privs`` the kernel lets only a process
+    holding CAP_SYS_ADMIN load a filter, so the launcher loads it before it trims its own capabilities:
+    setuid programs then still work (``sudo``, as E2B's sandboxes offer it to ``user``) and run
+    filtered like everything else. ``no_new_privs`` (opt-in) also stops setuid and file capabilities."""
     libc = ctypes.CDLL(None, use_errno=True)
-    _prctl(libc, "PR_SET_NO_NEW_PRIVS", PR_SET_NO_NEW_PRIVS, 1)
+    if no_new_privs:
+        _prctl(libc, "PR_SET_NO_NEW_PRIVS", PR_SET_NO_NEW_PRIVS, 1)
     prog = program()
     blob = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *ins) for ins in prog))
     fprog = _SockFprog(len(prog), ctypes.cast(blob, ctypes.c_void_p))

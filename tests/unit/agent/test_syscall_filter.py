@@ -4,15 +4,18 @@ ordinary work (fork, threads, exec, sockets) still runs under it."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+
+import pytest
 
 from aenv.agent import syscall_filter
 
 CHILD = r"""
-import ctypes, errno, json, os, socket, subprocess, threading
+import ctypes, errno, json, os, socket, subprocess, sys, threading
 from aenv.agent import syscall_filter
-syscall_filter.install()
+syscall_filter.install(no_new_privs=sys.argv[1] == "nnp")
 libc = ctypes.CDLL(None, use_errno=True)
 def sc(nr, *a):
     r = libc.syscall(nr, *a)
@@ -37,8 +40,13 @@ print(json.dumps(out))
 """
 
 
-def test_filter_refuses_what_dockers_profile_refuses() -> None:
-    proc = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=60, check=True)
+@pytest.mark.parametrize("mode", ["nnp", "plain"])
+def test_filter_refuses_what_dockers_profile_refuses(mode: str) -> None:
+    """``plain``: loaded without no_new_privs, as the launcher does (root with CAP_SYS_ADMIN here)."""
+    if mode == "plain" and os.geteuid() != 0:
+        pytest.skip("loading a filter without no_new_privs needs CAP_SYS_ADMIN (root)")
+    proc = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, timeout=60,
+                          check=True)
     out = json.loads(proc.stdout)
     for name in ("unshare", "mount", "keyctl", "bpf", "clone_newns", "perf", "open_by_handle_at",
                  "personality_bad"):
@@ -46,7 +54,7 @@ def test_filter_refuses_what_dockers_profile_refuses() -> None:
     assert out["clone3"] == "ENOSYS" and out["future"] == "ENOSYS"
     assert out["vsock"] == "EAFNOSUPPORT"
     assert out["personality_query"] == "ok" and out["inet"] == "ok" and out["fork"] == 7
-    assert out["status"] == ["NoNewPrivs:", "1", "Seccomp:", "2"]
+    assert out["status"] == ["NoNewPrivs:", "1" if mode == "nnp" else "0", "Seccomp:", "2"]
 
 
 def test_program_jumps_stay_inside_the_program() -> None:

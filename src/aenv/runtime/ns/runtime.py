@@ -606,7 +606,7 @@ class NsRuntime:
         return {
             "runtime": "ns",
             "isolation": "namespaces (pid, mount, uts, ipc, net) + cgroups + capability bounding set; "
-                         "seccomp (Docker's default profile) + no_new_privs; no user namespace: weaker than vm",
+                         "seccomp (Docker's default profile); no user namespace: weaker than vm",
             "cgroups": f"v{self.layout.version}" if self.layout else "unknown",
             "pause": "freezer, released to disk with CRIU after ns_release_paused_after s; "
                      "files only: processes end, cold start on resume",
