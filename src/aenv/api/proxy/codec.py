@@ -8,6 +8,7 @@ hand rather than through an HTTP library because re-encoding each request and re
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -45,6 +46,20 @@ class UpstreamError(Exception):
     """The sandbox side broke HTTP/1.1: closed early, or sent something unparseable."""
 
 
+_TOKEN = re.compile(rb"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+
+
+@functools.lru_cache(maxsize=1024)
+def canonical_name(name: bytes) -> bytes:
+    """``x-access-token`` → ``X-Access-Token``: the ASGI server hands header names lowercased, while
+    E2B's proxy (Go's net/http) writes them in this canonical form, and servers in the sandbox that
+    print the names they get (the SDK's mask_request_host test does) see what they see on E2B. A name
+    that is not a plain token is passed as it is, as Go does."""
+    if not _TOKEN.match(name):
+        return name
+    return b"-".join(part[:1].upper() + part[1:].lower() for part in name.split(b"-"))
+
+
 def request_head(scope: Scope) -> tuple[bytes, str | None]:
     """The upstream request head and the body framing: None (no body), "length" or "chunked".
 
@@ -68,15 +83,15 @@ def request_head(scope: Scope) -> tuple[bytes, str | None]:
             continue
         if name == b"host":
             has_host = True
-        parts += [name, b": ", value, b"\r\n"]
+        parts += [canonical_name(name), b": ", value, b"\r\n"]
     if framing is None and length:
         if length != b"0":
             framing = "length"
-        parts += [b"content-length: ", length, b"\r\n"]  # kept at 0 too: some servers want it on a POST
+        parts += [b"Content-Length: ", length, b"\r\n"]  # kept at 0 too: some servers want it on a POST
     elif framing == "chunked":
-        parts.append(b"transfer-encoding: chunked\r\n")
+        parts.append(b"Transfer-Encoding: chunked\r\n")
     if not has_host:
-        parts.append(b"host: sandbox\r\n")
+        parts.append(b"Host: sandbox\r\n")
     parts.append(b"\r\n")
     return b"".join(parts), framing
 

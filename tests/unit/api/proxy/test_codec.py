@@ -11,6 +11,7 @@ from aenv.api.proxy.codec import (
     CHUNKED,
     MAX_HEAD,
     UNTIL_EOF,
+    canonical_name,
     encode_chunk,
     keeps_alive,
     response_framing,
@@ -26,14 +27,14 @@ def test_request_head_drops_hop_by_hop_and_keeps_framing() -> None:
     }
     head, framing = request_head(scope)
     assert framing == "length"
-    assert head == b"POST /a%20b?x=1&y=2 HTTP/1.1\r\nhost: h\r\nx-access-token: t\r\ncontent-length: 5\r\n\r\n"
+    assert head == b"POST /a%20b?x=1&y=2 HTTP/1.1\r\nHost: h\r\nX-Access-Token: t\r\nContent-Length: 5\r\n\r\n"
     scope["headers"] = [(b"transfer-encoding", b"chunked"), (b"content-length", b"5")]
     head, framing = request_head(scope)
     assert framing == "chunked"
-    assert head.endswith(b"transfer-encoding: chunked\r\nhost: sandbox\r\n\r\n") and b"content-length" not in head
+    assert head.endswith(b"Transfer-Encoding: chunked\r\nHost: sandbox\r\n\r\n") and b"content-length" not in head.lower()
     scope["headers"] = [(b"host", b"h"), (b"content-length", b"0")]
     head, framing = request_head(scope)
-    assert framing is None and head.endswith(b"content-length: 0\r\n\r\n")
+    assert framing is None and head.endswith(b"Content-Length: 0\r\n\r\n")
 
 
 def test_parse_response_head() -> None:
@@ -68,7 +69,7 @@ def test_chunked_decoder_any_split() -> None:
 
 def test_request_head_without_raw_path_query_or_body() -> None:
     scope = {"method": "GET", "path": "/p", "query_string": b"", "headers": [(b"x-a", b"1")]}
-    assert request_head(scope) == (b"GET /p HTTP/1.1\r\nx-a: 1\r\nhost: sandbox\r\n\r\n", None)
+    assert request_head(scope) == (b"GET /p HTTP/1.1\r\nX-A: 1\r\nHost: sandbox\r\n\r\n", None)
 
 
 def test_encode_chunk() -> None:
@@ -152,3 +153,11 @@ def test_chunked_decoder_line_limit() -> None:
     assert dec.feed(bytearray(b"0\r\n")) == b""
     with pytest.raises(UpstreamError, match="too long"):
         dec.feed(bytearray(b"x-trailer: " + b"v" * _MAX_LINE))
+
+
+def test_header_names_go_out_in_canonical_form_as_from_e2bs_proxy() -> None:
+    assert canonical_name(b"x-access-token") == b"X-Access-Token"
+    assert canonical_name(b"host") == b"Host" and canonical_name(b"www-AUTHENTICATE") == b"Www-Authenticate"
+    assert canonical_name(b"bad name") == b"bad name"  # not a token: as it came
+    head, _ = request_head({"method": "GET", "path": "/", "headers": [(b"host", b"h"), (b"user-agent", b"u")]})
+    assert head == b"GET / HTTP/1.1\r\nHost: h\r\nUser-Agent: u\r\n\r\n"
