@@ -8,6 +8,8 @@ Start deadline (``Connect-Timeout-Ms`` is also the process lifetime).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import signal
 from collections.abc import AsyncIterator
 
@@ -37,6 +39,7 @@ from aenv.envd.proctable import ManagedProcess, ProcessConfig, ProcessTable, Spa
 _SIGNALS = {"SIGNAL_UNSPECIFIED": 0, "SIGNAL_SIGTERM": 15, "SIGNAL_SIGKILL": 9}
 _KEEPALIVE: Message = {"event": {"keepalive": {}}}
 DEFAULT_PTY_SIZE = (80, 24)
+KILL_REAP_WAIT_S = 2.0
 
 
 class ProcessService:
@@ -178,6 +181,11 @@ class ProcessService:
         signum = get_enum(msg, "signal", _SIGNALS)
         if signum == 9:
             proc.signal(signal.SIGKILL)
+            # answer once the pid is gone (SIGKILL cannot be caught; the reap follows at once), so the
+            # caller's next command never finds the process, or its zombie, still there on a busy host
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(KILL_REAP_WAIT_S):
+                    await proc.reaped.wait()
         elif signum == 15:
             proc.signal(signal.SIGTERM)
         else:

@@ -116,6 +116,7 @@ class ManagedProcess:
     subscribers: set[Subscriber] = field(default_factory=set)
     end: Message | None = None
     exited: asyncio.Event = field(default_factory=asyncio.Event)
+    reaped: asyncio.Event = field(default_factory=asyncio.Event)  # its pid is gone (exited: its output too)
     stdin_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     outputs_closed: asyncio.Event = field(default_factory=asyncio.Event)
     _open_fds: set[int] = field(default_factory=set)
@@ -449,6 +450,7 @@ class ProcessTable:
         """Wait for exit via pidfd, drain output, publish the end event, then release everything."""
         await _wait_exit(proc.popen)
         returncode = proc.popen.wait()
+        proc.reaped.set()
         if proc._kill_timer is not None:
             proc._kill_timer.cancel()
         while proc._open_fds:

@@ -174,3 +174,22 @@ async def test_blocked_stdin_write_is_aborted_when_process_exits(tmp_path: Path)
 
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)  # the orphaned sleep
+
+
+async def test_sigkill_answers_once_the_pid_is_gone() -> None:
+    """SendSignal(SIGKILL) returns after the reap: the caller's next ``kill -0 <pid>`` (the SDK suite's
+    test_kill_process) must not find the process or its zombie, however busy the host."""
+    from typing import Any, cast
+
+    from aenv.envd.connect import CallContext
+    from aenv.envd.process import ProcessService
+
+    table = ProcessTable()
+    # a grandchild keeps the output pipe open: the reap must not wait for the output to close
+    proc = table.spawn(_request("sleep 30 & exec sleep 30"))
+    service = ProcessService(cast(Any, None), table)
+    await service.send_signal({"process": {"pid": proc.pid}, "signal": "SIGNAL_SIGKILL"}, CallContext())
+    with pytest.raises(ProcessLookupError):
+        os.kill(proc.pid, 0)
+    assert proc.reaped.is_set()
+    table.kill_all()
