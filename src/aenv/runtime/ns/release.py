@@ -47,7 +47,8 @@ def read_marker(root: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file, or {} when missing, unreadable or not an object (state files after a crash)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -197,7 +198,7 @@ class NsReleaser:
         assert self.rt.layout is not None
         # What the marker recorded (the dumped tree, its slirp4netns: outside the cgroup) and what
         # ns.json says now (a tree a resume restored before the crash, with its own slirp).
-        on_disk = await asyncio.to_thread(_read_json, root / STATE_FILE)
+        on_disk = await asyncio.to_thread(read_json, root / STATE_FILE)
         for recorded in (data, on_disk):
             if recorded.get("pid") and recorded.get("cgroup") and recorded.get("dir"):
                 with contextlib.suppress(Exception):

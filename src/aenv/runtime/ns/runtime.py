@@ -10,9 +10,9 @@ Create path:
                  ``POST /init``                                                        (~0.3 s)
 Either way the key becomes hot and the pool refills in the background.
 
-Pause is the cgroup freezer. A files-only pause (``keep_memory=False``) ends every process instead
-and keeps the directory (upper, boot id); the sandbox is then *stopped*, and its resume is a cold
-start on the same upper and lowers under the same ID: new processes, a new boot id.
+Pause, resume, kill and adoption after a restart: ``lifecycle.py`` (a mixin of this class).
+Snapshots, fork, rollback: ``snapshot.py``; release of paused sandboxes to disk: ``release.py``;
+process images for starts the pool cannot serve: ``procimage.py``.
 
 Disk: every sandbox directory (pool and handed-out) lives on the sandboxes dir, which is a btrfs
 volume with one quota-limited subvolume per sandbox when the host allows it (``disk.py``).
@@ -21,9 +21,7 @@ volume with one quota-limited subvolume per sandbox when the host allows it (``d
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-import json
 import logging
 import os
 import secrets
@@ -44,12 +42,13 @@ from aenv.runtime.envd_client import EnvdError, init_payload
 from aenv.runtime.netpolicy import EgressPolicy
 from aenv.runtime.network import Slirp, host_ipv4_addresses, slirp_available
 from aenv.runtime.ns import cgroups
-from aenv.runtime.ns.disk import POOL_NAME, DiskQuota, remove_tree
+from aenv.runtime.ns.disk import POOL_NAME, DiskQuota
+from aenv.runtime.ns.lifecycle import NsLifecycle
 from aenv.runtime.ns.pool import WarmPool
 from aenv.runtime.ns.procimage import ProcImages
 from aenv.runtime.ns.reconcile import ReconcileReport, reconcile
-from aenv.runtime.ns.release import RELEASED_DIR, NsReleaser
-from aenv.runtime.ns.sandbox import STATE_FILE, LaunchOptions, NsSandbox, Paths
+from aenv.runtime.ns.release import NsReleaser
+from aenv.runtime.ns.sandbox import LaunchOptions, NsSandbox, Paths
 from aenv.runtime.ns.snapshot import NsSnapshots
 from aenv.runtime.ns.zygote import Zygote, socket_path_for, sweep_stale_sockets
 from aenv.runtime.streams import open_checked
@@ -59,20 +58,6 @@ log = logging.getLogger("aenv.runtime.ns")
 
 LEGACY_POOL_DIR = "ns-pool"  # <state>/ns-pool before the pool moved onto the sandboxes volume
 POOL_NICE = 19  # pooled sandboxes start at the lowest priority; reset to 0 at hand-out
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
 
 
 def _disk_usage(path: Path) -> int:
@@ -122,6 +107,7 @@ class NsRuntime:
         self.snapshots = NsSnapshots(self)
         self.releaser = NsReleaser(self, settings.ns_release_paused_after)
         self.procimages = ProcImages(self)
+        self.lifecycle = NsLifecycle(self)
         self._started = False
 
     # ---- host-wide lifecycle --------------------------------------------------------------------
@@ -350,98 +336,18 @@ class NsRuntime:
         sbx = self._get(sandbox_id)
         return await open_checked(sandbox_id, port, sbx.open_stream, sbx.alive)
 
+    # ---- pause / resume / kill / adopt (see lifecycle.py) ---------------------------------------
     async def pause(self, sandbox_id: str, keep_memory: bool = True) -> RuntimeState:
-        if sandbox_id in self._stopped:
-            return self._stopped_state(sandbox_id)
-        sbx = self._get(sandbox_id)
-        if not keep_memory:
-            return await self._stop(sandbox_id, sbx)
-        try:
-            await asyncio.to_thread(sbx.cgroup.freeze)
-        except OSError as exc:
-            raise RuntimeFailure(f"sandbox {sandbox_id}: freeze failed: {exc}", sandbox_id=sandbox_id) from exc
-        # The proxy's idle keep-alive streams must not be reused into a frozen sandbox (a request
-        # would hang instead of getting 502); envd keeps processes whose client left.
-        await sbx.drop_connections()
-        self._schedule_release(sbx)
-        return self._state(sbx, self._workdir(sandbox_id))
-
-    def _schedule_release(self, sbx: NsSandbox) -> None:
-        """A paused sandbox goes to disk after ns_release_paused_after s (``release.py``), where CRIU can dump it."""
-        if self.snapshots._full_refusal(sbx) is None:
-            self.releaser.schedule(sbx.name)
-
-    async def _stop(self, sandbox_id: str, sbx: NsSandbox) -> RuntimeState:
-        """Files only: every process ends (init, cgroup, slirp), the directory stays; ``ns.json``
-        records it stopped, so nothing is left to kill after a crash."""
-        await sbx.stop()
-        self._sandboxes.pop(sandbox_id, None)
-        data = {**sbx.state(), "pid": None, "start": None, "slirp": None, "stopped": True}
-        await asyncio.to_thread(_write_json, sbx.paths.state_file, data)
-        self._stopped[sandbox_id] = data
-        log.info("sandbox=%s stopped (files kept)", sandbox_id)
-        return self._stopped_state(sandbox_id)
-
-    def _stopped_state(self, sandbox_id: str) -> RuntimeState:
-        workdir = self._workdir(sandbox_id)
-        return RuntimeState(data={**self._stopped[sandbox_id], "workdir": str(workdir) if workdir else None})
-
-    async def _cold_start(self, sandbox_id: str, state: RuntimeState) -> RuntimeState:
-        """Start a stopped sandbox again on its own files (a paused one's memory is discarded first):
-        same ID, directory, upper and lowers; new processes and boot id; envd initialised anew."""
-        spec = self._specs.get(sandbox_id)
-        if spec is None:
-            raise SandboxNotFound(sandbox_id)
-        if sandbox_id not in self._stopped:
-            sbx = self._from_state(sandbox_id, state)
-            if sbx is None:
-                raise SandboxNotFound(sandbox_id)
-            await self._stop(sandbox_id, sbx)
-        data = self._stopped[sandbox_id]
-        lowers = [str(p) for p in data.get("lowers") or (spec.template.lowers or (spec.template.rootfs,))]
-        depth = int(data.get("snapshot_depth") or 0)
-        root = Path(str(data.get("dir") or spec.workdir / "ns"))
-        await asyncio.to_thread(Paths(root).reset)
-        template = replace(spec.template, lowers=tuple(Path(p) for p in lowers[depth:]))
-        new = await self._launch_ready(spec, template, tuple(lowers[:depth]), root=root)
-        self._stopped.pop(sandbox_id, None)
-        log.info("sandbox=%s cold start on its files", sandbox_id)
-        return new
+        return await self.lifecycle.pause(sandbox_id, keep_memory)
 
     async def resume(self, sandbox_id: str, state: RuntimeState, keep_memory: bool = True) -> RuntimeState:
-        return await self._egress_ensured(sandbox_id, self._resume(sandbox_id, state, keep_memory))
+        return await self.lifecycle.resume(sandbox_id, state, keep_memory)
 
-    async def _resume(self, sandbox_id: str, state: RuntimeState, keep_memory: bool) -> RuntimeState:
-        await self.start()
-        await self.releaser.settled(sandbox_id)  # a release under way ends first, either way
-        if sandbox_id in self.releaser.released:
-            return await self._resume_released(sandbox_id, state, keep_memory)
-        if not keep_memory or sandbox_id in self._stopped or state.data.get("stopped"):
-            return await self._cold_start(sandbox_id, state)
-        sbx = self._from_state(sandbox_id, state)
-        if sbx is None or not sbx.alive():
-            raise SandboxNotFound(sandbox_id)
-        try:
-            await asyncio.to_thread(sbx.cgroup.thaw)
-        except OSError as exc:
-            raise RuntimeFailure(f"sandbox {sandbox_id}: thaw failed: {exc}", sandbox_id=sandbox_id) from exc
-        self._sandboxes.setdefault(sandbox_id, sbx)
-        return self._state(sbx, self._workdir(sandbox_id, state))
+    async def kill(self, sandbox_id: str, state: RuntimeState | None = None) -> None:
+        await self.lifecycle.kill(sandbox_id, state)
 
-    async def _resume_released(self, sandbox_id: str, state: RuntimeState, keep_memory: bool) -> RuntimeState:
-        """Processes back from disk (``release.py``); a resume without memory drops the images and cold-starts."""
-        spec = self._specs.get(sandbox_id)
-        if spec is None:
-            raise SandboxNotFound(sandbox_id)
-        async with self.releaser.lock(sandbox_id):
-            if not keep_memory:
-                data = self.releaser.forget(sandbox_id) or {}
-                root = Path(str(data.get("dir") or spec.workdir / "ns"))
-                await asyncio.to_thread(remove_tree, root / RELEASED_DIR)
-                self._stopped[sandbox_id] = {**data, "pid": None, "start": None, "slirp": None, "stopped": True}
-                return await self._cold_start(sandbox_id, state)
-            sbx = await self.releaser.load(sandbox_id, spec)
-        return self._state(sbx, spec.workdir)
+    async def adopt(self, sandbox_id: str, spec: SandboxSpec, state: RuntimeState, stopped: bool = False) -> bool:
+        return await self.lifecycle.adopt(sandbox_id, spec, state, stopped)
 
     def _workdir(self, sandbox_id: str, state: RuntimeState | None = None) -> Path | None:
         spec = self._specs.get(sandbox_id)
@@ -449,92 +355,6 @@ class NsRuntime:
             return spec.workdir
         raw = state.data.get("workdir") if state else None
         return Path(raw) if raw else None
-
-    async def kill(self, sandbox_id: str, state: RuntimeState | None = None) -> None:
-        await self.start()
-        ENFORCER.forget(sandbox_id)
-        workdir = self._workdir(sandbox_id, state)
-        await self.releaser.settled(sandbox_id)
-        released = self.releaser.forget(sandbox_id)
-        stopped = self._stopped.pop(sandbox_id, None) or released
-        sbx = self._sandboxes.pop(sandbox_id, None) or self._from_state(sandbox_id, state) \
-            or self._from_state_file(sandbox_id)
-        if sbx is None and stopped is not None and self.layout is not None:
-            sbx = NsSandbox.from_state(self.layout, stopped)
-        self._specs.pop(sandbox_id, None)
-        if sbx is not None:
-            await sbx.aclose(remove_dir=workdir)
-        else:
-            assert self.layout is not None
-            cg = cgroups.Cgroup(self.layout, sandbox_id)
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(cg.remove)
-            if workdir is not None:
-                await asyncio.to_thread(remove_tree, workdir)
-
-    def _from_state_file(self, sandbox_id: str) -> NsSandbox | None:
-        """The sandbox as its own ``ns.json`` describes it. Needed when the server died after the
-        runtime created the sandbox but before the store recorded its runtime state: without it the
-        cgroup is killed but slirp4netns (outside the cgroup, and it does not exit with its netns)
-        is orphaned."""
-        path = self.settings.sandboxes_dir / sandbox_id / "ns" / STATE_FILE
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None
-        if not isinstance(data, dict) or not data.get("cgroup") or data.get("name") != sandbox_id \
-                or self.layout is None:
-            return None
-        return NsSandbox.from_state(self.layout, data)
-
-    async def adopt(self, sandbox_id: str, spec: SandboxSpec, state: RuntimeState, stopped: bool = False) -> bool:
-        await self.start()
-        assert self.layout is not None
-        if stopped:
-            return await self._adopt_stopped(sandbox_id, spec, state)
-        if not state.data.get("cgroup"):
-            return False
-        if state.data.get("dir") and await self.releaser.adopted(sandbox_id, Path(str(state.data["dir"]))):
-            self._specs[sandbox_id] = spec
-            return True
-        sbx = NsSandbox.from_state(self.layout, state.data)
-        if not sbx.alive() or not sbx.cgroup.exists():
-            return False
-        if await asyncio.to_thread(sbx.cgroup.frozen):
-            self._schedule_release(sbx)
-        if sbx.allow_internet and sbx.slirp is not None and not sbx.slirp.ref.alive():
-            assert sbx.init is not None
-            with contextlib.suppress(Exception):
-                sbx.slirp = await Slirp.start(sbx.init.pid)
-                await asyncio.to_thread(sbx.write_state)
-        self._sandboxes[sandbox_id] = sbx
-        self._specs[sandbox_id] = spec
-        return True
-
-    async def _adopt_stopped(self, sandbox_id: str, spec: SandboxSpec, state: RuntimeState) -> bool:
-        """After a restart, a sandbox the store says is paused without memory, or was being stopped or
-        cold-started: end whatever of it still runs (the processes the store recorded, those its
-        ``ns.json`` names: a cold start in flight, and its cgroup's members), keep its files."""
-        assert self.layout is not None
-        root = Path(str(state.data.get("dir") or spec.workdir / "ns"))
-        on_disk = await asyncio.to_thread(_read_json, root / STATE_FILE)
-        for data in (state.data, on_disk):
-            if data.get("pid") and data.get("cgroup") and data.get("dir"):
-                await NsSandbox.from_state(self.layout, data).stop()
-        cg = cgroups.Cgroup(self.layout, sandbox_id)
-        with contextlib.suppress(Exception):
-            await asyncio.to_thread(cg.kill_all)
-            await asyncio.to_thread(cg.remove)
-        if not (root / "upper").is_dir():
-            return False
-        recorded = {**on_disk, **state.data} if state.data.get("lowers") else {**state.data, **on_disk}
-        data = {**recorded, "name": sandbox_id, "dir": str(root), "cgroup": sandbox_id, "pid": None,
-                "start": None, "slirp": None, "stopped": True}
-        data.pop("workdir", None)
-        await asyncio.to_thread(_write_json, root / STATE_FILE, data)
-        self._stopped[sandbox_id] = data
-        self._specs[sandbox_id] = spec
-        return True
 
     async def metrics(self, sandbox_id: str) -> ResourceSample:
         sbx = self._get(sandbox_id)
