@@ -103,6 +103,8 @@ def test_fork_16_children_run_the_parents_process(server: Server, owned: list[st
         assert int(later[0]) > int(count)  # and it runs on
         seen_boot.add(boot_id)
         seen_random.add(rnd)
+        assert child.commands.run("hostname").stdout.strip() == sid  # its own name, not the parent's
+    assert parent.commands.run("hostname").stdout.strip() == parent.sandbox_id
     parent_probe = probe(parent)
     assert parent_probe[0] == secret
     seen_boot.add(parent_probe[3])
@@ -192,7 +194,7 @@ def test_start_from_the_templates_process_image_can_be_forked(server: Server, ow
         sbx = Sandbox.create(snap, timeout=600)
         owned.append(sbx.sandbox_id)
         assert sbx.files.read("/home/user/mark") == "from-the-snapshot"
-        assert sbx.commands.run("echo $E2B_SANDBOX_ID").stdout.strip() == sbx.sandbox_id
+        assert sbx.commands.run("echo $E2B_SANDBOX_ID; hostname").stdout.split() == [sbx.sandbox_id] * 2
         boot = sbx.commands.run("cat /proc/sys/kernel/random/boot_id").stdout
         assert boot != first.commands.run("cat /proc/sys/kernel/random/boot_id").stdout
         secret = start_worker(sbx)

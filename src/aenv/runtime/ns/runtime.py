@@ -41,7 +41,7 @@ from aenv.runtime.egress import ENFORCER
 from aenv.runtime.envd_client import EnvdError, init_payload
 from aenv.runtime.netpolicy import EgressPolicy
 from aenv.runtime.network import Slirp, host_ipv4_addresses, slirp_available
-from aenv.runtime.ns import cgroups
+from aenv.runtime.ns import cgroups, identity
 from aenv.runtime.ns.disk import POOL_NAME, DiskQuota
 from aenv.runtime.ns.lifecycle import NsLifecycle
 from aenv.runtime.ns.pool import WarmPool
@@ -243,6 +243,8 @@ class NsRuntime:
         try:
             if sbx is not None and sbx is prelaunched:
                 await asyncio.to_thread(sbx.rename, sid, root)
+                assert sbx.init is not None
+                await asyncio.to_thread(identity.set_hostname, sbx.init.pid, sid)
             elif sbx is not None:
                 # Inline, not in a thread: a handful of small writes and one rename (~1 ms), cheaper
                 # than the thread hop, and it is the create's hot path. It runs while envd handles
@@ -251,7 +253,7 @@ class NsRuntime:
             else:
                 await self._ensure_tools()
                 opts = replace(self._opts(template, spec.allow_internet, limits, disk_mb=spec.disk_mb),
-                               snapshot_layers=snapshot_layers)
+                               snapshot_layers=snapshot_layers, hostname=sid)
                 sbx = await NsSandbox.launch(sid, root, self.layout, opts, self.host_addrs,
                                              timeout=self.launch_timeout, keep_root=in_place)
             await sbx.init_envd(init_payload(spec), meanwhile=hand_out)
@@ -298,6 +300,7 @@ class NsRuntime:
             await ENFORCER.install(sid, pid, self.host_addrs)
             sbx.slirp = await Slirp.start(pid)
             await asyncio.to_thread(sbx.write_state)
+        await asyncio.to_thread(identity.set_hostname, pid, sid)  # CRIU brought back the parent's name
         await sbx._connect(wait=True)
         await sbx.health()
         await sbx.init_envd(init_payload(spec))
@@ -312,6 +315,8 @@ class NsRuntime:
         sbx.cgroup.set_weight(low=False)
         sbx.reprioritize(0)
         sbx.rename(sid, root)
+        assert sbx.init is not None
+        identity.set_hostname(sbx.init.pid, sid)  # pooled under the placeholder name (identity.py)
 
     def _state(self, sbx: NsSandbox, workdir: Path | None) -> RuntimeState:
         data = sbx.state()
