@@ -46,6 +46,7 @@ SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "snapshot": forks.snapshot_dirty,
     "fork": forks.fork,
     "rollback": forks.rollback,
+    "released": forks.released_resume,
     "density": density.density,
     "rl": rl.rl_loop,
     "build": builds.template_build,
@@ -53,7 +54,7 @@ SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
 }
 GROUPS = {
     "core": ["create", "concurrent", "roundtrip", "files", "pause"],
-    "snapshots": ["snapshot", "fork", "rollback"],
+    "snapshots": ["snapshot", "fork", "rollback", "released"],
     "all": list(SCENARIOS),
 }
 

@@ -148,3 +148,47 @@ def rollback(ctx: Ctx) -> dict[str, Any]:
             f = snapshots.scenario_create_and_rollback(ctx.client, ctx.n(3, 10, vm=5), "full")
             rows += [from_summary(f"{k} (full snapshot)", f[k]) for k in keys]
     return scenario("rollback in place and create from a snapshot", rows, ["docker has no rollback in place"])
+
+
+def released_resume(ctx: Ctx) -> dict[str, Any]:
+    """ns with CRIU: pause → released to disk (processes dumped and ended) → connect + first command.
+
+    Its own server (``ns_release_paused_after`` 0, so every pause is released at once; the main
+    server's default of 300 s would make the other pause rows releases too); no docker equivalent."""
+    import tempfile
+    from pathlib import Path
+
+    from e2b import Sandbox
+
+    from aenv.runtime.ns import criu
+    from aenv.testing.server import API_KEY, start_server, stop_server
+
+    title = "resume of a paused sandbox released to disk"
+    if ctx.runtime != "ns" or not criu.probe().usable:
+        return scenario(title, [], [f"{ctx.runtime}: no release to disk with CRIU here"])
+    samples: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="aenv-bench-released-") as tmp:
+        srv = start_server(Path(tmp), "ns", extra_env={"AENV_NS_RELEASE_PAUSED_AFTER": "0", "AENV_POOL_SIZE": "1"})
+        kw = {"api_url": srv.url, "sandbox_url": srv.url, "api_key": API_KEY}
+        try:
+            for _ in range(ctx.n(2, 9)):
+                sbx = Sandbox.create("base", timeout=600, **kw)
+                try:
+                    sbx.commands.run("sleep 3600", background=True)  # a process that must come back
+                    sbx.pause()
+                    marker = Path(tmp) / "state" / "sandboxes" / sbx.sandbox_id / "ns" / "released" / "released.json"
+                    deadline = time.monotonic() + 60
+                    while not marker.exists() and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    time.sleep(0.5)  # the release ends the processes after the marker
+                    t0 = time.perf_counter()
+                    again = Sandbox.connect(sbx.sandbox_id, **kw)
+                    again.commands.run("true")
+                    samples.append(ms_since(t0))
+                    assert "sleep 3600" in again.commands.run("ps -eo args").stdout
+                finally:
+                    Sandbox.kill(sbx.sandbox_id, **kw)
+        finally:
+            stop_server(srv)
+    return scenario(title, [row("released resume → first command", ctx.system, samples,
+                                note="CRIU restore from disk, processes back")])

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from aenv.runtime.ns import criu
 from bench.__main__ import SCENARIOS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,6 +42,8 @@ def test_every_scenario_ran_on_ns(smoke: tuple[dict, Path]) -> None:  # type: ig
     assert run["errors"] == {}
     assert set(run["scenarios"]) == set(SCENARIOS)
     for name, sc in run["scenarios"].items():
+        if name == "released" and not criu.probe().usable:
+            continue  # resume from disk needs CRIU: the scenario says so in its notes, with no rows
         assert sc["title"] and sc["rows"], name
         assert any(r["system"] == "aenv-ns" for r in sc["rows"]), name
 
