@@ -169,7 +169,7 @@ def released_resume(ctx: Ctx) -> dict[str, Any]:
     samples: list[float] = []
     with tempfile.TemporaryDirectory(prefix="aenv-bench-released-") as tmp:
         srv = start_server(Path(tmp), "ns", extra_env={"AENV_NS_RELEASE_PAUSED_AFTER": "0", "AENV_POOL_SIZE": "1"})
-        kw = {"api_url": srv.url, "sandbox_url": srv.url, "api_key": API_KEY}
+        kw: dict[str, Any] = {"api_url": srv.url, "sandbox_url": srv.url, "api_key": API_KEY}
         try:
             for _ in range(ctx.n(2, 9)):
                 sbx = Sandbox.create("base", timeout=600, **kw)

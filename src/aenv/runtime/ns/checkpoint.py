@@ -16,6 +16,7 @@ sandbox's cgroups (``criu.in_cgroups_argv``), on an overlay mounted on the host 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
 import subprocess
@@ -29,6 +30,8 @@ DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
 _NET_TABLES = ("unix", "tcp", "tcp6", "udp", "udp6", "raw", "raw6", "netlink", "packet", "udplite", "udplite6")
 _SOCKET = re.compile(r"socket:\[(\d+)\]")
+_libc = ctypes.CDLL(None, use_errno=True)
+_MNT_DETACH = 2
 # Logged on every run because CAP_SYS_RESOURCE is missing for criu's own rlimit: not a failure.
 _NOISE = ("RLIMIT_NOFILE",)
 
@@ -141,11 +144,18 @@ def restore(exe: str, images: Path, *, lowers: list[str], upper: Path, work: Pat
     its own copy in its mount namespace)."""
     pidfile = run_dir / "criu-restore.pid"
     log = run_dir / RESTORE_LOG
-    subprocess.run(criu.mount_overlay_argv(lowers, upper, work, merged), check=True, capture_output=True)
+    mount_overlay(criu.overlay_options(lowers, upper, work), merged)
     try:
         run_criu(criu.in_cgroups_argv(procs_files, criu.in_fresh_netns_argv(criu.restore_argv(
             exe, images, root=merged, pidfile=pidfile, tools=tools, run_dir=run_dir, log=str(log),
             boot_id=boot_id), kdat=kdat_cache(exe))), log, "restore")
     finally:
-        subprocess.run(["umount", "-l", str(merged)], check=False, capture_output=True)
+        _libc.umount2(os.fsencode(merged), _MNT_DETACH)  # the restored tree holds its own copy
     return int(pidfile.read_text().strip())
+
+
+def mount_overlay(options: str, target: Path) -> None:
+    """mount(2) of an overlay at ``target`` (what ``mount -t overlay`` does, without its exec)."""
+    if _libc.mount(b"overlay", os.fsencode(target), b"overlay", 0, options.encode()) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount overlay at {target}: {os.strerror(err)}")
