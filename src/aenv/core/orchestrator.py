@@ -5,8 +5,8 @@ the side effect becomes visible, then calls the runtime. Checkpoints (snapshot, 
 ``snapshots.py``'s flows, the snapshot repository is ``sync.py``'s and templates are
 ``template_flows.py``'s; callers (the API) only ever talk to this class. A background reaper enforces
 TTLs (kill, or pause with autoPause); a sampler keeps a short history of resource samples for
-``/metrics``. Crash recovery at start-up re-adopts or cleans every sandbox the store knows and
-reconciles orphans.
+``/metrics``. Crash recovery at start-up (``recovery.py``) re-adopts or cleans every sandbox the store
+knows and reconciles orphans.
 
 A pause keeps memory (``full``) or only the files (``filesystem``: every process ends, the resume is
 a cold start with a new boot id). The row's ``pause_mode`` says which *before* the runtime acts, and
@@ -36,6 +36,7 @@ from aenv.core.context import Context
 from aenv.core.fleet import KillReport, kill_matching
 from aenv.core.ids import new_id, new_token
 from aenv.core.models import CreateRequest, ListQuery, SandboxState, require_state
+from aenv.core.recovery import recover
 from aenv.core.snapshots import SnapshotFlows, result_of
 from aenv.core.sync import SnapshotSync
 from aenv.core.table import LiveSandbox, SandboxTable
@@ -108,7 +109,7 @@ class Orchestrator:
     async def start(self) -> None:
         self.settings.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         await self.runtime.start()
-        await self._recover()
+        await recover(self.ctx)
         self.snapshots.discard_unfinished()
         if self.ctx.repository is not None:
             self.sync.resume_publishing()
@@ -129,42 +130,6 @@ class Orchestrator:
         await self.builds.aclose()
         await self.template_flows.aclose()
         await self.runtime.close()
-
-    async def _recover(self) -> None:
-        """Re-adopt what survived a restart; clean up what did not. Nothing is left half-made."""
-        rows = self.store.list_sandboxes()
-        for row in rows:
-            self.table.saw_seq(row.created_seq)
-            state = SandboxState(row.state)
-            try:
-                spec = self.ctx.spec_for(row)
-            except AenvError as exc:
-                log.warning("sandbox=%s recovery: %s; removing", row.id, exc)
-                await self.ctx.forget(row)
-                continue
-            if state in (SandboxState.RUNNING, SandboxState.PAUSED, SandboxState.PAUSING, SandboxState.RESUMING):
-                # Paused without memory, or a pause/resume that was discarding it: files only.
-                stopped = state is not SandboxState.RUNNING and row.pause_mode is SnapshotMode.FILESYSTEM
-                if await net.adopt(self.runtime, row, spec, stopped):  # with its network policy, or not at all
-                    # A half-done pause/resume is settled towards the safe side: paused.
-                    if state in (SandboxState.PAUSING, SandboxState.RESUMING) or stopped:
-                        with contextlib.suppress(Exception):
-                            row.runtime_state = (await self.runtime.pause(row.id, keep_memory=not stopped)).data
-                        row.state = SandboxState.PAUSED
-                        row.paused_at = row.paused_at or now()
-                        row.pause_mode = row.pause_mode or SnapshotMode.FULL
-                        self.store.update_sandbox(row.id, state=row.state, paused_at=row.paused_at,
-                                                  pause_mode=row.pause_mode, runtime_state=row.runtime_state)
-                    self.table.add(LiveSandbox(row=row, spec=spec))
-                    log.info("sandbox=%s recovery: re-adopted (%s)", row.id, row.state)
-                    continue
-                log.warning("sandbox=%s recovery: gone after restart; cleaning up", row.id)
-            else:
-                log.info("sandbox=%s recovery: was %s during the crash; cleaning up", row.id, state.value)
-            await self.ctx.forget(row)
-        reconcile = getattr(self.runtime, "reconcile", None)
-        if reconcile is not None:
-            await reconcile(self.table.ids())
 
     async def update_network(self, sandbox_id: str, req: net.NetworkRequest, allow_internet: bool | None) -> None:
         """``PUT /sandboxes/{id}/network``: replace the sandbox's egress rules, live (``network.update``)."""
