@@ -62,13 +62,7 @@ EXEMPT: dict[str, str] = {
 
 # Run, and expected to fail (strict xfail: one that starts passing fails the run, so the list
 # shrinks). Node ID -> (runtimes, reason).
-KNOWN: dict[str, tuple[tuple[str, ...], str]] = {
-    **{f"{d}/commands/test_sandbox_killed_during_run.py::test_kill_sandbox_while_command_is_running": (
-       ("ns", "vm"), "SDK 2.45.1 probes /health only after a transport error (E2B: an HTTP/2 stream reset); "
-       "aenv ends the Connect stream with `unavailable` (what newer SDKs probe on) or, over HTTP/1.1, with "
-       "a cut chunked body, which pyqwest reports as a protocol error, so the SDK says 'likely due to "
-       "sandbox timeout'") for d in BOTH},
-}
+KNOWN: dict[str, tuple[tuple[str, ...], str]] = {}
 
 
 async def push_images(registry_url: str) -> None:

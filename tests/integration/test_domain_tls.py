@@ -8,6 +8,10 @@ The SDK then calls ``https://api.<domain>``, aenv answers with that domain, and 
 sends to this machine without DNS; the test's other clients are pointed at 127.0.0.1 by hand. The domain
 has a label before ``localhost`` because a certificate's wildcard may not stand right before a
 top-level name (``*.localhost`` matches nothing).
+
+With TLS the server speaks HTTP/2 (ALPN ``h2``, hypercorn) and the SDK's transport takes it; a command
+whose sandbox is killed mid-stream then ends in a stream reset, which the SDK answers with a ``/health``
+probe and ``SandboxNotRunningException``.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.timeout(900), pytest.mark.sdk]
 
 SDK_SCRIPT = r"""
-import json, os, socket, ssl, sys
-from e2b import Sandbox
+import json, os, socket, ssl, sys, threading
+from e2b import Sandbox, SandboxNotRunningException
 from websockets.sync.client import connect
 from bench.ws import PORT, start_in_sandbox
 
@@ -45,6 +49,17 @@ try:
     sbx.files.write("/tmp/f.txt", "file over https")
     out["file"] = sbx.files.read("/tmp/f.txt")
     out["connected"] = Sandbox.connect(sbx.sandbox_id).commands.run("echo again").stdout.strip()
+    # Over h2 a stream whose sandbox goes away is reset (cli/tls_serve.py): the SDK probes /health
+    doomed = Sandbox.create("base", timeout=600)
+    handle = doomed.commands.run("sleep 600", background=True, timeout=0)
+    killer = threading.Timer(1.0, Sandbox.kill, args=(doomed.sandbox_id,))
+    killer.start()
+    try:
+        handle.wait()
+    except SandboxNotRunningException as exc:
+        out["killed"] = str(exc)
+    finally:
+        killer.join()
     start_in_sandbox(sbx, PORT, timeout=180)
     host = sbx.get_host(PORT)
     out["host"] = host
@@ -117,11 +132,13 @@ def test_the_sdk_with_only_e2b_domain_over_https(tls_server: tuple[Server, str])
     assert out["domain"] == domain
     assert out["envd_url"] == f"https://49983-{sid_host.split('-', 1)[1]}.{domain}"
     assert out["host"] == f"{sid_host}.{domain}" and sid_host.startswith("8765-")
+    assert "killed or reached its end of life" in out.get("killed", ""), out
+    assert "ended before the stream completed" not in out["killed"], out  # a reset (h2), not `unavailable`
     assert (out["echo"], out["file"], out["connected"], out["ws"]) == (
         "over https", "file over https", "again", "over wss")
 
 
-def test_https_refuses_plain_http_and_a_wrong_name(tls_server: tuple[Server, str]) -> None:
+def test_https_speaks_h2_and_http11_and_refuses_plain_http_and_a_wrong_name(tls_server: tuple[Server, str]) -> None:
     srv, domain = tls_server
     assert srv.ca is not None
     ctx = ssl.create_default_context(cafile=str(srv.ca))
@@ -131,7 +148,10 @@ def test_https_refuses_plain_http_and_a_wrong_name(tls_server: tuple[Server, str
     ctx.set_alpn_protocols(["h2", "http/1.1"])
     with socket.create_connection(("127.0.0.1", port), timeout=30) as raw, \
             ctx.wrap_socket(raw, server_hostname=f"api.{domain.rsplit(':', 1)[0]}") as conn:
-        assert conn.selected_alpn_protocol() in (None, "http/1.1")  # HTTP/1.1 only: uvicorn offers no h2
+        assert conn.selected_alpn_protocol() == "h2"  # hypercorn: HTTP/2 by ALPN
+    with httpx.Client(http2=True, verify=ctx, trust_env=False, timeout=30) as h2:
+        assert h2.get(f"https://127.0.0.1:{port}/health").http_version == "HTTP/2"
+    assert ok.http_version == "HTTP/1.1"  # a client offering only http/1.1 still gets it
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/health", trust_env=False, timeout=30)
     with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):

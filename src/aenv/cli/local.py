@@ -49,7 +49,7 @@ def serve(
     AENV_S3_SECRET_ACCESS_KEY (or the standard AWS_* names), from the environment only.
     vm runtime: vm_release_paused_after (s a paused VM stays in RAM, default 60), vm_memory_low_mb (below
     this much available host memory paused VMs go to disk at once, default 512, 0 = off), vm_guest_aslr.
-    Sandbox proxy: sandbox_domain, tls_cert + tls_key (HTTPS; HTTP/1.1 only, no HTTP/2), ws_max_message
+    Sandbox proxy: sandbox_domain, tls_cert + tls_key (HTTPS, served by hypercorn: HTTP/2 by ALPN, else HTTP/1.1), ws_max_message
     (largest WebSocket message relayed, bytes, default 16 MiB).
     """
     import logging
@@ -81,6 +81,11 @@ def serve(
     for path in (settings.tls_cert, settings.tls_key):
         if path is not None and not path.is_file():
             printer.fail(f"no such file: {path}", hint="--tls-cert and --tls-key name PEM files", status=ExitStatus.USAGE)
+    if settings.tls_cert is not None and settings.tls_key is not None:
+        from aenv.cli.tls_serve import run_tls
+
+        run_tls(create_app(settings), settings)  # hypercorn: HTTP/2 by ALPN, HTTP/1.1 fallback
+        return
     logging.getLogger("uvicorn.error").addFilter(_DenialFilter())
     uvicorn.run(
         create_app(settings),
@@ -90,8 +95,6 @@ def serve(
         access_log=False,
         timeout_keep_alive=75,
         server_header=False,
-        ssl_certfile=str(settings.tls_cert) if settings.tls_cert else None,
-        ssl_keyfile=str(settings.tls_key) if settings.tls_key else None,
         ws_max_size=settings.ws_max_message,
     )
 

@@ -32,6 +32,7 @@ from .codec import (
     Scope,
     Send,
     UpstreamError,
+    frame_unsized_body,
     parse_response_head,
     request_head,
 )
@@ -152,6 +153,14 @@ class SandboxProxy:
                 return
             head += msg.get("body", b"")
             more_body = bool(msg.get("more_body", False))
+        elif framing is None and scope.get("http_version") == "2":
+            # An h2 request may carry a body with no Content-Length (its DATA frames frame it): its first
+            # piece says which HTTP/1.1 framing it gets upstream (e.g. the SDK's Connect calls).
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            more_body = bool(msg.get("more_body", False))
+            head, framing = frame_unsized_body(head, msg.get("body", b""), more_body)
         ex: _Exchange | None = None
         helper: asyncio.Task[None] | None = None
         try:
@@ -183,7 +192,9 @@ class SandboxProxy:
                 # returning without completing it makes the server drop the client connection.
                 if not ex.gone:
                     log.info("sandbox=%s proxy port=%s failed mid-response: %r", sandbox_id, port, exc)
-                    if ender is not None:  # a Connect stream ends as E2B's does (connect_end.py)
+                    # A Connect stream ends as E2B's does (connect_end.py); over HTTP/2 returning now
+                    # resets the stream (cli/tls_serve.py), the transport failure every SDK probes on.
+                    if ender is not None and scope.get("http_version") != "2":
                         await ender.end_unavailable(f"the connection to sandbox {sandbox_id} ended before "
                                                     "the stream completed")
             else:

@@ -96,6 +96,18 @@ def request_head(scope: Scope) -> tuple[bytes, str | None]:
     return b"".join(parts), framing
 
 
+def frame_unsized_body(head: bytes, first: bytes, more: bool) -> tuple[bytes, str | None]:
+    """``head`` (from :func:`request_head`, no framing) with the framing of a body the client framed itself
+    (HTTP/2 DATA frames need no Content-Length) and its first piece ``first`` after it: sized when that
+    piece is all of it, chunked when more follows, none when it is empty and last. Returns the bytes to
+    write and the framing."""
+    if more:
+        return head[:-2] + b"Transfer-Encoding: chunked\r\n\r\n" + encode_chunk(first), "chunked"
+    if first:
+        return head[:-2] + b"Content-Length: %d\r\n\r\n" % len(first) + first, "length"
+    return head, None
+
+
 def encode_chunk(data: bytes) -> bytes:
     """``data`` as one chunk of a chunked body; nothing for no data (an empty chunk would end the body)."""
     return b"%x\r\n%s\r\n" % (len(data), data) if data else b""

@@ -9,7 +9,8 @@ reaches them as a transport read error instead. :class:`ConnectStreamEnd` wraps 
 Connect streaming call, passes every message on, and follows the envelopes of the response body
 (1 flag byte, 4-byte big-endian length, payload), so it can tell whether the body stopped between two
 envelopes: only then can an end-of-stream envelope follow (mid-envelope, the connection is cut as
-before).
+before). Over HTTP/2 the proxy uses none of this: the stream is reset instead (``cli/tls_serve.py``), the
+transport failure on which every SDK version probes (2.45, for one, probes on nothing else).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from aenv.api.proxy.codec import (
     UNTIL_EOF,
     canonical_name,
     encode_chunk,
+    frame_unsized_body,
     keeps_alive,
     response_framing,
     take_head,
@@ -161,3 +162,14 @@ def test_header_names_go_out_in_canonical_form_as_from_e2bs_proxy() -> None:
     assert canonical_name(b"bad name") == b"bad name"  # not a token: as it came
     head, _ = request_head({"method": "GET", "path": "/", "headers": [(b"host", b"h"), (b"user-agent", b"u")]})
     assert head == b"GET / HTTP/1.1\r\nHost: h\r\nUser-Agent: u\r\n\r\n"
+
+
+def test_an_h2_body_without_content_length_gets_its_http11_framing_from_its_first_piece() -> None:
+    head, framing = request_head({"method": "POST", "path": "/rpc", "headers": [(b"host", b"h")]})
+    assert framing is None
+    assert frame_unsized_body(head, b"", False) == (head, None)  # no body at all
+    sized, framing = frame_unsized_body(head, b"abc", False)  # all of it in one piece
+    assert (framing, sized) == ("length", b"POST /rpc HTTP/1.1\r\nHost: h\r\nContent-Length: 3\r\n\r\nabc")
+    chunked, framing = frame_unsized_body(head, b"abc", True)  # more follows: a stream
+    assert (framing, chunked) == ("chunked", b"POST /rpc HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                             b"3\r\nabc\r\n")  # fmt: skip
