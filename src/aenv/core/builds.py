@@ -276,8 +276,7 @@ class TemplateBuilds:
                     self._save_cache(cache)
             step = "finalize"
             await self._start_and_wait(rec, sandbox_id, spec, state)
-            mode = await self.snapshots.runtime.fork_mode(sandbox_id)
-            final = await self._checkpoint(sandbox_id, base, state, mode)
+            final = await self._final_checkpoint(rec, sandbox_id, base, state, spec)
             cache[fkey] = {"snapshot": final, "state": state.to_json()}
             self._save_cache(cache)
             self._register(rec, base, final, state, spec)
@@ -383,6 +382,22 @@ class TemplateBuilds:
                 if asyncio.get_running_loop().time() > deadline:
                     raise BuildFailed(f"the ready command did not succeed within {READY_TIMEOUT_S} s")
                 await asyncio.sleep(0.5)
+
+    async def _final_checkpoint(self, rec: BuildRecord, sandbox_id: str, base: TemplateRow, state: BuildState,
+                                spec: BuildSpec) -> str:
+        """The template's own snapshot, with its processes where the runtime can (a start command's
+        processes are the template's; without one, a process image only makes later starts faster).
+        Without a start command a process image that cannot be taken is said in the build's log and
+        the template keeps its files, as every step's snapshot does; with one, the build fails."""
+        mode = await self.snapshots.runtime.fork_mode(sandbox_id)
+        try:
+            return await self._checkpoint(sandbox_id, base, state, mode)
+        except AenvError as exc:
+            if mode is SnapshotMode.FILESYSTEM or spec.start_cmd:
+                raise
+            rec.log(f"the sandbox's processes could not be saved ({exc.message}); the template keeps its files "
+                    "and its sandboxes start fresh", step="finalize", level="warn")
+            return await self._checkpoint(sandbox_id, base, state, SnapshotMode.FILESYSTEM)
 
     async def _checkpoint(self, sandbox_id: str, base: TemplateRow, state: BuildState, mode: SnapshotMode) -> str:
         """An internal snapshot of the build sandbox behind a hidden template (a later build, or the

@@ -4,38 +4,18 @@ template deletes draining the runtime's pools, and the reaper driven by an expli
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from aenv.config import Settings
 from aenv.core.models import CreateRequest, ListQuery, SandboxState
 from aenv.core.orchestrator import Orchestrator
-from aenv.core.templates import TemplateCatalog
 from aenv.errors import AenvError, Conflict, InvalidRequest, SandboxNotFound, StateError
 from aenv.kinds import SnapshotMode
-from aenv.store.sqlite import Store, now
+from aenv.store.sqlite import now
 from tests.fixtures.runtime import FakeRuntime
-
-
-@pytest.fixture
-async def orch(tmp_path: Path) -> AsyncIterator[Orchestrator]:
-    settings = Settings(state_dir=tmp_path / "state", cache_dir=tmp_path / "cache", reaper_interval=3600,
-                        max_timeout=3600, snapshot_store="")
-    settings.state_dir.mkdir(parents=True)
-    (tmp_path / "rootfs").mkdir()
-    store = Store(settings.db_path)
-    catalog = TemplateCatalog(settings, store)
-    catalog.register(alias="base", kind="bootstrap", rootfs=tmp_path / "rootfs", template_id="base")
-    o = Orchestrator(settings, store, FakeRuntime(), catalog)
-    await o.start()
-    try:
-        yield o
-    finally:
-        await o.close()
-        store.close()
 
 
 def fake(o: Orchestrator) -> FakeRuntime:
