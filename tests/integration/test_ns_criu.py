@@ -203,3 +203,13 @@ def test_start_from_the_templates_process_image_can_be_forked(server: Server, ow
     assert result.mode == "full" and len(result.sandbox_ids) == 2
     for sid in result.sandbox_ids:
         assert probe(Sandbox.connect(sid))[0] == secret
+    # the pool refills from the image too: hand-outs of restored pool entries are sandboxes like any other
+    pool = server.state_dir / "sandboxes" / ".ns-pool"
+    deadline = time.monotonic() + 60
+    while not list(pool.glob("pool-*/run/restore.log")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert list(pool.glob("pool-*/run/restore.log")), "no pool entry was restored from the image"
+    for _ in range(3):
+        pooled = Sandbox.create("base", timeout=600)
+        owned.append(pooled.sandbox_id)
+        assert pooled.commands.run("hostname; whoami").stdout.split() == [pooled.sandbox_id, "user"]

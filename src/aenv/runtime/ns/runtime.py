@@ -194,8 +194,10 @@ class NsRuntime:
         s = self.settings
         opts = self._opts(template, allow_internet, (s.default_cpu_count, s.default_memory_mb, s.pids_limit),
                           nice=POOL_NICE)
-        sbx = await NsSandbox.launch(name, self.pool_dir / name, self.layout, opts, self.host_addrs,
-                                     timeout=self.launch_timeout)
+        sbx = await self.procimages.pooled(name, self.pool_dir / name, template, allow_internet)
+        if sbx is None:  # no process image (yet): launched by exec
+            sbx = await NsSandbox.launch(name, self.pool_dir / name, self.layout, opts, self.host_addrs,
+                                         timeout=self.launch_timeout)
         await sbx.warm_up()
         return sbx
 
@@ -284,10 +286,11 @@ class NsRuntime:
                         opts)
         return sbx
 
-    async def attach_restored(self, sbx: NsSandbox, spec: SandboxSpec, pid: int) -> None:
+    async def attach_restored(self, sbx: NsSandbox, spec: SandboxSpec, pid: int, live: bool = True) -> None:
         """After ``criu restore``: record the init, give the fresh network namespace the sandbox's
         network (internet: filter, then slirp4netns), connect to the restored agent, ``/init`` envd
-        with the new identity, and make the sandbox live."""
+        with the new identity, and make the sandbox live. ``live=False`` (a pooled sandbox restored
+        from a process image, ``procimage.py``): no ``/init`` and not registered; the hand-out does both."""
         from aenv.runtime.process import ProcRef
 
         sid = spec.sandbox_id
@@ -303,6 +306,8 @@ class NsRuntime:
         await asyncio.to_thread(identity.set_hostname, pid, sid)  # CRIU brought back the parent's name
         await sbx._connect(wait=True)
         await sbx.health()
+        if not live:
+            return
         await sbx.init_envd(init_payload(spec))
         self._sandboxes[sid] = sbx
         self._specs[sid] = spec

@@ -360,6 +360,11 @@ class NsSnapshots:
 
     async def restore_processes(self, spec: SandboxSpec, snapshot: Path, layers: tuple[str, ...],
                                 lowers: tuple[Path, ...], root: Path | None = None) -> RuntimeState:
+        sbx = await self.restore_tree(spec, snapshot, layers, lowers, root)
+        return self.rt._state(sbx, spec.workdir)
+
+    async def restore_tree(self, spec: SandboxSpec, snapshot: Path, layers: tuple[str, ...],
+                           lowers: tuple[Path, ...], root: Path | None = None, live: bool = True) -> NsSandbox:
         """``criu restore`` of ``snapshot``'s images (a full snapshot, or a template's process image:
         ``procimage.py``) into a fresh overlay whose upper is a *copy* of ``layers[0]`` (CRIU needs the
         files exactly as at dump time) over ``layers[1:]`` and ``lowers``, in the new sandbox's cgroups
@@ -379,14 +384,14 @@ class NsSnapshots:
 
         try:
             pid = await asyncio.get_running_loop().run_in_executor(_restore_pool(), prepare_and_restore)
-            await rt.attach_restored(sbx, spec, pid)
+            await rt.attach_restored(sbx, spec, pid, live=live)
         except BaseException as exc:
             await sbx.aclose(remove_dir=None if root else spec.workdir)
             if isinstance(exc, CheckpointError | OSError):
                 raise RuntimeFailure(f"sandbox {spec.sandbox_id}: process restore failed: {exc}",
                                      sandbox_id=spec.sandbox_id) from exc
             raise
-        return rt._state(sbx, spec.workdir)
+        return sbx
 
 
 _POOL: list[concurrent.futures.ThreadPoolExecutor] = []
