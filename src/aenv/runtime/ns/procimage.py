@@ -86,8 +86,10 @@ class ProcImages:
             return None
         lowers = tuple(Path(p) for p in (template.lowers or (template.rootfs,)))
         try:
+            # the image's upper is copied in, not stacked: the image goes with the server (reconcile)
+            # while its sandboxes live on
             return await self.rt.snapshots.restore_processes(
-                spec, image, (str(image / UPPER), *snapshot_layers), lowers, root=spec.workdir / "ns")
+                spec, image, (str(image / UPPER), *snapshot_layers), lowers, root=spec.workdir / "ns", stacked=False)
         except AenvError as exc:
             log.warning("sandbox=%s restore of the template's process image failed (%s); starting it by exec",
                         spec.sandbox_id, exc)

@@ -275,13 +275,14 @@ class NsRuntime:
         return self._state(sbx, spec.workdir)
 
     def restored_sandbox(self, spec: SandboxSpec, layers: tuple[str, ...], lowers: tuple[Path, ...],
-                         root: Path | None) -> NsSandbox:
+                         root: Path | None, stacked: bool = False) -> NsSandbox:
         """The ``NsSandbox`` a process restore fills in: ``spec``'s limits and network on the snapshot's
-        layers (``layers[0]`` is the snapshot's own upper, copied in as the sandbox's upper)."""
+        layers. ``layers[0]`` is the snapshot's own upper: copied in as the sandbox's upper, or with
+        ``stacked`` a lower like the others under a fresh upper (``NsSnapshots.restore_tree``)."""
         assert self.layout is not None
         opts = replace(self._opts(replace(spec.template, lowers=lowers), spec.allow_internet,
                                   (spec.cpu_count, spec.memory_mb, spec.pids_limit), disk_mb=spec.disk_mb),
-                       snapshot_layers=layers[1:], zygote=None)
+                       snapshot_layers=layers if stacked else layers[1:], zygote=None)
         sbx = NsSandbox(spec.sandbox_id, Paths(root or spec.workdir / "ns"), cgroups.Cgroup(self.layout, spec.sandbox_id),
                         opts)
         return sbx

@@ -359,12 +359,14 @@ class NsSnapshots:
             await asyncio.gather(*self._cleanups, return_exceptions=True)
 
     async def restore_processes(self, spec: SandboxSpec, snapshot: Path, layers: tuple[str, ...],
-                                lowers: tuple[Path, ...], root: Path | None = None) -> RuntimeState:
-        sbx = await self.restore_tree(spec, snapshot, layers, lowers, root)
+                                lowers: tuple[Path, ...], root: Path | None = None,
+                                stacked: bool = True) -> RuntimeState:
+        sbx = await self.restore_tree(spec, snapshot, layers, lowers, root, stacked=stacked)
         return self.rt._state(sbx, spec.workdir)
 
     async def restore_tree(self, spec: SandboxSpec, snapshot: Path, layers: tuple[str, ...],
-                           lowers: tuple[Path, ...], root: Path | None = None, live: bool = True) -> NsSandbox:
+                           lowers: tuple[Path, ...], root: Path | None = None, live: bool = True,
+                           stacked: bool = False) -> NsSandbox:
         """``criu restore`` of ``snapshot``'s images (a full snapshot, or a template's process image:
         ``procimage.py``) into a fresh overlay whose upper is a *copy* of ``layers[0]`` (CRIU needs the
         files exactly as at dump time) over ``layers[1:]`` and ``lowers``, in the new sandbox's cgroups
@@ -376,11 +378,11 @@ class NsSnapshots:
                              f"({status.reason}); start it on a host with CRIU >= 4.2")
         rt = self.rt
         await rt.start()
-        sbx = rt.restored_sandbox(spec, layers, lowers, root)
+        sbx = rt.restored_sandbox(spec, layers, lowers, root, stacked=stacked)
         exe, tools = status.exe, rt.tools or Path("/nonexistent")
 
         def prepare_and_restore() -> int:
-            return restore_into(sbx, spec, Path(layers[0]), snapshot / CRIU_DIR, exe, tools)
+            return restore_into(sbx, spec, None if stacked else Path(layers[0]), snapshot / CRIU_DIR, exe, tools)
 
         try:
             pid = await asyncio.get_running_loop().run_in_executor(_restore_pool(), prepare_and_restore)
@@ -406,14 +408,16 @@ def _restore_pool() -> concurrent.futures.ThreadPoolExecutor:
     return _POOL[0]
 
 
-def restore_into(sbx: NsSandbox, spec: SandboxSpec, upper: Path, images: Path, exe: str, tools: Path) -> int:
-    """Blocking: make ``sbx``'s directory and cgroups, copy ``upper`` in, restore ``images``; the pid."""
+def restore_into(sbx: NsSandbox, spec: SandboxSpec, upper: Path | None, images: Path, exe: str, tools: Path) -> int:
+    """Blocking: make ``sbx``'s directory and cgroups, copy ``upper`` in (None: an empty upper, the
+    snapshot's upper is a lower of ``sbx``), restore ``images``; the pid."""
     paths, cg, opts = sbx.paths, sbx.cgroup, sbx.opts
     shutil.rmtree(paths.upper, ignore_errors=True)
     if opts is not None and opts.disk is not None:  # the quota subvolume must exist before the copy lands in it
         opts.disk.make_root(paths.root, spec.disk_mb)
     paths.root.mkdir(parents=True, exist_ok=True)
-    copy_tree(upper, paths.upper)
+    if upper is not None:
+        copy_tree(upper, paths.upper)
     paths.prepare()
     paths.new_boot_id()  # restored processes keep running, but in a sandbox (a boot) of its own
     cg.create()
