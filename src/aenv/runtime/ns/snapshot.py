@@ -368,8 +368,9 @@ class NsSnapshots:
                            lowers: tuple[Path, ...], root: Path | None = None, live: bool = True,
                            stacked: bool = False) -> NsSandbox:
         """``criu restore`` of ``snapshot``'s images (a full snapshot, or a template's process image:
-        ``procimage.py``) into a fresh overlay whose upper is a *copy* of ``layers[0]`` (CRIU needs the
-        files exactly as at dump time) over ``layers[1:]`` and ``lowers``, in the new sandbox's cgroups
+        ``procimage.py``) into a fresh overlay that shows the files exactly as at dump time (what CRIU
+        needs): ``stacked``, every layer a lower under an empty upper (a snapshot's, which outlives its
+        children); otherwise ``layers[0]`` copied in as the upper (a process image's, which does not), in the new sandbox's cgroups
         and a fresh network namespace (``checkpoint.restore``), then the host's connection to the
         restored agent and ``/init`` with the new identity (ID, token, env)."""
         status = self.criu_status()
