@@ -146,6 +146,11 @@ def test_rollback_brings_processes_back(server: Server, owned: list[str]) -> Non
         client.rollback(sbx.sandbox_id, snap)
     assert probe(sbx)[0] == secret
     assert sbx.commands.run("test -e /tmp/later || echo gone").stdout == "gone\n"
+    # CRIU restores the host bind mounts writable; ro_remount.py makes them read-only again before the
+    # restored tree resumes: sandbox root must not touch the host's /dev/null or the shared tools
+    for attempt in ("touch -m /dev/null", "touch /.aenv/x", "touch /proc/sys/kernel/random/boot_id"):
+        out = sbx.commands.run(f"{attempt} 2>&1; echo rc=$?", user="root").stdout
+        assert "Read-only file system" in out and out.endswith("rc=1\n"), (attempt, out)
 
 
 def test_pause_restart_resume_keeps_processes(tmp_path: Path, e2b_env: dict[str, str],

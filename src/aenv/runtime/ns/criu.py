@@ -41,8 +41,10 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shlex
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,6 +202,34 @@ def dump_argv(exe: str, pid: int, images: Path, *, freezer: Path | None, log: st
     return argv
 
 
+def read_only_points(masked: Sequence[str]) -> list[str]:
+    """``POINT:FLAGS`` of every host bind a restore must make read-only again (``ro_remount.py``),
+    with the other flags the launcher gave it (``agent/launch.py``)."""
+    nosuid_nodev, noexec = 2 | 4, 8
+    points = [f"{point}:0" for point, _ in _masks(masked)]
+    return [*points, f"{BOOT_ID_MOUNT}:{nosuid_nodev | noexec}", f"/.aenv:{nosuid_nodev}"]
+
+
+def ro_remount_action(masked: Sequence[str], base: Path = KDAT_BASE) -> str:
+    """The ``--action-script`` for it: CRIU execs a file (no arguments), so a two-line wrapper that
+    runs ``ro_remount.py`` with the points, written once into a root-only directory of the host (a
+    sandbox's ``/.aenv-run`` would let the sandbox rewrite what the host runs as root)."""
+    script = Path(__file__).with_name("ro_remount.py")
+    line = " ".join(shlex.quote(a) for a in (sys.executable, "-I", str(script), *read_only_points(masked)))
+    body = f"#!/bin/sh\nexec {line}\n"
+    directory = base / f"aenv-criu-actions-{os.geteuid()}"
+    path = directory / f"ro-remount-{hashlib.sha256(body.encode()).hexdigest()[:12]}.sh"
+    if not path.exists():
+        directory.mkdir(mode=0o700, exist_ok=True)
+        if directory.stat().st_uid != os.geteuid() or directory.stat().st_mode & 0o077:
+            raise RuntimeError(f"{directory} is not this user's private directory")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(body)
+        tmp.chmod(0o700)
+        os.replace(tmp, path)
+    return str(path)
+
+
 def restore_argv(exe: str, images: Path, *, root: Path, pidfile: Path, tools: Path, run_dir: Path,
                  log: str = "restore.log", extra: Sequence[str] = (), boot_id: Path | None = None,
                  masked: Sequence[str] | None = None, net_external: bool = True) -> list[str]:
@@ -209,10 +239,11 @@ def restore_argv(exe: str, images: Path, *, root: Path, pidfile: Path, tools: Pa
     the image's network namespace was external; the restored tree joins the one open at ``NET_FD``
     (``in_fresh_netns_argv``)."""
     net = ["--inherit-fd", f"fd[{NET_FD}]:{EXT_NET}"] if net_external else []
+    masked = masked_here() if masked is None else masked
     return [exe, "restore", "-D", str(images), "-o", log, "-v2", "--network-lock", "skip", "--restore-detached",
             "--pidfile", str(pidfile), "--root", str(root), "--tcp-established", "--ext-unix-sk",
-            "--file-locks", "--manage-cgroups=ignore", *_externals_restore(tools, run_dir, boot_id, masked_here() if masked is None else masked),
-            *net, *extra]
+            "--file-locks", "--manage-cgroups=ignore", *_externals_restore(tools, run_dir, boot_id, masked),
+            "--action-script", ro_remount_action(masked), *net, *extra]
 
 
 def kdat_dir(exe: str, base: Path = KDAT_BASE) -> Path:

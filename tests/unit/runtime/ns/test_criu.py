@@ -87,6 +87,17 @@ def test_restore_argv_maps_externals_back() -> None:
     with_boot_id = criu.restore_argv("/c", Path("/i"), root=Path("/r"), pidfile=Path("/p"), tools=Path("/t"),
                                      run_dir=Path("/w/ns/run"), boot_id=Path("/w/ns/boot_id"))
     assert "mnt[aenv-boot-id]:/w/ns/boot_id" in with_boot_id
+    action = Path(argv[argv.index("--action-script") + 1])  # the host binds read-only again before resume
+    body = action.read_text()
+    assert body.startswith("#!/bin/sh\nexec ") and "ro_remount.py" in body and "/dev/null:0" in body
+    assert "/.aenv:6" in body and action.stat().st_mode & 0o777 == 0o700
+
+
+def test_ro_remount_does_nothing_but_at_pre_resume(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aenv.runtime.ns import ro_remount
+
+    monkeypatch.setenv("CRTOOLS_SCRIPT_ACTION", "post-restore")
+    assert ro_remount.main(["/dev/null:0"]) == 0  # no setns, no mount: not its stage
 
 
 def test_in_cgroups_argv_joins_then_execs(tmp_path: Path) -> None:
