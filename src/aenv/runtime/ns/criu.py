@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from aenv.agent.launch import PROC_MASKED
+from aenv.agent.launch import DEV_NODES, MS_NODEV, MS_NOEXEC, MS_NOSUID, PROC_MASKED
 
 if TYPE_CHECKING:
     from aenv.config import Settings
@@ -66,7 +66,6 @@ NET_FD = 3  # where the restore wrapper opens that fresh namespace for --inherit
 CACHE_SUBPATH = ("criu", "current", "criu")  # under the cache dir: what scripts/build-criu.sh leaves
 EXT_BOOT_ID = "aenv-boot-id"  # the sandbox's own boot id file (agent/launch.py); a restore gets a new one
 BOOT_ID_MOUNT = "/proc/sys/kernel/random/boot_id"
-DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
 KDAT_BASE = Path("/dev/shm")  # a tmpfs on any Linux host: CRIU keeps its kernel probe only on one
 
 Runner = Callable[..., "subprocess.CompletedProcess[str]"]
@@ -205,9 +204,8 @@ def dump_argv(exe: str, pid: int, images: Path, *, freezer: Path | None, log: st
 def read_only_points(masked: Sequence[str]) -> list[str]:
     """``POINT:FLAGS`` of every host bind a restore must make read-only again (``ro_remount.py``),
     with the other flags the launcher gave it (``agent/launch.py``)."""
-    nosuid_nodev, noexec = 2 | 4, 8
     points = [f"{point}:0" for point, _ in _masks(masked)]
-    return [*points, f"{BOOT_ID_MOUNT}:{nosuid_nodev | noexec}", f"/.aenv:{nosuid_nodev}"]
+    return [*points, f"{BOOT_ID_MOUNT}:{MS_NOSUID | MS_NODEV | MS_NOEXEC}", f"/.aenv:{MS_NOSUID | MS_NODEV}"]
 
 
 def ro_remount_action(masked: Sequence[str], base: Path = KDAT_BASE) -> str:
