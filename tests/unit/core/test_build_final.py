@@ -21,14 +21,14 @@ async def _build(o: Orchestrator, name: str) -> tuple[str, list[str]]:
     return rec.status, [str(e["message"]) for e in rec.logs]
 
 
-async def _template_mode(o: Orchestrator, name: str) -> str:
+def _template_mode(o: Orchestrator, name: str) -> str:
     snapshot_id = str(o.get_template(name).config["snapshot"])
     return str(o.get_snapshot(snapshot_id).mode)
 
 
 async def test_the_template_keeps_its_processes_where_the_runtime_can(orch: Orchestrator) -> None:
     status, _ = await _build(orch, "full")
-    assert status == "ready" and await _template_mode(orch, "full") == "full"
+    assert status == "ready" and _template_mode(orch, "full") == "full"
 
 
 async def test_a_process_image_that_fails_leaves_the_files_and_says_so(orch: Orchestrator) -> None:
@@ -37,5 +37,5 @@ async def test_a_process_image_that_fails_leaves_the_files_and_says_so(orch: Orc
     runtime.fail_full_snapshot = True
     status, logs = await _build(orch, "files")
     assert status == "ready", logs
-    assert await _template_mode(orch, "files") == "filesystem"
+    assert _template_mode(orch, "files") == "filesystem"
     assert any("could not be saved (criu dump failed: exit 1)" in m for m in logs), logs
