@@ -27,17 +27,16 @@ import logging
 import os
 import socket
 import struct
-import threading
 import time
 from dataclasses import dataclass, field
 
 from aenv.runtime import network
 from aenv.runtime.netpolicy import EgressPolicy
+from aenv.runtime.nsthread import run_in_namespace
 from aenv.runtime.sniff import MAX_PEEK, NeedMore, a_answers, a_query, host_name
 
 log = logging.getLogger("aenv.egress")
 
-_CLONE_NEWNET = 0x40000000
 _SO_ORIGINAL_DST = 80
 _PEEK_TIMEOUT = 10.0
 _RESOLVE_TTL = 30.0
@@ -51,36 +50,19 @@ def _netns_inode(pid: int) -> int:
 def listen_in_netns(pid: int) -> socket.socket:
     """A listening TCP socket on 127.0.0.1 (port chosen by the kernel) in ``pid``'s network namespace.
     Made on a thread of its own that enters the namespace and ends: no other thread ever changes."""
-    out: list[socket.socket | BaseException] = []
 
-    def run() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
+    def listen(_libc: ctypes.CDLL) -> socket.socket:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
-            fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                if libc.setns(fd, _CLONE_NEWNET) != 0:
-                    err = ctypes.get_errno()
-                    raise OSError(err, f"setns into the network namespace of {pid}: {os.strerror(err)}")
-            finally:
-                os.close(fd)
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            try:
-                sock.bind(("127.0.0.1", 0))
-                sock.listen(256)
-                sock.setblocking(False)
-            except BaseException:
-                sock.close()
-                raise
-            out.append(sock)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            out.append(exc)
+            sock.bind(("127.0.0.1", 0))
+            sock.listen(256)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
 
-    t = threading.Thread(target=run, name=f"netns-{pid}")
-    t.start()
-    t.join()
-    if isinstance(out[0], BaseException):
-        raise out[0]
-    return out[0]
+    return run_in_namespace(pid, "net", listen, thread_name=f"netns-{pid}")
 
 
 def original_dst(sock: socket.socket) -> tuple[str, int]:

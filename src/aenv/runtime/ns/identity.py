@@ -30,9 +30,9 @@ from __future__ import annotations
 import ctypes
 import os
 import re
-import threading
 
-_CLONE_NEWUTS = 0x04000000
+from aenv.runtime.nsthread import run_in_namespace
+
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,62}")
 
 
@@ -41,27 +41,10 @@ def set_hostname(pid: int, name: str) -> None:
     one thread that enters the namespace, sets the name and ends."""
     if not _NAME.fullmatch(name):
         raise ValueError(f"not a hostname: {name!r}")
-    errors: list[BaseException] = []
+    def name_it(libc: ctypes.CDLL) -> None:
+        raw = name.encode()
+        if libc.sethostname(raw, len(raw)) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"sethostname {name}: {os.strerror(err)}")
 
-    def run() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        try:
-            fd = os.open(f"/proc/{pid}/ns/uts", os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                if libc.setns(fd, _CLONE_NEWUTS) != 0:
-                    err = ctypes.get_errno()
-                    raise OSError(err, f"setns into the UTS namespace of {pid}: {os.strerror(err)}")
-            finally:
-                os.close(fd)
-            raw = name.encode()
-            if libc.sethostname(raw, len(raw)) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"sethostname {name}: {os.strerror(err)}")
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            errors.append(exc)
-
-    t = threading.Thread(target=run, name=f"uts-{pid}")
-    t.start()
-    t.join()
-    if errors:
-        raise errors[0]
+    run_in_namespace(pid, "uts", name_it, thread_name=f"uts-{pid}")
