@@ -68,6 +68,9 @@ class Settings(BaseModel):
     webhook_backoff: float = Field(1.0, gt=0, description="first retry delay of a webhook delivery, seconds")
     pool_size: int = Field(2, ge=0, description="pre-started sandboxes kept ready per hot template")
     reaper_interval: float = Field(1.0, gt=0, description="seconds between TTL sweeps")
+    gone_retention: float = Field(
+        7 * 86400.0, gt=0, description="seconds a killed or expired sandbox's ID keeps answering why it ended"
+    )
     default_cpu_count: int = Field(2, gt=0)
     default_memory_mb: int = Field(512, gt=0)
     default_disk_mb: int = Field(2048, gt=0)

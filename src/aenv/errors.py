@@ -4,8 +4,10 @@ maps them to E2B-shaped HTTP errors, and nothing here knows about HTTP.
     AenvError
     ├── NotFound                 sandbox, template or snapshot does not exist
     │   ├── SandboxNotFound
+    │   │   └── SandboxGone      it existed and ended (killed, expired, reaped, lease lost, lost): 404, or 410 if asked
     │   ├── TemplateNotFound
     │   └── SnapshotNotFound
+    ├── Gone                     an aenv-only object that existed and ended (a heartbeat lease): 410
     ├── InvalidRequest           input that passed schema validation but makes no sense
     ├── StateError               action not allowed in the current lifecycle state (e.g. pause a paused sandbox)
     ├── Conflict                 a concurrent transition owns the object (e.g. killing)
@@ -42,6 +44,23 @@ class NotFound(AenvError):
 class SandboxNotFound(NotFound):
     def __init__(self, sandbox_id: str) -> None:
         super().__init__(f"sandbox '{sandbox_id}' not found", sandbox_id=sandbox_id)
+
+
+class SandboxGone(SandboxNotFound):
+    """A sandbox that existed and ended: the E2B SDKs see their 404 (``NotFoundException``) with the
+    reason in the message; a client that asks (``Prefer: aenv-gone=410``) gets a 410."""
+
+    def __init__(self, sandbox_id: str, reason: str, detail: str, at: str) -> None:
+        super().__init__(sandbox_id)
+        self.message = f"sandbox '{sandbox_id}' not found: it ended at {at} ({reason}: {detail})"
+        self.reason = reason
+        self.detail = detail
+        self.at = at
+        self.context.update(reason=reason)
+
+
+class Gone(AenvError):
+    """An object of aenv's own API (no E2B client expects a 404 for it) that existed and ended."""
 
 
 class TemplateNotFound(NotFound):

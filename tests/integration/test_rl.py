@@ -92,3 +92,53 @@ async def test_async_episode_and_group(server: Server, e2b_env: dict[str, str]) 
     result = await arun_group("base", 2, rollout, run=run, keep=0, timeout=120)
     assert result.scores == [7.0, 8.0] and result.kept == []
     assert _listed(server, run=run) == []
+
+
+TRAINER = """
+import sys, time
+from aenv.rl import Episode, Lease, run_group
+run = sys.argv[1]
+with Lease(ttl=3, name=run, end=False) as lease:
+    with Episode("base", rollout_id=run + "-solo", run=run, timeout=600, kill=False, lease=lease) as ep:
+        ep.run("true")
+    group = run_group("base", 2, lambda ep, i: float(i), keep=2, run=run, timeout=600, lease=lease)
+    print(lease.lease_id, ep.sandbox_id, *group.kept, flush=True)
+    time.sleep(600)  # the test kills this trainer with SIGKILL: its heartbeat stops with it
+"""
+
+
+def test_a_killed_trainer_loses_its_sandboxes_to_the_lease(server: Server, e2b_env: dict[str, str]) -> None:
+    """A trainer holding sandboxes with TTLs of 10 min dies (SIGKILL): one missed lease heartbeat ends
+    them all, fork children included, and each says why."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    run = f"rl-{uuid.uuid4().hex[:8]}"
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, run], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ})
+    try:
+        assert trainer.stdout is not None
+        lease_id, *sandboxes = trainer.stdout.readline().split()
+        assert len(sandboxes) == 3 and set(_listed(server, run=run)) == set(sandboxes)
+        time.sleep(4)  # past the 3 s ttl: the trainer's heartbeats hold them
+        assert set(_listed(server, run=run)) == set(sandboxes)
+        os.kill(trainer.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while _listed(server, run=run) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _listed(server, run=run) == []
+        for sid in sandboxes:
+            resp = httpx.get(f"{server.url}/sandboxes/{sid}", headers={"X-API-KEY": API_KEY, "Prefer": "aenv-gone=410"},
+                             trust_env=False)
+            assert resp.status_code == 410 and resp.json()["reason"] == "lease_expired", resp.text
+        lease = httpx.get(f"{server.url}/aenv/leases/{lease_id}", headers={"X-API-KEY": API_KEY}, trust_env=False)
+        assert lease.json()["state"] == "ended" and lease.json()["endReason"] == "expired"
+    finally:
+        trainer.kill()
+        trainer.wait()
+        if trainer.stdout is not None:
+            trainer.stdout.close()
+        httpx.post(server.url + "/aenv/sandboxes/kill", json={"metadata": {"run": run}},
+                   headers={"X-API-KEY": API_KEY}, trust_env=False)

@@ -21,12 +21,15 @@ from aenv.api.proxy import SandboxProxy
 from aenv.api.routes_builds import router as builds_router
 from aenv.api.routes_builds import uploads as build_uploads_router
 from aenv.api.routes_fleet import router as fleet_router
+from aenv.api.routes_leases import router as leases_router
 from aenv.api.routes_sandboxes import router as sandboxes_router
 from aenv.api.routes_snapshots import router as snapshots_router
 from aenv.api.routes_templates import router as templates_router
 from aenv.api.routes_webhooks import router as webhooks_router
 from aenv.config import Settings
+from aenv.core.leases import Leases
 from aenv.core.orchestrator import Orchestrator
+from aenv.core.run_metrics import RunMetrics
 from aenv.core.templates import TemplateCatalog
 from aenv.core.webhooks import Webhooks
 from aenv.runtime.base import Runtime
@@ -49,7 +52,7 @@ def _snapshot_repository(settings: Settings) -> Any:
 
 def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_base: bool = True) -> Any:
     """Build the ASGI app. ``runtime`` may be injected (tests); otherwise chosen from settings."""
-    holder: dict[str, Orchestrator] = {}
+    holder: dict[str, Any] = {}  # orch (the Orchestrator), runs (RunMetrics), once started
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -70,10 +73,18 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
         repository = _snapshot_repository(settings)
         if repository is not None:
             orch.attach_repository(repository)
+        leases = Leases(settings, store, orch.kill_matching)
+        orch.on_event.append(leases.on_event)
+        runs = RunMetrics(settings.admission_group_key)
+        orch.on_event.append(runs.on_event)
+        orch.admission.on_refused = runs.on_refused
         await orch.start()
         await webhooks.start()  # first what a killed server left pending
+        await leases.start()
         holder["orch"] = orch
+        holder["runs"] = runs
         app.state.webhooks = webhooks
+        app.state.leases = leases
         app.state.orchestrator = orch
         app.state.catalog = catalog
         app.state.settings = settings
@@ -86,6 +97,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
             for task in list(app.state.background):
                 task.cancel()
             await proxy.aclose()
+            await leases.close()
             await orch.close()
             await webhooks.close()
             store.close()
@@ -97,6 +109,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
     api.include_router(build_uploads_router)
     api.include_router(sandboxes_router)
     api.include_router(fleet_router)
+    api.include_router(leases_router)
     api.include_router(templates_router)
     api.include_router(snapshots_router)
     api.include_router(webhooks_router)
@@ -115,6 +128,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
             for state, n in orch.stats()["sandboxes"].items():
                 lines.append(f'aenv_sandboxes{{state="{state}"}} {n}')
             lines += ["# TYPE aenv_sandboxes_starting gauge", f"aenv_sandboxes_starting {orch.stats()['starting']}"]
+            lines += holder["runs"].prometheus(s.row for s in orch.table)
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     @api.get("/aenv/info", dependencies=[Depends(require_api_key)])

@@ -20,6 +20,7 @@ log = logging.getLogger("aenv.api")
 
 STATUS: dict[type[BaseException], int] = {
     e.NotFound: 404,
+    e.Gone: 410,
     e.InvalidRequest: 400,
     e.StateError: 409,
     e.Conflict: 409,
@@ -35,6 +36,14 @@ STATUS: dict[type[BaseException], int] = {
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
     return JSONResponse({"code": status, "message": message, **extra}, status_code=status, headers=headers)
+
+
+GONE_PREFERENCE = "aenv-gone=410"
+
+
+def prefers_gone_410(prefer: list[str]) -> bool:
+    """Whether the request's ``Prefer`` headers (RFC 7240) hold ``aenv-gone=410``."""
+    return any(p.strip().lower().replace(" ", "") == GONE_PREFERENCE for h in prefer for p in h.split(","))
 
 
 def status_for(exc: BaseException) -> int:
@@ -54,11 +63,16 @@ def _validation_message(exc: RequestValidationError) -> str:
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(e.AenvError)
-    async def _domain(_: Request, exc: e.AenvError) -> JSONResponse:
+    async def _domain(request: Request, exc: e.AenvError) -> JSONResponse:
         status = status_for(exc)
         headers = None
         extra: dict[str, Any] = {}
-        if isinstance(exc, e.CapacityError):
+        if isinstance(exc, e.SandboxGone):
+            # The E2B SDKs know 404 (NotFoundException) only; a client that asks gets the honest 410.
+            extra.update(reason=exc.reason, endedAt=exc.at)
+            if prefers_gone_410(request.headers.getlist("prefer")):
+                status, headers = 410, {"Preference-Applied": GONE_PREFERENCE}
+        elif isinstance(exc, e.CapacityError):
             headers = {"Retry-After": str(max(1, round(exc.retry_after)))}
             extra["reason"] = exc.reason  # machine-readable: capacity | quota | restoring
             status = 503 if exc.reason == "restoring" else status

@@ -69,11 +69,13 @@ def _check_metadata_size(meta: dict[str, str], limit: int) -> None:
         raise InvalidRequest(f"metadata too large: {size} bytes, the limit is {limit}")
 
 
-async def _create(body: NewSandbox, orch: Orchestrator, idempotency_key: str | None, secure_default: bool,
-                  owner: str) -> JSONResponse:
+async def _create(request: Request, body: NewSandbox, orch: Orchestrator, idempotency_key: str | None,
+                  secure_default: bool) -> JSONResponse:
     body.refuse_unsupported()
+    owner = owner_of(presented_key(request))
     meta = body.metadata or {}
     _check_metadata_size(meta, orch.settings.max_metadata_bytes)
+    request.app.state.leases.check_binding(meta, owner)  # aenv.lease=<id>: this key's live lease
     env_vars = body.envVars or {}
     _check_metadata_size(env_vars, orch.settings.max_metadata_bytes * 4)
     if idempotency_key is not None and not (0 < len(idempotency_key) <= 255):
@@ -106,12 +108,12 @@ async def create_v2(
     idempotency_key: str | None = Header(default=None, alias="Idempotency-Key"),
 ) -> JSONResponse:
     # New SDKs do not send `secure`; E2B issues an access token by default, and so do we.
-    return await _create(body, orch, idempotency_key, secure_default=True, owner=owner_of(presented_key(request)))
+    return await _create(request, body, orch, idempotency_key, secure_default=True)
 
 
 @router.post("/sandboxes", status_code=201)
 async def create_legacy(request: Request, body: NewSandbox, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
-    return await _create(body, orch, None, secure_default=False, owner=owner_of(presented_key(request)))
+    return await _create(request, body, orch, None, secure_default=False)
 
 
 @router.get("/v2/sandboxes")

@@ -7,10 +7,18 @@ the E2B SDK offers::
         snap = c.snapshot(sandbox_id, mode="filesystem")
         fork = c.fork(sandbox_id, count=16)      # fork.mode says what was copied
         c.rollback(sandbox_id, snap.snapshot_id)
+        lease = c.create_lease(ttl=30)          # heartbeat it; sandboxes tagged with it end with it
 """
 
 from aenv.client._client import AenvClient, ForkResult, Snapshot
-from aenv.client._errors import AenvClientError, ApiError, ConflictError, NotFoundError, ServerUnreachable
+from aenv.client._errors import (
+    AenvClientError,
+    ApiError,
+    ConflictError,
+    GoneError,
+    NotFoundError,
+    ServerUnreachable,
+)
 
 __all__ = [
     "AenvClient",
@@ -18,6 +26,7 @@ __all__ = [
     "ApiError",
     "ConflictError",
     "ForkResult",
+    "GoneError",
     "NotFoundError",
     "ServerUnreachable",
     "Snapshot",

@@ -129,3 +129,16 @@ class AenvClient:
     def rollback(self, sandbox_id: str, snapshot_id: str) -> dict[str, Any]:
         """Put the sandbox back to an earlier snapshot of its lineage; same ID and access token."""
         return dict(self._request("POST", f"/sandboxes/{sandbox_id}/rollback", json={"snapshotID": snapshot_id}).json())
+
+    # ---- heartbeat leases -----------------------------------------------------------------------
+    def create_lease(self, ttl: float, name: str = "") -> dict[str, Any]:
+        """A lease (``leaseID``, ``expiresAt``, ...): sandboxes tagged ``aenv.lease=<id>`` end with it."""
+        return dict(self._request("POST", "/aenv/leases", json={"ttl": ttl, "name": name}).json())
+
+    def heartbeat(self, lease_id: str) -> dict[str, Any]:
+        """Push the lease's expiry to now + ttl. Raises GoneError once it ended (its sandboxes are dead)."""
+        return dict(self._request("POST", f"/aenv/leases/{lease_id}/heartbeat").json())
+
+    def end_lease(self, lease_id: str) -> dict[str, Any]:
+        """End the lease now and kill its sandboxes; the answer lists them (``killed``, ``failed``)."""
+        return dict(self._request("DELETE", f"/aenv/leases/{lease_id}").json())

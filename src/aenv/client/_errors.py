@@ -4,6 +4,7 @@
     ├── ServerUnreachable       the server could not be reached (connection or timeout)
     └── ApiError                the server answered with an error status (.status, .message, .response)
         ├── NotFoundError       404: no such sandbox or snapshot
+        │   └── GoneError       410: it existed and ended (a lease; a sandbox when asked with Prefer)
         └── ConflictError       409: not possible in this state (e.g. a full snapshot the runtime
                                 cannot take, deleting a snapshot in use, rollback outside the lineage)
 """
@@ -33,6 +34,10 @@ class NotFoundError(ApiError):
     pass
 
 
+class GoneError(NotFoundError):
+    pass
+
+
 class ConflictError(ApiError):
     pass
 
@@ -43,5 +48,5 @@ def error_for(resp: httpx.Response) -> ApiError:
         message = str(body.get("message", resp.text)) if isinstance(body, dict) else resp.text
     except ValueError:
         message = resp.text or resp.reason_phrase
-    cls = {404: NotFoundError, 409: ConflictError}.get(resp.status_code, ApiError)
+    cls = {404: NotFoundError, 409: ConflictError, 410: GoneError}.get(resp.status_code, ApiError)
     return cls(resp.status_code, message, resp)

@@ -23,7 +23,7 @@ import contextlib
 import hashlib
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from aenv.config import Settings
 from aenv.core.table import SandboxTable
@@ -45,6 +45,7 @@ class Admission:
         self._queues: OrderedDict[Group, deque[asyncio.Future[None]]] = OrderedDict()
         self._waiting = 0
         self._owned: dict[str, set[str]] = {}
+        self.on_refused: Callable[[str | None, str], None] | None = None  # (run, reason), e.g. run_metrics.py
         self._pending: dict[str, int] = {}  # owner -> creates admitted or waiting, not yet in _owned
         self._quotas = {self._owner_key(k): v for k, v in settings.key_quotas.items()}
 
@@ -70,11 +71,19 @@ class Admission:
     @contextlib.asynccontextmanager
     async def slot(self, owner: str, run: str | None) -> AsyncIterator[None]:
         """Hold a start slot for one create (waiting fairly for it), or raise CapacityError."""
-        self._check_quota(owner)
-        self._check_total()
+        try:
+            self._check_quota(owner)
+            self._check_total()
+        except CapacityError as exc:
+            self._refused(run, exc)
+            raise
         self._pending[owner] = self._pending.get(owner, 0) + 1
         try:
-            await self._acquire((owner, run or ""))
+            try:
+                await self._acquire((owner, run or ""))
+            except CapacityError as exc:
+                self._refused(run, exc)
+                raise
             try:
                 self._check_total()  # the node may have filled up while it waited
                 yield
@@ -84,6 +93,10 @@ class Admission:
             self._pending[owner] -= 1
             if not self._pending[owner]:
                 del self._pending[owner]
+
+    def _refused(self, run: str | None, exc: CapacityError) -> None:
+        if self.on_refused is not None:
+            self.on_refused(run, exc.reason)
 
     def owns(self, owner: str, sandbox_id: str) -> None:
         """``sandbox_id`` (just created) counts for ``owner``'s quota while it lives."""

@@ -20,7 +20,8 @@ from aenv.errors import GuestUnresponsive, InvalidRequest
 from aenv.faults import fault_point
 from aenv.runtime.base import Runtime, RuntimeState, SandboxSpec
 from aenv.runtime.envd_client import ENVD_PORT, request
-from aenv.store.sqlite import SandboxRow, Store, TemplateRow
+from aenv.store.gone_log import GoneLog
+from aenv.store.sqlite import SandboxRow, Store, TemplateRow, now
 
 GUEST_CHECK_TIMEOUT = 10.0  # s for envd to answer /health when a pause needs its answer
 
@@ -33,6 +34,7 @@ class Context:
     templates: TemplateCatalog
     table: SandboxTable
     repository: Any = None  # aenv.snapshots.SnapshotRepository once attached (sync.py), else None
+    gone: GoneLog | None = None  # tombstones of ended sandboxes (the orchestrator's), else none kept
 
     def check_timeout(self, timeout: int) -> None:
         if timeout <= 0:
@@ -72,9 +74,12 @@ class Context:
             access_token=row.access_token,
         )
 
-    async def forget(self, row: SandboxRow) -> None:
-        """End a sandbox for good: the runtime's side, its directory, then its row (in that order,
-        so a crash in between leaves a row that recovery cleans up again)."""
+    async def forget(self, row: SandboxRow, reason: str | None = None, detail: str = "") -> None:
+        """End a sandbox for good: its tombstone (with ``reason``: one a client saw), the runtime's side,
+        its directory, then its row (in that order, so a crash in between leaves a row that recovery
+        cleans up again, and the first reason stays the one a late request hears)."""
+        if reason is not None and self.gone is not None:
+            self.gone.record(row.id, reason, detail, now())
         self.table.discard(row.id)
         with contextlib.suppress(Exception):
             await self.runtime.kill(row.id, RuntimeState(row.runtime_state))

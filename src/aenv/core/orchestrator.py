@@ -46,7 +46,6 @@ from aenv.errors import (
     AenvError,
     GuestUnresponsive,
     PortNotOpen,
-    SandboxNotFound,
     SandboxUnreachable,
 )
 from aenv.faults import fault_point
@@ -54,6 +53,7 @@ from aenv.images import ProgressCallback
 from aenv.kinds import SnapshotMode, TemplateKind
 from aenv.mux import ByteStream, StreamRefused
 from aenv.runtime.base import ResourceSample, Runtime, RuntimeState, SnapshotResult
+from aenv.store.gone_log import EXPIRED, KILLED, REAPED, GoneLog
 from aenv.store.sqlite import SandboxRow, SnapshotRow, Store, TemplateRow, now
 
 __all__ = ["LiveSandbox", "Orchestrator", "file_signature"]
@@ -84,8 +84,9 @@ class Orchestrator:
         self.store = store
         self.runtime = runtime
         self.templates = templates
-        self.table = SandboxTable()
-        self.ctx = Context(settings, store, runtime, templates, self.table)
+        self.gone = GoneLog(store)
+        self.table = SandboxTable(self.gone.find)
+        self.ctx = Context(settings, store, runtime, templates, self.table, gone=self.gone)
         net.configure(settings)
         self.sync = SnapshotSync(self.ctx)
         self.snapshots = SnapshotFlows(self.ctx, self.sync)
@@ -259,22 +260,28 @@ class Orchestrator:
             self._emit("created", row)
             return sbx
 
-    async def kill(self, sandbox_id: str) -> None:
+    async def kill(self, sandbox_id: str, reason: str = KILLED, detail: str = "killed through the API") -> None:
+        """End a sandbox; a later request about it hears ``reason`` (``store/gone_log.py``)."""
         sbx = self.get(sandbox_id)
         async with sbx.lock:
             if sbx.id not in self.table:
-                raise SandboxNotFound(sandbox_id)
+                raise self.table.not_found(sandbox_id)
             sbx.row.state = SandboxState.KILLING
             self.store.update_sandbox(sbx.id, state=sbx.row.state)
             fault_point("kill.stored")
-            await self.ctx.forget(sbx.row)
+            await self.ctx.forget(sbx.row, reason, detail)
         self.snapshots.collect_garbage()
         log.info("sandbox=%s killed", sandbox_id)
         self._emit("killed", sbx.row)
 
-    async def kill_matching(self, metadata: dict[str, str]) -> KillReport:
+    async def kill_matching(self, metadata: dict[str, str], reason: str = REAPED, detail: str | None = None) -> KillReport:
         """Kill every sandbox tagged with all of ``metadata``, even one still starting (``fleet.py``)."""
-        return await kill_matching(self.table, self.kill, metadata)
+        why = detail or "killed by metadata " + ", ".join(f"{k}={v}" for k, v in sorted(metadata.items()))
+
+        async def reap(sandbox_id: str) -> None:
+            await self.kill(sandbox_id, reason, why)
+
+        return await kill_matching(self.table, reap, metadata)
 
     async def set_timeout(self, sandbox_id: str, timeout: int) -> None:
         """``endAt = now + timeout``; 0 expires the sandbox now (killed, or paused with autoPause)."""
@@ -330,7 +337,7 @@ class Orchestrator:
         sbx = self.get(sandbox_id)
         async with sbx.lock:
             if sbx.id not in self.table:
-                raise SandboxNotFound(sandbox_id)
+                raise self.table.not_found(sandbox_id)
             if sbx.state is SandboxState.RUNNING:
                 sbx.row.end_at = max(sbx.row.end_at, now() + timeout)
                 self.store.update_sandbox(sbx.id, end_at=sbx.row.end_at)
@@ -390,12 +397,12 @@ class Orchestrator:
         """A byte stream into the sandbox for the proxy. Paused sandboxes resume first when autoResume is on."""
         sbx = self.table.find(sandbox_id)
         if sbx is None or not sbx.state.visible:
-            raise SandboxNotFound(sandbox_id)
+            raise self.table.not_found(sandbox_id)
         if sbx.state is not SandboxState.RUNNING:
             # autoResume wakes a sandbox where it stopped; one that kept only its files is resumed
             # (cold) by an explicit connect alone, as in E2B.
             if not sbx.row.auto_resume or sbx.row.pause_mode is SnapshotMode.FILESYSTEM:
-                raise SandboxNotFound(sandbox_id)
+                raise self.table.not_found(sandbox_id)
             async with sbx.lock:
                 if sbx.state is SandboxState.PAUSED:
                     await self._resume_locked(sbx, self.settings.default_timeout)
@@ -421,9 +428,13 @@ class Orchestrator:
 
     # ---- background work ------------------------------------------------------------------------
     async def _reaper(self) -> None:
+        rounds = 0
         while True:
             await asyncio.sleep(self.settings.reaper_interval)
             await self.reap_expired(now())
+            rounds += 1
+            if rounds % 600 == 1:  # now and then: tombstones past their retention
+                self.gone.prune(now() - self.settings.gone_retention)
 
     async def reap_expired(self, at: float) -> list[str]:
         """One reaper round at time ``at``: running sandboxes past their end are paused (autoPause) or
@@ -446,7 +457,7 @@ class Orchestrator:
         unless autoPauseMemory is false) or killed. False if it changed meanwhile."""
         if not sbx.row.auto_pause:
             log.info("sandbox=%s expired; killing", sbx.id)
-            await self.kill(sbx.id)
+            await self.kill(sbx.id, EXPIRED, "its timeout ran out")
             return True
         async with sbx.lock:
             if sbx.state is not SandboxState.RUNNING or sbx.row.end_at > at:

@@ -17,6 +17,7 @@ from aenv.core.models import SandboxState
 from aenv.core.table import LiveSandbox
 from aenv.errors import AenvError
 from aenv.kinds import SnapshotMode
+from aenv.store.gone_log import KILLED, LOST
 from aenv.store.sqlite import now
 
 log = logging.getLogger("aenv.core")
@@ -32,7 +33,7 @@ async def recover(ctx: Context) -> None:
             spec = ctx.spec_for(row)
         except AenvError as exc:
             log.warning("sandbox=%s recovery: %s; removing", row.id, exc)
-            await ctx.forget(row)
+            await ctx.forget(row, LOST, f"the server restarted and could not recover it: {exc.message}")
             continue
         if state in (SandboxState.RUNNING, SandboxState.PAUSED, SandboxState.PAUSING, SandboxState.RESUMING):
             # Paused without memory, or a pause/resume that was discarding it: files only.
@@ -51,9 +52,11 @@ async def recover(ctx: Context) -> None:
                 log.info("sandbox=%s recovery: re-adopted (%s)", row.id, row.state)
                 continue
             log.warning("sandbox=%s recovery: gone after restart; cleaning up", row.id)
+            detail = "its processes did not survive a restart of the server"
         else:
             log.info("sandbox=%s recovery: was %s during the crash; cleaning up", row.id, state.value)
-        await ctx.forget(row)
+            detail = f"the server stopped while it was {state.value}"
+        await ctx.forget(row, KILLED if state is SandboxState.KILLING else LOST, detail)
     reconcile = getattr(ctx.runtime, "reconcile", None)
     if reconcile is not None:
         await reconcile(ctx.table.ids())

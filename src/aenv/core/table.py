@@ -10,13 +10,15 @@ survives restarts (each row carries its value).
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from aenv.core.models import SandboxState
-from aenv.errors import SandboxNotFound
+from aenv.errors import SandboxGone, SandboxNotFound
 from aenv.runtime.base import ResourceSample, SandboxSpec
+from aenv.store.gone_log import Gone
 from aenv.store.sqlite import SandboxRow
 
 METRICS_HISTORY = 720  # one hour of samples at the sampler's 5 s
@@ -41,9 +43,10 @@ class LiveSandbox:
 
 
 class SandboxTable:
-    def __init__(self) -> None:
+    def __init__(self, gone: Callable[[str], Gone | None] | None = None) -> None:
         self._live: dict[str, LiveSandbox] = {}
         self._seq = 0
+        self._gone = gone  # the tombstone of a sandbox that ended (store/gone_log.py), for the error's reason
 
     # ---- membership -----------------------------------------------------------------------------
     def add(self, sbx: LiveSandbox) -> None:
@@ -74,8 +77,16 @@ class SandboxTable:
         for its lock and check the state again); SandboxNotFound otherwise."""
         sbx = self._live.get(sandbox_id)
         if sbx is None or not sbx.state.visible:
-            raise SandboxNotFound(sandbox_id)
+            raise self.not_found(sandbox_id)
         return sbx
+
+    def not_found(self, sandbox_id: str) -> SandboxNotFound:
+        """The error for an ID no client may use: SandboxGone with the reason where it existed and ended."""
+        tomb = self._gone(sandbox_id) if self._gone is not None and sandbox_id not in self._live else None
+        if tomb is None:
+            return SandboxNotFound(sandbox_id)
+        at = dt.datetime.fromtimestamp(tomb.at, dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+        return SandboxGone(sandbox_id, tomb.reason, tomb.detail, at)
 
     def template_ids_in_use(self) -> set[str]:
         return {s.row.template_id for s in self._live.values()}

@@ -5,14 +5,17 @@ HTTP to the server and imports nothing of it).
   alive in the background, killed on exit, with an ``outcome`` (ok, command_failed, infra_failed)
   and a ``metrics`` dict;
 - ``run_group`` / ``arun_group``: prepare one sandbox, fork it n ways, roll out, score, keep the
-  best k, kill the rest.
+  best k, kill the rest;
+- ``Lease``: one heartbeat for every sandbox of the trainer process; if the process dies, they end
+  ``ttl`` seconds later (pass ``lease=`` to episodes and groups).
 """
 
 from aenv.rl._episode import AsyncEpisode, Episode, EpisodeNotStarted
 from aenv.rl._group import GroupResult, Member, arun_group, run_group
+from aenv.rl._lease import LEASE_KEY, Lease
 from aenv.rl._outcome import COMMAND_FAILED, ERROR, INFRA_FAILED, OK, Outcome, is_infra
 
 __all__ = [
-    "COMMAND_FAILED", "ERROR", "INFRA_FAILED", "OK", "AsyncEpisode", "Episode", "EpisodeNotStarted",
-    "GroupResult", "Member", "Outcome", "arun_group", "is_infra", "run_group",
+    "COMMAND_FAILED", "ERROR", "INFRA_FAILED", "LEASE_KEY", "OK", "AsyncEpisode", "Episode", "EpisodeNotStarted",
+    "GroupResult", "Lease", "Member", "Outcome", "arun_group", "is_infra", "run_group",
 ]

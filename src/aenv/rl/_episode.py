@@ -12,7 +12,8 @@ What an RL loop needs from a sandbox and should not write itself:
   scored), and a per-rollout ``metrics`` dict (create, command and kill seconds, keepalives).
 
 Every sandbox is tagged ``rollout=<id>`` and ``run=<run>`` so ``aenv ls -m run=X`` shows a run and
-``aenv rm -m run=X`` reaps it.
+``aenv rm -m run=X`` reaps it; given ``lease=`` (``_lease.py``) it is also bound to the trainer's
+heartbeat lease, and ends with it if the trainer dies, whatever its TTL.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import contextlib
 import threading
 from typing import Any, Self
 
+from aenv.rl._lease import Lease
 from aenv.rl._outcome import ERROR, Outcome, Stopwatch, is_infra
 
 DEFAULT_TIMEOUT = 120
@@ -38,11 +40,11 @@ class _Common:
                  timeout: int = DEFAULT_TIMEOUT, keepalive: float | None = None,
                  metadata: dict[str, str] | None = None, envs: dict[str, str] | None = None,
                  sandbox_id: str | None = None, kill: bool = True, suppress_infra: bool = True,
-                 **connection: Any) -> None:
+                 lease: Lease | None = None, **connection: Any) -> None:
         self.template, self.rollout_id, self.run_tag = template, rollout_id, run
         self.timeout = timeout
         self.keepalive = keepalive if keepalive is not None else max(1.0, timeout / 3)
-        self.metadata = _metadata(rollout_id, run, metadata)
+        self.metadata = _metadata(rollout_id, run, {**(metadata or {}), **(lease.metadata if lease else {})})
         self.envs = envs
         self.sandbox_id = sandbox_id  # given: attach to it (a fork child) instead of creating one
         self.kill_on_exit = kill

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -20,8 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from aenv.client import AenvClient
+from aenv.rl._connection import client as _client
 from aenv.rl._episode import AsyncEpisode, Episode
+from aenv.rl._lease import Lease
 from aenv.rl._outcome import INFRA_FAILED, Outcome
 
 
@@ -43,11 +43,6 @@ class GroupResult:
     @property
     def scores(self) -> list[float | None]:
         return [m.score for m in self.members]
-
-
-def _client(connection: dict[str, Any]) -> AenvClient:
-    url = connection.get("api_url") or os.environ.get("E2B_API_URL") or "http://127.0.0.1:8000"
-    return AenvClient(url, connection.get("api_key") or os.environ.get("E2B_API_KEY"))
 
 
 def _fork(parent_id: str, n: int, timeout: int, connection: dict[str, Any]) -> tuple[list[str], list[str], str | None]:
@@ -75,13 +70,15 @@ def _failed_forks(errors: list[str], first: int) -> list[Member]:
 
 def run_group(template: str, n: int, rollout: Callable[[Episode, int], float], *,
               prepare: Callable[[Episode], None] | None = None, keep: int = 0, run: str | None = None,
-              group_id: str | None = None, timeout: int = 300, **connection: Any) -> GroupResult:
-    """Prepare once, fork ``n`` ways, ``rollout(episode, i) -> score`` in threads, keep the best ``keep``."""
+              group_id: str | None = None, timeout: int = 300, lease: Lease | None = None,
+              **connection: Any) -> GroupResult:
+    """Prepare once, fork ``n`` ways, ``rollout(episode, i) -> score`` in threads, keep the best ``keep``.
+    With ``lease``, the parent and (by inheritance) every child are bound to it."""
     gid = group_id or uuid.uuid4().hex[:12]
     metrics: dict[str, Any] = {}
     t0 = time.monotonic()
     with Episode(template, rollout_id=f"{gid}-parent", run=run, timeout=timeout, suppress_infra=False,
-                 **connection) as parent:
+                 lease=lease, **connection) as parent:
         if prepare is not None:
             prepare(parent)
         metrics["prepare_s"] = round(time.monotonic() - t0, 4)
@@ -115,13 +112,13 @@ def run_group(template: str, n: int, rollout: Callable[[Episode, int], float], *
 async def arun_group(template: str, n: int, rollout: Callable[[AsyncEpisode, int], Awaitable[float]], *,
                      prepare: Callable[[AsyncEpisode], Awaitable[None]] | None = None, keep: int = 0,
                      run: str | None = None, group_id: str | None = None, timeout: int = 300,
-                     **connection: Any) -> GroupResult:
+                     lease: Lease | None = None, **connection: Any) -> GroupResult:
     """``run_group`` over the async SDK: the rollouts run concurrently on the event loop."""
     gid = group_id or uuid.uuid4().hex[:12]
     metrics: dict[str, Any] = {}
     t0 = time.monotonic()
     async with AsyncEpisode(template, rollout_id=f"{gid}-parent", run=run, timeout=timeout,
-                            suppress_infra=False, **connection) as parent:
+                            suppress_infra=False, lease=lease, **connection) as parent:
         if prepare is not None:
             await prepare(parent)
         metrics["prepare_s"] = round(time.monotonic() - t0, 4)

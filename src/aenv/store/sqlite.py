@@ -116,6 +116,25 @@ CREATE TABLE IF NOT EXISTS webhook_deliveries (
     last_error TEXT
 );
 CREATE INDEX IF NOT EXISTS webhook_deliveries_due ON webhook_deliveries(state, next_at);
+-- Sandboxes that ended, and why (store/gone_log.py): what a late request about one is told.
+CREATE TABLE IF NOT EXISTS gone_sandboxes (
+    id TEXT PRIMARY KEY,
+    reason TEXT NOT NULL,
+    detail TEXT NOT NULL DEFAULT '',
+    at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS gone_sandboxes_at ON gone_sandboxes(at);
+-- Heartbeat leases (store/leases.py): a client that stops heartbeating loses its sandboxes.
+CREATE TABLE IF NOT EXISTS leases (
+    id TEXT PRIMARY KEY,
+    owner TEXT,
+    name TEXT NOT NULL DEFAULT '',
+    ttl REAL NOT NULL,
+    expires_at REAL NOT NULL,
+    created_at REAL NOT NULL,
+    ended_at REAL,
+    end_reason TEXT
+);
 """
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 from urllib.parse import parse_qs
 
-from aenv.errors import NotFound, PortNotOpen
+from aenv.errors import NotFound, PortNotOpen, SandboxGone
 from aenv.mux import MuxError, StreamRefused
 from aenv.runtime.envd_client import ENVD_PORT as ENVD_PORT  # the port a request names no port for
 
@@ -123,14 +123,17 @@ def unsigned_files_url() -> tuple[int, bytes]:
     return json_error(401, {"code": 401, "message": "invalid or missing file URL signature"})
 
 
-def sandbox_error(sandbox_id: str, message: str) -> tuple[int, bytes]:
+def sandbox_error(sandbox_id: str, message: str, **extra: str) -> tuple[int, bytes]:
     """E2B's 502 for a sandbox the request could not get through to."""
-    return json_error(502, {"sandboxId": sandbox_id, "message": message, "code": 502})
+    return json_error(502, {"sandboxId": sandbox_id, "message": message, "code": 502, **extra})
 
 
 def upstream_error(sandbox_id: str, exc: Exception) -> tuple[int, bytes]:
     """The 502 for a failure to reach the sandbox's port, worded as E2B's proxy words it (the SDKs raise
     SandboxNotRunning / SandboxUnreachable on those words)."""
+    if isinstance(exc, SandboxGone):  # the SDKs' words first, then why (the SDKs only match the prefix)
+        return sandbox_error(sandbox_id, f"The sandbox was not found: it ended at {exc.at} ({exc.reason}: "
+                             f"{exc.detail})", reason=exc.reason, endedAt=exc.at)
     if isinstance(exc, NotFound):
         return sandbox_error(sandbox_id, "The sandbox was not found")
     if isinstance(exc, (StreamRefused, PortNotOpen)):
