@@ -148,3 +148,9 @@ def rl_loop(ctx: Ctx) -> dict[str, Any]:
     rows += grpo_capacity(ctx)
     rows += best_of_prepared(ctx)
     return scenario(f"RL-shaped loop: best of {CHILDREN}", rows)
+
+
+def rl_groups(ctx: Ctx) -> dict[str, Any]:
+    """The ``rl`` scenario's group rows alone (GRPO step at capacity, best-of-16 by fork vs cold), for a
+    re-measure without the loop's five samples."""
+    return scenario(f"RL groups: GRPO step and best of {CHILDREN}", grpo_capacity(ctx) + best_of_prepared(ctx))
