@@ -103,7 +103,7 @@ CREATE_FIELDS: dict[str, st.SearchStrategy[Any]] = {
 @given(body=_bodies(CREATE_FIELDS), v2=st.booleans(), key=st.none() | st.text(max_size=300))
 def test_create_bodies(client: httpx.Client, body: bytes, v2: bool, key: str | None) -> None:
     headers = {"Content-Type": "application/json"}
-    if key is not None and key.isascii() and key.isprintable():
+    if key is not None and key.isascii() and key.isprintable() and key == key.strip():  # what h11 may send
         headers["Idempotency-Key"] = key
     resp = client.post("/v2/sandboxes" if v2 else "/sandboxes", content=body, headers=headers)
     check(resp, "create")
