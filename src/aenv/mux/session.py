@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
@@ -36,6 +37,11 @@ log = logging.getLogger("aenv.mux")
 Connector = Callable[[int], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
 
 _PUMP_CHUNK = 64 * 1024
+# PING numbers come from one counter for the whole process, not one per session: a vm guest slowed
+# down (16 forks under TCG) may answer an abandoned session's PING after the host reconnected, and a
+# new session counting from 1 again would take that stale PONG for its own, open streams before the
+# guest has read its HELLO, and lose them when the guest's answering HELLO arrives ("peer restarted").
+_PING_SEQ = itertools.count(secrets.randbelow(0x10000))
 
 
 class MuxSession:
@@ -70,7 +76,6 @@ class MuxSession:
         self._closed = False
         self._close_reason = ""
         self._pings: dict[int, asyncio.Future[None]] = {}
-        self._ping_seq = 0
         self._peer_hello_seen = False
         self.closed_event = asyncio.Event()
 
@@ -159,8 +164,7 @@ class MuxSession:
         """Round trip through the peer; raises if the channel is dead."""
         if self._closed:
             raise StreamClosed(self._close_reason or "session closed")
-        self._ping_seq += 1
-        seq = self._ping_seq & 0xFFFF
+        seq = next(_PING_SEQ) & 0xFFFF
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pings[seq] = fut
         try:

@@ -10,7 +10,16 @@ from collections.abc import Callable
 import pytest
 
 from aenv.mux import MuxSession, StreamClosed, StreamRefused
-from aenv.mux.protocol import VERSION, WINDOW_SIZE, Frame, FrameType, ProtocolError, decode_header, u16
+from aenv.mux.protocol import (
+    HEADER_SIZE,
+    VERSION,
+    WINDOW_SIZE,
+    Frame,
+    FrameType,
+    ProtocolError,
+    decode_header,
+    u16,
+)
 
 
 async def _echo_server() -> tuple[asyncio.AbstractServer, int]:
@@ -151,6 +160,46 @@ async def test_frames_of_a_previous_session_do_not_end_a_new_stream() -> None:
         for s in (old_host, old_agent, host, agent):
             await s.aclose()
         server.close()
+
+
+async def test_a_stale_pong_does_not_answer_a_new_sessions_ping() -> None:
+    """A slow vm guest answers an abandoned session's PING after the host reconnected: the new
+    session's ping must wait for its own PONG (PING numbers never repeat within the process), or the
+    host opens streams the guest's answering HELLO then voids."""
+
+    async def raw_session() -> tuple[MuxSession, asyncio.StreamReader, asyncio.StreamWriter]:
+        a, b = socket.socketpair()
+        hr, hw = await asyncio.open_unix_connection(sock=a)
+        pr, pw = await asyncio.open_unix_connection(sock=b)
+        host = await MuxSession(hr, hw, name="host").start()
+        return host, pr, pw
+
+    async def read_ping(reader: asyncio.StreamReader) -> bytes:
+        while True:
+            ftype, _, length = decode_header(await reader.readexactly(HEADER_SIZE))
+            payload = await reader.readexactly(length) if length else b""
+            if ftype is FrameType.PING:
+                return payload
+
+    old, old_r, old_w = await raw_session()
+    old_ping = asyncio.create_task(old.ping(timeout=5))
+    stale = await read_ping(old_r)
+    old_ping.cancel()
+    host, peer_r, peer_w = await raw_session()
+    try:
+        ping = asyncio.create_task(host.ping(timeout=5))
+        mine = await read_ping(peer_r)
+        assert mine != stale
+        peer_w.write(Frame(FrameType.PONG, 0, stale).encode())  # the abandoned session's answer
+        await asyncio.sleep(0.1)
+        assert not ping.done()
+        peer_w.write(Frame(FrameType.PONG, 0, mine).encode())
+        await asyncio.wait_for(ping, 5)
+    finally:
+        for s in (old, host):
+            await s.aclose()
+        for w in (old_w, peer_w):
+            w.close()
 
 
 async def test_hello_extension_reaches_the_peer_before_its_first_stream() -> None:
