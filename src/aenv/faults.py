@@ -44,6 +44,7 @@ POINTS: dict[str, str] = {
     "ns.slirp.started": "ns launch: slirp4netns running, its pid not yet in the sandbox's ns.json",
     "ns.release.marked": "ns release to disk: CRIU images and the released marker written, processes not yet ended",
     "ns.release.restored": "ns resume from disk: tree restored and in ns.json, released marker not yet removed",
+    "ns.snapshot.linked": "ns full snapshot: one process's pages switched to parent references, the others not yet",
     "publish.layer": "snapshot publish: a layer packed, before it is uploaded to the repository",
 }
 

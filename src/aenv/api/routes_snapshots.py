@@ -47,9 +47,11 @@ def snapshot_json(row: SnapshotRow, orch: Orchestrator, detail: bool = False) ->
         "createdAt": iso(row.created_at),
         "sizeBytes": row.size_bytes,
     }
-    paused = orch.snapshot_result(row).paused_ms
-    if paused is not None:
-        out["pausedMs"] = paused  # aenv: how long the sandbox was stopped to take it
+    result = orch.snapshot_result(row)
+    if result.paused_ms is not None:
+        out["pausedMs"] = result.paused_ms  # aenv: how long the sandbox was stopped to take it
+    if "incremental" in result.data:
+        out["incremental"] = result.data["incremental"]  # aenv: what it shares with the previous full snapshot
     # aenv: the runtime is still writing its files (usable already; sizeBytes is final once false)
     out["writing"] = orch.snapshot_writing(row.id)
     if detail:

@@ -43,6 +43,7 @@ import shutil
 import stat
 import subprocess
 import time
+from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 from aenv.errors import InvalidRequest, RuntimeFailure, StateError
 from aenv.kinds import SnapshotMode
 from aenv.runtime.base import RuntimeState, SandboxSpec, SnapshotResult
-from aenv.runtime.ns import checkpoint, criu
+from aenv.runtime.ns import checkpoint, criu, image_links
 from aenv.runtime.ns.checkpoint import CheckpointError
 from aenv.runtime.ns.disk import remove_tree
 
@@ -69,6 +70,7 @@ CRIU_DIR = "criu"
 # 16 µs with 8, 33 µs with 16, 66 µs with 32; python3 start-up unchanged up to 16. 16 keeps the
 # worst case within ~5x of a flat layer while a compaction (a full merge) stays rare.
 MAX_DEPTH = 16
+LAST_IMAGES_KEPT = 4096  # sandboxes whose latest full snapshot is remembered for linking
 ENV_MAX_DEPTH = "AENV_NS_SNAPSHOT_MAX_DEPTH"  # override (tests use a small one to exercise compaction)
 MAX_MOUNT_OPTIONS = 3584  # bytes of "lowerdir=…,upperdir=…,workdir=…" (the kernel's limit is one page)
 OPAQUE_XATTR = "trusted.overlay.opaque"
@@ -187,6 +189,9 @@ class NsSnapshots:
     def __init__(self, rt: NsRuntime) -> None:
         self.rt = rt
         self._cleanups: set[asyncio.Task[None]] = set()
+        # Each sandbox's latest full snapshot's CRIU images: what the next one's pages are compared to.
+        self._last_images: OrderedDict[str, Path] = OrderedDict()
+        self._linking: dict[Path, asyncio.Future[None]] = {}  # images being rewritten: restores wait
 
     # -- what is possible --
     def criu_status(self) -> criu.CriuStatus:
@@ -246,14 +251,49 @@ class NsSnapshots:
             "took_ms": round((time.perf_counter() - t0) * 1000, 2), "allow_internet": sbx.allow_internet,
         }
         layers: tuple[str, ...] = (UPPER,)
+        pending = None
         if mode is SnapshotMode.FULL:
             status = self.criu_status()
             data["criu"] = status.describe()
             layers = (UPPER, CRIU_DIR)
+            pending = self._link_unchanged_later(sandbox_id, into / CRIU_DIR, data)
         log.info("sandbox=%s snapshot mode=%s depth=%d compacted=%s frozen=%.1fms",
                  sandbox_id, mode, depth, compact, frozen_s * 1000)
         return SnapshotResult(mode=mode, layers=layers, stack=tuple(lowers[:depth]), base_lowers=tuple(lowers[depth:]),
-                              paused_ms=round(frozen_s * 1000, 2), data=data)
+                              paused_ms=round(frozen_s * 1000, 2), data=data, pending=pending)
+
+    def _link_unchanged_later(self, sandbox_id: str, images: Path, data: dict[str, Any]) -> asyncio.Future[None] | None:
+        """After the answer: make this dump's pages that equal the sandbox's previous full snapshot's
+        parent references (``image_links.py``) and say so in ``data["incremental"]``. Restores of
+        this snapshot wait for it (``restore_tree``)."""
+        previous = self._last_images.pop(sandbox_id, None)
+        self._last_images[sandbox_id] = images
+        while len(self._last_images) > LAST_IMAGES_KEPT:
+            self._last_images.popitem(last=False)
+        if previous is None or not previous.is_dir():
+            data["incremental"] = {"parent": None, "why": "the sandbox's first full snapshot in this server"}
+            return None
+
+        async def link() -> None:
+            try:
+                linked = await asyncio.to_thread(image_links.link_unchanged, images, previous)
+            except Exception as exc:  # noqa: BLE001 - the snapshot is whole either way: only the saving is lost
+                log.warning("sandbox=%s snapshot pages not linked to %s: %s", sandbox_id, previous, exc)
+                data["incremental"] = {"parent": previous.parent.name, "error": str(exc)}
+                return
+            finally:
+                self._linking.pop(images, None)
+            if linked is None:
+                data["incremental"] = {"parent": None, "why": "no page equal to the previous snapshot's, "
+                                       f"or its chain is {image_links.MAX_CHAIN} deep"}
+                return
+            data["incremental"] = linked.describe()
+            log.info("sandbox=%s snapshot shares %d of %d page bytes with %s", sandbox_id, linked.shared_bytes,
+                     linked.shared_bytes + linked.stored_bytes, linked.parent)
+
+        task = asyncio.ensure_future(link())
+        self._linking[images] = task
+        return task
 
     def _stack(self, sandbox_id: str, sbx: NsSandbox) -> tuple[list[str], int]:
         if sbx.lowers:
@@ -377,6 +417,9 @@ class NsSnapshots:
         if not status.usable or status.exe is None:
             raise StateError(f"snapshot {snapshot.name} holds processes but CRIU is not usable here "
                              f"({status.reason}); start it on a host with CRIU >= 4.2")
+        linking = self._linking.get(snapshot / CRIU_DIR)
+        if linking is not None:  # its pagemaps are being switched to parent references: not mid-way
+            await asyncio.wait({linking})
         rt = self.rt
         await rt.start()
         sbx = rt.restored_sandbox(spec, layers, lowers, root, stacked=stacked)
