@@ -1,0 +1,302 @@
+"""The gateway's control plane: E2B's REST routes, each sent to the node it concerns.
+
+- creates go through placement (``placement.py``): a node that cannot be connected to, or that refuses
+  for capacity (429 ``reason: capacity``: nothing was created), is skipped and the next one tried;
+- every route about one sandbox (``/sandboxes/{id}/…``, ``/v2/sandboxes/{id}/…``: connect, pause, resume,
+  timeout, snapshots, fork, rollback, network, metrics, kill) goes to its owner; fork children and
+  snapshots are bound to the node that made them, as the answer names them;
+- lists fan out to every live node and are merged; a node that is down is skipped and named in
+  ``X-Aenv-Nodes-Down``, never a failure of the whole list;
+- templates: the nodes must share them (the same ``base``, the same builds). Reads are served by one live
+  node; builds, pulls, deletes and tags are refused with a 501 that says to run them on each node;
+- what a gateway cannot relay correctly yet (leases, webhooks, the layer cache) is a 501 that says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from aenv import __version__
+from aenv.api.auth import require_api_key
+from aenv.api.errors import error_response
+from aenv.gateway import placement
+from aenv.gateway.directory import GatewayError, Locator
+from aenv.gateway.forward import Forwarder, NodeUnreachable, Relayed
+from aenv.gateway.nodes import Node, NodeSet
+
+log = logging.getLogger("aenv.gateway")
+
+DOWN_HEADER = "X-Aenv-Nodes-Down"  # on merged answers: the nodes that were skipped
+ALL = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+class Gateway:
+    """What the routes share: nodes, bindings, the forwarder and the placement's random source."""
+
+    def __init__(self, nodes: NodeSet, locator: Locator, forwarder: Forwarder, rng: random.Random | None = None) -> None:
+        self.nodes = nodes
+        self.locator = locator
+        self.forwarder = forwarder
+        self.rng = rng or random.Random()
+
+    # ---- creates ----------------------------------------------------------------------------
+    def place(self, exclude: set[str], template: str | None, key: str | None) -> Node | None:
+        candidates = [n for n in self.nodes.up() if n.id not in exclude]
+        if not candidates:
+            return None
+        home = self.locator.snapshot_home(template) if template else None
+        if home is not None and home in candidates:
+            return home  # create-from-snapshot where the snapshot's files are
+        pairs = [(n.id, n.load) for n in candidates]
+        chosen = placement.by_key(pairs, key) if key else placement.best_of_k(pairs, self.rng)
+        return self.nodes.nodes[chosen]
+
+    async def create(self, request: Request) -> Response:
+        body = await request.body()
+        template = _field(body, "templateID")
+        key = request.headers.get("idempotency-key")
+        tried: set[str] = set()
+        while (node := self.place(tried, template, key)) is not None:
+            node.inflight += 1
+            try:
+                got = await self.forwarder.send(request, node, body)
+            except NodeUnreachable:
+                tried.add(node.id)
+                continue
+            finally:
+                node.inflight -= 1
+            if got.status == 429 and _field(got.body, "reason") == "capacity" and self.place(tried | {node.id}, None, None):
+                log.info("node=%s refused a create for capacity; trying another node", node.id)
+                tried.add(node.id)
+                continue
+            if got.status in (200, 201) and (sid := _field(got.body, "sandboxID")):
+                self.locator.remember(sid, node.id)
+                node.placed += 1
+            return got.response()
+        return self.none_up(tried)
+
+    def none_up(self, tried: set[str]) -> JSONResponse:
+        why = "; ".join(f"{n.id} {n.url}: {n.reason or 'refused'}" for n in self.nodes.nodes.values())
+        message = f"no node can take this create ({why})"
+        return error_response(503, message, {"Retry-After": "1"}, reason="no_node")
+
+    # ---- one sandbox --------------------------------------------------------------------------
+    async def to_owner(self, request: Request, sandbox_id: str) -> Relayed | Response:
+        try:
+            node = await self.locator.owner(sandbox_id)
+            return await self.forwarder.send(request, node)
+        except GatewayError as exc:
+            return _located_error(exc)
+        except NodeUnreachable as exc:
+            return _located_error(GatewayError(str(exc), exc.node), reason="node_down")
+
+    # ---- every node ---------------------------------------------------------------------------
+    async def fan_out(self, request: Request) -> tuple[list[Relayed], list[Node]]:
+        """The request sent to every live node at once: their answers, and the nodes skipped."""
+        up = self.nodes.up()
+        results = await asyncio.gather(*(self.forwarder.send(request, n, b"") for n in up), return_exceptions=True)
+        answers: list[Relayed] = []
+        skipped = self.nodes.down()
+        for node, res in zip(up, results, strict=True):
+            if isinstance(res, Relayed):
+                answers.append(res)
+            else:
+                log.warning("node=%s skipped in %s %s: %r", node.id, request.method, request.url.path, res)
+                skipped.append(node)
+        return answers, skipped
+
+    async def merged_list(self, request: Request, sort_key: str | None) -> Response:
+        answers, skipped = await self.fan_out(request)
+        for got in answers:
+            if got.status != 200:
+                return got.response()  # a bad filter is bad on every node
+        items: list[Any] = []
+        for got in answers:
+            items += json.loads(got.body)
+        if sort_key is not None:
+            items.sort(key=lambda s: str(s.get(sort_key, "")), reverse=request.query_params.get("order") != "asc")
+        limit = request.query_params.get("limit")
+        if limit is not None and limit.isdigit():
+            items = items[: int(limit)]
+        return JSONResponse(items, headers=_down_headers(skipped))
+
+
+def gateway(request: Request) -> Gateway:
+    gw: Gateway = request.app.state.gateway
+    return gw
+
+
+def _field(body: bytes, name: str) -> str | None:
+    try:
+        value = json.loads(body).get(name) if body else None
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def _located_error(exc: GatewayError, reason: str | None = None) -> JSONResponse:
+    extra = {"node": exc.node.id} if exc.node is not None else {}
+    return error_response(404, exc.message, None, reason=reason or exc.reason, **extra)
+
+
+def _down_headers(skipped: list[Node]) -> dict[str, str] | None:
+    return {DOWN_HEADER: ",".join(n.id for n in skipped)} if skipped else None
+
+
+def _relay(got: Relayed | Response) -> Response:
+    return got.response() if isinstance(got, Relayed) else got
+
+
+# ---- routes: creates and lists ------------------------------------------------------------------
+@router.post("/sandboxes")
+@router.post("/v2/sandboxes")
+async def create(request: Request) -> Response:
+    return await gateway(request).create(request)
+
+
+@router.get("/sandboxes")
+@router.get("/v2/sandboxes")
+async def list_sandboxes(request: Request) -> Response:
+    # Pages are not followed across nodes yet: each node's first ``limit`` are merged, newest first.
+    return await gateway(request).merged_list(request, "startedAt")
+
+
+@router.get("/snapshots")
+async def list_snapshots(request: Request) -> Response:
+    return await gateway(request).merged_list(request, "createdAt")
+
+
+# ---- routes: one sandbox -------------------------------------------------------------------------
+@router.post("/sandboxes/{sandbox_id}/fork")
+async def fork(request: Request, sandbox_id: str) -> Response:
+    gw = gateway(request)
+    got = await gw.to_owner(request, sandbox_id)
+    if isinstance(got, Relayed) and got.status in (200, 201):
+        for child in json.loads(got.body):
+            sid = (child.get("sandbox") or {}).get("sandboxID")
+            if sid:
+                gw.locator.remember(sid, got.node.id)
+    return _relay(got)
+
+
+@router.post("/sandboxes/{sandbox_id}/snapshots")
+async def snapshot(request: Request, sandbox_id: str) -> Response:
+    gw = gateway(request)
+    got = await gw.to_owner(request, sandbox_id)
+    if isinstance(got, Relayed) and got.status in (200, 201) and (snap := _field(got.body, "snapshotID")):
+        gw.locator.remember_snapshot(snap, got.node.id)
+    return _relay(got)
+
+
+@router.api_route("/sandboxes/{sandbox_id}", methods=ALL)
+@router.api_route("/sandboxes/{sandbox_id}/{rest:path}", methods=ALL)
+@router.api_route("/v2/sandboxes/{sandbox_id}/{rest:path}", methods=ALL)
+async def sandbox_scoped(request: Request, sandbox_id: str) -> Response:
+    return _relay(await gateway(request).to_owner(request, sandbox_id))
+
+
+@router.api_route("/snapshots/{snapshot_id}", methods=ALL)
+async def snapshot_scoped(request: Request, snapshot_id: str) -> Response:
+    gw = gateway(request)
+    try:
+        node = await gw.locator.snapshot_owner(snapshot_id)
+        return (await gw.forwarder.send(request, node)).response()
+    except GatewayError as exc:
+        return _located_error(exc)
+    except NodeUnreachable as exc:
+        return _located_error(GatewayError(str(exc), exc.node), reason="node_down")
+
+
+# ---- routes: every node ----------------------------------------------------------------------------
+@router.post("/aenv/sandboxes/kill")
+@router.delete("/aenv/sandboxes")
+async def kill_matching(request: Request) -> Response:
+    """Reaping by metadata reaches every live node; the report is the union (and names the nodes skipped)."""
+    gw = gateway(request)
+    body = await request.body()
+    up = gw.nodes.up()
+    results = await asyncio.gather(*(gw.forwarder.send(request, n, body) for n in up), return_exceptions=True)
+    killed: list[str] = []
+    failed: list[Any] = []
+    skipped = gw.nodes.down()
+    for node, res in zip(up, results, strict=True):
+        if not isinstance(res, Relayed):
+            skipped.append(node)
+        elif res.status != 200:
+            return res.response()
+        else:
+            report = json.loads(res.body)
+            killed += report.get("killed", [])
+            failed += report.get("failed", [])
+    return JSONResponse({"killed": sorted(killed), "failed": failed, "nodesDown": [n.id for n in skipped]},
+                        headers=_down_headers(skipped))
+
+
+# ---- routes: templates (shared by the nodes) --------------------------------------------------------
+@router.get("/templates")
+@router.get("/v2/templates")
+@router.get("/templates/{rest:path}")
+async def template_read(request: Request) -> Response:
+    gw = gateway(request)
+    for node in sorted(gw.nodes.up(), key=lambda n: n.load):
+        try:
+            return (await gw.forwarder.send(request, node)).response()
+        except NodeUnreachable:
+            continue
+    return gw.none_up(set())
+
+
+@router.post("/v3/templates")
+@router.post("/v2/templates/{rest:path}")
+@router.api_route("/templates/{rest:path}", methods=["POST", "DELETE", "PUT", "PATCH"])
+@router.post("/aenv/templates/pull")
+async def template_write(request: Request) -> Response:
+    urls = " ".join(n.url for n in gateway(request).nodes.nodes.values())
+    return error_response(
+        501, "the gateway does not build, pull or delete templates yet: its nodes must share them. Run the "
+             f"build or pull against each node (aenv --server URL ...; nodes: {urls})", None, reason="gateway")
+
+
+# ---- routes: the gateway itself -------------------------------------------------------------------
+@router.get("/nodes")
+async def list_nodes(request: Request) -> JSONResponse:
+    return JSONResponse([n.describe() for n in gateway(request).nodes.nodes.values()])
+
+
+@router.get("/nodes/{node_id}")
+async def get_node(request: Request, node_id: str) -> JSONResponse:
+    node = gateway(request).nodes.get(node_id)
+    if node is None:
+        return error_response(404, f"node '{node_id}' not found")
+    return JSONResponse(node.describe())
+
+
+@router.get("/aenv/info")
+async def info(request: Request) -> JSONResponse:
+    nodes = gateway(request).nodes
+    counts: dict[str, int] = {}
+    for n in nodes.up():
+        for state, k in n.counts.items():
+            counts[state] = counts.get(state, 0) + k
+    runtimes = {n.runtime for n in nodes.up()}
+    return JSONResponse({
+        "version": __version__, "role": "gateway", "sandboxes": counts,
+        "starting": sum(n.starting for n in nodes.up()), "runtime": runtimes.pop() if len(runtimes) == 1 else None,
+        "nodes": [n.describe() for n in nodes.nodes.values()],
+    })  # fmt: skip
+
+
+@router.api_route("/{rest:path}", methods=ALL)
+async def not_relayed(request: Request) -> JSONResponse:
+    return error_response(
+        501, f"the gateway does not relay {request.method} {request.url.path} yet (leases, webhooks and the layer "
+             "cache are per node: call the node itself)", None, reason="gateway")  # fmt: skip
