@@ -102,10 +102,9 @@ class Gateway:
     # ---- every node ---------------------------------------------------------------------------
     async def fan_out(self, request: Request) -> tuple[list[Relayed], list[Node]]:
         """The request sent to every live node at once: their answers, and the nodes skipped."""
-        up = self.nodes.up()
+        up, skipped = self.nodes.up(), self.nodes.down()
         results = await asyncio.gather(*(self.forwarder.send(request, n, b"") for n in up), return_exceptions=True)
         answers: list[Relayed] = []
-        skipped = self.nodes.down()
         for node, res in zip(up, results, strict=True):
             if isinstance(res, Relayed):
                 answers.append(res)
@@ -223,11 +222,10 @@ async def kill_matching(request: Request) -> Response:
     """Reaping by metadata reaches every live node; the report is the union (and names the nodes skipped)."""
     gw = gateway(request)
     body = await request.body()
-    up = gw.nodes.up()
+    up, skipped = gw.nodes.up(), gw.nodes.down()
     results = await asyncio.gather(*(gw.forwarder.send(request, n, body) for n in up), return_exceptions=True)
     killed: list[str] = []
     failed: list[Any] = []
-    skipped = gw.nodes.down()
     for node, res in zip(up, results, strict=True):
         if not isinstance(res, Relayed):
             skipped.append(node)
