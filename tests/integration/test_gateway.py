@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -144,6 +145,14 @@ def test_websocket_through_the_gateway(cluster: Cluster, spread: list[Any]) -> N
         assert ws.recv(timeout=30) == "hello"
         ws.send(b"\x00" * 100_000)
         assert ws.recv(timeout=30) == b"\x00" * 100_000
+    # The node answered with the domain of the Host the client called: get_host() names the gateway.
+    gw_port = int(cluster.gw.rsplit(":", 1)[1])
+    host = sbx.get_host(PORT)
+    assert host == f"{PORT}-{sbx.sandbox_id}.localhost:{gw_port}"
+    sock = socket.create_connection(("127.0.0.1", gw_port), timeout=60)
+    with connect(f"ws://{host}/", sock=sock, proxy=None, open_timeout=60) as ws:
+        ws.send("by host")
+        assert ws.recv(timeout=30) == "by host"
 
 
 def test_fork_lands_on_the_source_node(cluster: Cluster, spread: list[Any]) -> None:
@@ -157,6 +166,40 @@ def test_fork_lands_on_the_source_node(cluster: Cluster, spread: list[Any]) -> N
         assert kid.files.read("/home/user/fork.txt") == "before the fork"
         assert kid.commands.run("hostname").stdout.strip() == kid.sandbox_id
         kid.kill()
+
+
+def test_a_create_from_a_snapshot_goes_where_the_snapshot_is(cluster: Cluster, spread: list[Any]) -> None:
+    from e2b import Sandbox
+
+    src = spread[1]
+    src.files.write("/home/user/snap.txt", "in the snapshot")
+    snap = src.create_snapshot()
+    kid = Sandbox.create(snap.snapshot_id, timeout=300)
+    try:
+        assert cluster.node_of(kid.sandbox_id) == cluster.node_of(src.sandbox_id)
+        assert kid.files.read("/home/user/snap.txt") == "in the snapshot"
+    finally:
+        kid.kill()
+    got = httpx.get(f"{cluster.gw}/snapshots/{snap.snapshot_id}", headers=KEY, trust_env=False)
+    assert got.status_code == 200 and got.headers["x-aenv-node"] == f"n{cluster.node_of(src.sandbox_id) + 1}"
+
+
+def test_reaping_by_metadata_reaches_every_node(cluster: Cluster) -> None:
+    from e2b import Sandbox
+
+    made = [Sandbox.create("base", timeout=300, metadata={"run": "gw-reap"}) for _ in range(2)]
+    r = httpx.post(cluster.gw + "/aenv/sandboxes/kill", json={"metadata": {"run": "gw-reap"}}, headers=KEY,
+                   trust_env=False)  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert set(r.json()["killed"]) == {s.sandbox_id for s in made} and r.json()["nodesDown"] == []
+
+
+def test_templates_are_read_from_a_node_and_not_built_through_the_gateway(cluster: Cluster) -> None:
+    r = httpx.get(cluster.gw + "/templates", headers=KEY, trust_env=False)
+    assert r.status_code == 200 and "base" in {t.get("templateID") for t in r.json()} | {
+        a for t in r.json() for a in t.get("aliases", [])}
+    r = httpx.post(cluster.gw + "/aenv/templates/pull", json={"image": "busybox"}, headers=KEY, trust_env=False)
+    assert r.status_code == 501 and cluster.url(0) in r.json()["message"]
 
 
 def test_list_merges_the_nodes_and_nodes_show_load(cluster: Cluster, spread: list[Any]) -> None:
