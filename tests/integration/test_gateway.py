@@ -215,6 +215,22 @@ def test_list_merges_the_nodes_and_nodes_show_load(cluster: Cluster, spread: lis
     assert httpx.get(cluster.gw + "/nodes/n9", headers=KEY, trust_env=False).status_code == 404
 
 
+def test_a_sandbox_the_gateway_never_saw_is_found_by_asking_the_nodes(cluster: Cluster) -> None:
+    from e2b import Sandbox
+
+    made = httpx.post(cluster.url(1) + "/v2/sandboxes", json={"templateID": "base"}, headers=KEY, trust_env=False)
+    assert made.status_code == 201, made.text
+    sid = made.json()["sandboxID"]
+    sbx = Sandbox.connect(sid)  # through the gateway: a miss, then the nodes are asked
+    assert sbx.commands.run("hostname").stdout.strip() == sid
+    httpx.delete(f"{cluster.url(1)}/sandboxes/{sid}", headers=KEY, trust_env=False)
+    got = httpx.get(f"{cluster.gw}/sandboxes/{sid}", headers=KEY, trust_env=False)
+    assert (got.status_code, got.json().get("reason"), got.headers["x-aenv-node"]) == (404, "killed", "n2")
+    unknown = httpx.get(cluster.gw + "/files", params={"path": "/etc/hostname"}, trust_env=False,
+                        headers={"E2b-Sandbox-Id": "nosuchsandbox0000000"})  # fmt: skip
+    assert unknown.status_code == 502 and "not found on any live node" in unknown.json()["message"]
+
+
 def test_the_gateway_checks_api_keys(cluster: Cluster) -> None:
     assert httpx.get(cluster.gw + "/v2/sandboxes", trust_env=False).status_code == 401
     assert httpx.get(cluster.gw + "/nodes", headers={"X-API-KEY": "e2b_wrong"}, trust_env=False).status_code == 401

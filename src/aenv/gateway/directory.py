@@ -54,7 +54,9 @@ class Directory(Protocol):
 
 
 class AskNodes:
-    """The static directory: ask every live node at once; the first to answer 200 owns the ID."""
+    """The static directory: ask every live node at once; the one that answers 200 owns the ID. Failing
+    that, one whose 404 says the sandbox ended there (a tombstone: ``endedAt``) is bound, so that it
+    tells the client when and why, as it would without a gateway."""
 
     def __init__(self, nodes: NodeSet, client: httpx.AsyncClient, key: str | None) -> None:
         self._nodes = nodes
@@ -62,18 +64,20 @@ class AskNodes:
         self._headers = {"X-API-KEY": key} if key else {}
 
     async def _ask(self, path: str) -> str | None:
-        async def one(node: Node) -> str | None:
+        async def one(node: Node) -> tuple[int, str] | None:
             try:
                 r = await self._client.get(node.url + path, headers=self._headers, timeout=5.0)
             except httpx.TransportError as exc:
                 self._nodes.mark_down(node, f"{type(exc).__name__}: {exc}")
                 return None
-            return node.id if r.status_code == 200 else None
+            if r.status_code == 200:
+                return 0, node.id
+            if r.status_code in (404, 410) and b'"endedAt"' in r.content:
+                return 1, node.id
+            return None
 
-        for found in await asyncio.gather(*(one(n) for n in self._nodes.up())):
-            if found is not None:
-                return found
-        return None
+        found = [f for f in await asyncio.gather(*(one(n) for n in self._nodes.up())) if f is not None]
+        return min(found)[1] if found else None
 
     async def find_sandbox(self, sandbox_id: str) -> str | None:
         return await self._ask(f"/sandboxes/{sandbox_id}")
