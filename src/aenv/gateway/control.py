@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import random
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -47,6 +48,7 @@ class Gateway:
         self.locator = locator
         self.forwarder = forwarder
         self.rng = rng or random.Random()
+        self.on_created: list[Callable[[str], None]] = []  # a sandbox made through this gateway (create, fork)
 
     # ---- creates ----------------------------------------------------------------------------
     def place(self, exclude: set[str], template: str | None, key: str | None) -> Node | None:
@@ -81,8 +83,13 @@ class Gateway:
             if got.status in (200, 201) and (sid := _field(got.body, "sandboxID")):
                 self.locator.remember(sid, node.id)
                 node.placed += 1
+                self.created(sid)
             return got.response()
         return self.none_up(tried)
+
+    def created(self, sandbox_id: str) -> None:
+        for hook in self.on_created:
+            hook(sandbox_id)
 
     def none_up(self, tried: set[str]) -> JSONResponse:
         why = "; ".join(f"{n.id} {n.url}: {n.reason or 'refused'}" for n in self.nodes.nodes.values())
@@ -184,6 +191,7 @@ async def fork(request: Request, sandbox_id: str) -> Response:
             sid = (child.get("sandbox") or {}).get("sandboxID")
             if sid:
                 gw.locator.remember(sid, got.node.id)
+                gw.created(sid)
     return _relay(got)
 
 

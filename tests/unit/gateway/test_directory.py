@@ -64,7 +64,7 @@ async def test_the_cache_is_bounded(nodes: NodeSet) -> None:
 
 def test_placement_skips_down_and_refusing_nodes_and_follows_snapshots(nodes: NodeSet) -> None:
     loc = Locator(nodes, FakeDirectory({}))
-    gw = Gateway(nodes, loc, Forwarder(nodes, httpx.AsyncClient()), random.Random(0))
+    gw = Gateway(nodes, loc, Forwarder(nodes), random.Random(0))
     nodes.nodes["n1"].counts = {"running": 9}
     assert gw.place(set(), None, None) is nodes.nodes["n2"]
     assert gw.place({"n2"}, None, None) is nodes.nodes["n1"]
