@@ -5,8 +5,8 @@
 - every route about one sandbox (``/sandboxes/{id}/…``, ``/v2/sandboxes/{id}/…``: connect, pause, resume,
   timeout, snapshots, fork, rollback, network, metrics, kill) goes to its owner; fork children and
   snapshots are bound to the node that made them, as the answer names them;
-- lists fan out to every live node and are merged; a node that is down is skipped and named in
-  ``X-Aenv-Nodes-Down``, never a failure of the whole list;
+- lists fan out to every live node and are merged, page by page (``listing.py``); a node that is down
+  is skipped and named in ``X-Aenv-Nodes-Down``, never a failure of the whole list;
 - templates: the nodes must share them (the same ``base``, the same builds). Reads are served by one live
   node; builds, pulls, deletes and tags are refused with a 501 that says to run them on each node;
 - what a gateway cannot relay correctly yet (leases, webhooks, the layer cache) is a 501 that says so.
@@ -20,6 +20,7 @@ import logging
 import random
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlencode
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
@@ -30,12 +31,14 @@ from aenv.api.errors import error_response
 from aenv.gateway import placement
 from aenv.gateway.directory import GatewayError, Locator
 from aenv.gateway.forward import Forwarder, NodeUnreachable, Relayed
+from aenv.gateway.listing import Positions, merge_page
 from aenv.gateway.nodes import Node, NodeSet
 
 log = logging.getLogger("aenv.gateway")
 
 DOWN_HEADER = "X-Aenv-Nodes-Down"  # on merged answers: the nodes that were skipped
 ALL = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+DEFAULT_LIMIT = 100  # a node's own page size when a list names none
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -120,20 +123,46 @@ class Gateway:
                 skipped.append(node)
         return answers, skipped
 
-    async def merged_list(self, request: Request, sort_key: str | None) -> Response:
-        answers, skipped = await self.fan_out(request)
-        for got in answers:
-            if got.status != 200:
-                return got.response()  # a bad filter is bad on every node
-        items: list[Any] = []
-        for got in answers:
-            items += json.loads(got.body)
-        if sort_key is not None:
-            items.sort(key=lambda s: str(s.get(sort_key, "")), reverse=request.query_params.get("order") != "asc")
-        limit = request.query_params.get("limit")
-        if limit is not None and limit.isdigit():
-            items = items[: int(limit)]
-        return JSONResponse(items, headers=_down_headers(skipped))
+    async def merged_list(self, request: Request, keys: tuple[str, str], paged: bool) -> Response:
+        """Every live node's list, merged; ``paged``: one page (``limit``, ``nextToken``) across the nodes."""
+        if not paged:
+            answers, skipped = await self.fan_out(request)
+            for got in answers:
+                if got.status != 200:
+                    return got.response()  # a bad filter is bad on every node
+            items = [item for got in answers for item in json.loads(got.body)]
+            items.sort(key=lambda s: str(s.get(keys[0], "")), reverse=True)
+            return JSONResponse(items, headers=_down_headers(skipped))
+        try:
+            before = Positions.decode(request.query_params.get("nextToken"))
+        except ValueError as exc:
+            return error_response(400, f"nextToken: {exc}")
+        limit_raw = request.query_params.get("limit", "")
+        limit = int(limit_raw) if limit_raw.isdigit() else DEFAULT_LIMIT
+        params = [(k, v) for k, v in request.query_params.multi_items() if k != "nextToken"]
+        up, skipped = [n for n in self.nodes.up() if n.id not in before.done], self.nodes.down()
+
+        def query(node: Node) -> str:
+            after = before.after.get(node.id)
+            return urlencode(params + ([("nextToken", after)] if after else []))
+
+        results = await asyncio.gather(*(self.forwarder.send(request, n, b"", query=query(n)) for n in up),
+                                       return_exceptions=True)  # fmt: skip
+        pages: dict[str, tuple[list[Any], bool]] = {}
+        for node, res in zip(up, results, strict=True):
+            if not isinstance(res, Relayed):
+                log.warning("node=%s skipped in %s %s: %r", node.id, request.method, request.url.path, res)
+                skipped.append(node)
+            elif res.status != 200:
+                return res.response()  # a bad filter is bad on every node
+            else:
+                pages[node.id] = (json.loads(res.body), any(k == "x-next-token" for k, _ in res.headers))
+        descending = request.query_params.get("order") != "asc"
+        items, after = merge_page(pages, before, keys, descending, limit)
+        headers = _down_headers(skipped) or {}
+        if any(n not in after.done for n in pages):
+            headers["X-Next-Token"] = after.encode()
+        return JSONResponse(items, headers=headers)
 
 
 def gateway(request: Request) -> Gateway:
@@ -172,13 +201,12 @@ async def create(request: Request) -> Response:
 @router.get("/sandboxes")
 @router.get("/v2/sandboxes")
 async def list_sandboxes(request: Request) -> Response:
-    # Pages are not followed across nodes yet: each node's first ``limit`` are merged, newest first.
-    return await gateway(request).merged_list(request, "startedAt")
+    return await gateway(request).merged_list(request, ("startedAt", "sandboxID"), request.url.path.startswith("/v2/"))
 
 
 @router.get("/snapshots")
 async def list_snapshots(request: Request) -> Response:
-    return await gateway(request).merged_list(request, "createdAt")
+    return await gateway(request).merged_list(request, ("createdAt", "snapshotID"), True)
 
 
 # ---- routes: one sandbox -------------------------------------------------------------------------

@@ -100,14 +100,17 @@ class Forwarder:
 
     async def send(
         self, request: Request, node: Node, body: bytes | None = None, path: str | None = None,
+        query: str | None = None,
     ) -> Relayed:  # fmt: skip
-        """``request`` as it came (or with ``body``/``path`` replaced) to ``node``."""
+        """``request`` as it came (or with ``body``/``path``/``query`` replaced) to ``node``."""
         content = await request.body() if body is None else body
         scope: dict[str, Any] = dict(request.scope)
         scope["headers"] = [(k, v) for k, v in scope["headers"] if k not in _FRAMING]
         scope["headers"].append((b"content-length", b"%d" % len(content)))
         if path is not None:
             scope["path"], scope["raw_path"] = path, None
+        if query is not None:
+            scope["query_string"] = query.encode()
         head, _ = request_head(scope)
         data = head + content
         stream, reused = await self._acquire(node)
