@@ -83,12 +83,25 @@ class Gateway:
                 log.info("node=%s refused a create for capacity; trying another node", node.id)
                 tried.add(node.id)
                 continue
+            if got.status == 404 and template and self.locator.snapshot_home(template) is None:
+                # Not a template this node has: a snapshot taken on another node, made before this gateway
+                # relayed it (or before it restarted)? Its node is asked; placement then follows it.
+                home = await self._snapshot_home(template)
+                if home is not None and home is not node and home.id not in tried:
+                    tried.add(node.id)
+                    continue
             if got.status in (200, 201) and (sid := _field(got.body, "sandboxID")):
                 self.locator.remember(sid, node.id)
                 node.placed += 1
                 self.created(sid)
             return got.response()
         return self.none_up(tried)
+
+    async def _snapshot_home(self, snapshot_id: str) -> Node | None:
+        try:
+            return await self.locator.snapshot_owner(snapshot_id)
+        except GatewayError:
+            return None
 
     def created(self, sandbox_id: str) -> None:
         for hook in self.on_created:

@@ -47,12 +47,12 @@ def _request(body: dict[str, Any]) -> Request:
     return Request(scope, receive)
 
 
-def _gateway(answers: dict[str, Any]) -> tuple[Gateway, FakeForwarder]:
+def _gateway(answers: dict[str, Any], bindings: dict[str, str] | None = None) -> tuple[Gateway, FakeForwarder]:
     nodes = NodeSet([Node(f"n{i}", f"http://h:{i}", "h", i) for i in (1, 2, 3)], httpx.AsyncClient(), None)
     for i, n in enumerate(nodes.nodes.values()):
         n.up, n.counts = True, {"running": i}  # n1 is the emptiest, then n2, then n3
     fwd = FakeForwarder(nodes, answers)
-    gw = Gateway(nodes, Locator(nodes, FakeDirectory({})), fwd, random.Random(0))  # type: ignore[arg-type]
+    gw = Gateway(nodes, Locator(nodes, FakeDirectory(bindings or {})), fwd, random.Random(0))  # type: ignore[arg-type]
     return gw, fwd
 
 
@@ -102,3 +102,18 @@ async def test_an_idempotency_key_goes_to_one_node(key: str) -> None:
         req.scope["headers"] = [(b"idempotency-key", key.encode())]
         await gw.create(req)
     assert len(set(fwd.sent)) == 1
+
+
+async def test_a_snapshot_made_elsewhere_is_found_and_followed() -> None:
+    gw, fwd = _gateway({"n1": (404, {"code": 404, "message": "template 'snap9' not found"}), "n2": (201, {}),
+                        "n3": (201, {"sandboxID": "kid"})}, {"snap9": "n3"})  # fmt: skip (only n3 has the snapshot)
+    r = await gw.create(_request({"templateID": "snap9"}))
+    assert r.status_code == 201 and fwd.sent == ["n1", "n3"]
+    r = await gw.create(_request({"templateID": "snap9"}))
+    assert fwd.sent == ["n1", "n3", "n3"]  # remembered: straight there
+
+
+async def test_an_unknown_template_is_the_nodes_404() -> None:
+    gw, fwd = _gateway({n: (404, {"code": 404, "message": "template 'nope' not found"}) for n in ("n1", "n2", "n3")})
+    r = await gw.create(_request({"templateID": "nope"}))
+    assert r.status_code == 404 and fwd.sent == ["n1"]
