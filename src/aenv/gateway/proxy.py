@@ -5,7 +5,7 @@ Requests are recognised exactly as a node recognises them (``route``: the ``E2b-
 ``<port>-<id>.`` Host) and relayed byte for byte by the same HTTP/1.1 relay and WebSocket relay, headers
 and Host unchanged, so the node routes them again and applies the sandbox's own rules (traffic tokens,
 masked Host, envd's internal routes): the gateway adds one hop, not a second set of rules. Kept-alive
-connections are pooled per (sandbox, port) as the node pools its streams.
+connections are pooled per node, shared by its sandboxes.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import logging
 
 from aenv.api.proxy import SandboxProxy
 from aenv.api.proxy.codec import ASGIApp, Receive, Scope, Send
+from aenv.api.proxy.pool import UpstreamPool
 from aenv.api.proxy.routing import json_error, respond, route, sandbox_error
 from aenv.api.proxy.websocket import deny
 from aenv.gateway.directory import GatewayError, Locator
@@ -42,6 +43,30 @@ class _ToNode:
             raise
 
 
+class _NodePool(UpstreamPool):
+    """Kept-alive connections per node, shared by all its sandboxes (each request names its own sandbox),
+    so a gateway holds as many as requests run at once, not one set per sandbox."""
+
+    max_idle = 256
+
+    def __init__(self, opener: _ToNode, locator: Locator) -> None:
+        super().__init__(lambda: opener)
+        self._locator = locator
+
+    def _key(self, sandbox_id: str) -> tuple[str, int]:
+        node = self._locator.cached(sandbox_id)
+        return (f"node:{node.id}", 0) if node is not None else (sandbox_id, 0)
+
+    async def acquire(self, sandbox_id: str, port: int) -> tuple[ByteStream, bool]:
+        stream = await self._take_idle(self._key(sandbox_id))
+        if stream is not None:
+            return stream, True
+        return await self.open(sandbox_id, port), False
+
+    async def release(self, sandbox_id: str, port: int, stream: ByteStream) -> None:
+        await super().release(*self._key(sandbox_id), stream)
+
+
 class GatewayProxy(SandboxProxy):
     """ASGI middleware in front of the gateway's control plane."""
 
@@ -49,6 +74,7 @@ class GatewayProxy(SandboxProxy):
         opener = _ToNode(locator, nodes)
         # The base class asks its getter only for open_stream once __call__ and _ingress are replaced.
         super().__init__(app, lambda: opener, ws_max_message)  # type: ignore[arg-type,return-value]
+        self.pool = _NodePool(opener, locator)
         self._locator = locator
 
     def prewarm(self, sandbox_id: str) -> None:  # the node prewarms its own stream into the sandbox

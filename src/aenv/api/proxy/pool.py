@@ -51,6 +51,8 @@ def _alive(entry: _Idle, now: float) -> bool:
 class UpstreamPool:
     """Idle keep-alive mux streams per (sandbox, port), most recently used first."""
 
+    max_idle = MAX_IDLE_PER_TARGET  # idle streams kept per key
+
     def __init__(self, get_orchestrator: Callable[[], StreamOpener]) -> None:
         self._get = get_orchestrator
         self._idle: dict[tuple[str, int], list[_Idle]] = {}
@@ -107,7 +109,7 @@ class UpstreamPool:
             return
         idle = self._idle.setdefault((sandbox_id, port), [])
         idle.append(_Idle(stream, time.monotonic()))
-        if len(idle) > MAX_IDLE_PER_TARGET:
+        if len(idle) > self.max_idle:
             await idle.pop(0).stream.aclose()
         self._releases += 1
         if self._releases % _SWEEP_EVERY == 0:
