@@ -242,6 +242,25 @@ def test_the_gateway_checks_api_keys(cluster: Cluster) -> None:
     assert httpx.get(cluster.gw + "/health", trust_env=False).status_code == 200
 
 
+def test_a_gateway_started_with_a_node_down_serves_the_others(cluster: Cluster) -> None:
+    from e2b import Sandbox
+
+    nowhere = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    (cluster.tmp / "second").mkdir()
+    gw = start_gateway(cluster.tmp / "second", [cluster.url(0), nowhere], {"AENV_API_KEYS": API_KEY})
+    try:
+        nodes = {n["nodeID"]: n for n in httpx.get(gw.url + "/nodes", headers=KEY, trust_env=False).json()}
+        assert nodes["n1"]["state"] == "up" and nodes["n2"]["state"] == "down" and nodes["n2"]["reason"]
+        sbx = Sandbox.create("base", timeout=120, api_url=gw.url, sandbox_url=gw.url)
+        try:
+            assert sbx.sandbox_id in cluster.ids_on(0)
+            assert sbx.commands.run("echo ok").stdout.strip() == "ok"
+        finally:
+            sbx.kill()
+    finally:
+        stop_gateway(gw)
+
+
 def test_a_dead_node_is_skipped_and_named(cluster: Cluster, spread: list[Any]) -> None:
     from e2b import NotFoundException, Sandbox
 
