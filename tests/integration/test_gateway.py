@@ -119,6 +119,22 @@ def test_creates_spread_over_the_nodes(cluster: Cluster, spread: list[Any]) -> N
         assert [e.name for e in sbx.files.list("/home/user") if e.name == "a.txt"] == ["a.txt"]
 
 
+def test_signed_file_urls_through_the_gateway(spread: list[Any]) -> None:
+    """With E2B_SANDBOX_URL set the URLs name no sandbox: the gateway knows whose signature it is from the
+    envd tokens of the creates it relayed, and sends the request to that sandbox's node."""
+    for sbx in spread:
+        sbx.files.write("/home/user/signed.txt", f"signed {sbx.sandbox_id}")
+        url = sbx.download_url("/home/user/signed.txt")
+        assert "signature=" in url and sbx.sandbox_id not in url
+        got = httpx.get(url, trust_env=False)
+        assert (got.status_code, got.text) == (200, f"signed {sbx.sandbox_id}")
+        up = sbx.upload_url("/home/user/uploaded.txt")
+        assert httpx.post(up, files={"file": ("u.txt", b"via-url")}, trust_env=False).status_code == 200
+        assert sbx.files.read("/home/user/uploaded.txt") == "via-url"
+    bad = httpx.get(url.replace("signature=v1_", "signature=v1_x"), trust_env=False)
+    assert bad.status_code == 401
+
+
 def test_pty_and_background_commands(spread: list[Any]) -> None:
     from e2b.sandbox.commands.command_handle import PtySize
 

@@ -91,11 +91,20 @@ class Gateway:
                     tried.add(node.id)
                     continue
             if got.status in (200, 201) and (sid := _field(got.body, "sandboxID")):
-                self.locator.remember(sid, node.id)
+                self.learn(json.loads(got.body), node)
                 node.placed += 1
                 self.created(sid)
             return got.response()
         return self.none_up(tried)
+
+    def learn(self, sandbox: Any, node: Node) -> None:
+        """Bind a sandbox an answer describes to the node that gave it, and keep its envd token (signed
+        file URLs name no sandbox: the token tells whose they are)."""
+        if not isinstance(sandbox, dict) or not isinstance(sid := sandbox.get("sandboxID"), str):
+            return
+        self.locator.remember(sid, node.id)
+        if isinstance(token := sandbox.get("envdAccessToken"), str) and token:
+            self.locator.remember_token(sid, token)
 
     async def _snapshot_home(self, snapshot_id: str) -> Node | None:
         try:
@@ -229,10 +238,9 @@ async def fork(request: Request, sandbox_id: str) -> Response:
     got = await gw.to_owner(request, sandbox_id)
     if isinstance(got, Relayed) and got.status in (200, 201):
         for child in json.loads(got.body):
-            sid = (child.get("sandbox") or {}).get("sandboxID")
-            if sid:
-                gw.locator.remember(sid, got.node.id)
-                gw.created(sid)
+            if isinstance(kid := child.get("sandbox"), dict) and kid.get("sandboxID"):
+                gw.learn(kid, got.node)
+                gw.created(kid["sandboxID"])
     return _relay(got)
 
 
@@ -248,8 +256,12 @@ async def snapshot(request: Request, sandbox_id: str) -> Response:
 @router.api_route("/sandboxes/{sandbox_id}", methods=ALL)
 @router.api_route("/sandboxes/{sandbox_id}/{rest:path}", methods=ALL)
 @router.api_route("/v2/sandboxes/{sandbox_id}/{rest:path}", methods=ALL)
-async def sandbox_scoped(request: Request, sandbox_id: str) -> Response:
-    return _relay(await gateway(request).to_owner(request, sandbox_id))
+async def sandbox_scoped(request: Request, sandbox_id: str, rest: str = "") -> Response:
+    gw = gateway(request)
+    got = await gw.to_owner(request, sandbox_id)
+    if rest in ("connect", "resume") and isinstance(got, Relayed) and got.status in (200, 201):
+        gw.learn(json.loads(got.body), got.node)  # a connect answer carries the envd token
+    return _relay(got)
 
 
 @router.api_route("/snapshots/{snapshot_id}", methods=ALL)

@@ -12,12 +12,14 @@ one that is down. Both reach clients as 404s (control plane) or E2B's 502 (proxy
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 from collections import OrderedDict
 from typing import Protocol
 
 import httpx
 
+from aenv.file_urls import file_signature
 from aenv.gateway.nodes import Node, NodeSet
 
 MAX_CACHED = 1_000_000  # bindings kept in memory (least recently used dropped first)
@@ -94,10 +96,24 @@ class Locator:
         self._directory = directory
         self._sandboxes: OrderedDict[str, str] = OrderedDict()
         self._snapshots: OrderedDict[str, str] = OrderedDict()
+        self._tokens: OrderedDict[str, str] = OrderedDict()  # envd access tokens the relayed answers carried
         self._max = max_cached
 
     def remember(self, sandbox_id: str, node_id: str) -> None:
         _put(self._sandboxes, sandbox_id, node_id, self._max)
+
+    def remember_token(self, sandbox_id: str, token: str) -> None:
+        _put(self._tokens, sandbox_id, token, self._max)
+
+    def find_by_file_signature(
+        self, path: str, op: str, user: str, signature: str, expiration: str | None
+    ) -> str | None:
+        """The sandbox whose access token signed a file URL that names no sandbox (``download_url()`` with
+        ``E2B_SANDBOX_URL`` set), among those whose create, connect or fork answer the gateway relayed."""
+        for sandbox_id, token in self._tokens.items():
+            if hmac.compare_digest(file_signature(path, op, user, token, expiration), signature):
+                return sandbox_id
+        return None
 
     def remember_snapshot(self, snapshot_id: str, node_id: str) -> None:
         _put(self._snapshots, snapshot_id, node_id, self._max)

@@ -15,7 +15,7 @@ import logging
 from aenv.api.proxy import SandboxProxy
 from aenv.api.proxy.codec import ASGIApp, Receive, Scope, Send
 from aenv.api.proxy.pool import UpstreamPool
-from aenv.api.proxy.routing import json_error, respond, route, sandbox_error
+from aenv.api.proxy.routing import json_error, respond, route, route_signed_files_url, sandbox_error
 from aenv.api.proxy.websocket import deny
 from aenv.gateway.directory import GatewayError, Locator
 from aenv.gateway.nodes import NodeSet
@@ -83,11 +83,12 @@ class GatewayProxy(SandboxProxy):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         target = route(scope) if kind in ("http", "websocket") else None
+        if target is None and kind == "http":
+            target = route_signed_files_url(scope, lambda: self._locator)
         if target is None:
             if kind == "http" and scope["path"] == "/files":
-                # A signed URL that names no sandbox: only its node could tell whose signature it is.
-                message = ("through the gateway a file URL must name its sandbox: send E2b-Sandbox-Id, or use "
-                           "the <port>-<id>.<domain> host (leave E2B_SANDBOX_URL unset)")
+                message = ("invalid or missing file URL signature (through the gateway, a URL that names no sandbox "
+                           "is known only for sandboxes whose create or connect went through this gateway)")
                 await respond(send, *json_error(401, {"code": 401, "message": message}))
                 return
             await self.app(scope, receive, send)
