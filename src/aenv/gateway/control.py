@@ -91,7 +91,7 @@ class Gateway:
                     tried.add(node.id)
                     continue
             if got.status in (200, 201) and (sid := _field(got.body, "sandboxID")):
-                self.learn(json.loads(got.body), node)
+                self.learn(_parsed(got.body), node)
                 node.placed += 1
                 self.created(sid)
             return got.response()
@@ -192,11 +192,17 @@ def gateway(request: Request) -> Gateway:
     return gw
 
 
-def _field(body: bytes, name: str) -> str | None:
+def _parsed(body: bytes) -> Any:
+    """A node's JSON answer, or None when it is not JSON (the gateway learns nothing from it)."""
     try:
-        value = json.loads(body).get(name) if body else None
-    except (ValueError, AttributeError):
+        return json.loads(body) if body else None
+    except ValueError:
         return None
+
+
+def _field(body: bytes, name: str) -> str | None:
+    parsed = _parsed(body)
+    value = parsed.get(name) if isinstance(parsed, dict) else None
     return value if isinstance(value, str) else None
 
 
@@ -237,8 +243,9 @@ async def fork(request: Request, sandbox_id: str) -> Response:
     gw = gateway(request)
     got = await gw.to_owner(request, sandbox_id)
     if isinstance(got, Relayed) and got.status in (200, 201):
-        for child in json.loads(got.body):
-            if isinstance(kid := child.get("sandbox"), dict) and kid.get("sandboxID"):
+        children = _parsed(got.body)
+        for child in children if isinstance(children, list) else []:
+            if isinstance(child, dict) and isinstance(kid := child.get("sandbox"), dict) and kid.get("sandboxID"):
                 gw.learn(kid, got.node)
                 gw.created(kid["sandboxID"])
     return _relay(got)
@@ -260,7 +267,7 @@ async def sandbox_scoped(request: Request, sandbox_id: str, rest: str = "") -> R
     gw = gateway(request)
     got = await gw.to_owner(request, sandbox_id)
     if rest in ("connect", "resume") and isinstance(got, Relayed) and got.status in (200, 201):
-        gw.learn(json.loads(got.body), got.node)  # a connect answer carries the envd token
+        gw.learn(_parsed(got.body), got.node)  # a connect answer carries the envd token
     return _relay(got)
 
 
