@@ -29,7 +29,7 @@ from aenv import __version__
 from aenv.api.auth import require_api_key
 from aenv.api.errors import error_response
 from aenv.gateway import placement
-from aenv.gateway.directory import GatewayError, Locator
+from aenv.gateway.directory import GatewayError, Locator, OwnerDown
 from aenv.gateway.forward import Forwarder, NodeUnreachable, Relayed
 from aenv.gateway.listing import Positions, merge_page
 from aenv.gateway.nodes import Node, NodeSet
@@ -321,11 +321,29 @@ async def template_read(request: Request) -> Response:
     return gw.none_up(set())
 
 
+@router.delete("/templates/{template_id:path}")
+async def template_delete(request: Request, template_id: str) -> Response:
+    """A snapshot's template lives on the snapshot's node: its delete goes there. Shared templates are
+    deleted on each node."""
+    gw = gateway(request)
+    try:
+        node = await gw.locator.snapshot_owner(template_id)
+    except OwnerDown as exc:
+        return _located_error(exc)
+    except GatewayError:
+        return _template_refusal(request)
+    return (await gw.forwarder.send(request, node)).response()
+
+
 @router.post("/v3/templates")
 @router.post("/v2/templates/{rest:path}")
 @router.api_route("/templates/{rest:path}", methods=["POST", "DELETE", "PUT", "PATCH"])
 @router.post("/aenv/templates/pull")
 async def template_write(request: Request) -> Response:
+    return _template_refusal(request)
+
+
+def _template_refusal(request: Request) -> Response:
     urls = " ".join(n.url for n in gateway(request).nodes.nodes.values())
     return error_response(
         501, "the gateway does not build, pull or delete templates yet: its nodes must share them. Run the "
