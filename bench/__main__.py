@@ -32,7 +32,7 @@ from typing import Any
 from rich.console import Console
 
 from aenv.testing.server import API_KEY, discard_vm_state, start_server, stop_server
-from bench import builds, core, density, forks, report, rl, ws
+from bench import builds, core, density, forks, gateway, report, rl, ws
 from bench.context import Ctx
 
 console = Console(stderr=True)
@@ -52,6 +52,7 @@ SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "rl-groups": rl.rl_groups,
     "build": builds.template_build,
     "websocket": ws.websocket_echo,
+    "gateway": gateway.gateway_overhead,
 }
 GROUPS = {
     "core": ["create", "concurrent", "roundtrip", "files", "pause"],

@@ -53,6 +53,9 @@ def _needs_runtime(runtime_name: str) -> None:
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory, runtime_name: str) -> Iterator[Server]:
     _needs_runtime(runtime_name)
+    if os.environ.get("AENV_TEST_GATEWAY"):  # AENV_TEST_GATEWAY=N: the SDK tests through a gateway, N nodes
+        yield from _gateway_in_front(tmp_path_factory, runtime_name, int(os.environ["AENV_TEST_GATEWAY"]))
+        return
     srv = start_server(tmp_path_factory.mktemp("aenv-server"), runtime_name)
     yield srv
     # Kill what the session left, then stop the server so it cleans up its runtime.
@@ -63,6 +66,26 @@ def server(tmp_path_factory: pytest.TempPathFactory, runtime_name: str) -> Itera
         pass
     stop_server(srv)
     discard_vm_state(srv.state_dir)  # QEMUs a killed server left, and the template RAM in /dev/shm
+
+
+def _gateway_in_front(tmp_path_factory: pytest.TempPathFactory, runtime_name: str, n: int) -> Iterator[Server]:
+    from aenv.testing.gateway import start_gateway, stop_gateway
+
+    nodes: list[Server] = []
+    gw: Server | None = None
+    try:
+        for _ in range(n):
+            nodes.append(start_server(tmp_path_factory.mktemp("aenv-node"), runtime_name))
+        gw = start_gateway(tmp_path_factory.mktemp("aenv-gateway"), [node.url for node in nodes])
+        yield gw
+    finally:
+        if gw is not None:
+            stop_gateway(gw)
+        for node in nodes:
+            for s in httpx.get(node.url + "/v2/sandboxes", trust_env=False).json():
+                httpx.delete(f"{node.url}/sandboxes/{s['sandboxID']}", trust_env=False)
+            stop_server(node)
+            discard_vm_state(node.state_dir)
 
 
 @pytest.fixture(scope="module")

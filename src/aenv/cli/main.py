@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from aenv.cli import build, local
+from aenv.cli import build, gateway, local
 from aenv.cli.remote import app, template_app
 
 app.command("build")(build.build)
+app.command("gateway", rich_help_panel="Many machines")(gateway.gateway)
 local.register(app, template_app)
 
 

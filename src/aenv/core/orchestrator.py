@@ -17,7 +17,6 @@ a sandbox as stopped instead of mistaking its ended processes for a lost sandbox
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import datetime as dt
 import hashlib
@@ -49,6 +48,7 @@ from aenv.errors import (
     SandboxUnreachable,
 )
 from aenv.faults import fault_point
+from aenv.file_urls import file_signature
 from aenv.images import ProgressCallback
 from aenv.kinds import SnapshotMode, TemplateKind
 from aenv.mux import ByteStream, StreamRefused
@@ -70,12 +70,6 @@ def _usec(ts: float) -> int:
 
 
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
-
-
-def file_signature(path: str, op: str, user: str, token: str, expiration: str | None) -> str:
-    """envd's v1 URL signature: ``v1_`` + unpadded base64 of sha256("path:op:user:token[:expiration]")."""
-    raw = f"{path}:{op}:{user}:{token}" + (f":{expiration}" if expiration else "")
-    return "v1_" + base64.b64encode(hashlib.sha256(raw.encode()).digest()).decode().rstrip("=")
 
 
 class Orchestrator:

@@ -140,3 +140,10 @@ async def open_direct(path: str, port: int) -> DirectStream:
     loop = asyncio.get_running_loop()
     _, protocol = await loop.create_unix_connection(_Protocol, path)
     return DirectStream(protocol, port)
+
+
+async def open_tcp(host: str, port: int, label: int = 0) -> DirectStream:
+    """Connect over TCP (the gateway's hop to a node's port); ``label`` only labels the stream."""
+    loop = asyncio.get_running_loop()
+    _, protocol = await loop.create_connection(_Protocol, host, port)
+    return DirectStream(protocol, label)

@@ -76,18 +76,25 @@ def start_server(
     scheme = "https" if tls else "http"
     server = Server(f"{scheme}://127.0.0.1:{port}", state, proc, log_path, env, tls.ca if tls else None)
     verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(tls.ca)) if tls else True
-    deadline = time.monotonic() + 240
+    if wait_healthy(server, 240, "aenv serve", verify):
+        return server
+    stop_server(server)
+    raise RuntimeError(f"aenv serve did not become healthy:\n{server.log_tail()}")
+
+
+def wait_healthy(server: Server, seconds: float, what: str, verify: ssl.SSLContext | bool = True) -> bool:
+    """Whether ``server`` answered ``/health`` within ``seconds``; raises if its process exited first."""
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"aenv serve exited with {proc.returncode}:\n{server.log_tail()}")
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {server.proc.returncode}:\n{server.log_tail()}")
         try:
             if httpx.get(server.url + "/health", timeout=1, trust_env=False, verify=verify).status_code == 200:
-                return server
+                return True
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
-    stop_server(server)
-    raise RuntimeError(f"aenv serve did not become healthy:\n{server.log_tail()}")
+    return False
 
 
 def release_ns_volume(state_dir: Path) -> None:

@@ -13,8 +13,8 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import Protocol
 
-from aenv.core.orchestrator import Orchestrator
 from aenv.mux import ByteStream
 
 log = logging.getLogger("aenv.proxy")
@@ -22,6 +22,12 @@ log = logging.getLogger("aenv.proxy")
 IDLE_EXPIRY = 60.0  # seconds an idle upstream stream is kept (envd's own keep-alive is 330 s)
 MAX_IDLE_PER_TARGET = 16
 _SWEEP_EVERY = 256  # releases between sweeps of dead idle streams of other sandboxes
+
+
+class StreamOpener(Protocol):
+    """Who opens the streams: the orchestrator (into a sandbox) or the gateway (to the sandbox's node)."""
+
+    async def open_stream(self, sandbox_id: str, port: int) -> ByteStream: ...
 
 
 class _Idle:
@@ -45,7 +51,9 @@ def _alive(entry: _Idle, now: float) -> bool:
 class UpstreamPool:
     """Idle keep-alive mux streams per (sandbox, port), most recently used first."""
 
-    def __init__(self, get_orchestrator: Callable[[], Orchestrator]) -> None:
+    max_idle = MAX_IDLE_PER_TARGET  # idle streams kept per key
+
+    def __init__(self, get_orchestrator: Callable[[], StreamOpener]) -> None:
         self._get = get_orchestrator
         self._idle: dict[tuple[str, int], list[_Idle]] = {}
         self._opening: dict[tuple[str, int], asyncio.Task[None]] = {}  # prewarms in flight
@@ -101,7 +109,7 @@ class UpstreamPool:
             return
         idle = self._idle.setdefault((sandbox_id, port), [])
         idle.append(_Idle(stream, time.monotonic()))
-        if len(idle) > MAX_IDLE_PER_TARGET:
+        if len(idle) > self.max_idle:
             await idle.pop(0).stream.aclose()
         self._releases += 1
         if self._releases % _SWEEP_EVERY == 0:

@@ -1,0 +1,94 @@
+"""The gateway's ASGI app: its control plane (FastAPI) behind the sandbox proxy, on one port, as a node's.
+
+The lifespan owns the long-lived objects: the node connections (relayed requests: ``Forwarder``; probes
+and lookups: an httpx client), the node probes, the binding cache. Nothing is stored: a restarted gateway
+learns bindings again by asking the nodes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from aenv import __version__
+from aenv.api import errors
+from aenv.api.auth import key_digests
+from aenv.api.errors import error_response
+from aenv.api.proxy.routing import ENVD_PORT
+from aenv.gateway.control import Gateway, router
+from aenv.gateway.directory import AskNodes, Locator
+from aenv.gateway.forward import Forwarder, NodeBrokeOff
+from aenv.gateway.nodes import Node, NodeSet
+from aenv.gateway.proxy import GatewayProxy
+
+log = logging.getLogger("aenv.gateway")
+
+WS_MAX_MESSAGE = 16 * 1024 * 1024
+
+
+@dataclass
+class GatewaySettings:
+    """What one gateway needs: its nodes, the keys it accepts, the key it probes nodes with."""
+
+    nodes: list[Node]
+    api_keys: list[str] = field(default_factory=list)
+    node_key: str | None = None  # sent on the gateway's own calls (probes, lookups); default: a plain api key
+    probe_interval: float = 1.0
+    ws_max_message: int = WS_MAX_MESSAGE
+
+    def probe_key(self) -> str | None:
+        if self.node_key is not None:
+            return self.node_key
+        return next((k for k in self.api_keys if not k.startswith("sha256:")), None)
+
+
+def create_gateway_app(settings: GatewaySettings) -> Any:
+    """Build the ASGI app. The objects are made here; the lifespan starts the probes and closes them."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=60)
+    timeout = httpx.Timeout(connect=3.0, read=900.0, write=60.0, pool=30.0)
+    client = httpx.AsyncClient(trust_env=False, limits=limits, timeout=timeout)
+    key = settings.probe_key()
+    nodes = NodeSet(settings.nodes, client, key, settings.probe_interval)
+    locator = Locator(nodes, AskNodes(nodes, client, key))
+    forwarder = Forwarder(nodes)
+    gateway = Gateway(nodes, locator, forwarder)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.gateway = gateway
+        app.state.api_key_digests = key_digests(settings.api_keys)
+        await nodes.start()
+        up = ", ".join(f"{n.id}={n.url} ({'up' if n.up else 'down: ' + n.reason})" for n in nodes.nodes.values())
+        log.info("aenv %s gateway in front of %d nodes: %s", __version__, len(nodes.nodes), up)
+        try:
+            yield
+        finally:
+            await proxy.aclose()
+            await nodes.aclose()
+            await forwarder.aclose()
+            await client.aclose()
+
+    api = FastAPI(title="aenv gateway", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)  # fmt: skip
+    errors.install(api)
+
+    @api.exception_handler(NodeBrokeOff)
+    async def _broke_off(_: Request, exc: NodeBrokeOff) -> JSONResponse:
+        return error_response(502, str(exc), None, reason="node_failed", node=exc.node.id)
+
+    @api.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "ok", "version": __version__, "role": "gateway", "nodesUp": len(nodes.up()),
+                             "nodes": len(nodes.nodes)})  # fmt: skip
+
+    api.include_router(router)
+    proxy = GatewayProxy(api, locator, nodes, settings.ws_max_message)  # type: ignore[arg-type]
+    gateway.on_created.append(lambda sandbox_id: proxy.pool.prewarm(sandbox_id, ENVD_PORT))
+    return proxy

@@ -1,0 +1,386 @@
+"""The gateway's control plane: E2B's REST routes, each sent to the node it concerns.
+
+- creates go through placement (``placement.py``): a node that cannot be connected to, or that refuses
+  for capacity (429 ``reason: capacity``: nothing was created), is skipped and the next one tried;
+- every route about one sandbox (``/sandboxes/{id}/…``, ``/v2/sandboxes/{id}/…``: connect, pause, resume,
+  timeout, snapshots, fork, rollback, network, metrics, kill) goes to its owner; fork children and
+  snapshots are bound to the node that made them, as the answer names them;
+- lists fan out to every live node and are merged, page by page (``listing.py``); a node that is down
+  is skipped and named in ``X-Aenv-Nodes-Down``, never a failure of the whole list;
+- templates: the nodes must share them (the same ``base``, the same builds). Reads are served by one live
+  node; builds, pulls, deletes and tags are refused with a 501 that says to run them on each node;
+- what a gateway cannot relay correctly yet (leases, webhooks, the layer cache) is a 501 that says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlencode
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from aenv import __version__
+from aenv.api.auth import require_api_key
+from aenv.api.errors import error_response
+from aenv.gateway import placement
+from aenv.gateway.directory import GatewayError, Locator, OwnerDown
+from aenv.gateway.forward import Forwarder, NodeUnreachable, Relayed
+from aenv.gateway.listing import Positions, merge_page
+from aenv.gateway.nodes import Node, NodeSet
+
+log = logging.getLogger("aenv.gateway")
+
+DOWN_HEADER = "X-Aenv-Nodes-Down"  # on merged answers: the nodes that were skipped
+ALL = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+DEFAULT_LIMIT = 100  # a node's own page size when a list names none
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+class Gateway:
+    """What the routes share: nodes, bindings, the forwarder and the placement's random source."""
+
+    def __init__(self, nodes: NodeSet, locator: Locator, forwarder: Forwarder, rng: random.Random | None = None) -> None:
+        self.nodes = nodes
+        self.locator = locator
+        self.forwarder = forwarder
+        self.rng = rng or random.Random()
+        self.on_created: list[Callable[[str], None]] = []  # a sandbox made through this gateway (create, fork)
+
+    # ---- creates ----------------------------------------------------------------------------
+    def place(self, exclude: set[str], template: str | None, key: str | None) -> Node | None:
+        candidates = [n for n in self.nodes.up() if n.id not in exclude]
+        if not candidates:
+            return None
+        home = self.locator.snapshot_home(template) if template else None
+        if home is not None and home in candidates:
+            return home  # create-from-snapshot where the snapshot's files are
+        pairs = [(n.id, n.load) for n in candidates]
+        chosen = placement.by_key(pairs, key) if key else placement.best_of_k(pairs, self.rng)
+        return self.nodes.nodes[chosen]
+
+    async def create(self, request: Request) -> Response:
+        body = await request.body()
+        template = _field(body, "templateID")
+        key = request.headers.get("idempotency-key")
+        tried: set[str] = set()
+        while (node := self.place(tried, template, key)) is not None:
+            node.inflight += 1
+            try:
+                got = await self.forwarder.send(request, node, body)
+            except NodeUnreachable:
+                tried.add(node.id)
+                continue
+            finally:
+                node.inflight -= 1
+            if got.status == 429 and _field(got.body, "reason") == "capacity" and self.place(tried | {node.id}, None, None):
+                log.info("node=%s refused a create for capacity; trying another node", node.id)
+                tried.add(node.id)
+                continue
+            if got.status == 404 and template and self.locator.snapshot_home(template) is None:
+                # Not a template this node has: a snapshot taken on another node, made before this gateway
+                # relayed it (or before it restarted)? Its node is asked; placement then follows it.
+                home = await self._snapshot_home(template)
+                if home is not None and home is not node and home.id not in tried:
+                    tried.add(node.id)
+                    continue
+            if got.status in (200, 201) and (sid := _field(got.body, "sandboxID")):
+                self.learn(_parsed(got.body), node)
+                node.placed += 1
+                self.created(sid)
+            return got.response()
+        return self.none_up(tried)
+
+    def learn(self, sandbox: Any, node: Node) -> None:
+        """Bind a sandbox an answer describes to the node that gave it, and keep its envd token (signed
+        file URLs name no sandbox: the token tells whose they are)."""
+        if not isinstance(sandbox, dict) or not isinstance(sid := sandbox.get("sandboxID"), str):
+            return
+        self.locator.remember(sid, node.id)
+        if isinstance(token := sandbox.get("envdAccessToken"), str) and token:
+            self.locator.remember_token(sid, token)
+
+    async def _snapshot_home(self, snapshot_id: str) -> Node | None:
+        try:
+            return await self.locator.snapshot_owner(snapshot_id)
+        except GatewayError:
+            return None
+
+    def created(self, sandbox_id: str) -> None:
+        for hook in self.on_created:
+            hook(sandbox_id)
+
+    def none_up(self, tried: set[str]) -> JSONResponse:
+        why = "; ".join(f"{n.id} {n.url}: {n.reason or 'refused'}" for n in self.nodes.nodes.values())
+        message = f"no node can take this create ({why})"
+        return error_response(503, message, {"Retry-After": "1"}, reason="no_node")
+
+    # ---- one sandbox --------------------------------------------------------------------------
+    async def to_owner(self, request: Request, sandbox_id: str) -> Relayed | Response:
+        try:
+            node = await self.locator.owner(sandbox_id)
+            return await self.forwarder.send(request, node)
+        except GatewayError as exc:
+            return _located_error(exc)
+        except NodeUnreachable as exc:
+            return _located_error(GatewayError(str(exc), exc.node), reason="node_down")
+
+    # ---- every node ---------------------------------------------------------------------------
+    async def fan_out(self, request: Request) -> tuple[list[Relayed], list[Node]]:
+        """The request sent to every live node at once: their answers, and the nodes skipped."""
+        up, skipped = self.nodes.up(), self.nodes.down()
+        results = await asyncio.gather(*(self.forwarder.send(request, n, b"") for n in up), return_exceptions=True)
+        answers: list[Relayed] = []
+        for node, res in zip(up, results, strict=True):
+            if isinstance(res, Relayed):
+                answers.append(res)
+            else:
+                log.warning("node=%s skipped in %s %s: %r", node.id, request.method, request.url.path, res)
+                skipped.append(node)
+        return answers, skipped
+
+    async def merged_list(self, request: Request, keys: tuple[str, str], paged: bool) -> Response:
+        """Every live node's list, merged; ``paged``: one page (``limit``, ``nextToken``) across the nodes."""
+        if not paged:
+            answers, skipped = await self.fan_out(request)
+            for got in answers:
+                if got.status != 200:
+                    return got.response()  # a bad filter is bad on every node
+            items = [item for got in answers for item in json.loads(got.body)]
+            items.sort(key=lambda s: str(s.get(keys[0], "")), reverse=True)
+            return JSONResponse(items, headers=_down_headers(skipped))
+        try:
+            before = Positions.decode(request.query_params.get("nextToken"))
+        except ValueError as exc:
+            return error_response(400, f"nextToken: {exc}")
+        limit_raw = request.query_params.get("limit", "")
+        limit = int(limit_raw) if limit_raw.isdigit() else DEFAULT_LIMIT
+        params = [(k, v) for k, v in request.query_params.multi_items() if k != "nextToken"]
+        up, skipped = [n for n in self.nodes.up() if n.id not in before.done], self.nodes.down()
+
+        def query(node: Node) -> str:
+            after = before.after.get(node.id)
+            return urlencode(params + ([("nextToken", after)] if after else []))
+
+        results = await asyncio.gather(*(self.forwarder.send(request, n, b"", query=query(n)) for n in up),
+                                       return_exceptions=True)  # fmt: skip
+        pages: dict[str, tuple[list[Any], bool]] = {}
+        for node, res in zip(up, results, strict=True):
+            if not isinstance(res, Relayed):
+                log.warning("node=%s skipped in %s %s: %r", node.id, request.method, request.url.path, res)
+                skipped.append(node)
+            elif res.status != 200:
+                return res.response()  # a bad filter is bad on every node
+            else:
+                pages[node.id] = (json.loads(res.body), any(k == "x-next-token" for k, _ in res.headers))
+        descending = request.query_params.get("order") != "asc"
+        items, after = merge_page(pages, before, keys, descending, limit)
+        headers = _down_headers(skipped) or {}
+        if any(n not in after.done for n in pages):
+            headers["X-Next-Token"] = after.encode()
+        return JSONResponse(items, headers=headers)
+
+
+def gateway(request: Request) -> Gateway:
+    gw: Gateway = request.app.state.gateway
+    return gw
+
+
+def _parsed(body: bytes) -> Any:
+    """A node's JSON answer, or None when it is not JSON (the gateway learns nothing from it)."""
+    try:
+        return json.loads(body) if body else None
+    except ValueError:
+        return None
+
+
+def _field(body: bytes, name: str) -> str | None:
+    parsed = _parsed(body)
+    value = parsed.get(name) if isinstance(parsed, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def _located_error(exc: GatewayError, reason: str | None = None) -> JSONResponse:
+    extra = {"node": exc.node.id} if exc.node is not None else {}
+    return error_response(404, exc.message, None, reason=reason or exc.reason, **extra)
+
+
+def _down_headers(skipped: list[Node]) -> dict[str, str] | None:
+    return {DOWN_HEADER: ",".join(n.id for n in skipped)} if skipped else None
+
+
+def _relay(got: Relayed | Response) -> Response:
+    return got.response() if isinstance(got, Relayed) else got
+
+
+# ---- routes: creates and lists ------------------------------------------------------------------
+@router.post("/sandboxes")
+@router.post("/v2/sandboxes")
+async def create(request: Request) -> Response:
+    return await gateway(request).create(request)
+
+
+@router.get("/sandboxes")
+@router.get("/v2/sandboxes")
+async def list_sandboxes(request: Request) -> Response:
+    return await gateway(request).merged_list(request, ("startedAt", "sandboxID"), request.url.path.startswith("/v2/"))
+
+
+@router.get("/snapshots")
+async def list_snapshots(request: Request) -> Response:
+    return await gateway(request).merged_list(request, ("createdAt", "snapshotID"), True)
+
+
+# ---- routes: one sandbox -------------------------------------------------------------------------
+@router.post("/sandboxes/{sandbox_id}/fork")
+async def fork(request: Request, sandbox_id: str) -> Response:
+    gw = gateway(request)
+    got = await gw.to_owner(request, sandbox_id)
+    if isinstance(got, Relayed) and got.status in (200, 201):
+        children = _parsed(got.body)
+        for child in children if isinstance(children, list) else []:
+            if isinstance(child, dict) and isinstance(kid := child.get("sandbox"), dict) and kid.get("sandboxID"):
+                gw.learn(kid, got.node)
+                gw.created(kid["sandboxID"])
+    return _relay(got)
+
+
+@router.post("/sandboxes/{sandbox_id}/snapshots")
+async def snapshot(request: Request, sandbox_id: str) -> Response:
+    gw = gateway(request)
+    got = await gw.to_owner(request, sandbox_id)
+    if isinstance(got, Relayed) and got.status in (200, 201) and (snap := _field(got.body, "snapshotID")):
+        gw.locator.remember_snapshot(snap, got.node.id)
+    return _relay(got)
+
+
+@router.api_route("/sandboxes/{sandbox_id}", methods=ALL)
+@router.api_route("/sandboxes/{sandbox_id}/{rest:path}", methods=ALL)
+@router.api_route("/v2/sandboxes/{sandbox_id}/{rest:path}", methods=ALL)
+async def sandbox_scoped(request: Request, sandbox_id: str, rest: str = "") -> Response:
+    gw = gateway(request)
+    got = await gw.to_owner(request, sandbox_id)
+    if rest in ("connect", "resume") and isinstance(got, Relayed) and got.status in (200, 201):
+        gw.learn(_parsed(got.body), got.node)  # a connect answer carries the envd token
+    return _relay(got)
+
+
+@router.api_route("/snapshots/{snapshot_id}", methods=ALL)
+async def snapshot_scoped(request: Request, snapshot_id: str) -> Response:
+    gw = gateway(request)
+    try:
+        node = await gw.locator.snapshot_owner(snapshot_id)
+        return (await gw.forwarder.send(request, node)).response()
+    except GatewayError as exc:
+        return _located_error(exc)
+    except NodeUnreachable as exc:
+        return _located_error(GatewayError(str(exc), exc.node), reason="node_down")
+
+
+# ---- routes: every node ----------------------------------------------------------------------------
+@router.post("/aenv/sandboxes/kill")
+@router.delete("/aenv/sandboxes")
+async def kill_matching(request: Request) -> Response:
+    """Reaping by metadata reaches every live node; the report is the union (and names the nodes skipped)."""
+    gw = gateway(request)
+    body = await request.body()
+    up, skipped = gw.nodes.up(), gw.nodes.down()
+    results = await asyncio.gather(*(gw.forwarder.send(request, n, body) for n in up), return_exceptions=True)
+    killed: list[str] = []
+    failed: list[Any] = []
+    for node, res in zip(up, results, strict=True):
+        if not isinstance(res, Relayed):
+            skipped.append(node)
+        elif res.status != 200:
+            return res.response()
+        else:
+            report = json.loads(res.body)
+            killed += report.get("killed", [])
+            failed += report.get("failed", [])
+    return JSONResponse({"killed": sorted(killed), "failed": failed, "nodesDown": [n.id for n in skipped]},
+                        headers=_down_headers(skipped))
+
+
+# ---- routes: templates (shared by the nodes) --------------------------------------------------------
+@router.get("/templates")
+@router.get("/v2/templates")
+@router.get("/templates/{rest:path}")
+async def template_read(request: Request) -> Response:
+    gw = gateway(request)
+    for node in sorted(gw.nodes.up(), key=lambda n: n.load):
+        try:
+            return (await gw.forwarder.send(request, node)).response()
+        except NodeUnreachable:
+            continue
+    return gw.none_up(set())
+
+
+@router.delete("/templates/{template_id:path}")
+async def template_delete(request: Request, template_id: str) -> Response:
+    """A snapshot's template lives on the snapshot's node: its delete goes there. Shared templates are
+    deleted on each node."""
+    gw = gateway(request)
+    try:
+        node = await gw.locator.snapshot_owner(template_id)
+    except OwnerDown as exc:
+        return _located_error(exc)
+    except GatewayError:
+        return _template_refusal(request)
+    return (await gw.forwarder.send(request, node)).response()
+
+
+@router.post("/v3/templates")
+@router.post("/v2/templates/{rest:path}")
+@router.api_route("/templates/{rest:path}", methods=["POST", "DELETE", "PUT", "PATCH"])
+@router.post("/aenv/templates/pull")
+async def template_write(request: Request) -> Response:
+    return _template_refusal(request)
+
+
+def _template_refusal(request: Request) -> Response:
+    urls = " ".join(n.url for n in gateway(request).nodes.nodes.values())
+    return error_response(
+        501, "the gateway does not build, pull or delete templates yet: its nodes must share them. Run the "
+             f"build or pull against each node (aenv --server URL ...; nodes: {urls})", None, reason="gateway")
+
+
+# ---- routes: the gateway itself -------------------------------------------------------------------
+@router.get("/nodes")
+async def list_nodes(request: Request) -> JSONResponse:
+    return JSONResponse([n.describe() for n in gateway(request).nodes.nodes.values()])
+
+
+@router.get("/nodes/{node_id}")
+async def get_node(request: Request, node_id: str) -> JSONResponse:
+    node = gateway(request).nodes.get(node_id)
+    if node is None:
+        return error_response(404, f"node '{node_id}' not found")
+    return JSONResponse(node.describe())
+
+
+@router.get("/aenv/info")
+async def info(request: Request) -> JSONResponse:
+    nodes = gateway(request).nodes
+    counts: dict[str, int] = {}
+    for n in nodes.up():
+        for state, k in n.counts.items():
+            counts[state] = counts.get(state, 0) + k
+    runtimes = {n.runtime for n in nodes.up()}
+    return JSONResponse({
+        "version": __version__, "role": "gateway", "sandboxes": counts,
+        "starting": sum(n.starting for n in nodes.up()), "runtime": runtimes.pop() if len(runtimes) == 1 else None,
+        "nodes": [n.describe() for n in nodes.nodes.values()],
+    })  # fmt: skip
+
+
+@router.api_route("/{rest:path}", methods=ALL)
+async def not_relayed(request: Request) -> JSONResponse:
+    return error_response(
+        501, f"the gateway does not relay {request.method} {request.url.path} yet (leases, webhooks and the layer "
+             "cache are per node: call the node itself)", None, reason="gateway")  # fmt: skip

@@ -1,0 +1,170 @@
+"""Which node owns a sandbox (or a snapshot): an in-memory cache in front of a ``Directory``.
+
+The cache is filled from the answers the gateway relays (create, fork, snapshot) and, on a miss, from
+the directory. Today's directory, ``AskNodes``, has no state of its own: it asks every live node for the
+ID and takes the one that knows it. The Redis directory of the next step (bindings the owning node writes
+itself) implements the same two methods, so the cache and everything above it stay as they are.
+
+Errors (``OwnerUnknown``, ``OwnerDown``) are the gateway's own: the sandbox is on no live node, or on
+one that is down. Both reach clients as 404s (control plane) or E2B's 502 (proxy) naming the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections import OrderedDict
+from typing import Protocol
+
+import httpx
+
+from aenv.file_urls import file_signature
+from aenv.gateway.nodes import Node, NodeSet
+
+MAX_CACHED = 1_000_000  # bindings kept in memory (least recently used dropped first)
+
+
+class GatewayError(Exception):
+    """The gateway could not say where a sandbox is."""
+
+    reason = "unknown"
+
+    def __init__(self, message: str, node: Node | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.node = node
+
+
+class OwnerUnknown(GatewayError):
+    """No live node knows the ID (some nodes may be down: the message names them)."""
+
+    reason = "not_found"
+
+
+class OwnerDown(GatewayError):
+    """The ID is bound to a node that is down."""
+
+    reason = "node_down"
+
+
+class Directory(Protocol):
+    """Where bindings come from when the cache has none."""
+
+    async def find_sandbox(self, sandbox_id: str) -> str | None: ...
+    async def find_snapshot(self, snapshot_id: str) -> str | None: ...
+
+
+class AskNodes:
+    """The static directory: ask every live node at once; the one that answers 200 owns the ID. Failing
+    that, one whose 404 says the sandbox ended there (a tombstone: ``endedAt``) is bound, so that it
+    tells the client when and why, as it would without a gateway."""
+
+    def __init__(self, nodes: NodeSet, client: httpx.AsyncClient, key: str | None) -> None:
+        self._nodes = nodes
+        self._client = client
+        self._headers = {"X-API-KEY": key} if key else {}
+
+    async def _ask(self, path: str) -> str | None:
+        async def one(node: Node) -> tuple[int, str] | None:
+            try:
+                r = await self._client.get(node.url + path, headers=self._headers, timeout=5.0)
+            except httpx.TransportError as exc:
+                self._nodes.mark_down(node, f"{type(exc).__name__}: {exc}")
+                return None
+            if r.status_code == 200:
+                return 0, node.id
+            if r.status_code in (404, 410) and b'"endedAt"' in r.content:
+                return 1, node.id
+            return None
+
+        found = [f for f in await asyncio.gather(*(one(n) for n in self._nodes.up())) if f is not None]
+        return min(found)[1] if found else None
+
+    async def find_sandbox(self, sandbox_id: str) -> str | None:
+        return await self._ask(f"/sandboxes/{sandbox_id}")
+
+    async def find_snapshot(self, snapshot_id: str) -> str | None:
+        return await self._ask(f"/snapshots/{snapshot_id}")
+
+
+class Locator:
+    """The binding cache and the answers built on it."""
+
+    def __init__(self, nodes: NodeSet, directory: Directory, max_cached: int = MAX_CACHED) -> None:
+        self.nodes = nodes
+        self._directory = directory
+        self._sandboxes: OrderedDict[str, str] = OrderedDict()
+        self._snapshots: OrderedDict[str, str] = OrderedDict()
+        self._tokens: OrderedDict[str, str] = OrderedDict()  # envd access tokens the relayed answers carried
+        self._max = max_cached
+
+    def remember(self, sandbox_id: str, node_id: str) -> None:
+        _put(self._sandboxes, sandbox_id, node_id, self._max)
+
+    def remember_token(self, sandbox_id: str, token: str) -> None:
+        _put(self._tokens, sandbox_id, token, self._max)
+
+    def find_by_file_signature(
+        self, path: str, op: str, user: str, signature: str, expiration: str | None
+    ) -> str | None:
+        """The sandbox whose access token signed a file URL that names no sandbox (``download_url()`` with
+        ``E2B_SANDBOX_URL`` set), among those whose create, connect or fork answer the gateway relayed."""
+        for sandbox_id, token in self._tokens.items():
+            if hmac.compare_digest(file_signature(path, op, user, token, expiration), signature):
+                return sandbox_id
+        return None
+
+    def remember_snapshot(self, snapshot_id: str, node_id: str) -> None:
+        _put(self._snapshots, snapshot_id, node_id, self._max)
+
+    def cached(self, sandbox_id: str) -> Node | None:
+        node_id = self._sandboxes.get(sandbox_id)
+        return self.nodes.get(node_id) if node_id is not None else None
+
+    def snapshot_home(self, snapshot_id: str) -> Node | None:
+        """The node a snapshot was taken on, if the gateway relayed it (no lookup: a hint for placement)."""
+        node_id = self._snapshots.get(snapshot_id)
+        return self.nodes.get(node_id) if node_id is not None else None
+
+    async def owner(self, sandbox_id: str) -> Node:
+        """The live node that owns ``sandbox_id``. Raises OwnerDown or OwnerUnknown."""
+        node = self.cached(sandbox_id)
+        if node is None:
+            node_id = await self._directory.find_sandbox(sandbox_id)
+            if node_id is not None:
+                self.remember(sandbox_id, node_id)
+                node = self.nodes.get(node_id)
+        if node is None:
+            raise OwnerUnknown(f"sandbox '{sandbox_id}' not found on any live node{self._down_note()}")
+        if not node.up:
+            raise OwnerDown(down_message(f"sandbox '{sandbox_id}'", node), node)
+        return node
+
+    async def snapshot_owner(self, snapshot_id: str) -> Node:
+        node_id = self._snapshots.get(snapshot_id) or await self._directory.find_snapshot(snapshot_id)
+        node = self.nodes.get(node_id) if node_id is not None else None
+        if node is None:
+            raise OwnerUnknown(f"snapshot '{snapshot_id}' not found on any live node{self._down_note()}")
+        self.remember_snapshot(snapshot_id, node.id)
+        if not node.up:
+            raise OwnerDown(down_message(f"snapshot '{snapshot_id}'", node), node)
+        return node
+
+    def _down_note(self) -> str:
+        down = self.nodes.down()
+        if not down:
+            return ""
+        return " (down, so not asked: " + ", ".join(f"node {n.id} {n.url}" for n in down) + ")"
+
+
+def down_message(what: str, node: Node) -> str:
+    at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(node.since))
+    return f"{what} is on node {node.id} ({node.url}), which is down since {at}: {node.reason}"
+
+
+def _put(cache: OrderedDict[str, str], key: str, value: str, limit: int) -> None:
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > limit:
+        cache.popitem(last=False)

@@ -1,0 +1,158 @@
+"""The nodes behind a gateway: a static list of ``aenv serve`` URLs, each probed every ``interval`` seconds.
+
+A node is ``up`` while it answers ``/health``; its load comes from ``/aenv/info`` (sandbox counts by
+state, creates starting). A refused connection marks it down at once (``mark_down``, called by whoever
+saw it), so creates stop going there before the next probe; only a probe that gets an answer brings it
+back. The list itself is fixed at start: a Ray- or Redis-backed membership replaces ``NodeSet.nodes``
+in the next step, not the rest of the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+log = logging.getLogger("aenv.gateway")
+
+PROBE_TIMEOUT = 2.0  # seconds a node has to answer a probe
+
+
+@dataclass
+class Node:
+    """One ``aenv serve`` behind the gateway and what the gateway last learnt of it."""
+
+    id: str
+    url: str
+    host: str
+    port: int
+    up: bool = False
+    since: float = field(default_factory=time.time)  # when ``up`` last changed
+    reason: str = "not probed yet"  # why it is down (empty while up)
+    counts: dict[str, int] = field(default_factory=dict)  # sandboxes by state, from /aenv/info
+    starting: int = 0
+    runtime: str | None = None
+    version: str | None = None
+    reported_at: float | None = None  # when /aenv/info last answered
+    inflight: int = 0  # creates the gateway is relaying to it right now
+    placed: int = 0  # creates that succeeded since its last report (not in ``counts`` yet)
+
+    @property
+    def load(self) -> float:
+        """What placement compares: live sandboxes (paused ones at a quarter: they hold memory, not CPU),
+        plus creates the gateway sent since the node last reported."""
+        running = self.counts.get("running", 0) + self.starting
+        return running + 0.25 * self.counts.get("paused", 0) + self.inflight + self.placed
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "nodeID": self.id,
+            "url": self.url,
+            "state": "up" if self.up else "down",
+            "since": self.since,
+            **({} if self.up else {"reason": self.reason}),
+            "runtime": self.runtime,
+            "version": self.version,
+            "sandboxes": dict(self.counts),
+            "starting": self.starting,
+            "inflight": self.inflight,
+            "load": self.load,
+            "reportedAt": self.reported_at,
+        }
+
+
+def parse_node(spec: str, index: int) -> Node:
+    """``URL`` or ``NAME=URL`` (a name is ``n1``, ``n2``… by position otherwise). Raises ValueError."""
+    name, sep, url = spec.partition("=")
+    if not sep:
+        name, url = f"n{index + 1}", spec
+    url = url.rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname or parts.path:
+        raise ValueError(f"node '{spec}': give http://HOST:PORT (optionally NAME=http://HOST:PORT)")
+    return Node(id=name, url=url, host=parts.hostname, port=parts.port or 80)
+
+
+class NodeSet:
+    """The nodes, their probes and the up/down bookkeeping."""
+
+    def __init__(self, nodes: list[Node], client: httpx.AsyncClient, key: str | None, interval: float = 1.0) -> None:
+        ids = [n.id for n in nodes]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"node names must be unique: {ids}")
+        self.nodes = {n.id: n for n in nodes}
+        self._client = client
+        self._headers = {"X-API-KEY": key} if key else {}
+        self._interval = interval
+        self._task: asyncio.Task[None] | None = None
+
+    def get(self, node_id: str) -> Node | None:
+        return self.nodes.get(node_id)
+
+    def up(self) -> list[Node]:
+        return [n for n in self.nodes.values() if n.up]
+
+    def down(self) -> list[Node]:
+        return [n for n in self.nodes.values() if not n.up]
+
+    def mark_down(self, node: Node, reason: str) -> None:
+        """The node refused or dropped a connection: no creates until a probe gets an answer again."""
+        if node.up:
+            log.warning("node=%s %s down: %s", node.id, node.url, reason)
+            node.up, node.since = False, time.time()
+        node.reason = reason
+
+    def _mark_up(self, node: Node) -> None:
+        if not node.up:
+            log.info("node=%s %s up", node.id, node.url)
+            node.up, node.since, node.reason = True, time.time(), ""
+
+    async def probe(self, node: Node) -> None:
+        """Ask the node how it is: ``/aenv/info`` (load) when the gateway's key opens it, else ``/health``."""
+        try:
+            r = await self._client.get(node.url + "/aenv/info", headers=self._headers, timeout=PROBE_TIMEOUT)
+            if r.status_code in (401, 403):  # no key for the load: liveness alone
+                r = await self._client.get(node.url + "/health", timeout=PROBE_TIMEOUT)
+        except httpx.HTTPError as exc:
+            self.mark_down(node, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+            return
+        if r.status_code != 200:
+            self.mark_down(node, f"health answered {r.status_code}")
+            return
+        info = r.json()
+        if "sandboxes" in info:
+            node.counts = {str(k): int(v) for k, v in info["sandboxes"].items()}
+            node.starting = int(info.get("starting", 0))
+            node.runtime = info.get("runtime")
+            node.placed = 0  # the report now counts them
+            node.reported_at = time.time()
+        node.version = info.get("version", node.version)
+        self._mark_up(node)
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self.probe(n) for n in self.nodes.values()))
+
+    async def start(self) -> None:
+        """Probe every node once (so the first create has loads to compare), then keep probing."""
+        await self.probe_all()
+        self._task = asyncio.create_task(self._loop(), name="gateway-node-probes")
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            try:
+                await self.probe_all()
+            except Exception:  # noqa: BLE001 - a probe bug must not end the probing
+                log.exception("node probes failed")
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
