@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Any
 
 import httpx
 import pytest
@@ -142,3 +143,52 @@ def test_a_killed_trainer_loses_its_sandboxes_to_the_lease(server: Server, e2b_e
             trainer.stdout.close()
         httpx.post(server.url + "/aenv/sandboxes/kill", json={"metadata": {"run": run}},
                    headers={"X-API-KEY": API_KEY}, trust_env=False)
+
+
+def test_tree_expand_score_prune_checkpoint_rollback(server: Server, e2b_env: dict[str, str]) -> None:
+    from e2b import Sandbox
+
+    from aenv.rl import SearchTree, beam_search
+
+    root = Sandbox.create("base", timeout=300)
+    root.commands.run("echo 0 > /tmp/path")
+    with SearchTree(root.sandbox_id, timeout=300) as tree:
+        kids = tree.expand(tree.root, 3)
+        assert len(kids) == 3 and all(k.depth == 1 and k.parent is tree.root for k in kids)
+
+        def act(ep: Episode, node: Any) -> float:  # each branch appends its own step
+            i = kids.index(node)
+            ep.run(f"echo {i} >> /tmp/path")
+            return float(i)
+
+        tree.score(kids, act)
+        best = tree.keep_best(kids, 1)
+        assert [n.score for n in best] == [2.0] and [k.alive for k in kids] == [False, False, True]
+        assert _listed_ids(server) >= {root.sandbox_id, kids[2].sandbox_id}
+        assert not {kids[0].sandbox_id, kids[1].sandbox_id} & _listed_ids(server)
+        node = best[0]
+        tree.checkpoint(node)
+        with tree.episode(node) as ep:
+            assert ep.run("cat /tmp/path").stdout.split() == ["0", "2"]
+            ep.run("echo wrong-turn >> /tmp/path")
+        tree.rollback(node)  # back to the checkpoint, same sandbox ID
+        with tree.episode(node) as ep:
+            assert ep.run("cat /tmp/path").stdout.split() == ["0", "2"]
+    assert not {root.sandbox_id, kids[2].sandbox_id} & _listed_ids(server)  # every live node ended on exit
+
+    def step(ep: Episode, node: Any) -> float:
+        return float(ep.run("od -An -N2 -tu2 /dev/urandom").stdout.strip())
+
+    leaf, tree = beam_search("base", step, width=2, branch=2, depth=2, timeout=300,
+                             prepare=lambda ep: ep.run("echo prepared > /tmp/p"))
+    try:
+        assert leaf.depth == 2 and leaf.alive and [n.alive for n in tree.nodes].count(True) == 1
+        with tree.episode(leaf) as ep:
+            assert ep.run("cat /tmp/p").stdout == "prepared\n"
+    finally:
+        tree.prune([leaf])
+
+
+def _listed_ids(server: Server) -> set[str]:
+    resp = httpx.get(server.url + "/v2/sandboxes", headers={"X-API-KEY": API_KEY}, trust_env=False)
+    return {s["sandboxID"] for s in resp.json()}
