@@ -192,3 +192,26 @@ def test_tree_expand_score_prune_checkpoint_rollback(server: Server, e2b_env: di
 def _listed_ids(server: Server) -> set[str]:
     resp = httpx.get(server.url + "/v2/sandboxes", headers={"X-API-KEY": API_KEY}, trust_env=False)
     return {s["sandboxID"] for s in resp.json()}
+
+
+def test_group_rolls_the_rest_back_to_the_prepared_state(server: Server, e2b_env: dict[str, str]) -> None:
+    from e2b import Sandbox
+
+    run = f"rl-{uuid.uuid4().hex[:8]}"
+
+    def rollout(ep: Episode, i: int) -> float:
+        ep.run(f"echo tried-{i} >> /tmp/task")
+        return float(i)
+
+    result = run_group("base", 3, rollout, prepare=lambda ep: ep.run("echo prepared > /tmp/task"), keep=1,
+                       run=run, timeout=120, rest="rollback")
+    try:
+        assert result.kept == [result.members[2].sandbox_id] and result.snapshot_id
+        assert sorted(result.recycled) == sorted(m.sandbox_id for m in result.members[:2] if m.sandbox_id)
+        assert set(_listed(server, run=run)) == {*result.kept, *result.recycled}
+        for sid in result.recycled:  # back to the prepared state, ready for the next group
+            assert Sandbox.connect(sid).commands.run("cat /tmp/task").stdout == "prepared\n"
+        assert Sandbox.connect(result.kept[0]).commands.run("cat /tmp/task").stdout == "prepared\ntried-2\n"
+    finally:
+        httpx.post(server.url + "/aenv/sandboxes/kill", json={"metadata": {"run": run}},
+                   headers={"X-API-KEY": API_KEY}, trust_env=False)

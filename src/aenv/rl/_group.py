@@ -39,16 +39,35 @@ class GroupResult:
     kept: list[str]  # sandbox IDs left running: the best ``keep`` by score
     fork_mode: str | None  # "full" (memory too) or "filesystem"
     metrics: dict[str, Any] = field(default_factory=dict)
+    # rest="rollback": the other children, rolled back to the prepared state (the fork's snapshot),
+    # ready for the next group without a new create or preparation
+    recycled: list[str] = field(default_factory=list)
+    snapshot_id: str | None = None  # the prepared state the children were forked from
 
     @property
     def scores(self) -> list[float | None]:
         return [m.score for m in self.members]
 
 
-def _fork(parent_id: str, n: int, timeout: int, connection: dict[str, Any]) -> tuple[list[str], list[str], str | None]:
+def _fork(parent_id: str, n: int, timeout: int, connection: dict[str, Any]) -> tuple[list[str], list[str], str | None, str | None]:
     with _client(connection) as c:
         result = c.fork(parent_id, n, timeout=timeout)
-    return result.sandbox_ids, result.errors, result.mode
+    return result.sandbox_ids, result.errors, result.mode, result.snapshot_id
+
+
+def _recycle(doomed: list[str], snapshot_id: str | None, connection: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(rolled back to the prepared snapshot, could not be: to kill)."""
+    if snapshot_id is None:
+        return [], doomed
+    back, failed = [], []
+    with _client(connection) as c:
+        for sid in doomed:
+            try:
+                c.rollback(sid, snapshot_id)
+                back.append(sid)
+            except Exception:  # noqa: BLE001 - a child that cannot go back is killed instead
+                failed.append(sid)
+    return back, failed
 
 
 def _rank(members: list[Member], keep: int) -> tuple[list[str], list[str]]:
@@ -71,9 +90,11 @@ def _failed_forks(errors: list[str], first: int) -> list[Member]:
 def run_group(template: str, n: int, rollout: Callable[[Episode, int], float], *,
               prepare: Callable[[Episode], None] | None = None, keep: int = 0, run: str | None = None,
               group_id: str | None = None, timeout: int = 300, lease: Lease | None = None,
-              **connection: Any) -> GroupResult:
-    """Prepare once, fork ``n`` ways, ``rollout(episode, i) -> score`` in threads, keep the best ``keep``.
+              rest: str = "kill", **connection: Any) -> GroupResult:
+    """Prepare once, fork ``n`` ways, ``rollout(episode, i) -> score`` in threads, keep the best ``keep``;
+    the rest are killed, or with ``rest="rollback"`` rolled back to the prepared state (``recycled``).
     With ``lease``, the parent and (by inheritance) every child are bound to it."""
+    _check_rest(rest)
     gid = group_id or uuid.uuid4().hex[:12]
     metrics: dict[str, Any] = {}
     t0 = time.monotonic()
@@ -83,7 +104,7 @@ def run_group(template: str, n: int, rollout: Callable[[Episode, int], float], *
             prepare(parent)
         metrics["prepare_s"] = round(time.monotonic() - t0, 4)
         t1 = time.monotonic()
-        ids, errors, mode = _fork(parent.sandbox.sandbox_id, n, timeout, connection)
+        ids, errors, mode, snapshot_id = _fork(parent.sandbox.sandbox_id, n, timeout, connection)
         metrics["fork_s"] = round(time.monotonic() - t1, 4)
 
     def one(i: int, sandbox_id: str) -> Member:
@@ -100,20 +121,22 @@ def run_group(template: str, n: int, rollout: Callable[[Episode, int], float], *
         members = list(pool.map(one, range(len(ids)), ids))
     members += _failed_forks(errors, len(ids))
     kept, doomed = _rank(members, keep)
+    recycled, doomed = _recycle(doomed, snapshot_id, connection) if rest == "rollback" else ([], doomed)
     from e2b import Sandbox
 
     for sid in doomed:
         with contextlib.suppress(Exception):
             Sandbox.kill(sid, **connection)
     metrics["total_s"] = round(time.monotonic() - t0, 4)
-    return GroupResult(members, kept, mode, metrics)
+    return GroupResult(members, kept, mode, metrics, recycled, snapshot_id)
 
 
 async def arun_group(template: str, n: int, rollout: Callable[[AsyncEpisode, int], Awaitable[float]], *,
                      prepare: Callable[[AsyncEpisode], Awaitable[None]] | None = None, keep: int = 0,
                      run: str | None = None, group_id: str | None = None, timeout: int = 300,
-                     lease: Lease | None = None, **connection: Any) -> GroupResult:
+                     lease: Lease | None = None, rest: str = "kill", **connection: Any) -> GroupResult:
     """``run_group`` over the async SDK: the rollouts run concurrently on the event loop."""
+    _check_rest(rest)
     gid = group_id or uuid.uuid4().hex[:12]
     metrics: dict[str, Any] = {}
     t0 = time.monotonic()
@@ -123,7 +146,7 @@ async def arun_group(template: str, n: int, rollout: Callable[[AsyncEpisode, int
             await prepare(parent)
         metrics["prepare_s"] = round(time.monotonic() - t0, 4)
         t1 = time.monotonic()
-        ids, errors, mode = await asyncio.to_thread(_fork, parent.sandbox.sandbox_id, n, timeout, connection)
+        ids, errors, mode, snapshot_id = await asyncio.to_thread(_fork, parent.sandbox.sandbox_id, n, timeout, connection)
         metrics["fork_s"] = round(time.monotonic() - t1, 4)
 
     async def one(i: int, sandbox_id: str) -> Member:
@@ -139,10 +162,18 @@ async def arun_group(template: str, n: int, rollout: Callable[[AsyncEpisode, int
     members = list(await asyncio.gather(*(one(i, sid) for i, sid in enumerate(ids))))
     members += _failed_forks(errors, len(ids))
     kept, doomed = _rank(members, keep)
+    recycled: list[str] = []
+    if rest == "rollback":
+        recycled, doomed = await asyncio.to_thread(_recycle, doomed, snapshot_id, connection)
     from e2b import AsyncSandbox
 
     for sid in doomed:
         with contextlib.suppress(Exception):
             await AsyncSandbox.kill(sid, **connection)
     metrics["total_s"] = round(time.monotonic() - t0, 4)
-    return GroupResult(members, kept, mode, metrics)
+    return GroupResult(members, kept, mode, metrics, recycled, snapshot_id)
+
+
+def _check_rest(rest: str) -> None:
+    if rest not in ("kill", "rollback"):
+        raise ValueError(f"rest: 'kill' or 'rollback', not {rest!r}")
