@@ -9,8 +9,9 @@ process, which file or socket). What a dump needs from the sandbox beyond ``criu
   for the sandbox to close the others (``NsSandbox.quiesce``);
 * a consistent tree: the cgroup is frozen around the dump and the copy of the upper.
 
-A restore runs CRIU in a fresh network namespace (``criu.in_fresh_netns_argv``) and inside the new
-sandbox's cgroups (``criu.in_cgroups_argv``), on an overlay mounted on the host only for the restore.
+A restore runs CRIU in a fresh network namespace and a private mount namespace where the sources of
+the host binds are read-only (``criu.in_fresh_netns_argv``), inside the new sandbox's cgroups
+(``criu.in_cgroups_argv``), on an overlay mounted on the host only for the restore.
 """
 
 from __future__ import annotations
@@ -146,9 +147,11 @@ def restore(exe: str, images: Path, *, lowers: list[str], upper: Path, work: Pat
     log = run_dir / RESTORE_LOG
     mount_overlay(criu.overlay_options(lowers, upper, work), merged)
     try:
+        masked = criu.masked_here()
         run_criu(criu.in_cgroups_argv(procs_files, criu.in_fresh_netns_argv(criu.restore_argv(
             exe, images, root=merged, pidfile=pidfile, tools=tools, run_dir=run_dir, log=str(log),
-            boot_id=boot_id), kdat=kdat_cache(exe))), log, "restore")
+            boot_id=boot_id, masked=masked), kdat=kdat_cache(exe),
+            read_only=criu.read_only_sources(tools, boot_id, masked))), log, "restore")
     finally:
         _libc.umount2(os.fsencode(merged), _MNT_DETACH)  # the restored tree holds its own copy
     return int(pidfile.read_text().strip())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -94,18 +96,56 @@ def test_restore_argv_maps_externals_back() -> None:
     assert "/.aenv:6" in body and action.stat().st_mode & 0o777 == 0o700
 
 
-def test_ro_remount_action_starts_python_only_at_pre_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # CRIU runs the script at every stage: a Python start at each would cost ~25 ms apiece
+def _fake_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A stand-in for the interpreter the action script would exec: it records its arguments."""
     fake = tmp_path / "python"
     fake.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/ran\n')
     fake.chmod(0o700)
     monkeypatch.setattr(sys, "executable", str(fake))
-    action = criu.ro_remount_action(("sysrq-trigger",), base=tmp_path)
+    return tmp_path / "ran"
+
+
+def _run_action(action: str, stage: str, pid: int) -> None:
+    subprocess.run([action], env={"CRTOOLS_SCRIPT_ACTION": stage, "CRTOOLS_INIT_PID": str(pid)}, check=True)
+
+
+def test_ro_remount_action_only_acts_at_pre_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # CRIU runs the script at every stage and waits: a Python start at each would cost ~25 ms apiece
+    ran = _fake_python(tmp_path, monkeypatch)
+    action = criu.ro_remount_action(("keys",), base=tmp_path)
     for stage in ("pre-restore", "setup-namespaces", "post-setup-namespaces", "post-restore", "network-unlock",
-                  "pre-resume", "post-resume"):
-        subprocess.run([action], env={"CRTOOLS_SCRIPT_ACTION": stage}, check=True)
-    ran = (tmp_path / "ran").read_text().splitlines()
-    assert len(ran) == 1 and ran[0].split()[:2] == ["-I", "-S"] and ran[0].endswith("/.aenv:6")
+                  "post-resume"):
+        _run_action(action, stage, 1 << 30)  # no such pid: it would remount if it looked
+    assert not ran.exists()
+    _run_action(action, "pre-resume", 1 << 30)  # a mount table it cannot read: remount all, to be sure
+    args = ran.read_text().split()
+    assert args[:2] == ["-I", "-S"] and args[2].endswith("ro_remount.py") and args[-1] == "/.aenv:6"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root for a mount namespace")
+@pytest.mark.parametrize(("options", "remounts"), [("ro", False), ("rw", True)])
+def test_ro_remount_action_remounts_only_a_writable_bind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         options: str, remounts: bool) -> None:
+    """The binds are born read-only (``read_only_sources``); the script checks the restored tree's
+    mount table and starts ``ro_remount.py`` only where one is not."""
+    ran = _fake_python(tmp_path, monkeypatch)
+    action = criu.ro_remount_action((), base=tmp_path)
+    # a stand-in for the restored tree: a mount namespace of its own with a host bind at /dev/null
+    script = (f"mount --bind -o {options} /dev/null /dev/null && "
+              f"CRTOOLS_SCRIPT_ACTION=pre-resume CRTOOLS_INIT_PID=$$ {action}")
+    subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script], check=True)
+    assert ran.exists() is remounts
+
+
+def test_restore_wrapper_binds_the_sources_read_only(tmp_path: Path) -> None:
+    sources = criu.read_only_sources(Path("/cache/tools"), Path("/w/ns/boot_id"), ("keys", "kcore"))
+    assert sources.count(("/dev/null", 0)) == 1  # /dev/null and both /proc masks: one bind
+    assert ("/w/ns/boot_id", criu.MS_NOSUID | criu.MS_NODEV | criu.MS_NOEXEC) in sources
+    assert ("/cache/tools", criu.MS_NOSUID | criu.MS_NODEV) in sources
+    argv = criu.in_fresh_netns_argv(["/c", "restore"], read_only=sources)
+    assert argv[:5] == ["unshare", "--net", "--mount", "--propagation", "private"]  # binds stay in there
+    assert "mount --bind -o ro,nosuid,nodev /cache/tools /cache/tools && " in argv[8]
+    assert "mount --bind -o ro,nosuid,nodev,noexec /w/ns/boot_id /w/ns/boot_id && " in argv[8]
 
 
 def test_ro_remount_does_nothing_but_at_pre_resume(monkeypatch: pytest.MonkeyPatch) -> None:
