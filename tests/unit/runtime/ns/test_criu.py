@@ -148,6 +148,18 @@ def test_restore_wrapper_binds_the_sources_read_only(tmp_path: Path) -> None:
     assert "mount --bind -o ro,nosuid,nodev,noexec /w/ns/boot_id /w/ns/boot_id && " in argv[8]
 
 
+@pytest.mark.parametrize(("points", "one_remount"), [({"/", "/dev"}, True), ({"/", "/dev", "/dev/null"}, False),
+                                                     ({"/"}, False)])
+def test_device_nodes_take_one_remount_of_dev_where_they_can(monkeypatch: pytest.MonkeyPatch, points: set[str],
+                                                              one_remount: bool) -> None:
+    """One mount(8) run instead of six, unless /dev is no mount or a node is a mount of its own."""
+    monkeypatch.setattr(criu, "_mount_points", lambda: points)
+    script = criu.in_fresh_netns_argv(["/c"], read_only=criu.read_only_sources(Path("/t"), None, ()))[8]
+    assert ("mount -o remount,bind,ro /dev && " in script) is one_remount
+    assert ("mount --bind -o ro /dev/null /dev/null && " in script) is not one_remount
+    assert "mount --bind -o ro,nosuid,nodev /t /t && " in script
+
+
 def test_ro_remount_does_nothing_but_at_pre_resume(monkeypatch: pytest.MonkeyPatch) -> None:
     from aenv.runtime.ns import ro_remount
 
