@@ -107,10 +107,26 @@ def reason(log: Path, limit: int = 3) -> str:
     return "; ".join(errors[-limit:]) if errors else (lines[-1].strip() if lines else "no reason logged")
 
 
-def run_criu(argv: list[str], log: Path, what: str) -> None:
-    proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
+def run_criu(argv: list[str], log: Path, what: str, on_ready: Callable[[int], None] | None = None) -> None:
+    """Run CRIU (``argv``: CRIU behind its wrappers). ``on_ready``: called with the wrapper's pid once
+    it prints ``criu.READY`` (its namespaces made, CRIU starting in the same process); if the call
+    fails, CRIU is killed and the call's error raised."""
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        if on_ready is not None:
+            assert proc.stdout is not None
+            if proc.stdout.readline().strip() == criu.READY:  # else the wrapper failed: its exit says why
+                on_ready(proc.pid)
+        _, err = proc.communicate()
+    except BaseException:
+        proc.kill()
+        proc.wait()  # not communicate(): a half-restored task may hold the pipes (its cgroup's teardown ends it)
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        raise
     if proc.returncode != 0:
-        why = reason(log) if log.exists() else (proc.stderr.strip()[-400:] or f"exit {proc.returncode}")
+        why = reason(log) if log.exists() else (err.strip()[-400:] or f"exit {proc.returncode}")
         raise CheckpointError(f"criu {what} failed: {why}")
 
 
@@ -139,10 +155,12 @@ def dump(exe: str, init_pid: int, images: Path, *, freezer: Path | None, leave_r
 
 
 def restore(exe: str, images: Path, *, lowers: list[str], upper: Path, work: Path, merged: Path, run_dir: Path,
-            tools: Path, boot_id: Path, procs_files: list[str]) -> int:
+            tools: Path, boot_id: Path, procs_files: list[str], on_netns: Callable[[int], None] | None = None) -> int:
     """``criu restore`` into a fresh network namespace and the given cgroups; returns the restored
     init's host pid. The overlay is mounted on the host only while CRIU runs (the restored tree keeps
-    its own copy in its mount namespace)."""
+    its own copy in its mount namespace). ``on_netns``: called with a pid in the fresh network
+    namespace while CRIU restores into it (nothing restored runs before CRIU ends), e.g. to write
+    its filter meanwhile; an error there fails the restore."""
     pidfile = run_dir / "criu-restore.pid"
     log = run_dir / RESTORE_LOG
     mount_overlay(criu.overlay_options(lowers, upper, work), merged)
@@ -151,7 +169,8 @@ def restore(exe: str, images: Path, *, lowers: list[str], upper: Path, work: Pat
         run_criu(criu.in_cgroups_argv(procs_files, criu.in_fresh_netns_argv(criu.restore_argv(
             exe, images, root=merged, pidfile=pidfile, tools=tools, run_dir=run_dir, log=str(log),
             boot_id=boot_id, masked=masked), kdat=kdat_cache(exe),
-            read_only=criu.read_only_sources(tools, boot_id, masked))), log, "restore")
+            read_only=criu.read_only_sources(tools, boot_id, masked), ready=on_netns is not None)),
+            log, "restore", on_ready=on_netns)
     finally:
         _libc.umount2(os.fsencode(merged), _MNT_DETACH)  # the restored tree holds its own copy
     return int(pidfile.read_text().strip())

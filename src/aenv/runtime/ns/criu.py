@@ -67,6 +67,7 @@ CACHE_SUBPATH = ("criu", "current", "criu")  # under the cache dir: what scripts
 EXT_BOOT_ID = "aenv-boot-id"  # the sandbox's own boot id file (agent/launch.py); a restore gets a new one
 BOOT_ID_MOUNT = "/proc/sys/kernel/random/boot_id"
 KDAT_BASE = Path("/dev/shm")  # a tmpfs on any Linux host: CRIU keeps its kernel probe only on one
+READY = "aenv-netns-ready"  # what the restore wrapper prints once its namespaces are made
 PRE_RESUME = "pre-resume"  # the CRIU stage at which the restored tree exists and none of it runs yet
 
 Runner = Callable[..., "subprocess.CompletedProcess[str]"]
@@ -339,13 +340,17 @@ def in_kdat_cache_argv(kdat: Path | None, argv: Sequence[str]) -> list[str]:
 
 
 def in_fresh_netns_argv(argv: Sequence[str], kdat: Path | None = None,
-                        read_only: Sequence[tuple[str, int]] = ()) -> list[str]:
+                        read_only: Sequence[tuple[str, int]] = (), ready: bool = False) -> list[str]:
     """Run ``argv`` in a new network namespace with loopback up and that namespace open at ``NET_FD``
     (what ``restore_argv(net_external=True)`` inherits). The namespace lives as long as the restored
     tree is in it; the runtime adds the filter and slirp4netns for internet access afterwards.
     ``kdat``: also a private mount namespace with CRIU's probe cache (``in_kdat_cache_argv``);
-    ``read_only``: (path, MS_* flags) bound read-only over themselves in it (``read_only_sources``)."""
-    script = f'{_kdat_prefix(kdat)}{_read_only_binds(read_only)}ip link set lo up && exec "$@" {NET_FD}</proc/self/ns/net'
+    ``read_only``: (path, MS_* flags) bound read-only over themselves in it (``read_only_sources``);
+    ``ready``: print ``READY`` on stdout once the namespaces are made, just before the exec (the
+    same process: its pid names the fresh network namespace from then on)."""
+    tell = f"echo {READY} && " if ready else ""
+    script = (f'{_kdat_prefix(kdat)}{_read_only_binds(read_only)}ip link set lo up && {tell}'
+              f'exec "$@" {NET_FD}</proc/self/ns/net')
     mount = ["--mount", "--propagation", "private"] if kdat is not None or read_only else []
     return ["unshare", "--net", *mount, "--", "/bin/sh", "-c", script, "sh", *argv]
 

@@ -1,14 +1,15 @@
-"""``runtime/ns/checkpoint.py``: CRIU's failure reasons, and which sockets count as the host's."""
+"""``runtime/ns/checkpoint.py``: CRIU's failure reasons, the ready hook, and which sockets count as the host's."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 from pathlib import Path
 
 import pytest
 
-from aenv.runtime.ns import checkpoint
+from aenv.runtime.ns import checkpoint, criu
 
 
 def test_reason_keeps_the_errors_that_matter(tmp_path: Path) -> None:
@@ -30,6 +31,37 @@ def test_run_criu_raises_with_the_reason(tmp_path: Path) -> None:
     with pytest.raises(checkpoint.CheckpointError, match="criu restore failed: the real cause"):
         checkpoint.run_criu(["/bin/false"], log, "restore")
     checkpoint.run_criu(["/bin/true"], log, "restore")
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                                reason="needs root for a network namespace")
+
+
+@needs_root
+def test_run_criu_calls_on_ready_in_the_fresh_netns_while_criu_runs(tmp_path: Path) -> None:
+    """The filter goes into the restore's network namespace while CRIU runs: the wrapper's pid names
+    it from the ready line on, and the command waits here until the call has been made."""
+    go = tmp_path / "go"
+    seen: list[tuple[int, int]] = []
+
+    def on_ready(pid: int) -> None:
+        seen.append((os.stat(f"/proc/{pid}/ns/net").st_ino, os.stat("/proc/self/ns/net").st_ino))
+        go.touch()
+
+    wait = ["/bin/sh", "-c", f'while [ ! -e {go} ]; do sleep 0.01; done']
+    checkpoint.run_criu(criu.in_fresh_netns_argv(wait, ready=True), tmp_path / "x.log", "restore", on_ready=on_ready)
+    assert len(seen) == 1 and seen[0][0] != seen[0][1]
+
+
+@needs_root
+def test_run_criu_kills_criu_when_on_ready_fails(tmp_path: Path) -> None:
+    def on_ready(pid: int) -> None:
+        raise OSError("no filter")
+
+    forever = ["/bin/sh", "-c", "while :; do sleep 1; done"]
+    with pytest.raises(OSError, match="no filter"):
+        checkpoint.run_criu(criu.in_fresh_netns_argv(forever, ready=True), tmp_path / "x.log", "restore",
+                            on_ready=on_ready)
 
 
 def test_host_sockets_are_those_of_another_netns() -> None:
