@@ -41,11 +41,6 @@ class CheckpointError(Exception):
     """A dump or restore that failed, with the reason taken from CRIU's log."""
 
 
-def net_inode(pid: int) -> int:
-    """The inode of ``pid``'s network namespace (what ``--external net[...]`` names)."""
-    return os.stat(f"/proc/{pid}/ns/net").st_ino
-
-
 def _netns_sockets(pid: int) -> set[int]:
     """Every socket inode of ``pid``'s network namespace, from its /proc/<pid>/net tables."""
     out: set[int] = set()
@@ -147,11 +142,12 @@ def kdat_cache(exe: str) -> Path | None:
 
 
 def dump(exe: str, init_pid: int, images: Path, *, freezer: Path | None, leave_running: bool = True) -> None:
-    """``criu dump`` of the tree rooted at ``init_pid`` into ``images``, its network namespace external."""
+    """``criu dump`` of the tree rooted at ``init_pid`` into ``images``, CRIU run in the tree's own
+    network namespace (``criu.in_netns_of_argv``): the namespace is then not one to dump at all."""
     images.mkdir(parents=True, exist_ok=True)
-    argv = criu.dump_argv(exe, init_pid, images, freezer=freezer, log=DUMP_LOG, leave_running=leave_running,
-                          net_inode=net_inode(init_pid))
-    run_criu(criu.in_kdat_cache_argv(kdat_cache(exe), argv), images / DUMP_LOG, "dump")
+    argv = criu.dump_argv(exe, init_pid, images, freezer=freezer, log=DUMP_LOG, leave_running=leave_running)
+    run_criu(criu.in_netns_of_argv(init_pid, criu.in_kdat_cache_argv(kdat_cache(exe), argv)), images / DUMP_LOG,
+             "dump")
 
 
 def restore(exe: str, images: Path, *, lowers: list[str], upper: Path, work: Path, merged: Path, run_dir: Path,

@@ -215,6 +215,12 @@ def test_network_namespace_is_external() -> None:
     assert f"{criu.NET_FD}</proc/self/ns/net" in wrapped[5] and "lo up" in wrapped[5]
 
 
+def test_dump_runs_in_the_trees_network_namespace() -> None:
+    """No network namespace to dump (CRIU's own), and no external one to name."""
+    assert criu.in_netns_of_argv(41, ["/c", "dump"]) == ["nsenter", "--net=/proc/41/ns/net", "--", "/c", "dump"]
+    assert not any(a.startswith("net[") for a in criu.dump_argv("/c", 41, Path("/i"), freezer=None))
+
+
 def test_masked_here_only_names_what_exists() -> None:
     assert all(Path(f"/proc/{n}").exists() for n in criu.masked_here())
 
