@@ -58,9 +58,8 @@ def _netns_sockets(pid: int) -> set[int]:
     return out
 
 
-def host_sockets(pids: list[int], init_pid: int) -> list[tuple[int, int]]:
-    """(pid, inode) of each socket held by ``pids`` that is not of the sandbox's network namespace."""
-    inside = _netns_sockets(init_pid)
+def _held_sockets(pids: list[int]) -> list[tuple[int, int]]:
+    """(pid, inode) of every socket ``pids`` hold."""
     found: list[tuple[int, int]] = []
     for pid in pids:
         try:
@@ -70,17 +69,30 @@ def host_sockets(pids: list[int], init_pid: int) -> list[tuple[int, int]]:
         for fd in fds:
             with contextlib.suppress(OSError):
                 m = _SOCKET.fullmatch(os.readlink(f"/proc/{pid}/fd/{fd}"))
-                if m and int(m.group(1)) not in inside:
+                if m:
                     found.append((pid, int(m.group(1))))
     return found
+
+
+def host_sockets(pids: list[int], init_pid: int, seen: dict[str, set[int]] | None = None) -> list[tuple[int, int]]:
+    """(pid, inode) of each socket held by ``pids`` that is not of the sandbox's network namespace.
+    ``seen`` (kept across the calls of one wait): the namespace's tables are read again only for a
+    socket not classified yet, since a socket never changes namespace."""
+    seen = {"inside": set(), "outside": set()} if seen is None else seen
+    held = _held_sockets(pids)
+    if any(i not in seen["inside"] and i not in seen["outside"] for _, i in held):
+        seen["inside"] = _netns_sockets(init_pid)
+        seen["outside"] |= {i for _, i in held if i not in seen["inside"]}
+    return [(pid, i) for pid, i in held if i in seen["outside"]]
 
 
 def wait_no_host_sockets(pids: Callable[[], list[int]], init_pid: int, timeout: float) -> None:
     """Wait until no process of the sandbox holds a host socket (they close their ends after ours)."""
     deadline = time.monotonic() + timeout
     delay = 0.001
+    seen: dict[str, set[int]] = {"inside": set(), "outside": set()}
     while True:
-        left = host_sockets(pids(), init_pid)
+        left = host_sockets(pids(), init_pid, seen)
         if not left:
             return
         if time.monotonic() > deadline:

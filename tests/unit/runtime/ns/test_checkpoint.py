@@ -76,8 +76,23 @@ def test_host_sockets_are_those_of_another_netns() -> None:
         assert os.fstat(t.fileno()).st_ino in checkpoint._netns_sockets(os.getpid())
 
 
+def test_host_sockets_reads_the_netns_tables_again_only_for_a_new_socket(monkeypatch: pytest.MonkeyPatch) -> None:
+    held = [(7, 100), (7, 200)]
+    reads: list[int] = []
+    monkeypatch.setattr(checkpoint, "_held_sockets", lambda pids: list(held))
+    tables = [{100}, {100, 300}]
+    monkeypatch.setattr(checkpoint, "_netns_sockets", lambda pid: reads.append(pid) or tables[len(reads) - 1])
+    seen: dict[str, set[int]] = {"inside": set(), "outside": set()}
+    assert checkpoint.host_sockets([7], 7, seen) == [(7, 200)] and len(reads) == 1
+    assert checkpoint.host_sockets([7], 7, seen) == [(7, 200)] and len(reads) == 1  # nothing new: no re-read
+    held.append((7, 300))  # made inside since: read again, and it is the sandbox's own
+    assert checkpoint.host_sockets([7], 7, seen) == [(7, 200)] and len(reads) == 2
+    held.remove((7, 200))
+    assert checkpoint.host_sockets([7], 7, seen) == []
+
+
 def test_wait_no_host_sockets_times_out_with_the_culprit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(checkpoint, "host_sockets", lambda pids, init: [(41, 609273)])
+    monkeypatch.setattr(checkpoint, "host_sockets", lambda pids, init, seen: [(41, 609273)])
     with pytest.raises(checkpoint.CheckpointError, match="pid 41 socket 609273"):
         checkpoint.wait_no_host_sockets(lambda: [41], 41, timeout=0.01)
 
