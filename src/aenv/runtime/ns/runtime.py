@@ -198,7 +198,11 @@ class NsRuntime:
         if sbx is None:  # no process image (yet): launched by exec
             sbx = await NsSandbox.launch(name, self.pool_dir / name, self.layout, opts, self.host_addrs,
                                          timeout=self.launch_timeout)
-        await sbx.warm_up()
+        try:
+            await sbx.warm_up()
+        except BaseException:  # cancelled (the pool closes): nobody would own it, so it ends here
+            await sbx.aclose()
+            raise
         return sbx
 
     # ---- Runtime protocol -----------------------------------------------------------------------
