@@ -46,8 +46,9 @@ threading.Thread(target=serve, daemon=True).start()
 i = 0
 while True:
     i += 1
-    with open("/tmp/state", "w") as f:
+    with open("/tmp/state.tmp", "w") as f:  # replaced whole: a reader never sees it truncated
         f.write(f"{i} {secret}")
+    os.replace("/tmp/state.tmp", "/tmp/state")
     time.sleep(0.05)
 """
 PROBE = ("python3 -c \"import socket; s=socket.create_connection(('127.0.0.1', 8080)); print(s.recv(64).decode().strip())\"; "

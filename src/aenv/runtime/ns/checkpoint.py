@@ -9,8 +9,9 @@ process, which file or socket). What a dump needs from the sandbox beyond ``criu
   for the sandbox to close the others (``NsSandbox.quiesce``);
 * a consistent tree: the cgroup is frozen around the dump and the copy of the upper.
 
-A restore runs CRIU in a fresh network namespace (``criu.in_fresh_netns_argv``) and inside the new
-sandbox's cgroups (``criu.in_cgroups_argv``), on an overlay mounted on the host only for the restore.
+A restore runs CRIU in a fresh network namespace and a private mount namespace where the sources of
+the host binds are read-only (``criu.in_fresh_netns_argv``), inside the new sandbox's cgroups
+(``criu.in_cgroups_argv``), on an overlay mounted on the host only for the restore.
 """
 
 from __future__ import annotations
@@ -40,11 +41,6 @@ class CheckpointError(Exception):
     """A dump or restore that failed, with the reason taken from CRIU's log."""
 
 
-def net_inode(pid: int) -> int:
-    """The inode of ``pid``'s network namespace (what ``--external net[...]`` names)."""
-    return os.stat(f"/proc/{pid}/ns/net").st_ino
-
-
 def _netns_sockets(pid: int) -> set[int]:
     """Every socket inode of ``pid``'s network namespace, from its /proc/<pid>/net tables."""
     out: set[int] = set()
@@ -62,9 +58,8 @@ def _netns_sockets(pid: int) -> set[int]:
     return out
 
 
-def host_sockets(pids: list[int], init_pid: int) -> list[tuple[int, int]]:
-    """(pid, inode) of each socket held by ``pids`` that is not of the sandbox's network namespace."""
-    inside = _netns_sockets(init_pid)
+def _held_sockets(pids: list[int]) -> list[tuple[int, int]]:
+    """(pid, inode) of every socket ``pids`` hold."""
     found: list[tuple[int, int]] = []
     for pid in pids:
         try:
@@ -74,17 +69,30 @@ def host_sockets(pids: list[int], init_pid: int) -> list[tuple[int, int]]:
         for fd in fds:
             with contextlib.suppress(OSError):
                 m = _SOCKET.fullmatch(os.readlink(f"/proc/{pid}/fd/{fd}"))
-                if m and int(m.group(1)) not in inside:
+                if m:
                     found.append((pid, int(m.group(1))))
     return found
+
+
+def host_sockets(pids: list[int], init_pid: int, seen: dict[str, set[int]] | None = None) -> list[tuple[int, int]]:
+    """(pid, inode) of each socket held by ``pids`` that is not of the sandbox's network namespace.
+    ``seen`` (kept across the calls of one wait): the namespace's tables are read again only for a
+    socket not classified yet, since a socket never changes namespace."""
+    seen = {"inside": set(), "outside": set()} if seen is None else seen
+    held = _held_sockets(pids)
+    if any(i not in seen["inside"] and i not in seen["outside"] for _, i in held):
+        seen["inside"] = _netns_sockets(init_pid)
+        seen["outside"] |= {i for _, i in held if i not in seen["inside"]}
+    return [(pid, i) for pid, i in held if i in seen["outside"]]
 
 
 def wait_no_host_sockets(pids: Callable[[], list[int]], init_pid: int, timeout: float) -> None:
     """Wait until no process of the sandbox holds a host socket (they close their ends after ours)."""
     deadline = time.monotonic() + timeout
     delay = 0.001
+    seen: dict[str, set[int]] = {"inside": set(), "outside": set()}
     while True:
-        left = host_sockets(pids(), init_pid)
+        left = host_sockets(pids(), init_pid, seen)
         if not left:
             return
         if time.monotonic() > deadline:
@@ -106,10 +114,26 @@ def reason(log: Path, limit: int = 3) -> str:
     return "; ".join(errors[-limit:]) if errors else (lines[-1].strip() if lines else "no reason logged")
 
 
-def run_criu(argv: list[str], log: Path, what: str) -> None:
-    proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
+def run_criu(argv: list[str], log: Path, what: str, on_ready: Callable[[int], None] | None = None) -> None:
+    """Run CRIU (``argv``: CRIU behind its wrappers). ``on_ready``: called with the wrapper's pid once
+    it prints ``criu.READY`` (its namespaces made, CRIU starting in the same process); if the call
+    fails, CRIU is killed and the call's error raised."""
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        if on_ready is not None:
+            assert proc.stdout is not None
+            if proc.stdout.readline().strip() == criu.READY:  # else the wrapper failed: its exit says why
+                on_ready(proc.pid)
+        _, err = proc.communicate()
+    except BaseException:
+        proc.kill()
+        proc.wait()  # not communicate(): a half-restored task may hold the pipes (its cgroup's teardown ends it)
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        raise
     if proc.returncode != 0:
-        why = reason(log) if log.exists() else (proc.stderr.strip()[-400:] or f"exit {proc.returncode}")
+        why = reason(log) if log.exists() else (err.strip()[-400:] or f"exit {proc.returncode}")
         raise CheckpointError(f"criu {what} failed: {why}")
 
 
@@ -130,25 +154,31 @@ def kdat_cache(exe: str) -> Path | None:
 
 
 def dump(exe: str, init_pid: int, images: Path, *, freezer: Path | None, leave_running: bool = True) -> None:
-    """``criu dump`` of the tree rooted at ``init_pid`` into ``images``, its network namespace external."""
+    """``criu dump`` of the tree rooted at ``init_pid`` into ``images``, CRIU run in the tree's own
+    network namespace (``criu.in_netns_of_argv``): the namespace is then not one to dump at all."""
     images.mkdir(parents=True, exist_ok=True)
-    argv = criu.dump_argv(exe, init_pid, images, freezer=freezer, log=DUMP_LOG, leave_running=leave_running,
-                          net_inode=net_inode(init_pid))
-    run_criu(criu.in_kdat_cache_argv(kdat_cache(exe), argv), images / DUMP_LOG, "dump")
+    argv = criu.dump_argv(exe, init_pid, images, freezer=freezer, log=DUMP_LOG, leave_running=leave_running)
+    run_criu(criu.in_netns_of_argv(init_pid, criu.in_kdat_cache_argv(kdat_cache(exe), argv)), images / DUMP_LOG,
+             "dump")
 
 
 def restore(exe: str, images: Path, *, lowers: list[str], upper: Path, work: Path, merged: Path, run_dir: Path,
-            tools: Path, boot_id: Path, procs_files: list[str]) -> int:
+            tools: Path, boot_id: Path, procs_files: list[str], on_netns: Callable[[int], None] | None = None) -> int:
     """``criu restore`` into a fresh network namespace and the given cgroups; returns the restored
     init's host pid. The overlay is mounted on the host only while CRIU runs (the restored tree keeps
-    its own copy in its mount namespace)."""
+    its own copy in its mount namespace). ``on_netns``: called with a pid in the fresh network
+    namespace while CRIU restores into it (nothing restored runs before CRIU ends), e.g. to write
+    its filter meanwhile; an error there fails the restore."""
     pidfile = run_dir / "criu-restore.pid"
     log = run_dir / RESTORE_LOG
     mount_overlay(criu.overlay_options(lowers, upper, work), merged)
     try:
+        masked = criu.masked_here()
         run_criu(criu.in_cgroups_argv(procs_files, criu.in_fresh_netns_argv(criu.restore_argv(
             exe, images, root=merged, pidfile=pidfile, tools=tools, run_dir=run_dir, log=str(log),
-            boot_id=boot_id), kdat=kdat_cache(exe))), log, "restore")
+            boot_id=boot_id, masked=masked), kdat=kdat_cache(exe),
+            read_only=criu.read_only_sources(tools, boot_id, masked), ready=on_netns is not None)),
+            log, "restore", on_ready=on_netns)
     finally:
         _libc.umount2(os.fsencode(merged), _MNT_DETACH)  # the restored tree holds its own copy
     return int(pidfile.read_text().strip())

@@ -13,10 +13,13 @@ What the sandbox design gives CRIU (``launcher.py``): ``pivot_root`` (not chroot
 pid namespace, stdio opened inside the sandbox, no inherited host fds. What is external to the dumped
 tree and must be named on both sides: the read-only tools bind (``/.aenv``), the channel bind
 (``/.aenv-run``), the boot id file, the bind-mounted host device nodes in ``/dev`` and the ``/dev/null``
-masks over host-global ``/proc`` files, and the **network namespace**: it is external (not dumped), and
-every restore runs in a fresh one set up like a new sandbox's (loopback; internet: filter + slirp4netns),
-which CRIU joins through ``--inherit-fd``. That is faster than dumping it and is the only way with
-slirp4netns (its tap is held outside the tree). Listening and loopback sockets are restored into it.
+masks over host-global ``/proc`` files. The **network namespace** is never dumped: a dump runs CRIU in
+the tree's own one (``in_netns_of_argv``), so it is not a namespace of the tree to CRIU, and every
+restore runs CRIU in a fresh one set up like a new sandbox's (loopback; internet: filter +
+slirp4netns), where the tree is then restored. That is faster than dumping it and is the only way
+with slirp4netns (its tap is held outside the tree). Listening and loopback sockets are restored into
+it. Images dumped before named it external (``net[inode]:aenv-net``): the restore joins the fresh
+one through ``--inherit-fd`` for those.
 
 Two conditions the sandbox must meet, found here (dump.log): every mapped file must come from a mount
 of the sandbox's own mount namespace, so sandboxes that may be dumped are started by exec inside the
@@ -67,6 +70,8 @@ CACHE_SUBPATH = ("criu", "current", "criu")  # under the cache dir: what scripts
 EXT_BOOT_ID = "aenv-boot-id"  # the sandbox's own boot id file (agent/launch.py); a restore gets a new one
 BOOT_ID_MOUNT = "/proc/sys/kernel/random/boot_id"
 KDAT_BASE = Path("/dev/shm")  # a tmpfs on any Linux host: CRIU keeps its kernel probe only on one
+READY = "aenv-netns-ready"  # what the restore wrapper prints once its namespaces are made
+PRE_RESUME = "pre-resume"  # the CRIU stage at which the restored tree exists and none of it runs yet
 
 Runner = Callable[..., "subprocess.CompletedProcess[str]"]
 
@@ -201,20 +206,94 @@ def dump_argv(exe: str, pid: int, images: Path, *, freezer: Path | None, log: st
     return argv
 
 
+_FLAG_NAMES = ((MS_NOSUID, "nosuid"), (MS_NODEV, "nodev"), (MS_NOEXEC, "noexec"))
+_BOOT_ID_FLAGS = MS_NOSUID | MS_NODEV | MS_NOEXEC
+_TOOLS_FLAGS = MS_NOSUID | MS_NODEV
+
+
+def mount_options(flags: int) -> list[str]:
+    """The mount(8) option names of a read-only bind with ``flags`` (the MS_* bits besides read-only)."""
+    return ["ro", *(name for bit, name in _FLAG_NAMES if flags & bit)]
+
+
 def read_only_points(masked: Sequence[str]) -> list[str]:
     """``POINT:FLAGS`` of every host bind a restore must make read-only again (``ro_remount.py``),
     with the other flags the launcher gave it (``agent/launch.py``)."""
     points = [f"{point}:0" for point, _ in _masks(masked)]
-    return [*points, f"{BOOT_ID_MOUNT}:{MS_NOSUID | MS_NODEV | MS_NOEXEC}", f"/.aenv:{MS_NOSUID | MS_NODEV}"]
+    return [*points, f"{BOOT_ID_MOUNT}:{_BOOT_ID_FLAGS}", f"/.aenv:{_TOOLS_FLAGS}"]
+
+
+def read_only_sources(tools: Path, boot_id: Path | None, masked: Sequence[str]) -> list[tuple[str, int]]:
+    """(host path, MS_* flags besides read-only) of every source of a read-only host bind of a
+    restore (``_externals_restore``), each once. CRIU bind-mounts each source as it is, so the
+    restore wrapper binds each one read-only over itself in CRIU's private mount namespace
+    (``in_fresh_netns_argv``): every restored bind is born read-only, with its flags."""
+    out: dict[str, int] = {}
+    for point, _ in _masks(masked):
+        src = "/dev/null" if point.startswith("/proc/") else point
+        out[src] = out.get(src, 0)
+    if boot_id is not None:
+        out[str(boot_id)] = _BOOT_ID_FLAGS
+    out[str(tools)] = _TOOLS_FLAGS
+    return list(out.items())
+
+
+def _mount_points() -> set[str]:
+    try:
+        with open("/proc/self/mountinfo") as fh:
+            return {line.split()[4] for line in fh if len(line.split()) > 4}
+    except OSError:
+        return set()
+
+
+def _read_only_binds(sources: Sequence[tuple[str, int]]) -> str:
+    """Shell commands binding each source read-only over itself (mount(8) runs ~1.5 ms each). The
+    device nodes take one remount of ``/dev`` where it is a mount of its own and none of them is
+    mounted over it (a container's bind of a host node): in CRIU's private namespace only."""
+    points = _mount_points()
+    nodes = [src for src, flags in sources if src.startswith("/dev/") and flags == 0]
+    one_dev = "/dev" in points and not any(n in points for n in nodes)
+    out = ["mount -o remount,bind,ro /dev && "] if one_dev and nodes else []
+    for src, flags in sources:
+        if not (one_dev and src in nodes):
+            out.append(f"mount --bind -o {','.join(mount_options(flags))} {shlex.quote(src)} {shlex.quote(src)} && ")
+    return "".join(out)
+
+
+def _check_script(masked: Sequence[str]) -> str:
+    """Shell that runs through the restored tree's mount table and calls the remount (``fix``) at
+    the first host bind that lacks read-only or one of its flags, or when it cannot read the table."""
+    need: dict[str, list[str]] = {}
+    for arg in read_only_points(masked):
+        point, _, flags = arg.rpartition(":")
+        need.setdefault(" ".join(mount_options(int(flags))), []).append(point)
+    arms = "".join(f"    {'|'.join(points)}) need='{opts}' ;;\n" for opts, points in need.items())
+    return ('table="/proc/$CRTOOLS_INIT_PID/mountinfo"\n'
+            '[ -r "$table" ] || fix\n'
+            'seen=0\n'
+            'while read -r _ _ _ _ point opts _; do\n'
+            '  case "$point" in\n'
+            f'{arms}'
+            '    *) continue ;;\n'
+            '  esac\n'
+            '  seen=1\n'
+            '  for o in $need; do case ",$opts," in *",$o,"*) ;; *) fix ;; esac; done\n'
+            'done < "$table"\n'
+            '[ "$seen" = 1 ] || fix\n')
 
 
 def ro_remount_action(masked: Sequence[str], base: Path = KDAT_BASE) -> str:
-    """The ``--action-script`` for it: CRIU execs a file (no arguments), so a two-line wrapper that
-    runs ``ro_remount.py`` with the points, written once into a root-only directory of the host (a
-    sandbox's ``/.aenv-run`` would let the sandbox rewrite what the host runs as root)."""
+    """The ``--action-script`` that makes sure of it: CRIU execs a file (no arguments), written once
+    into a root-only directory of the host (a sandbox's ``/.aenv-run`` would let the sandbox rewrite
+    what the host runs as root). CRIU runs it at each of its seven stages and waits for it, so the
+    shell does nothing but at ``pre-resume``, and there only checks the restored tree's mount table
+    (the binds are born read-only: ``read_only_sources``); ``ro_remount.py`` remounts them should any
+    be writable (a CRIU that binds otherwise). Each Python start is ~25 ms: seven of them were
+    ~160 ms of a ~220 ms restore."""
     script = Path(__file__).with_name("ro_remount.py")
-    line = " ".join(shlex.quote(a) for a in (sys.executable, "-I", str(script), *read_only_points(masked)))
-    body = f"#!/bin/sh\nexec {line}\n"
+    fix = " ".join(shlex.quote(a) for a in (sys.executable, "-I", "-S", str(script), *read_only_points(masked)))
+    body = (f'#!/bin/sh\n[ "$CRTOOLS_SCRIPT_ACTION" = {PRE_RESUME} ] || exit 0\nfix() {{ exec {fix}; }}\n'
+            f"{_check_script(masked)}")
     directory = base / f"aenv-criu-actions-{os.geteuid()}"
     path = directory / f"ro-remount-{hashlib.sha256(body.encode()).hexdigest()[:12]}.sh"
     if not path.exists():
@@ -263,14 +342,29 @@ def in_kdat_cache_argv(kdat: Path | None, argv: Sequence[str]) -> list[str]:
             _kdat_prefix(kdat) + 'exec "$@"', "sh", *argv]
 
 
-def in_fresh_netns_argv(argv: Sequence[str], kdat: Path | None = None) -> list[str]:
+def in_fresh_netns_argv(argv: Sequence[str], kdat: Path | None = None,
+                        read_only: Sequence[tuple[str, int]] = (), ready: bool = False) -> list[str]:
     """Run ``argv`` in a new network namespace with loopback up and that namespace open at ``NET_FD``
     (what ``restore_argv(net_external=True)`` inherits). The namespace lives as long as the restored
     tree is in it; the runtime adds the filter and slirp4netns for internet access afterwards.
-    ``kdat``: also a private mount namespace with CRIU's probe cache (``in_kdat_cache_argv``)."""
-    script = f'{_kdat_prefix(kdat)}ip link set lo up && exec "$@" {NET_FD}</proc/self/ns/net'
-    mount = ["--mount", "--propagation", "private"] if kdat is not None else []
+    ``kdat``: also a private mount namespace with CRIU's probe cache (``in_kdat_cache_argv``);
+    ``read_only``: (path, MS_* flags) bound read-only over themselves in it (``read_only_sources``);
+    ``ready``: print ``READY`` on stdout once the namespaces are made, just before the exec (the
+    same process: its pid names the fresh network namespace from then on)."""
+    tell = f"echo {READY} && " if ready else ""
+    script = (f'{_kdat_prefix(kdat)}{_read_only_binds(read_only)}ip link set lo up && {tell}'
+              f'exec "$@" {NET_FD}</proc/self/ns/net')
+    mount = ["--mount", "--propagation", "private"] if kdat is not None or read_only else []
     return ["unshare", "--net", *mount, "--", "/bin/sh", "-c", script, "sh", *argv]
+
+
+def in_netns_of_argv(pid: int, argv: Sequence[str]) -> list[str]:
+    """Run ``argv`` (a dump) in the network namespace of ``pid``. CRIU dumps every namespace of the
+    tree that differs from its own, and an external network namespace still cost ~30 ms of each
+    dump (CRIU reads its devices and sysctls, then records only the key); in the tree's own one it
+    has none to dump, and a restore puts the tree in the namespace CRIU runs in (the fresh one of
+    ``in_fresh_netns_argv``). Images dumped with the namespace external restore as before."""
+    return ["nsenter", f"--net=/proc/{pid}/ns/net", "--", *argv]
 
 
 def in_cgroups_argv(procs_files: Sequence[str], argv: Sequence[str]) -> list[str]:

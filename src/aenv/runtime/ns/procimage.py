@@ -122,8 +122,12 @@ class ProcImages:
             log.warning("pool: restore of the template's process image failed (%s); launching by exec", exc)
             self._drop(key)
             return None
-        await asyncio.to_thread(sbx.cgroup.set_weight, True)
-        await asyncio.to_thread(sbx.reprioritize, POOL_NICE)
+        try:
+            await asyncio.to_thread(sbx.cgroup.set_weight, True)
+            await asyncio.to_thread(sbx.reprioritize, POOL_NICE)
+        except BaseException:  # cancelled (the pool closes) before the pool holds it: it ends here
+            await sbx.aclose()
+            raise
         return sbx
 
     def _drop(self, key: str) -> None:

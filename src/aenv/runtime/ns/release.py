@@ -155,6 +155,7 @@ class NsReleaser:
         depth = int(data.get("snapshot_depth") or 0)
         sbx = self.rt.restored_sandbox(spec, ("", *lowers[:depth]), tuple(Path(p) for p in lowers[depth:]), root)
         exe, tools = status.exe, self.rt.tools or Path("/nonexistent")
+        on_netns = self.rt.filter_while_restoring(sbx, asyncio.get_running_loop())
 
         def restore() -> int:
             from aenv.runtime.ns.sandbox import Paths
@@ -165,11 +166,12 @@ class NsReleaser:
             sbx.cgroup.set_limits(spec.cpu_count, spec.memory_mb, spec.pids_limit)
             return checkpoint.restore(exe, root / RELEASED_DIR / "criu", lowers=sbx.lowers, upper=sbx.paths.upper,
                                       work=sbx.paths.work, merged=sbx.paths.merged, run_dir=sbx.paths.run,
-                                      tools=tools, boot_id=sbx.paths.boot_id, procs_files=sbx.cgroup.procs_files())
+                                      tools=tools, boot_id=sbx.paths.boot_id, procs_files=sbx.cgroup.procs_files(),
+                                      on_netns=on_netns)
 
         try:
             pid = await asyncio.to_thread(restore)
-            await self.rt.attach_restored(sbx, spec, pid)
+            await self.rt.attach_restored(sbx, spec, pid, filtered=on_netns is not None)
         except BaseException:
             await sbx.stop()  # its processes and cgroup; the files and the images stay: still released
             raise

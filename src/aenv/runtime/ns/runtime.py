@@ -198,7 +198,11 @@ class NsRuntime:
         if sbx is None:  # no process image (yet): launched by exec
             sbx = await NsSandbox.launch(name, self.pool_dir / name, self.layout, opts, self.host_addrs,
                                          timeout=self.launch_timeout)
-        await sbx.warm_up()
+        try:
+            await sbx.warm_up()
+        except BaseException:  # cancelled (the pool closes): nobody would own it, so it ends here
+            await sbx.aclose()
+            raise
         return sbx
 
     # ---- Runtime protocol -----------------------------------------------------------------------
@@ -287,11 +291,26 @@ class NsRuntime:
                         opts)
         return sbx
 
-    async def attach_restored(self, sbx: NsSandbox, spec: SandboxSpec, pid: int, live: bool = True) -> None:
+    def filter_while_restoring(self, sbx: NsSandbox, loop: asyncio.AbstractEventLoop) -> Callable[[int], None] | None:
+        """For ``checkpoint.restore(on_netns=…)`` (called on the restore's thread): the sandbox's filter
+        written into the fresh network namespace while CRIU restores into it, not after (~30 ms of
+        iptables-restore off every restore); then ``attach_restored(filtered=True)``. None: offline."""
+        if not sbx.allow_internet:
+            return None
+        sid = sbx.name
+
+        def install(pid: int) -> None:
+            asyncio.run_coroutine_threadsafe(ENFORCER.install(sid, pid, self.host_addrs), loop).result(60)
+
+        return install
+
+    async def attach_restored(self, sbx: NsSandbox, spec: SandboxSpec, pid: int, live: bool = True,
+                              filtered: bool = False) -> None:
         """After ``criu restore``: record the init, give the fresh network namespace the sandbox's
-        network (internet: filter, then slirp4netns), connect to the restored agent, ``/init`` envd
-        with the new identity, and make the sandbox live. ``live=False`` (a pooled sandbox restored
-        from a process image, ``procimage.py``): no ``/init`` and not registered; the hand-out does both."""
+        network (internet: filter, unless ``filtered`` during the restore, then slirp4netns), connect
+        to the restored agent, ``/init`` envd with the new identity, and make the sandbox live.
+        ``live=False`` (a pooled sandbox restored from a process image, ``procimage.py``): no ``/init``
+        and not registered; the hand-out does both."""
         from aenv.runtime.process import ProcRef
 
         sid = spec.sandbox_id
@@ -301,7 +320,8 @@ class NsRuntime:
         sbx.init = ref
         await asyncio.to_thread(sbx.write_state)
         if sbx.allow_internet:  # its policy in the filter before slirp gives the restored tree a way out
-            await ENFORCER.install(sid, pid, self.host_addrs)
+            if not filtered:
+                await ENFORCER.install(sid, pid, self.host_addrs)
             sbx.slirp = await Slirp.start(pid)
             await asyncio.to_thread(sbx.write_state)
         await asyncio.to_thread(identity.set_hostname, pid, sid)  # CRIU brought back the parent's name

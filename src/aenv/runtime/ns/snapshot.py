@@ -44,6 +44,7 @@ import stat
 import subprocess
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -425,12 +426,16 @@ class NsSnapshots:
         sbx = rt.restored_sandbox(spec, layers, lowers, root, stacked=stacked)
         exe, tools = status.exe, rt.tools or Path("/nonexistent")
 
+        loop = asyncio.get_running_loop()
+        on_netns = rt.filter_while_restoring(sbx, loop)
+
         def prepare_and_restore() -> int:
-            return restore_into(sbx, spec, None if stacked else Path(layers[0]), snapshot / CRIU_DIR, exe, tools)
+            return restore_into(sbx, spec, None if stacked else Path(layers[0]), snapshot / CRIU_DIR, exe, tools,
+                                on_netns)
 
         try:
-            pid = await asyncio.get_running_loop().run_in_executor(_restore_pool(), prepare_and_restore)
-            await rt.attach_restored(sbx, spec, pid, live=live)
+            pid = await loop.run_in_executor(_restore_pool(), prepare_and_restore)
+            await rt.attach_restored(sbx, spec, pid, live=live, filtered=on_netns is not None)
         except BaseException as exc:
             await sbx.aclose(remove_dir=None if root else spec.workdir)
             if isinstance(exc, CheckpointError | OSError):
@@ -452,9 +457,10 @@ def _restore_pool() -> concurrent.futures.ThreadPoolExecutor:
     return _POOL[0]
 
 
-def restore_into(sbx: NsSandbox, spec: SandboxSpec, upper: Path | None, images: Path, exe: str, tools: Path) -> int:
+def restore_into(sbx: NsSandbox, spec: SandboxSpec, upper: Path | None, images: Path, exe: str, tools: Path,
+                 on_netns: Callable[[int], None] | None = None) -> int:
     """Blocking: make ``sbx``'s directory and cgroups, copy ``upper`` in (None: an empty upper, the
-    snapshot's upper is a lower of ``sbx``), restore ``images``; the pid."""
+    snapshot's upper is a lower of ``sbx``), restore ``images`` (``on_netns``: ``checkpoint.restore``'s); the pid."""
     paths, cg, opts = sbx.paths, sbx.cgroup, sbx.opts
     shutil.rmtree(paths.upper, ignore_errors=True)
     if opts is not None and opts.disk is not None:  # the quota subvolume must exist before the copy lands in it
@@ -468,7 +474,7 @@ def restore_into(sbx: NsSandbox, spec: SandboxSpec, upper: Path | None, images: 
     cg.set_limits(spec.cpu_count, spec.memory_mb, spec.pids_limit)
     return checkpoint.restore(exe, images, lowers=sbx.lowers, upper=paths.upper, work=paths.work,
                               merged=paths.merged, run_dir=paths.run, tools=tools, boot_id=paths.boot_id,
-                              procs_files=cg.procs_files())
+                              procs_files=cg.procs_files(), on_netns=on_netns)
 
 
 def _clean_capture(into: Path) -> None:

@@ -1,14 +1,15 @@
-"""``runtime/ns/checkpoint.py``: CRIU's failure reasons, and which sockets count as the host's."""
+"""``runtime/ns/checkpoint.py``: CRIU's failure reasons, the ready hook, and which sockets count as the host's."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 from pathlib import Path
 
 import pytest
 
-from aenv.runtime.ns import checkpoint
+from aenv.runtime.ns import checkpoint, criu
 
 
 def test_reason_keeps_the_errors_that_matter(tmp_path: Path) -> None:
@@ -32,6 +33,37 @@ def test_run_criu_raises_with_the_reason(tmp_path: Path) -> None:
     checkpoint.run_criu(["/bin/true"], log, "restore")
 
 
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                                reason="needs root for a network namespace")
+
+
+@needs_root
+def test_run_criu_calls_on_ready_in_the_fresh_netns_while_criu_runs(tmp_path: Path) -> None:
+    """The filter goes into the restore's network namespace while CRIU runs: the wrapper's pid names
+    it from the ready line on, and the command waits here until the call has been made."""
+    go = tmp_path / "go"
+    seen: list[tuple[int, int]] = []
+
+    def on_ready(pid: int) -> None:
+        seen.append((os.stat(f"/proc/{pid}/ns/net").st_ino, os.stat("/proc/self/ns/net").st_ino))
+        go.touch()
+
+    wait = ["/bin/sh", "-c", f'while [ ! -e {go} ]; do sleep 0.01; done']
+    checkpoint.run_criu(criu.in_fresh_netns_argv(wait, ready=True), tmp_path / "x.log", "restore", on_ready=on_ready)
+    assert len(seen) == 1 and seen[0][0] != seen[0][1]
+
+
+@needs_root
+def test_run_criu_kills_criu_when_on_ready_fails(tmp_path: Path) -> None:
+    def on_ready(pid: int) -> None:
+        raise OSError("no filter")
+
+    forever = ["/bin/sh", "-c", "while :; do sleep 1; done"]
+    with pytest.raises(OSError, match="no filter"):
+        checkpoint.run_criu(criu.in_fresh_netns_argv(forever, ready=True), tmp_path / "x.log", "restore",
+                            on_ready=on_ready)
+
+
 def test_host_sockets_are_those_of_another_netns() -> None:
     """Our own sockets are in our namespace's tables; an inode that is not listed there is the host's."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s, socket.socket() as t:
@@ -44,8 +76,23 @@ def test_host_sockets_are_those_of_another_netns() -> None:
         assert os.fstat(t.fileno()).st_ino in checkpoint._netns_sockets(os.getpid())
 
 
+def test_host_sockets_reads_the_netns_tables_again_only_for_a_new_socket(monkeypatch: pytest.MonkeyPatch) -> None:
+    held = [(7, 100), (7, 200)]
+    reads: list[int] = []
+    monkeypatch.setattr(checkpoint, "_held_sockets", lambda pids: list(held))
+    tables = [{100}, {100, 300}]
+    monkeypatch.setattr(checkpoint, "_netns_sockets", lambda pid: reads.append(pid) or tables[len(reads) - 1])
+    seen: dict[str, set[int]] = {"inside": set(), "outside": set()}
+    assert checkpoint.host_sockets([7], 7, seen) == [(7, 200)] and len(reads) == 1
+    assert checkpoint.host_sockets([7], 7, seen) == [(7, 200)] and len(reads) == 1  # nothing new: no re-read
+    held.append((7, 300))  # made inside since: read again, and it is the sandbox's own
+    assert checkpoint.host_sockets([7], 7, seen) == [(7, 200)] and len(reads) == 2
+    held.remove((7, 200))
+    assert checkpoint.host_sockets([7], 7, seen) == []
+
+
 def test_wait_no_host_sockets_times_out_with_the_culprit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(checkpoint, "host_sockets", lambda pids, init: [(41, 609273)])
+    monkeypatch.setattr(checkpoint, "host_sockets", lambda pids, init, seen: [(41, 609273)])
     with pytest.raises(checkpoint.CheckpointError, match="pid 41 socket 609273"):
         checkpoint.wait_no_host_sockets(lambda: [41], 41, timeout=0.01)
 

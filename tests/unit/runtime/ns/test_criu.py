@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -89,8 +92,72 @@ def test_restore_argv_maps_externals_back() -> None:
     assert "mnt[aenv-boot-id]:/w/ns/boot_id" in with_boot_id
     action = Path(argv[argv.index("--action-script") + 1])  # the host binds read-only again before resume
     body = action.read_text()
-    assert body.startswith("#!/bin/sh\nexec ") and "ro_remount.py" in body and "/dev/null:0" in body
+    assert body.startswith("#!/bin/sh\n") and "ro_remount.py" in body and "/dev/null:0" in body
     assert "/.aenv:6" in body and action.stat().st_mode & 0o777 == 0o700
+
+
+def _fake_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A stand-in for the interpreter the action script would exec: it records its arguments."""
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/ran\n')
+    fake.chmod(0o700)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    return tmp_path / "ran"
+
+
+def _run_action(action: str, stage: str, pid: int) -> None:
+    subprocess.run([action], env={"CRTOOLS_SCRIPT_ACTION": stage, "CRTOOLS_INIT_PID": str(pid)}, check=True)
+
+
+def test_ro_remount_action_only_acts_at_pre_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # CRIU runs the script at every stage and waits: a Python start at each would cost ~25 ms apiece
+    ran = _fake_python(tmp_path, monkeypatch)
+    action = criu.ro_remount_action(("keys",), base=tmp_path)
+    for stage in ("pre-restore", "setup-namespaces", "post-setup-namespaces", "post-restore", "network-unlock",
+                  "post-resume"):
+        _run_action(action, stage, 1 << 30)  # no such pid: it would remount if it looked
+    assert not ran.exists()
+    _run_action(action, "pre-resume", 1 << 30)  # a mount table it cannot read: remount all, to be sure
+    args = ran.read_text().split()
+    assert args[:2] == ["-I", "-S"] and args[2].endswith("ro_remount.py") and args[-1] == "/.aenv:6"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root for a mount namespace")
+@pytest.mark.parametrize(("options", "remounts"), [("ro", False), ("rw", True)])
+def test_ro_remount_action_remounts_only_a_writable_bind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         options: str, remounts: bool) -> None:
+    """The binds are born read-only (``read_only_sources``); the script checks the restored tree's
+    mount table and starts ``ro_remount.py`` only where one is not."""
+    ran = _fake_python(tmp_path, monkeypatch)
+    action = criu.ro_remount_action((), base=tmp_path)
+    # a stand-in for the restored tree: a mount namespace of its own with a host bind at /dev/null
+    script = (f"mount --bind -o {options} /dev/null /dev/null && "
+              f"CRTOOLS_SCRIPT_ACTION=pre-resume CRTOOLS_INIT_PID=$$ {action}")
+    subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script], check=True)
+    assert ran.exists() is remounts
+
+
+def test_restore_wrapper_binds_the_sources_read_only(tmp_path: Path) -> None:
+    sources = criu.read_only_sources(Path("/cache/tools"), Path("/w/ns/boot_id"), ("keys", "kcore"))
+    assert sources.count(("/dev/null", 0)) == 1  # /dev/null and both /proc masks: one bind
+    assert ("/w/ns/boot_id", criu.MS_NOSUID | criu.MS_NODEV | criu.MS_NOEXEC) in sources
+    assert ("/cache/tools", criu.MS_NOSUID | criu.MS_NODEV) in sources
+    argv = criu.in_fresh_netns_argv(["/c", "restore"], read_only=sources)
+    assert argv[:5] == ["unshare", "--net", "--mount", "--propagation", "private"]  # binds stay in there
+    assert "mount --bind -o ro,nosuid,nodev /cache/tools /cache/tools && " in argv[8]
+    assert "mount --bind -o ro,nosuid,nodev,noexec /w/ns/boot_id /w/ns/boot_id && " in argv[8]
+
+
+@pytest.mark.parametrize(("points", "one_remount"), [({"/", "/dev"}, True), ({"/", "/dev", "/dev/null"}, False),
+                                                     ({"/"}, False)])
+def test_device_nodes_take_one_remount_of_dev_where_they_can(monkeypatch: pytest.MonkeyPatch, points: set[str],
+                                                              one_remount: bool) -> None:
+    """One mount(8) run instead of six, unless /dev is no mount or a node is a mount of its own."""
+    monkeypatch.setattr(criu, "_mount_points", lambda: points)
+    script = criu.in_fresh_netns_argv(["/c"], read_only=criu.read_only_sources(Path("/t"), None, ()))[8]
+    assert ("mount -o remount,bind,ro /dev && " in script) is one_remount
+    assert ("mount --bind -o ro /dev/null /dev/null && " in script) is not one_remount
+    assert "mount --bind -o ro,nosuid,nodev /t /t && " in script
 
 
 def test_ro_remount_does_nothing_but_at_pre_resume(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -146,6 +213,12 @@ def test_network_namespace_is_external() -> None:
     wrapped = criu.in_fresh_netns_argv(["/c", "restore"])
     assert wrapped[:3] == ["unshare", "--net", "--"] and wrapped[-2:] == ["/c", "restore"]
     assert f"{criu.NET_FD}</proc/self/ns/net" in wrapped[5] and "lo up" in wrapped[5]
+
+
+def test_dump_runs_in_the_trees_network_namespace() -> None:
+    """No network namespace to dump (CRIU's own), and no external one to name."""
+    assert criu.in_netns_of_argv(41, ["/c", "dump"]) == ["nsenter", "--net=/proc/41/ns/net", "--", "/c", "dump"]
+    assert not any(a.startswith("net[") for a in criu.dump_argv("/c", 41, Path("/i"), freezer=None))
 
 
 def test_masked_here_only_names_what_exists() -> None:

@@ -42,3 +42,37 @@ def test_only_exec_started_sandboxes_without_a_start_command(monkeypatch: pytest
     assert not _images(True).enabled(replace(BASE, start_cmd="serve"))  # would be restored mid-run
     monkeypatch.setenv(procimage.ENV_OFF, "0")
     assert not _images(True).enabled(BASE)
+
+
+async def test_a_pool_entry_cancelled_while_warming_up_is_closed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool cancels its fills when it closes; an entry restored or launched but not yet in the
+    pool has no other owner, so it must not outlive the cancellation (found as a leftover sandbox)."""
+    import asyncio
+
+    from aenv.config import Settings
+    from aenv.runtime.ns.runtime import NsRuntime
+
+    rt = NsRuntime(Settings(state_dir=tmp_path / "state", cache_dir=tmp_path / "cache"), pool_size=0,
+                   tools_dir=tmp_path)
+    rt.layout = object()  # type: ignore[assignment]
+    closed: list[bool] = []
+    warming = asyncio.Event()
+
+    class Entry:
+        async def warm_up(self) -> None:
+            warming.set()
+            await asyncio.Event().wait()
+
+        async def aclose(self) -> None:
+            closed.append(True)
+
+    async def pooled(*_: object) -> Entry:
+        return Entry()
+
+    monkeypatch.setattr(rt.procimages, "pooled", pooled)
+    fill = asyncio.create_task(rt._launch_pooled(replace(BASE, rootfs=tmp_path), False))
+    await warming.wait()
+    fill.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await fill
+    assert closed == [True]
