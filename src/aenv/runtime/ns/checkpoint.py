@@ -116,21 +116,27 @@ def reason(log: Path, limit: int = 3) -> str:
 
 def run_criu(argv: list[str], log: Path, what: str, on_ready: Callable[[int], None] | None = None) -> None:
     """Run CRIU (``argv``: CRIU behind its wrappers). ``on_ready``: called with the wrapper's pid once
-    it prints ``criu.READY`` (its namespaces made, CRIU starting in the same process); if the call
-    fails, CRIU is killed and the call's error raised."""
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    it prints ``criu.READY`` (its namespaces made; it waits for our go-ahead on stdin, then CRIU
+    starts in the same process); if the call fails, CRIU is killed and the call's error raised."""
+    stdin = subprocess.PIPE if on_ready is not None else subprocess.DEVNULL
+    proc = subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         if on_ready is not None:
-            assert proc.stdout is not None
+            assert proc.stdout is not None and proc.stdin is not None
             if proc.stdout.readline().strip() == criu.READY:  # else the wrapper failed: its exit says why
-                on_ready(proc.pid)
+                on_ready(proc.pid)  # the wrapper waits meanwhile: its pid is its namespace's
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.write("go\n")
+                proc.stdin.close()
+            proc.stdin = None  # communicate() must not touch it again
         _, err = proc.communicate()
     except BaseException:
         proc.kill()
         proc.wait()  # not communicate(): a half-restored task may hold the pipes (its cgroup's teardown ends it)
-        for pipe in (proc.stdout, proc.stderr):
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
             if pipe is not None:
-                pipe.close()
+                with contextlib.suppress(BrokenPipeError):
+                    pipe.close()
         raise
     if proc.returncode != 0:
         why = reason(log) if log.exists() else (err.strip()[-400:] or f"exit {proc.returncode}")

@@ -349,11 +349,14 @@ def in_fresh_netns_argv(argv: Sequence[str], kdat: Path | None = None,
     tree is in it; the runtime adds the filter and slirp4netns for internet access afterwards.
     ``kdat``: also a private mount namespace with CRIU's probe cache (``in_kdat_cache_argv``);
     ``read_only``: (path, MS_* flags) bound read-only over themselves in it (``read_only_sources``);
-    ``ready``: print ``READY`` on stdout once the namespaces are made, just before the exec (the
-    same process: its pid names the fresh network namespace from then on)."""
-    tell = f"echo {READY} && " if ready else ""
+    ``ready``: print ``READY`` on stdout once the namespaces are made, then wait for a line on stdin
+    before the exec (``checkpoint.run_criu`` sends it once its ``on_ready`` returned): while it
+    waits, its pid surely names the fresh network namespace. Without the wait a quick restore could
+    end, and its pid be reused, before the filter went in, which would then land in whatever
+    namespace that pid's new owner has."""
+    tell = f"echo {READY} && read -r _go && " if ready else ""
     script = (f'{_kdat_prefix(kdat)}{_read_only_binds(read_only)}ip link set lo up && {tell}'
-              f'exec "$@" {NET_FD}</proc/self/ns/net')
+              f'exec "$@" {NET_FD}</proc/self/ns/net' + (" </dev/null" if ready else ""))
     mount = ["--mount", "--propagation", "private"] if kdat is not None or read_only else []
     return ["unshare", "--net", *mount, "--", "/bin/sh", "-c", script, "sh", *argv]
 

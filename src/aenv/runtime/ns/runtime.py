@@ -293,8 +293,9 @@ class NsRuntime:
 
     def filter_while_restoring(self, sbx: NsSandbox, loop: asyncio.AbstractEventLoop) -> Callable[[int], None] | None:
         """For ``checkpoint.restore(on_netns=…)`` (called on the restore's thread): the sandbox's filter
-        written into the fresh network namespace while CRIU restores into it, not after (~30 ms of
-        iptables-restore off every restore); then ``attach_restored(filtered=True)``. None: offline."""
+        written into the fresh network namespace just before CRIU restores into it (the wrapper waits
+        for it: a pid that may already have ended and been reused must never be written into); then
+        ``attach_restored(filtered=True)``. None: offline."""
         if not sbx.allow_internet:
             return None
         sid = sbx.name
