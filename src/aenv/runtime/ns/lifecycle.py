@@ -141,6 +141,8 @@ class NsLifecycle:
 
     async def kill(self, sandbox_id: str, state: RuntimeState | None = None) -> None:
         await self.rt.start()
+        if (live := self.rt._sandboxes.get(sandbox_id)) is not None:
+            await live.egress.settled()  # else its filter (and listener) could land after the forget
         ENFORCER.forget(sandbox_id)
         workdir = self.rt._workdir(sandbox_id, state)
         await self.rt.releaser.settled(sandbox_id)
