@@ -41,10 +41,10 @@ class HandOutFilter:
         except Exception as exc:  # noqa: BLE001 - it only saves the hand-out an exec
             log.debug("sandbox %s: no restorer: %s", self.name, exc)
 
-    def hand_out(self, install: Install | None, cut_network: Callable[[], Awaitable[None]]) -> None:
+    def hand_out(self, sandbox_id: str, install: Install | None, cut_network: Callable[[], Awaitable[None]]) -> None:
         """With a policy, start writing it (``install``); ``cut_network`` if that fails. Without one,
         the restorer exits on a worker thread, off the create's path."""
-        restorer, self.restorer = self.restorer, None
+        restorer, self.restorer, self.name = self.restorer, None, sandbox_id
         if install is None:
             if restorer is not None:
                 asyncio.get_running_loop().run_in_executor(None, restorer.discard)

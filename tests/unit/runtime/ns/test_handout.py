@@ -43,7 +43,7 @@ async def test_streams_wait_for_the_policy(caplog: pytest.LogCaptureFixture) -> 
         log.append("written")
         restorer.proc.returncode = 0  # it was used
 
-    f.hand_out(install, lambda: cut(log))
+    f.hand_out("s1", install, lambda: cut(log))
     assert f.pending
     opened = asyncio.create_task(f.ready())
     await asyncio.sleep(0.01)
@@ -61,19 +61,19 @@ async def test_a_failed_policy_fails_streams_and_cuts_the_network(caplog: pytest
     async def install(r: Restorer | None) -> None:
         raise NetworkError("iptables-legacy-restore in sandbox netns failed: boom")
 
-    f.hand_out(install, lambda: cut(log))
+    f.hand_out("s1", install, lambda: cut(log))
     await f.settled()
     for _ in range(2):  # every stream, not only the first
         with pytest.raises(OSError, match="network policy could not be applied: .*boom"):
             await f.ready()
     assert log == ["cut", "discard"]  # never used: it exits
-    assert "could not be applied at hand-out" in caplog.text
+    assert "egress-s1: the network policy could not be applied at hand-out" in caplog.text
 
 
 async def test_no_policy_lets_the_restorer_go() -> None:
     log: list[str] = []
     f, restorer = handout(log)
-    f.hand_out(None, lambda: cut(log))
+    f.hand_out("s1", None, lambda: cut(log))
     await f.ready()  # nothing to wait for
     for _ in range(100):
         if log:
