@@ -29,6 +29,7 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 from aenv.runtime import network
@@ -82,6 +83,26 @@ def listen_in_netns(pid: int) -> socket.socket:
         return sock
 
     return run_in_namespace(pid, "net", listen, thread_name=f"netns-{pid}")
+
+
+def _listener(pid: int) -> socket.socket:
+    try:
+        return listen_in_netns(pid)
+    except OSError as exc:
+        raise network.NetworkError(f"no egress listener in the network namespace of {pid}: {exc}") from exc
+
+
+def _write(tool: str, pid: int, host_addrs: list[str], policy: EgressPolicy,
+           restorer: network.Restorer | None) -> socket.socket | None:
+    """Blocking: the listener's socket if ``policy`` needs the proxy, then the filter that redirects to it."""
+    sock = _listener(pid) if policy.needs_proxy else None
+    try:
+        network.write_firewall(tool, pid, host_addrs, policy, sock.getsockname()[1] if sock else None, restorer)
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        raise
+    return sock
 
 
 def original_dst(sock: socket.socket) -> tuple[str, int]:
@@ -161,6 +182,30 @@ class Enforcer:
         if key:
             self._installed[key] = _netns_inode(pid)
 
+    def start_install(self, key: str, pid: int, host_addrs: list[str],
+                      restorer: network.Restorer | None = None) -> Awaitable[None]:
+        """``install`` of a policy into a namespace that has none of ``key``'s yet, its blocking part
+        (the listener's socket, the restore) started on a worker thread now, not when the event loop
+        next gets to a task (a pool refill may be ahead of it): a hand-out's, whose streams wait for it
+        (``runtime/ns/handout.py``). The rules redirect to the socket before its server is attached:
+        connections wait in its backlog."""
+        policy, tool = self.policies.get(key), network.known_tool()
+        try:
+            inode = _netns_inode(pid)
+        except OSError:
+            inode = None
+        if policy is None or tool is None or inode is None or key in self._listeners:
+            return self.install(key, pid, host_addrs, restorer)
+        self._host_addrs.update(host_addrs)
+        written = asyncio.get_running_loop().run_in_executor(None, _write, tool, pid, host_addrs, policy, restorer)
+        return self._written(key, inode, written)
+
+    async def _written(self, key: str, inode: int, written: asyncio.Future[socket.socket | None]) -> None:
+        sock = await written
+        if sock is not None:
+            await self._serve_on(key, inode, sock)
+        self._installed[key] = inode
+
     async def _listen(self, key: str, pid: int) -> int:
         inode = _netns_inode(pid)
         lst = self._listeners.get(key)
@@ -168,10 +213,10 @@ class Enforcer:
             return lst.port
         if lst is not None:
             lst.close()
-        try:
-            sock = await asyncio.to_thread(listen_in_netns, pid)
-        except OSError as exc:
-            raise network.NetworkError(f"no egress listener in the network namespace of {pid}: {exc}") from exc
+        return await self._serve_on(key, inode, await asyncio.to_thread(_listener, pid))
+
+    async def _serve_on(self, key: str, inode: int, sock: socket.socket) -> int:
+        """The proxy's server on ``sock`` (listening in the namespace ``inode``), as ``key``'s listener."""
         conns: set[asyncio.StreamWriter] = set()
 
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -153,23 +153,34 @@ class Restorer:
                 self.run("")
 
 
-async def install_firewall(pid: int, host_addrs: list[str], policy: EgressPolicy | None = None,
-                           proxy_port: int | None = None, restorer: Restorer | None = None) -> None:
-    """Replace the filter of ``pid``'s network namespace (both tables, atomically), through
+def known_tool() -> str | None:
+    """The backend ``restore_tool`` chose, None before it has."""
+    return _restore_tool
+
+
+def write_firewall(tool: str, pid: int, host_addrs: list[str], policy: EgressPolicy | None = None,
+                   proxy_port: int | None = None, restorer: Restorer | None = None) -> None:
+    """Blocking: replace the filter of ``pid``'s network namespace (both tables) with ``tool``, through
     ``restorer`` if one was started there (a fresh restore if it fails: it may have been killed)."""
-    tool = await restore_tool()
     rules = firewall_rules(host_addrs, policy, proxy_port)
-    code = -1
+    code, err = -1, ""
     if restorer is not None:
         with contextlib.suppress(OSError, ValueError):
-            code, err = await asyncio.to_thread(restorer.run, rules)
+            code, err = restorer.run(rules)
     try:
         if code != 0:
-            code, err = await asyncio.to_thread(_restore, [tool], rules, pid)
+            code, err = _restore([tool], rules, pid)
     except OSError as exc:  # the namespace is gone, or the tool is
         raise NetworkError(f"{tool} in sandbox netns failed: {exc}") from exc
     if code != 0:
         raise NetworkError(f"{tool} in sandbox netns failed: {err}")
+
+
+async def install_firewall(pid: int, host_addrs: list[str], policy: EgressPolicy | None = None,
+                           proxy_port: int | None = None, restorer: Restorer | None = None) -> None:
+    """``write_firewall`` with the backend of every namespace, on a worker thread."""
+    tool = await restore_tool()
+    await asyncio.to_thread(write_firewall, tool, pid, host_addrs, policy, proxy_port, restorer)
 
 
 @dataclass

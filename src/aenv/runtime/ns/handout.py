@@ -22,7 +22,7 @@ from aenv.runtime.network import Restorer
 
 log = logging.getLogger(__name__)
 
-Install = Callable[[Restorer | None], Awaitable[None]]  # ENFORCER.install with the restorer to use
+Install = Callable[[Restorer | None], Awaitable[None]]  # ENFORCER.start_install with the restorer to use
 
 
 class HandOutFilter:
@@ -50,9 +50,11 @@ class HandOutFilter:
                 asyncio.get_running_loop().run_in_executor(None, restorer.discard)
             return
 
+        pending = install(restorer)  # its blocking part starts now (``Enforcer.start_install``)
+
         async def run() -> None:
             try:
-                await install(restorer)
+                await pending
             except BaseException:
                 await cut_network()
                 raise

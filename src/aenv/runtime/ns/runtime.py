@@ -260,7 +260,7 @@ class NsRuntime:
                 hand_out = functools.partial(self._hand_out, sbx, sid, root, limits, spec.disk_mb)
                 # pooled under the base filter: a policy is written while /init and the answer go
                 policy = sbx.allow_internet and sbx.init is not None and ENFORCER.has(sid)
-                sbx.egress.hand_out(sid, functools.partial(ENFORCER.install, sid, sbx.init.pid, self.host_addrs)
+                sbx.egress.hand_out(sid, functools.partial(ENFORCER.start_install, sid, sbx.init.pid, self.host_addrs)
                                     if policy and sbx.init is not None else None, sbx.cut_network)
             else:
                 await self._ensure_tools()
