@@ -153,6 +153,36 @@ class Restorer:
                 self.run("")
 
 
+_FLUSHED = ("*filter\n:INPUT ACCEPT [0:0]\n:FORWARD ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\nCOMMIT\n"
+            "*nat\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\nCOMMIT\n")
+
+
+async def foreign_rules(pid: int) -> bool:
+    """Whether ``pid``'s namespace holds nf_tables rules while this server writes legacy ones: a
+    sandbox filtered by a server before the legacy backend (adopted after an upgrade). A packet must
+    pass both, so they are never looser, but an update could not loosen past them."""
+    if await restore_tool() != LEGACY_RESTORE or shutil.which("iptables-nft-save") is None:
+        return False
+
+    def save(_libc: object) -> str:
+        return subprocess.run(["iptables-nft-save"], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              check=False).stdout
+
+    try:
+        out = await asyncio.to_thread(run_in_namespace, pid, "net", save, thread_name=f"iptables-{pid}")
+    except OSError:
+        return False
+    return any(line.startswith("-A ") for line in out.splitlines())
+
+
+async def drop_foreign_rules(pid: int) -> None:
+    """Empty the nf_tables filter and nat of ``pid``'s namespace (``foreign_rules``), once the legacy
+    filter is in force there: only the legacy one decides from then on."""
+    code, err = await asyncio.to_thread(_restore, [NFT_RESTORE], _FLUSHED, pid)
+    if code != 0:
+        raise NetworkError(f"{NFT_RESTORE} in sandbox netns failed: {err}")
+
+
 def known_tool() -> str | None:
     """The backend ``restore_tool`` chose, None before it has."""
     return _restore_tool

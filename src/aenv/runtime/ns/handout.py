@@ -32,6 +32,9 @@ class HandOutFilter:
         self.name = name
         self.restorer: Restorer | None = None
         self._task: asyncio.Task[None] | None = None
+        # adopted with nf_tables rules of an older server (``network.foreign_rules``): dropped once a
+        # filter of ours is written (``NsRuntime.set_egress``)
+        self.foreign = False
 
     async def prepare(self, pid: int) -> None:
         """Pooled: start the restorer in ``pid``'s namespace. Best effort: without one the hand-out

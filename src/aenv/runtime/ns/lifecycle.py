@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from aenv.errors import RuntimeFailure, SandboxNotFound
 from aenv.runtime.base import RuntimeState, SandboxSpec
 from aenv.runtime.egress import ENFORCER
-from aenv.runtime.network import Slirp
+from aenv.runtime.network import Slirp, foreign_rules
 from aenv.runtime.ns import cgroups
 from aenv.runtime.ns.disk import remove_tree
 from aenv.runtime.ns.release import RELEASED_DIR, read_json
@@ -198,6 +198,8 @@ class NsLifecycle:
             with contextlib.suppress(Exception):
                 sbx.slirp = await Slirp.start(sbx.init.pid)
                 await asyncio.to_thread(sbx.write_state)
+        if sbx.allow_internet and sbx.init is not None:
+            sbx.egress.foreign = await foreign_rules(sbx.init.pid)
         self.rt._sandboxes[sandbox_id] = sbx
         self.rt._specs[sandbox_id] = spec
         return True

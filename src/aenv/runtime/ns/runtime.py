@@ -40,7 +40,7 @@ from aenv.runtime.base import ResourceSample, RuntimeState, SandboxImage, Sandbo
 from aenv.runtime.egress import ENFORCER
 from aenv.runtime.envd_client import EnvdError, init_payload
 from aenv.runtime.netpolicy import EgressPolicy
-from aenv.runtime.network import Slirp, host_ipv4_addresses, slirp_available
+from aenv.runtime.network import Slirp, drop_foreign_rules, host_ipv4_addresses, slirp_available
 from aenv.runtime.ns import cgroups, identity
 from aenv.runtime.ns.disk import POOL_NAME, DiskQuota
 from aenv.runtime.ns.lifecycle import NsLifecycle
@@ -449,6 +449,9 @@ class NsRuntime:
             await sbx.egress.settled()  # after the hand-out's filter, never beside it
         if sbx is not None and sbx.allow_internet and sbx.init is not None and sbx.alive():
             await ENFORCER.install(sandbox_id, sbx.init.pid, self.host_addrs)
+            if sbx.egress.foreign:  # ours is in force: an older server's rules go
+                await drop_foreign_rules(sbx.init.pid)
+                sbx.egress.foreign = False
 
     async def _egress_ensured(self, sandbox_id: str, started: Awaitable[RuntimeState]) -> RuntimeState:
         """``started``, then the sandbox's policy in its namespace if that is a new one (a pooled

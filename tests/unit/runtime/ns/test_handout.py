@@ -1,15 +1,23 @@
 """``HandOutFilter``: a hand-out's policy is written while the create goes on, streams wait for it
-and fail (and the network is cut) if it failed; a restorer never used exits."""
+and fail (and the network is cut) if it failed; a restorer never used exits; an older server's
+nf_tables rules go only after ours are written."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from aenv.config import Settings
+from aenv.runtime import network
+from aenv.runtime.egress import ENFORCER
 from aenv.runtime.network import NetworkError, Restorer
+from aenv.runtime.ns import runtime as ns_runtime
 from aenv.runtime.ns.handout import HandOutFilter
+from aenv.runtime.ns.runtime import NsRuntime
+from aenv.runtime.process import ProcRef
 
 
 class FakeRestorer:
@@ -82,3 +90,31 @@ async def test_no_policy_lets_the_restorer_go() -> None:
     assert log == ["discard"] and f.restorer is None and not f.pending
     await f.aclose()  # nothing left to discard
     assert log == ["discard"]
+
+
+async def test_an_older_servers_rules_go_once_ours_are_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adopted after an upgrade with nf_tables rules (``network.foreign_rules``): they are emptied only
+    after a filter of ours is in force, and once."""
+    log: list[str] = []
+    rt = NsRuntime(Settings(state_dir=tmp_path / "state", cache_dir=tmp_path / "cache"), pool_size=0)
+    sbx = SimpleNamespace(allow_internet=True, init=ProcRef(4242, 1), alive=lambda: True, egress=HandOutFilter("s1"))
+    sbx.egress.foreign = True
+    rt._sandboxes["s1"] = sbx  # type: ignore[assignment]
+
+    async def install(key: str, pid: int, host_addrs: list[str]) -> None:
+        log.append(f"install {key} {pid}")
+
+    async def drop(pid: int) -> None:
+        log.append(f"drop {pid}")
+
+    monkeypatch.setattr(ENFORCER, "install", install)
+    monkeypatch.setattr(ns_runtime, "drop_foreign_rules", drop)
+    await rt.set_egress("s1", None)
+    await rt.set_egress("s1", None)
+    assert log == ["install s1 4242", "drop 4242", "install s1 4242"] and not sbx.egress.foreign
+    ENFORCER.forget("s1")
+
+
+async def test_no_foreign_rules_where_the_backend_is_nf_tables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(network, "_restore_tool", network.NFT_RESTORE)
+    assert not await network.foreign_rules(4242)  # nothing looked at: it writes nf_tables itself
