@@ -22,12 +22,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import fcntl
 import ipaddress
 import logging
 import os
 import socket
 import struct
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 from aenv.runtime import network
@@ -38,6 +40,7 @@ from aenv.runtime.sniff import MAX_PEEK, NeedMore, a_answers, a_query, host_name
 log = logging.getLogger("aenv.egress")
 
 _SO_ORIGINAL_DST = 80
+_SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
 _PEEK_TIMEOUT = 10.0
 _RESOLVE_TTL = 30.0
 _BLOCKED = tuple(ipaddress.IPv4Network(c) for c in network.BLOCKED_RANGES)
@@ -47,11 +50,28 @@ def _netns_inode(pid: int) -> int:
     return os.stat(f"/proc/{pid}/ns/net").st_ino
 
 
+def _loopback_ready() -> None:
+    """In the calling thread's network namespace: ``lo`` up (a vm's QEMU jail leaves it down) and
+    ``route_localnet`` on (a connection redirected to 127.0.0.1 keeps the source address of the
+    sandbox's interface, which loopback would otherwise drop as a martian). An ioctl and a sysctl
+    write instead of ``nsenter sh -c 'ip link ...'``: three execs, ~12 ms of a create."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        ifreq = struct.pack("16sH14x", b"lo", 0)
+        flags = struct.unpack_from("16sH", fcntl.ioctl(s, _SIOCGIFFLAGS, ifreq))[1]
+        if not flags & _IFF_UP:
+            fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | _IFF_UP))
+    # /proc/sys/net is the namespace of the thread that opens it (unlike /proc/net: the process's)
+    with open("/proc/sys/net/ipv4/conf/all/route_localnet", "w") as f:
+        f.write("1")
+
+
 def listen_in_netns(pid: int) -> socket.socket:
-    """A listening TCP socket on 127.0.0.1 (port chosen by the kernel) in ``pid``'s network namespace.
-    Made on a thread of its own that enters the namespace and ends: no other thread ever changes."""
+    """A listening TCP socket on 127.0.0.1 (port chosen by the kernel) in ``pid``'s network namespace,
+    its loopback made ready for redirected connections. Made on a thread of its own that enters the
+    namespace and ends: no other thread ever changes."""
 
     def listen(_libc: ctypes.CDLL) -> socket.socket:
+        _loopback_ready()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             sock.bind(("127.0.0.1", 0))
@@ -63,6 +83,26 @@ def listen_in_netns(pid: int) -> socket.socket:
         return sock
 
     return run_in_namespace(pid, "net", listen, thread_name=f"netns-{pid}")
+
+
+def _listener(pid: int) -> socket.socket:
+    try:
+        return listen_in_netns(pid)
+    except OSError as exc:
+        raise network.NetworkError(f"no egress listener in the network namespace of {pid}: {exc}") from exc
+
+
+def _write(tool: str, pid: int, host_addrs: list[str], policy: EgressPolicy,
+           restorer: network.Restorer | None) -> socket.socket | None:
+    """Blocking: the listener's socket if ``policy`` needs the proxy, then the filter that redirects to it."""
+    sock = _listener(pid) if policy.needs_proxy else None
+    try:
+        network.write_firewall(tool, pid, host_addrs, policy, sock.getsockname()[1] if sock else None, restorer)
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        raise
+    return sock
 
 
 def original_dst(sock: socket.socket) -> tuple[str, int]:
@@ -125,8 +165,10 @@ class Enforcer:
         for key in list(self._listeners):
             self._listeners.pop(key).close()
 
-    async def install(self, key: str, pid: int, host_addrs: list[str]) -> None:
-        """Write the filter of ``pid``'s namespace with ``key``'s policy (the base filter without one)."""
+    async def install(self, key: str, pid: int, host_addrs: list[str],
+                      restorer: network.Restorer | None = None) -> None:
+        """Write the filter of ``pid``'s namespace with ``key``'s policy (the base filter without one),
+        through ``restorer`` if one was started there."""
         policy = self.policies.get(key)
         self._host_addrs.update(host_addrs)
         port = None
@@ -136,9 +178,33 @@ class Enforcer:
             lst = self._listeners.pop(key, None)
             if lst is not None:
                 lst.close()
-        await network.install_firewall(pid, host_addrs, policy, port)
+        await network.install_firewall(pid, host_addrs, policy, port, restorer)
         if key:
             self._installed[key] = _netns_inode(pid)
+
+    def start_install(self, key: str, pid: int, host_addrs: list[str],
+                      restorer: network.Restorer | None = None) -> Awaitable[None]:
+        """``install`` of a policy into a namespace that has none of ``key``'s yet, its blocking part
+        (the listener's socket, the restore) started on a worker thread now, not when the event loop
+        next gets to a task (a pool refill may be ahead of it): a hand-out's, whose streams wait for it
+        (``runtime/ns/handout.py``). The rules redirect to the socket before its server is attached:
+        connections wait in its backlog."""
+        policy, tool = self.policies.get(key), network.known_tool()
+        try:
+            inode = _netns_inode(pid)
+        except OSError:
+            inode = None
+        if policy is None or tool is None or inode is None or key in self._listeners:
+            return self.install(key, pid, host_addrs, restorer)
+        self._host_addrs.update(host_addrs)
+        written = asyncio.get_running_loop().run_in_executor(None, _write, tool, pid, host_addrs, policy, restorer)
+        return self._written(key, inode, written)
+
+    async def _written(self, key: str, inode: int, written: asyncio.Future[socket.socket | None]) -> None:
+        sock = await written
+        if sock is not None:
+            await self._serve_on(key, inode, sock)
+        self._installed[key] = inode
 
     async def _listen(self, key: str, pid: int) -> int:
         inode = _netns_inode(pid)
@@ -147,9 +213,10 @@ class Enforcer:
             return lst.port
         if lst is not None:
             lst.close()
-        if not await _lo_up(pid):  # down in a namespace nobody brought it up in (a vm's QEMU jail)
-            raise network.NetworkError(f"could not bring up lo in the network namespace of {pid}")
-        sock = await asyncio.to_thread(listen_in_netns, pid)
+        return await self._serve_on(key, inode, await asyncio.to_thread(_listener, pid))
+
+    async def _serve_on(self, key: str, inode: int, sock: socket.socket) -> int:
+        """The proxy's server on ``sock`` (listening in the namespace ``inode``), as ``key``'s listener."""
         conns: set[asyncio.StreamWriter] = set()
 
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -232,17 +299,6 @@ class Enforcer:
                 addrs = await _query(server, name)
         self._resolved[name] = (time.monotonic(), addrs)
         return addrs
-
-
-async def _lo_up(pid: int) -> bool:
-    proc = await asyncio.create_subprocess_exec(
-        # route_localnet: a connection redirected to 127.0.0.1 keeps the source address of the
-        # sandbox's interface, which loopback would otherwise drop as a martian
-        "nsenter", f"--net=/proc/{pid}/ns/net", "sh", "-c",
-        "ip link set lo up && echo 1 > /proc/sys/net/ipv4/conf/all/route_localnet",
-        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-    )
-    return await proc.wait() == 0
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from aenv.errors import RuntimeFailure, SandboxNotFound
 from aenv.runtime.base import RuntimeState, SandboxSpec
 from aenv.runtime.egress import ENFORCER
-from aenv.runtime.network import Slirp
+from aenv.runtime.network import Slirp, foreign_rules
 from aenv.runtime.ns import cgroups
 from aenv.runtime.ns.disk import remove_tree
 from aenv.runtime.ns.release import RELEASED_DIR, read_json
@@ -141,6 +141,8 @@ class NsLifecycle:
 
     async def kill(self, sandbox_id: str, state: RuntimeState | None = None) -> None:
         await self.rt.start()
+        if (live := self.rt._sandboxes.get(sandbox_id)) is not None:
+            await live.egress.settled()  # else its filter (and listener) could land after the forget
         ENFORCER.forget(sandbox_id)
         workdir = self.rt._workdir(sandbox_id, state)
         await self.rt.releaser.settled(sandbox_id)
@@ -196,6 +198,8 @@ class NsLifecycle:
             with contextlib.suppress(Exception):
                 sbx.slirp = await Slirp.start(sbx.init.pid)
                 await asyncio.to_thread(sbx.write_state)
+        if sbx.allow_internet and sbx.init is not None:
+            sbx.egress.foreign = await foreign_rules(sbx.init.pid)
         self.rt._sandboxes[sandbox_id] = sbx
         self.rt._specs[sandbox_id] = spec
         return True

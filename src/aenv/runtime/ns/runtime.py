@@ -40,7 +40,7 @@ from aenv.runtime.base import ResourceSample, RuntimeState, SandboxImage, Sandbo
 from aenv.runtime.egress import ENFORCER
 from aenv.runtime.envd_client import EnvdError, init_payload
 from aenv.runtime.netpolicy import EgressPolicy
-from aenv.runtime.network import Slirp, host_ipv4_addresses, slirp_available
+from aenv.runtime.network import Slirp, drop_foreign_rules, host_ipv4_addresses, slirp_available
 from aenv.runtime.ns import cgroups, identity
 from aenv.runtime.ns.disk import POOL_NAME, DiskQuota
 from aenv.runtime.ns.lifecycle import NsLifecycle
@@ -200,6 +200,8 @@ class NsRuntime:
                                          timeout=self.launch_timeout)
         try:
             await sbx.warm_up()
+            if sbx.allow_internet and sbx.init is not None:
+                await sbx.egress.prepare(sbx.init.pid)
         except BaseException:  # cancelled (the pool closes): nobody would own it, so it ends here
             await sbx.aclose()
             raise
@@ -256,6 +258,10 @@ class NsRuntime:
                 # than the thread hop, and it is the create's hot path. It runs while envd handles
                 # /init (see init_envd's ``meanwhile``).
                 hand_out = functools.partial(self._hand_out, sbx, sid, root, limits, spec.disk_mb)
+                # pooled under the base filter: a policy is written while /init and the answer go
+                policy = sbx.allow_internet and sbx.init is not None and ENFORCER.has(sid)
+                sbx.egress.hand_out(sid, functools.partial(ENFORCER.start_install, sid, sbx.init.pid, self.host_addrs)
+                                    if policy and sbx.init is not None else None, sbx.cut_network)
             else:
                 await self._ensure_tools()
                 opts = replace(self._opts(template, spec.allow_internet, limits, disk_mb=spec.disk_mb),
@@ -440,15 +446,23 @@ class NsRuntime:
         """Register the sandbox's policy; a running one gets it in its filter now."""
         ENFORCER.register(sandbox_id, policy)
         sbx = self._sandboxes.get(sandbox_id)
+        if sbx is not None:
+            await sbx.egress.settled()  # after the hand-out's filter, never beside it
         if sbx is not None and sbx.allow_internet and sbx.init is not None and sbx.alive():
             await ENFORCER.install(sandbox_id, sbx.init.pid, self.host_addrs)
+            if sbx.egress.foreign:  # ours is in force: an older server's rules go
+                await drop_foreign_rules(sbx.init.pid)
+                sbx.egress.foreign = False
 
     async def _egress_ensured(self, sandbox_id: str, started: Awaitable[RuntimeState]) -> RuntimeState:
         """``started``, then the sandbox's policy in its namespace if that is a new one (a pooled
-        sandbox was filtered under its pool name; a process restore made a fresh namespace)."""
+        sandbox was filtered under its pool name, unless its hand-out is filtering it; a process restore
+        made a fresh namespace)."""
         state = await started
         sbx = self._sandboxes.get(sandbox_id)
-        if sbx is not None and sbx.allow_internet and sbx.init is not None and ENFORCER.has(sandbox_id):
+        if sbx is None or sbx.egress.pending:
+            return state
+        if sbx.allow_internet and sbx.init is not None and ENFORCER.has(sandbox_id):
             await ENFORCER.ensure(sandbox_id, sbx.init.pid, self.host_addrs)
         return state
 

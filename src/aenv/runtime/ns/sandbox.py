@@ -60,6 +60,7 @@ from aenv.runtime.envd_client import (
 from aenv.runtime.network import RESOLV_CONF, Slirp, kill_slirps_serving
 from aenv.runtime.ns.cgroups import Cgroup, Layout
 from aenv.runtime.ns.disk import DiskQuota, remove_tree
+from aenv.runtime.ns.handout import HandOutFilter
 from aenv.runtime.ns.zygote import Zygote
 from aenv.runtime.process import ProcRef, Reaped
 from aenv.runtime.tools import launch_argv
@@ -214,6 +215,7 @@ class NsSandbox:
         self._direct: set[DirectStream] = set()  # open connections straight to envd's socket
         self._session_lock = asyncio.Lock()
         self._gate: asyncio.Event | None = None  # set while a dump is prepared: new streams wait for it
+        self.egress = HandOutFilter(name)  # a hand-out's policy: streams wait for it (handout.py)
         self._closed = False
         self.last_cpu: tuple[float, int] | None = None
         # The root holds files this sandbox did not make (a start on an existing upper): a teardown
@@ -376,6 +378,7 @@ class NsSandbox:
         the agent's mux."""
         while (gate := self._gate) is not None:  # a dump is being taken: no host socket may appear
             await gate.wait()
+        await self.egress.ready()  # nothing reaches the sandbox before its policy
         if port == ENVD_PORT:
             direct = await self._open_direct()
             if direct is not None:
@@ -443,6 +446,11 @@ class NsSandbox:
             gate.set()
 
     # ---- hand-out -------------------------------------------------------------------------------
+    async def cut_network(self) -> None:
+        """No way out any more (slirp4netns stopped): what a sandbox whose policy failed is left with."""
+        if self.slirp is not None:
+            await self.slirp.aclose()
+
     def reprioritize(self, nice: int = 0) -> None:
         """Back to normal priority at hand-out (pooled sandboxes start niced). Niceness is per
         thread on Linux, so every task of every member is reset."""
@@ -508,6 +516,7 @@ class NsSandbox:
         if self._closed:
             return
         self._closed = True
+        await asyncio.shield(self.egress.settled())
         await asyncio.shield(self._teardown(remove_dir))
 
     async def stop(self) -> None:
@@ -525,6 +534,7 @@ class NsSandbox:
 
     async def _stop_processes(self, remove_cgroup: bool) -> None:
         await self.drop_connections()
+        await self.egress.aclose()
         if self.init is not None:
             self.init.kill()  # SIGKILL of a pid-ns init takes the whole namespace with it
         if self._stage1 is not None and self.init is None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from aenv.runtime import network
 from aenv.runtime.network import SLIRP_DNS, slirp_available
 from aenv.runtime.process import ProcRef
 from aenv.runtime.vm import netjail
@@ -64,7 +65,7 @@ async def test_jail_has_the_filter_a_private_resolver_and_slirp_ends_with_the_pr
     try:
         slirp = await netjail.connect(proc.pid, r)
         assert "tap0" in _in_netns(proc.pid, "ip", "-o", "link")
-        rules = _in_netns(proc.pid, "iptables-save")
+        rules = _in_netns(proc.pid, (network.known_tool() or "iptables-restore").replace("-restore", "-save"))
         assert "-A OUTPUT -d 10.0.0.0/8 -j REJECT" in rules
         assert f"-A OUTPUT -d {SLIRP_DNS}/32 -p udp -m udp --dport 53 -j ACCEPT" in rules
         # the host's own namespace and files are untouched
