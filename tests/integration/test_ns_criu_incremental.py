@@ -115,6 +115,10 @@ def test_a_crash_between_page_switches_leaves_a_usable_snapshot(tmp_path: Path, 
         srv = start_server(tmp_path, "ns", extra_env=env, port=port)
         child = Sandbox.create(second, timeout=120)
         assert child.commands.run(CHECK).stdout == mark
-        child.kill()
     finally:
+        if srv.proc.poll() is None:  # sandboxes outlive their server on purpose: end them first
+            for listed in httpx.get(f"{srv.url}/v2/sandboxes", headers={"X-API-KEY": API_KEY},
+                                    trust_env=False).json():
+                httpx.delete(f"{srv.url}/sandboxes/{listed['sandboxID']}", headers={"X-API-KEY": API_KEY},
+                             trust_env=False)
         stop_server(srv)
