@@ -50,6 +50,7 @@ from aenv.runtime.ns.reconcile import ReconcileReport, reconcile
 from aenv.runtime.ns.release import NsReleaser
 from aenv.runtime.ns.sandbox import LaunchOptions, NsSandbox, Paths
 from aenv.runtime.ns.snapshot import NsSnapshots
+from aenv.runtime.ns.userns import SharedUserns
 from aenv.runtime.ns.zygote import Zygote, socket_path_for, sweep_stale_sockets
 from aenv.runtime.streams import open_checked
 from aenv.runtime.tools import ensure_tools
@@ -98,6 +99,7 @@ class NsRuntime:
         self.host_addrs: list[str] = []
         # on the same filesystem as the sandboxes: hand-out renames a pooled root into place
         self.pool_dir = settings.sandboxes_dir / POOL_NAME
+        self.userns = SharedUserns(settings.ns_userns_uid) if settings.ns_userns_uid else None
         self.disk = DiskQuota(settings.state_dir, settings.sandboxes_dir, enabled=settings.ns_disk_quota,
                               size_mb=settings.ns_volume_mb)
         self._sandboxes: dict[str, NsSandbox] = {}
@@ -133,6 +135,8 @@ class NsRuntime:
         """The zygote makes starts cheap, but CRIU cannot dump what it forks (its preloaded modules
         are mapped from the host's mount): with a usable CRIU sandboxes are started by exec, so every
         one can be snapshotted with its processes. AENV_NS_ZYGOTE=1/0 forces either way."""
+        if self.userns is not None:  # the zygote's in-process launch knows no user namespace
+            return False
         forced = os.environ.get("AENV_NS_ZYGOTE")
         if forced in ("0", "1"):
             return forced == "1"
@@ -151,6 +155,8 @@ class NsRuntime:
         self._sandboxes.clear()
         await self.snapshots.drain()
         await asyncio.to_thread(self.disk.release)  # unmounts the volume unless another runtime uses it
+        if self.userns is not None:  # running sandboxes keep the namespace alive themselves
+            self.userns.close()
         if self.layout is not None:
             await asyncio.to_thread(cgroups.remove_scope_if_empty, self.layout)
 
@@ -184,7 +190,7 @@ class NsRuntime:
             raise RuntimeFailure("internet access needs slirp4netns and iptables on the host (apt-get install slirp4netns iptables)")
         return LaunchOptions(template=template, tools=self.tools, allow_internet=allow_internet,
                              default_limits=limits, debug_log=self.debug_log, nice=nice, zygote=self.zygote,
-                             disk=self.disk if self.disk.active else None,
+                             disk=self.disk if self.disk.active else None, userns=self.userns,
                              disk_mb=self.settings.default_disk_mb if disk_mb is None else disk_mb)
 
     async def _launch_pooled(self, template: SandboxImage, allow_internet: bool) -> NsSandbox:

@@ -190,7 +190,11 @@ class NsSnapshots:
 
     # -- what is possible --
     def criu_status(self) -> criu.CriuStatus:
-        return criu.probe(settings=self.rt.settings)
+        status = criu.probe(settings=self.rt.settings)
+        if status.usable and self.rt.settings is not None and self.rt.settings.ns_userns_uid:  # docs/ARCHITECTURE.md, "ns user namespace"
+            return criu.CriuStatus(status.exe, status.version, False,
+                                   "off: CRIU of sandboxes in a user namespace (ns_userns_uid) is not supported yet")
+        return status
 
     def best_mode(self, sbx: NsSandbox) -> SnapshotMode:
         return SnapshotMode.FULL if self._full_refusal(sbx) is None else SnapshotMode.FILESYSTEM

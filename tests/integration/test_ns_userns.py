@@ -1,0 +1,131 @@
+"""ns sandboxes in a user namespace (``ns_userns_uid``): root inside is a non-zero host uid, files on
+disk keep their unshifted owners, and what sandboxes do today (root and ``user`` commands, envd's
+file writes, ports < 1024 for root, filesystem forks) still works. NsRuntime driven directly, on the
+busybox rootfs of ``test_ns_runtime``. Needs root, cgroups and busybox-static; skips otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from aenv.config import Settings, default_cache_dir
+from aenv.runtime.base import SandboxImage
+from aenv.runtime.envd_client import as_user, build_request, exchange
+from aenv.runtime.ns import NsRuntime
+from tests.fixtures.envd import run_cmd
+from tests.integration.test_ns_runtime import ENVD, busybox_root, rt, spec_for, template
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module")]
+__all__ = ["busybox_root", "rt", "template"]  # fixtures: rt runs on the settings below
+
+BASE = 1_200_000_000  # far above any /etc/subuid range a host hands out
+MAP = f"0 {BASE} 65536"
+
+
+@pytest.fixture(scope="module")
+def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    cache = Path(os.environ.get("AENV_CACHE_DIR") or default_cache_dir())
+    return Settings(state_dir=tmp_path_factory.mktemp("state"), cache_dir=cache, pool_size=1, ns_userns_uid=BASE)
+
+
+async def sh(rt: NsRuntime, sid: str, cmd: str, user: str = "root") -> str:
+    code, out, err = await run_cmd(rt, sid, cmd, user=user)
+    assert code == 0, (cmd, out, err)
+    return out
+
+
+def _maps(text: str) -> list[str]:
+    return [" ".join(line.split()) for line in text.splitlines()]
+
+
+def _upper(rt: NsRuntime, sid: str) -> Path:
+    return rt.sandbox(sid).paths.upper
+
+
+async def test_root_and_user_are_shifted_host_uids(rt: NsRuntime, settings: Settings, template: SandboxImage) -> None:
+    spec = spec_for(settings, template)
+    state = await rt.create(spec)
+    try:
+        for user in ("root", "user"):
+            out = await sh(rt, spec.sandbox_id, "cat /proc/self/uid_map /proc/self/gid_map", user=user)
+            assert _maps(out) == [MAP, MAP]
+        assert (await sh(rt, spec.sandbox_id, "id -u; id -u user")).split() == ["0", "1000"]
+        # the host sees the sandbox's root, its init, as BASE: never host uid 0
+        status = Path(f"/proc/{state.data['pid']}/status").read_text()
+        uids = next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1:]
+        assert uids == [str(BASE)] * 4
+        # and the sandbox cannot map itself any further: no capability over its user namespace's parent
+        code, _, _ = await run_cmd(rt, spec.sandbox_id, "echo '0 0 1' > /proc/self/uid_map")
+        assert code != 0
+    finally:
+        await rt.kill(spec.sandbox_id)
+
+
+async def test_files_keep_unshifted_owners_on_disk(rt: NsRuntime, settings: Settings, template: SandboxImage) -> None:
+    spec = spec_for(settings, template)
+    await rt.create(spec)
+    try:
+        await sh(rt, spec.sandbox_id, "echo r > /root/by-root")
+        await sh(rt, spec.sandbox_id, "echo u > /home/user/by-user", user="user")
+        boundary = "BOUND"
+        body = (f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="up.txt"\r\n'
+                "Content-Type: application/octet-stream\r\n\r\n").encode() + b"hello\r\n" + f"--{boundary}--\r\n".encode()
+        raw = build_request("POST", "/files?path=/home/user/up.txt", body, as_user("user"),
+                            content_type=f"multipart/form-data; boundary={boundary}")
+        response = await exchange(await rt.open_stream(spec.sandbox_id, ENVD), raw)
+        assert response.status == 200, response.body
+        inside = await sh(rt, spec.sandbox_id, "stat -c '%u:%g %n' /root/by-root /home/user/by-user /home/user/up.txt")
+        assert inside.split("\n")[:3] == ["0:0 /root/by-root", "1000:1000 /home/user/by-user",
+                                          "1000:1000 /home/user/up.txt"]
+        upper = _upper(rt, spec.sandbox_id)
+        for rel, owner in (("root/by-root", 0), ("home/user/by-user", 1000), ("home/user/up.txt", 1000)):
+            st = (upper / rel).stat()
+            assert (st.st_uid, st.st_gid) == (owner, owner), rel
+    finally:
+        await rt.kill(spec.sandbox_id)
+
+
+async def test_root_listens_below_1024_and_mounts_stay_out_of_reach(rt: NsRuntime, settings: Settings,
+                                                                    template: SandboxImage) -> None:
+    spec = spec_for(settings, template)
+    await rt.create(spec)
+    try:
+        out = await sh(rt, spec.sandbox_id, "nc -l -p 80 & sleep 0.3; netstat -ltn; kill %1")
+        assert ":80 " in out
+        code, _, err = await run_cmd(rt, spec.sandbox_id, "nc -l -p 81", user="user")
+        assert code != 0 and "denied" in err  # as without a user namespace: no CAP_NET_BIND_SERVICE
+        for cmd in ("mount -t tmpfs none /mnt", "umount /proc/kcore", "mount -o remount,rw /.aenv",
+                    "touch /.aenv/x", "chown 0 /dev/null"):
+            code, _, _ = await run_cmd(rt, spec.sandbox_id, cmd)
+            assert code != 0, cmd
+    finally:
+        await rt.kill(spec.sandbox_id)
+
+
+async def test_filesystem_fork_child_has_the_mapping(rt: NsRuntime, settings: Settings, template: SandboxImage,
+                                                     tmp_path: Path) -> None:
+    assert not rt.snapshots.criu_status().usable  # process snapshots stay off in a user namespace
+    spec = spec_for(settings, template)
+    await rt.create(spec)
+    children: list[str] = []
+    try:
+        await sh(rt, spec.sandbox_id, "echo a > /root/a; rm /etc/group")
+        await sh(rt, spec.sandbox_id, "echo u > /home/user/u", user="user")
+        snap = tmp_path / "snap"
+        snap.mkdir()
+        result = await rt.snapshot(spec.sandbox_id, snap, "filesystem")
+        for _ in range(2):
+            child = spec_for(settings, template)
+            await rt.create_from_snapshot(child, snap, result)
+            children.append(child.sandbox_id)
+        for sid in children:
+            out = await sh(rt, sid, "cat /proc/self/uid_map; cat /root/a; test -e /etc/group || echo gone; "
+                                    "stat -c %u /home/user/u")
+            assert _maps(out) == [MAP, "a", "gone", "1000"]
+            await sh(rt, sid, "echo more >> /home/user/u", user="user")  # copy-up of a lower file as user
+    finally:
+        for sid in [spec.sandbox_id, *children]:
+            await rt.kill(sid)
