@@ -14,6 +14,7 @@ import pytest
 from aenv.config import Settings, default_cache_dir
 from aenv.runtime.base import SandboxImage
 from aenv.runtime.envd_client import as_user, build_request, exchange
+from aenv.runtime.network import slirp_available
 from aenv.runtime.ns import NsRuntime
 from tests.fixtures.envd import run_cmd
 from tests.integration.test_ns_runtime import ENVD, busybox_root, rt, spec_for, template
@@ -95,6 +96,8 @@ async def test_root_listens_below_1024_and_mounts_stay_out_of_reach(rt: NsRuntim
     try:
         out = await sh(rt, spec.sandbox_id, "nc -l -p 80 & sleep 0.3; netstat -ltn; kill %1")
         assert ":80 " in out
+        # the network namespace is the user namespace's: root's CAP_NET_RAW counts in it, as before
+        assert " 0% packet loss" in await sh(rt, spec.sandbox_id, "ping -c1 -W2 127.0.0.1")
         code, _, err = await run_cmd(rt, spec.sandbox_id, "nc -l -p 81", user="user")
         assert code != 0 and "denied" in err  # as without a user namespace: no CAP_NET_BIND_SERVICE
         for cmd in ("mount -t tmpfs none /mnt", "umount /proc/kcore", "mount -o remount,rw /.aenv",
@@ -129,3 +132,15 @@ async def test_filesystem_fork_child_has_the_mapping(rt: NsRuntime, settings: Se
     finally:
         for sid in [spec.sandbox_id, *children]:
             await rt.kill(sid)
+
+
+@pytest.mark.skipif(not slirp_available(), reason="needs slirp4netns and iptables")
+async def test_internet_sandbox_gets_its_tap_in_the_namespace(rt: NsRuntime, settings: Settings,
+                                                              template: SandboxImage) -> None:
+    spec = spec_for(settings, template, allow_internet=True)
+    await rt.create(spec)
+    try:
+        out = await sh(rt, spec.sandbox_id, "cat /proc/self/uid_map; ip -o addr show tap0")
+        assert _maps(out)[0] == MAP and "10.0.2.100/24" in out
+    finally:
+        await rt.kill(spec.sandbox_id)

@@ -20,6 +20,11 @@ must import nothing but the stdlib. Steps, in the order CRIU and isolation need 
 
 Everything is mounted inside the private mount namespace: nothing appears on the host, so a crash
 leaves no mount behind. Any failure is reported as one JSON line ``{"error": ...}`` on stdout.
+
+With a user namespace (``cfg["userns"]``, ``run_in_userns``) the server runs this file directly and it
+does stage 1's job itself, in another order: the root is built first, as host root over idmapped
+layers (``idmap.py``), then the user namespace is joined and the other namespaces are created in it
+(CRIU needs them owned by it), and the fork's parent stays behind to reap the init.
 """
 
 from __future__ import annotations
