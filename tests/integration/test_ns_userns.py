@@ -58,6 +58,12 @@ async def test_root_and_user_are_shifted_host_uids(rt: NsRuntime, settings: Sett
         status = Path(f"/proc/{state.data['pid']}/status").read_text()
         uids = next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1:]
         assert uids == [str(BASE)] * 4
+        # the launcher left behind to reap the init holds no capability and nothing of the host but stdio
+        stage1 = rt.sandbox(spec.sandbox_id)._stage1
+        assert stage1 is not None
+        caps = dict(line.split(":\t") for line in Path(f"/proc/{stage1.pid}/status").read_text().splitlines())
+        assert int(caps["CapEff"], 16) == int(caps["CapPrm"], 16) == 0
+        assert sorted(os.listdir(f"/proc/{stage1.pid}/fd")) == ["0", "1", "2"]
         # and the sandbox cannot map itself any further: no capability over its user namespace's parent
         code, _, _ = await run_cmd(rt, spec.sandbox_id, "echo '0 0 1' > /proc/self/uid_map")
         assert code != 0

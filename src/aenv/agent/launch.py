@@ -326,6 +326,8 @@ def _reap_forever(child: int) -> None:
     null = os.open("/dev/null", os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
+    if null > 2:
+        os.close(null)
     header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
     _check(_libc.capset(ctypes.byref(header), (_CapData * 2)()), "capset")
     while True:
@@ -362,6 +364,8 @@ def run_in_userns(cfg: dict) -> None:  # type: ignore[type-arg]
     loopback_up()
     child = os.fork()
     if child:
+        for fd in [*procs, *([boot_id] if boot_id is not None else [])]:
+            os.close(fd)
         _reap_forever(child)
     for fd in procs:  # "0" = ourselves, as in join_cgroups; the fds carry the host's permission
         os.write(fd, b"0")
