@@ -6,6 +6,7 @@ busybox rootfs of ``test_ns_runtime``. Needs root, cgroups and busybox-static; s
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from aenv.config import Settings, default_cache_dir
 from aenv.runtime.base import SandboxImage
 from aenv.runtime.envd_client import as_user, build_request, exchange
 from aenv.runtime.network import slirp_available
-from aenv.runtime.ns import NsRuntime
+from aenv.runtime.ns import NsRuntime, criu
 from tests.fixtures.envd import run_cmd
 from tests.integration.test_ns_runtime import ENVD, busybox_root, rt, spec_for, template
 
@@ -40,6 +41,18 @@ async def sh(rt: NsRuntime, sid: str, cmd: str, user: str = "root") -> str:
 
 def _maps(text: str) -> list[str]:
     return [" ".join(line.split()) for line in text.splitlines()]
+
+
+async def two_children(rt: NsRuntime, settings: Settings, template: SandboxImage, sid: str, snap: Path, mode: str,
+                       children: list[str]) -> bool:
+    """Snapshot ``sid`` into ``snap`` and start two children from it at once, as a fork does (their IDs
+    go into ``children``); whether the snapshot had the mode asked for."""
+    snap.mkdir()
+    result = await rt.snapshot(sid, snap, mode)  # type: ignore[arg-type]
+    specs = [spec_for(settings, template) for _ in range(2)]
+    children += [s.sandbox_id for s in specs]
+    await asyncio.gather(*(rt.create_from_snapshot(s, snap, result) for s in specs))
+    return bool(result.mode == mode)
 
 
 def _upper(rt: NsRuntime, sid: str) -> Path:
@@ -114,22 +127,42 @@ async def test_root_listens_below_1024_and_mounts_stay_out_of_reach(rt: NsRuntim
         await rt.kill(spec.sandbox_id)
 
 
+@pytest.mark.skipif(not criu.probe().usable, reason="needs CRIU >= 4.2")
+async def test_process_fork_children_keep_the_mapping_and_their_processes(
+        rt: NsRuntime, settings: Settings, template: SandboxImage, tmp_path: Path) -> None:
+    spec = spec_for(settings, template)
+    await rt.create(spec)
+    children: list[str] = []
+    try:
+        assert rt.snapshots.best_mode(rt.sandbox(spec.sandbox_id)) == "full"
+        await sh(rt, spec.sandbox_id, "echo u > /home/user/u; (i=0; while true; do i=$((i+1)); echo $i > /tmp/tick; "
+                                      "sleep 0.05; done) >/dev/null 2>&1 &", user="user")
+        assert await two_children(rt, settings, template, spec.sandbox_id, tmp_path / "full", "full", children)
+        for sid in children:
+            out = await sh(rt, sid, "cat /proc/self/uid_map; stat -c %u /home/user/u; a=$(cat /tmp/tick); "
+                                    "sleep 0.5; b=$(cat /tmp/tick); test $a != $b && echo ticking")
+            lines = _maps(out)
+            assert lines[0] == MAP and lines[1] == "1000" and lines[-1] == "ticking", out
+            await sh(rt, sid, "echo more >> /home/user/u", user="user")
+            assert (_upper(rt, sid) / "home/user/u").stat().st_uid == 1000
+        # a restored child can itself be dumped again (its namespaces all belong to its user namespace)
+        again = tmp_path / "again"
+        again.mkdir()
+        assert (await rt.snapshot(children[0], again, "full")).mode == "full"
+    finally:
+        for sid in [spec.sandbox_id, *children]:
+            await rt.kill(sid)
+
+
 async def test_filesystem_fork_child_has_the_mapping(rt: NsRuntime, settings: Settings, template: SandboxImage,
                                                      tmp_path: Path) -> None:
-    assert not rt.snapshots.criu_status().usable  # process snapshots stay off in a user namespace
     spec = spec_for(settings, template)
     await rt.create(spec)
     children: list[str] = []
     try:
         await sh(rt, spec.sandbox_id, "echo a > /root/a; rm /etc/group")
         await sh(rt, spec.sandbox_id, "echo u > /home/user/u", user="user")
-        snap = tmp_path / "snap"
-        snap.mkdir()
-        result = await rt.snapshot(spec.sandbox_id, snap, "filesystem")
-        for _ in range(2):
-            child = spec_for(settings, template)
-            await rt.create_from_snapshot(child, snap, result)
-            children.append(child.sandbox_id)
+        await two_children(rt, settings, template, spec.sandbox_id, tmp_path / "snap", "filesystem", children)
         for sid in children:
             out = await sh(rt, sid, "cat /proc/self/uid_map; cat /root/a; test -e /etc/group || echo gone; "
                                     "stat -c %u /home/user/u")

@@ -152,24 +152,30 @@ def harden_proc(proc: str) -> None:
             bind("/dev/null", path, readonly=True)  # read-only: it is the host's /dev/null inode
 
 
-def setup_dev(root: str) -> None:
-    dev = f"{root}/dev"
+def dev_skeleton(dev: str) -> None:
+    """A tmpfs at ``dev`` with the files, directories and links of the sandbox's /dev (no mounts)."""
     _mkdir(dev)
     mount("tmpfs", dev, "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=755,size=65536k")
     for name in DEV_NODES:
         _touch(f"{dev}/{name}")
+    _mkdir(f"{dev}/pts")
+    os.symlink("pts/ptmx", f"{dev}/ptmx")
+    _mkdir(f"{dev}/shm", 0o1777)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"{dev}/{name}")
+
+
+def setup_dev(root: str) -> None:
+    dev = f"{root}/dev"
+    dev_skeleton(dev)
+    for name in DEV_NODES:
         # Read-only bind: the node is the host's own inode, and sandbox root owns it (no user
         # namespace), so a writable bind would let it chmod/chown/utime the host's /dev/null.
         # I/O on a device node is not affected by a read-only mount.
         bind(f"/dev/{name}", f"{dev}/{name}", readonly=True)
-    _mkdir(f"{dev}/pts")
     mount("devpts", f"{dev}/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620")
-    os.symlink("pts/ptmx", f"{dev}/ptmx")
-    _mkdir(f"{dev}/shm", 0o1777)
     mount("shm", f"{dev}/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=65536k")
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
-                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
-        os.symlink(target, f"{dev}/{name}")
 
 
 def mount_proc(root: str, boot_id: str | None) -> None:
@@ -294,10 +300,11 @@ def _contain_and_report(cfg: dict, pid: int, start: int) -> None:  # type: ignor
     os.dup2(log, 2)
 
 
-def _build_idmapped_root(cfg: dict, userns_fd: int, host_uid: int) -> str:  # type: ignore[type-arg]
+def _build_idmapped_root(cfg: dict, userns_fd: int, host_uid: int, *,  # type: ignore[type-arg]
+                         populate: bool = True) -> str:
     """Steps 3 without /proc, as host root in a private mount namespace: each lower and the upper's
     directory bound idmapped under a tmpfs of the sandbox directory (``idmap.py``), the overlay over
-    them and the rest of the root made as the sandbox's root."""
+    them and (``populate``) the rest of the root made as the sandbox's root."""
     root, upper, work = str(cfg["merged"]), str(cfg["upper"]), str(cfg["work"])
     if os.path.dirname(upper) != os.path.dirname(work):
         raise ValueError("upper and work must share a directory (overlayfs wants them on one mount)")
@@ -315,9 +322,30 @@ def _build_idmapped_root(cfg: dict, userns_fd: int, host_uid: int) -> str:  # ty
         rw = f"{layers}/rw"
         mount("overlay", root, "overlay", 0, overlay_options(
             lowers, f"{rw}/{os.path.basename(upper)}", f"{rw}/{os.path.basename(work)}"))
-        _mkdir(f"{root}/proc")
-        populate_root(root, cfg)
+        if populate:
+            _mkdir(f"{root}/proc")
+            populate_root(root, cfg)
     return root
+
+
+def restore_root(cfg: dict) -> None:  # type: ignore[type-arg]
+    """What a CRIU restore of a user-namespaced sandbox needs (``checkpoint.restore_in_userns``), then
+    exec CRIU (``cfg["argv"]``), all in a private mount namespace: the root overlay as
+    ``_build_idmapped_root`` mounts it, and the external mounts' sources staged in ``cfg["stage_dir"]``
+    (an empty directory any uid can walk to: CRIU opens them from inside the new user namespace, where
+    the 0700 state directory cannot be walked), on a tmpfs: ``cfg["stage"]`` (name -> host path) bound
+    there, a fresh /dev as ``dev``."""
+    if _libc.unshare(CLONE_NEWNS) != 0:
+        _check(-1, "unshare mount namespace")
+    _build_idmapped_root(cfg, int(cfg["userns"]["fd"]), int(cfg["userns"]["uid"]), populate=False)
+    stage = str(cfg["stage_dir"])
+    mount("tmpfs", stage, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755")
+    for name, src in cfg["stage"].items():
+        target = f"{stage}/{name}"
+        _mkdir(target) if os.path.isdir(src) else _touch(target)
+        bind(src, target)
+    dev_skeleton(f"{stage}/dev")
+    os.execvp(cfg["argv"][0], cfg["argv"])
 
 
 def _reap_forever(child: int) -> None:
@@ -385,6 +413,8 @@ def run_in_userns(cfg: dict) -> None:  # type: ignore[type-arg]
 
 
 def run(cfg: dict) -> None:  # type: ignore[type-arg]
+    if cfg.get("restore_root"):
+        restore_root(cfg)
     if cfg.get("userns"):
         run_in_userns(cfg)
     enter(cfg)

@@ -11,20 +11,27 @@ process, which file or socket). What a dump needs from the sandbox beyond ``criu
 
 A restore runs CRIU in a fresh network namespace (``criu.in_fresh_netns_argv``) and inside the new
 sandbox's cgroups (``criu.in_cgroups_argv``), on an overlay mounted on the host only for the restore.
+A sandbox in a user namespace (``userns.py``) is dumped and restored differently: ``dump(userns=True)``
+and ``restore_in_userns`` say how and why.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import re
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from aenv.agent import launch
 from aenv.runtime.ns import criu
+from aenv.runtime.ns.userns import SharedUserns
 
 DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
@@ -106,10 +113,11 @@ def reason(log: Path, limit: int = 3) -> str:
     return "; ".join(errors[-limit:]) if errors else (lines[-1].strip() if lines else "no reason logged")
 
 
-def run_criu(argv: list[str], log: Path, what: str) -> None:
-    proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
+def run_criu(argv: list[str], log: Path, what: str, pass_fds: tuple[int, ...] = ()) -> None:
+    proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False,
+                          pass_fds=pass_fds)
     if proc.returncode != 0:
-        why = reason(log) if log.exists() else (proc.stderr.strip()[-400:] or f"exit {proc.returncode}")
+        why = reason(log) if log.exists() else ((proc.stderr + proc.stdout).strip()[-400:] or f"exit {proc.returncode}")
         raise CheckpointError(f"criu {what} failed: {why}")
 
 
@@ -129,21 +137,30 @@ def kdat_cache(exe: str) -> Path | None:
     return path
 
 
-def dump(exe: str, init_pid: int, images: Path, *, freezer: Path | None, leave_running: bool = True) -> None:
-    """``criu dump`` of the tree rooted at ``init_pid`` into ``images``, its network namespace external."""
+def dump(exe: str, init_pid: int, images: Path, *, freezer: Path | None, leave_running: bool = True,
+         userns: bool = False) -> None:
+    """``criu dump`` of the tree rooted at ``init_pid`` into ``images``, its network namespace external.
+    ``userns``: a sandbox in a user namespace; its network namespace is dumped (a restored tree is
+    cloned into a new user namespace first and may not join one made outside it) and /dev is external
+    (CRIU would tar the tmpfs with the device nodes bound over it: its clean view needs a directory it
+    makes as host uid 0 in the sandbox's /tmp, which the idmapped upper refuses; a restore inside the
+    user namespace could not mknod them either)."""
     images.mkdir(parents=True, exist_ok=True)
     argv = criu.dump_argv(exe, init_pid, images, freezer=freezer, log=DUMP_LOG, leave_running=leave_running,
-                          net_inode=net_inode(init_pid))
+                          net_inode=None if userns else net_inode(init_pid), dev_external=userns)
     run_criu(criu.in_kdat_cache_argv(kdat_cache(exe), argv), images / DUMP_LOG, "dump")
 
 
 def restore(exe: str, images: Path, *, lowers: list[str], upper: Path, work: Path, merged: Path, run_dir: Path,
-            tools: Path, boot_id: Path, procs_files: list[str]) -> int:
+            tools: Path, boot_id: Path, procs_files: list[str], userns: SharedUserns | None = None) -> int:
     """``criu restore`` into a fresh network namespace and the given cgroups; returns the restored
     init's host pid. The overlay is mounted on the host only while CRIU runs (the restored tree keeps
-    its own copy in its mount namespace)."""
+    its own copy in its mount namespace). ``userns``: see ``restore_in_userns``."""
     pidfile = run_dir / "criu-restore.pid"
     log = run_dir / RESTORE_LOG
+    if userns is not None:
+        return restore_in_userns(exe, images, userns, lowers=lowers, upper=upper, work=work, merged=merged,
+                                 run_dir=run_dir, tools=tools, boot_id=boot_id, procs_files=procs_files)
     mount_overlay(criu.overlay_options(lowers, upper, work), merged)
     try:
         run_criu(criu.in_cgroups_argv(procs_files, criu.in_fresh_netns_argv(criu.restore_argv(
@@ -159,3 +176,30 @@ def mount_overlay(options: str, target: Path) -> None:
     if _libc.mount(b"overlay", os.fsencode(target), b"overlay", 0, options.encode()) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"mount overlay at {target}: {os.strerror(err)}")
+
+
+def restore_in_userns(exe: str, images: Path, userns: SharedUserns, *, lowers: list[str], upper: Path,
+                      work: Path, merged: Path, run_dir: Path, tools: Path, boot_id: Path,
+                      procs_files: list[str]) -> int:
+    """``restore`` of a user-namespaced sandbox's images (``dump(userns=True)``): CRIU makes the user
+    namespace again from the dumped map and the network namespace inside it; the launcher
+    (``launch.restore_root``) mounts the overlay over idmapped layers and a fresh /dev in a private
+    mount namespace and execs CRIU there, so nothing is mounted on the host."""
+    pidfile = run_dir / "criu-restore.pid"
+    log = run_dir / RESTORE_LOG
+    os.chown(run_dir, userns.host_uid, userns.host_uid)  # restored sockets are bound there from inside
+    fd = userns.fd()
+    stage = Path(tempfile.mkdtemp(prefix="aenv-restore-", dir=criu.KDAT_BASE))  # a tmpfs every uid can walk
+    stage.chmod(0o755)
+    argv = criu.restore_argv(exe, images, root=merged, pidfile=pidfile, tools=stage / "tools", run_dir=stage / "run",
+                             log=str(log), boot_id=stage / "boot_id", net_external=False, dev=stage / "dev")
+    cfg = {"restore_root": True, "userns": {"fd": fd, "uid": userns.host_uid}, "lowers": lowers,
+           "upper": str(upper), "work": str(work), "merged": str(merged), "argv": argv,
+           "stage_dir": str(stage), "stage": {"tools": str(tools), "run": str(run_dir), "boot_id": str(boot_id)}}
+    helper = [sys.executable, "-I", "-S", launch.__file__, json.dumps(cfg)]
+    try:
+        run_criu(criu.in_cgroups_argv(procs_files, criu.in_kdat_cache_argv(kdat_cache(exe), helper)), log,
+                 "restore", pass_fds=(fd,))
+    finally:
+        stage.rmdir()  # its mounts were in the helper's namespace only
+    return int(pidfile.read_text().strip())

@@ -66,9 +66,10 @@ class ProcImages:
         self._ready: dict[str, Path] = {}
         self._building: dict[str, asyncio.Task[None]] = {}
 
-    def enabled(self, template: SandboxImage) -> bool:
+    def enabled(self, template: SandboxImage, allow_internet: bool = False) -> bool:
+        """``allow_internet`` in a user namespace: no image (its tap cannot be dumped: ``snapshot.py``)."""
         return (os.environ.get(ENV_OFF) != "0" and self.rt.zygote is None and not template.start_cmd
-                and self.rt.snapshots.criu_status().usable)
+                and self.rt.snapshots.criu_status().usable and not (allow_internet and self.rt.userns is not None))
 
     def _key(self, template: SandboxImage, allow_internet: bool) -> str:
         return image_key(template, allow_internet, self.rt.tools, self.rt.snapshots.criu_status().exe)
@@ -77,7 +78,7 @@ class ProcImages:
                     snapshot_layers: tuple[str, ...]) -> RuntimeState | None:
         """The sandbox restored from its template's image, or None (no image yet: one is made in the
         background; the caller starts it by exec)."""
-        if not self.enabled(spec.template):
+        if not self.enabled(spec.template, spec.allow_internet):
             return None
         key = self._key(template, spec.allow_internet)
         image = self._ready.get(key)
@@ -103,7 +104,7 @@ class ProcImages:
         the live sandboxes; it runs at the pool's low CPU weight and nice, as an exec'd entry does."""
         from aenv.runtime.ns.runtime import POOL_NICE
 
-        if not self.enabled(template):
+        if not self.enabled(template, allow_internet):
             return None
         key = self._key(template, allow_internet)
         image = self._ready.get(key)
@@ -179,7 +180,7 @@ class ProcImages:
         tmp.mkdir(parents=True)
         sbx.cgroup.freeze()
         checkpoint.dump(status.exe, sbx.init.pid, tmp / CRIU_DIR, freezer=sbx.cgroup.dir("freezer"),
-                        leave_running=False)
+                        leave_running=False, userns=self.rt.userns is not None)
         copy_tree(sbx.paths.upper, tmp / UPPER)
         shutil.rmtree(dest, ignore_errors=True)
         os.rename(tmp, dest)

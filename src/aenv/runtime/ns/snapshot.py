@@ -190,11 +190,7 @@ class NsSnapshots:
 
     # -- what is possible --
     def criu_status(self) -> criu.CriuStatus:
-        status = criu.probe(settings=self.rt.settings)
-        if status.usable and self.rt.settings is not None and self.rt.settings.ns_userns_uid:  # docs/ARCHITECTURE.md, "ns user namespace"
-            return criu.CriuStatus(status.exe, status.version, False,
-                                   "off: CRIU of sandboxes in a user namespace (ns_userns_uid) is not supported yet")
-        return status
+        return criu.probe(settings=self.rt.settings)
 
     def best_mode(self, sbx: NsSandbox) -> SnapshotMode:
         return SnapshotMode.FULL if self._full_refusal(sbx) is None else SnapshotMode.FILESYSTEM
@@ -206,6 +202,9 @@ class NsSnapshots:
         status = self.criu_status()
         if not status.usable:
             return f"process snapshots need CRIU >= 4.2 ({status.reason})"
+        if self.rt.userns is not None and sbx.allow_internet:
+            return ("it has internet access and runs in a user namespace: its network namespace is dumped, "
+                    "and slirp4netns's tap cannot be (not supported yet)")
         if sbx.from_zygote:
             return ("it was started from the zygote, whose preloaded files CRIU cannot map "
                     "(AENV_NS_ZYGOTE=1 with CRIU present)")
@@ -287,7 +286,7 @@ class NsSnapshots:
         status = self.criu_status()
         assert status.exe is not None and sbx.init is not None
         checkpoint.dump(status.exe, sbx.init.pid, images, freezer=sbx.cgroup.dir("freezer"),
-                        leave_running=leave_running)
+                        leave_running=leave_running, userns=self.rt.userns is not None)
 
     def _compact(self, into: Path, snapshot_layers_top_first: list[str]) -> None:
         layers = [Path(p) for p in reversed(snapshot_layers_top_first)] + [into / ".capture"]
@@ -429,7 +428,7 @@ def restore_into(sbx: NsSandbox, spec: SandboxSpec, upper: Path | None, images: 
     cg.set_limits(spec.cpu_count, spec.memory_mb, spec.pids_limit)
     return checkpoint.restore(exe, images, lowers=sbx.lowers, upper=paths.upper, work=paths.work,
                               merged=paths.merged, run_dir=paths.run, tools=tools, boot_id=paths.boot_id,
-                              procs_files=cg.procs_files())
+                              procs_files=cg.procs_files(), userns=opts.userns if opts is not None else None)
 
 
 def _clean_capture(into: Path) -> None:
