@@ -44,12 +44,12 @@ def _maps(text: str) -> list[str]:
 
 
 async def two_children(rt: NsRuntime, settings: Settings, template: SandboxImage, sid: str, snap: Path, mode: str,
-                       children: list[str]) -> bool:
+                       children: list[str], allow_internet: bool = False) -> bool:
     """Snapshot ``sid`` into ``snap`` and start two children from it at once, as a fork does (their IDs
     go into ``children``); whether the snapshot had the mode asked for."""
     snap.mkdir()
     result = await rt.snapshot(sid, snap, mode)  # type: ignore[arg-type]
-    specs = [spec_for(settings, template) for _ in range(2)]
+    specs = [spec_for(settings, template, allow_internet=allow_internet) for _ in range(2)]
     children += [s.sandbox_id for s in specs]
     await asyncio.gather(*(rt.create_from_snapshot(s, snap, result) for s in specs))
     return bool(result.mode == mode)
@@ -175,11 +175,22 @@ async def test_filesystem_fork_child_has_the_mapping(rt: NsRuntime, settings: Se
 
 @pytest.mark.skipif(not slirp_available(), reason="needs slirp4netns and iptables")
 async def test_internet_sandbox_gets_its_tap_in_the_namespace(rt: NsRuntime, settings: Settings,
-                                                              template: SandboxImage) -> None:
+                                                              template: SandboxImage, tmp_path: Path) -> None:
     spec = spec_for(settings, template, allow_internet=True)
     await rt.create(spec)
+    children: list[str] = []
     try:
         out = await sh(rt, spec.sandbox_id, "cat /proc/self/uid_map; ip -o addr show tap0")
         assert _maps(out)[0] == MAP and "10.0.2.100/24" in out
+        if not criu.probe().usable:
+            return
+        # a process fork dumps the network namespace: the tap (slirp4netns's) is set aside for the dump
+        # and comes back configured; each child gets a tap of its own
+        assert await two_children(rt, settings, template, spec.sandbox_id, tmp_path / "full", "full", children,
+                                  allow_internet=True)
+        for sid in (spec.sandbox_id, *children):
+            out = await sh(rt, sid, "cat /proc/self/uid_map; ip -o addr show tap0; ip route")
+            assert _maps(out)[0] == MAP and "10.0.2.100/24" in out and "default via 10.0.2.2 dev tap0" in out, sid
     finally:
-        await rt.kill(spec.sandbox_id)
+        for sid in [spec.sandbox_id, *children]:
+            await rt.kill(sid)

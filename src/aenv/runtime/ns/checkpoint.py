@@ -26,10 +26,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from aenv.agent import launch
+from aenv.runtime.network import SLIRP_GATEWAY
 from aenv.runtime.ns import criu
 from aenv.runtime.ns.userns import SharedUserns
 
@@ -148,7 +149,42 @@ def dump(exe: str, init_pid: int, images: Path, *, freezer: Path | None, leave_r
     images.mkdir(parents=True, exist_ok=True)
     argv = criu.dump_argv(exe, init_pid, images, freezer=freezer, log=DUMP_LOG, leave_running=leave_running,
                           net_inode=None if userns else net_inode(init_pid), dev_external=userns)
-    run_criu(criu.in_kdat_cache_argv(kdat_cache(exe), argv), images / DUMP_LOG, "dump")
+    with _tap_set_aside(init_pid, back=leave_running) if userns else contextlib.nullcontext():
+        run_criu(criu.in_kdat_cache_argv(kdat_cache(exe), argv), images / DUMP_LOG, "dump")
+
+
+TAP = "tap0"  # what slirp4netns makes in an internet sandbox (runtime/network.py)
+TAP_ADDR = "10.0.2.100/24"  # and how it configures it (slirp4netns --configure)
+
+
+def _ip(pid: int, *args: str) -> None:
+    subprocess.run(["nsenter", "-t", str(pid), "-n", "ip", *args], check=True, capture_output=True)
+
+
+@contextlib.contextmanager
+def _tap_set_aside(init_pid: int, back: bool) -> Iterator[None]:
+    """An internet sandbox's tap out of its network namespace while CRIU dumps that (the tap's fd is
+    slirp4netns's, so CRIU cannot dump it), then (``back``: the tree runs on) back with slirp4netns's
+    configuration: moved, slirp keeps its fd; otherwise deleted. Aside it sits down and without an
+    address in the server's namespace under a name of its own; the sandbox is frozen meanwhile. Each
+    restore gets a tap of its own from a new slirp4netns (``NsRuntime.attach_restored``)."""
+    with open(f"/proc/{init_pid}/net/dev") as fh:
+        has_tap = any(line.split(":", 1)[0].strip() == TAP for line in fh.read().splitlines()[2:])
+    if not has_tap:
+        yield
+        return
+    aside = f"aenv{init_pid:x}"[:15]
+    _ip(init_pid, "link", "set", TAP, "netns", str(os.getpid()), "name", aside)
+    try:
+        yield
+    finally:
+        if not back or not os.path.exists(f"/proc/{init_pid}"):
+            _ip(os.getpid(), "link", "del", aside)
+        else:
+            _ip(os.getpid(), "link", "set", aside, "netns", str(init_pid), "name", TAP)
+            _ip(init_pid, "addr", "add", TAP_ADDR, "dev", TAP)
+            _ip(init_pid, "link", "set", TAP, "up")
+            _ip(init_pid, "route", "add", "default", "via", SLIRP_GATEWAY, "dev", TAP)
 
 
 def restore(exe: str, images: Path, *, lowers: list[str], upper: Path, work: Path, merged: Path, run_dir: Path,

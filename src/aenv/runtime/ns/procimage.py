@@ -66,10 +66,9 @@ class ProcImages:
         self._ready: dict[str, Path] = {}
         self._building: dict[str, asyncio.Task[None]] = {}
 
-    def enabled(self, template: SandboxImage, allow_internet: bool = False) -> bool:
-        """``allow_internet`` in a user namespace: no image (its tap cannot be dumped: ``snapshot.py``)."""
+    def enabled(self, template: SandboxImage) -> bool:
         return (os.environ.get(ENV_OFF) != "0" and self.rt.zygote is None and not template.start_cmd
-                and self.rt.snapshots.criu_status().usable and not (allow_internet and self.rt.userns is not None))
+                and self.rt.snapshots.criu_status().usable)
 
     def _key(self, template: SandboxImage, allow_internet: bool) -> str:
         return image_key(template, allow_internet, self.rt.tools, self.rt.snapshots.criu_status().exe)
@@ -78,7 +77,7 @@ class ProcImages:
                     snapshot_layers: tuple[str, ...]) -> RuntimeState | None:
         """The sandbox restored from its template's image, or None (no image yet: one is made in the
         background; the caller starts it by exec)."""
-        if not self.enabled(spec.template, spec.allow_internet):
+        if not self.enabled(spec.template):
             return None
         key = self._key(template, spec.allow_internet)
         image = self._ready.get(key)
@@ -104,7 +103,7 @@ class ProcImages:
         the live sandboxes; it runs at the pool's low CPU weight and nice, as an exec'd entry does."""
         from aenv.runtime.ns.runtime import POOL_NICE
 
-        if not self.enabled(template, allow_internet):
+        if not self.enabled(template):
             return None
         key = self._key(template, allow_internet)
         image = self._ready.get(key)

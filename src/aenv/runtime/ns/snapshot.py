@@ -202,9 +202,6 @@ class NsSnapshots:
         status = self.criu_status()
         if not status.usable:
             return f"process snapshots need CRIU >= 4.2 ({status.reason})"
-        if self.rt.userns is not None and sbx.allow_internet:
-            return ("it has internet access and runs in a user namespace: its network namespace is dumped, "
-                    "and slirp4netns's tap cannot be (not supported yet)")
         if sbx.from_zygote:
             return ("it was started from the zygote, whose preloaded files CRIU cannot map "
                     "(AENV_NS_ZYGOTE=1 with CRIU present)")
