@@ -60,6 +60,7 @@ def _upper(rt: NsRuntime, sid: str) -> Path:
 
 
 async def test_root_and_user_are_shifted_host_uids(rt: NsRuntime, settings: Settings, template: SandboxImage) -> None:
+    assert f"user namespace (uids 0-65535 are host {BASE}.." in rt.capabilities()["isolation"]
     spec = spec_for(settings, template)
     state = await rt.create(spec)
     try:

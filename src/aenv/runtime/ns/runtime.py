@@ -440,10 +440,12 @@ class NsRuntime:
     def capabilities(self) -> dict[str, Any]:
         status = self.snapshots.criu_status()
         process = "filesystem+processes (criu)" if status.usable and self.zygote is None else "filesystem"
+        user = (f"user namespace (uids 0-65535 are host {self.userns.host_uid}.., shared by all sandboxes)"
+                if self.userns is not None else "no user namespace")
         return {
             "runtime": "ns",
             "isolation": "namespaces (pid, mount, uts, ipc, net) + cgroups + capability bounding set; "
-                         "seccomp (Docker's default profile); no user namespace: weaker than vm",
+                         f"seccomp (Docker's default profile); {user}: weaker than vm",
             "cgroups": f"v{self.layout.version}" if self.layout else "unknown",
             "pause": "freezer, released to disk with CRIU after ns_release_paused_after s; "
                      "files only: processes end, cold start on resume",
