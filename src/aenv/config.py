@@ -81,6 +81,9 @@ class Settings(BaseModel):
     ns_criu: Path | None = Field(
         None, description="ns: the CRIU (>= 4.2) for process snapshots; unset = AENV_CRIU, else <cache_dir>/criu/current/criu (scripts/build-criu.sh), else criu on PATH"
     )
+    ns_userns_uid: int = Field(
+        0, ge=0, description="ns: run sandboxes in a user namespace whose uids/gids 0-65535 are host uids from this one (one range for all sandboxes, files on disk keep their owners); 0 = none"
+    )
     ns_release_paused_after: float = Field(
         300.0, ge=0, description="ns: seconds a sandbox stays paused (frozen) before its processes are saved to disk with CRIU and end; resume restores them (0 = at once; needs CRIU, else it stays frozen)"
     )

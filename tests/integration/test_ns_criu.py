@@ -149,9 +149,14 @@ def test_rollback_brings_processes_back(server: Server, owned: list[str]) -> Non
     assert sbx.commands.run("test -e /tmp/later || echo gone").stdout == "gone\n"
     # CRIU restores the host bind mounts writable; ro_remount.py makes them read-only again before the
     # restored tree resumes: sandbox root must not touch the host's /dev/null or the shared tools
+    # (in a user namespace, ns_userns_uid, the host-owned boot id file is refused before: EACCES)
     for attempt in ("touch -m /dev/null", "touch /.aenv/x", "touch /proc/sys/kernel/random/boot_id"):
         out = sbx.commands.run(f"{attempt} 2>&1; echo rc=$?", user="root").stdout
-        assert "Read-only file system" in out and out.endswith("rc=1\n"), (attempt, out)
+        refused = "Read-only file system" in out or ("boot_id" in attempt and "Permission denied" in out)
+        assert refused and out.endswith("rc=1\n"), (attempt, out)
+    mounts = [line.split() for line in sbx.commands.run("cat /proc/self/mountinfo").stdout.splitlines()]
+    for point in ("/dev/null", "/.aenv", "/proc/sys/kernel/random/boot_id"):
+        assert next(f[5] for f in mounts if f[4] == point).split(",")[0] == "ro", point
 
 
 def test_pause_restart_resume_keeps_processes(tmp_path: Path, e2b_env: dict[str, str],

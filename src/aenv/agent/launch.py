@@ -20,6 +20,11 @@ must import nothing but the stdlib. Steps, in the order CRIU and isolation need 
 
 Everything is mounted inside the private mount namespace: nothing appears on the host, so a crash
 leaves no mount behind. Any failure is reported as one JSON line ``{"error": ...}`` on stdout.
+
+With a user namespace (``cfg["userns"]``, ``run_in_userns``) the server runs this file directly and it
+does stage 1's job itself, in another order: the root is built first, as host root over idmapped
+layers (``idmap.py``), then the user namespace is joined and the other namespaces are created in it
+(CRIU needs them owned by it), and the fork's parent stays behind to reap the init.
 """
 
 from __future__ import annotations
@@ -33,15 +38,20 @@ import struct
 import sys
 
 try:  # the zygote imports us as a module ...
-    from aenv.agent import syscall_filter
-except ImportError:  # ... the plain path runs us as a script in isolated mode: load it from beside us
+    from aenv.agent import idmap, syscall_filter
+except ImportError:  # ... the plain path runs us as a script in isolated mode: load them from beside us
     import importlib.util
 
-    _spec = importlib.util.spec_from_file_location(
-        "aenv_syscall_filter", os.path.join(os.path.dirname(os.path.abspath(__file__)), "syscall_filter.py"))
-    assert _spec is not None and _spec.loader is not None
-    syscall_filter = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(syscall_filter)
+    def _beside(name: str):  # type: ignore[no-untyped-def]
+        spec = importlib.util.spec_from_file_location(
+            f"aenv_{name}", os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py"))
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    syscall_filter = _beside("syscall_filter")
+    idmap = _beside("idmap")
 
 MS_RDONLY = 0x1
 MS_NOSUID = 0x2
@@ -142,36 +152,43 @@ def harden_proc(proc: str) -> None:
             bind("/dev/null", path, readonly=True)  # read-only: it is the host's /dev/null inode
 
 
-def setup_dev(root: str) -> None:
-    dev = f"{root}/dev"
+def dev_skeleton(dev: str) -> None:
+    """A tmpfs at ``dev`` with the files, directories and links of the sandbox's /dev (no mounts)."""
     _mkdir(dev)
     mount("tmpfs", dev, "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=755,size=65536k")
     for name in DEV_NODES:
         _touch(f"{dev}/{name}")
-        # Read-only bind: the node is the host's own inode, and sandbox root owns it (no user
-        # namespace), so a writable bind would let it chmod/chown/utime the host's /dev/null.
-        # I/O on a device node is not affected by a read-only mount.
-        bind(f"/dev/{name}", f"{dev}/{name}", readonly=True)
     _mkdir(f"{dev}/pts")
-    mount("devpts", f"{dev}/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620")
     os.symlink("pts/ptmx", f"{dev}/ptmx")
     _mkdir(f"{dev}/shm", 0o1777)
-    mount("shm", f"{dev}/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=65536k")
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
                          ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
         os.symlink(target, f"{dev}/{name}")
 
 
-def build_root(cfg: dict) -> str:  # type: ignore[type-arg]
-    root = str(cfg["merged"])
-    mount("none", "/", None, MS_REC | MS_PRIVATE)
-    _mkdir(root)
-    mount("overlay", root, "overlay", 0, overlay_options(cfg["lowers"], cfg["upper"], cfg["work"]))
+def setup_dev(root: str) -> None:
+    dev = f"{root}/dev"
+    dev_skeleton(dev)
+    for name in DEV_NODES:
+        # Read-only bind: the node is the host's own inode, and sandbox root owns it (no user
+        # namespace), so a writable bind would let it chmod/chown/utime the host's /dev/null.
+        # I/O on a device node is not affected by a read-only mount.
+        bind(f"/dev/{name}", f"{dev}/{name}", readonly=True)
+    mount("devpts", f"{dev}/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620")
+    mount("shm", f"{dev}/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=65536k")
+
+
+def mount_proc(root: str, boot_id: str | None) -> None:
+    """/proc of the sandbox's PID namespace (mounted by a process in it), hardened, its own boot id."""
     _mkdir(f"{root}/proc")
     mount("proc", f"{root}/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     harden_proc(f"{root}/proc")
-    if cfg.get("boot_id"):
-        bind(cfg["boot_id"], f"{root}/proc/{BOOT_ID}", readonly=True, extra=MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    if boot_id:
+        bind(boot_id, f"{root}/proc/{BOOT_ID}", readonly=True, extra=MS_NOSUID | MS_NODEV | MS_NOEXEC)
+
+
+def populate_root(root: str, cfg: dict) -> None:  # type: ignore[type-arg]
+    """Everything of the root but the overlay and /proc: /dev, /tmp, the tools and channel binds, resolv.conf."""
     setup_dev(root)
     _mkdir(f"{root}/tmp", 0o1777)
     _mkdir(f"{root}/.aenv")
@@ -185,6 +202,15 @@ def build_root(cfg: dict) -> str:  # type: ignore[type-arg]
             os.unlink(path)
         with open(path, "w") as fh:
             fh.write(cfg["resolv_conf"])
+
+
+def build_root(cfg: dict) -> str:  # type: ignore[type-arg]
+    root = str(cfg["merged"])
+    mount("none", "/", None, MS_REC | MS_PRIVATE)
+    _mkdir(root)
+    mount("overlay", root, "overlay", 0, overlay_options(cfg["lowers"], cfg["upper"], cfg["work"]))
+    mount_proc(root, cfg.get("boot_id"))
+    populate_root(root, cfg)
     return root
 
 
@@ -255,6 +281,11 @@ def enter(cfg: dict) -> None:  # type: ignore[type-arg]
     _check(_libc.sethostname(hostname, len(hostname)), "sethostname")
     loopback_up()
     pivot(root)
+    _contain_and_report(cfg, pid, start)
+
+
+def _contain_and_report(cfg: dict, pid: int, start: int) -> None:  # type: ignore[type-arg]
+    """Step 6 and the report: after pivot_root, in the sandbox's final namespaces."""
     drop_capabilities()
     if cfg.get("seccomp", True):
         syscall_filter.install(no_new_privs=bool(cfg.get("no_new_privs", False)))
@@ -269,7 +300,126 @@ def enter(cfg: dict) -> None:  # type: ignore[type-arg]
     os.dup2(log, 2)
 
 
+def _build_idmapped_root(cfg: dict, userns_fd: int, host_uid: int, *,  # type: ignore[type-arg]
+                         populate: bool = True) -> str:
+    """Steps 3 without /proc, as host root in a private mount namespace: each lower and the upper's
+    directory bound idmapped under a tmpfs of the sandbox directory (``idmap.py``), the overlay over
+    them and (``populate``) the rest of the root made as the sandbox's root."""
+    root, upper, work = str(cfg["merged"]), str(cfg["upper"]), str(cfg["work"])
+    if os.path.dirname(upper) != os.path.dirname(work):
+        raise ValueError("upper and work must share a directory (overlayfs wants them on one mount)")
+    mount("none", "/", None, MS_REC | MS_PRIVATE)
+    layers = os.path.join(os.path.dirname(upper), "idmapped")
+    _mkdir(layers, 0o700)
+    mount("tmpfs", layers, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=700")
+    lowers = []
+    for i, lower in enumerate(cfg["lowers"]):
+        idmap.idmapped_bind(lower, f"{layers}/{i}", userns_fd)
+        lowers.append(f"{layers}/{i}")
+    idmap.idmapped_bind(os.path.dirname(upper), f"{layers}/rw", userns_fd)
+    _mkdir(root)
+    with idmap.as_sandbox_root(host_uid):
+        rw = f"{layers}/rw"
+        mount("overlay", root, "overlay", 0, overlay_options(
+            lowers, f"{rw}/{os.path.basename(upper)}", f"{rw}/{os.path.basename(work)}"))
+        if populate:
+            _mkdir(f"{root}/proc")
+            populate_root(root, cfg)
+    return root
+
+
+def restore_root(cfg: dict) -> None:  # type: ignore[type-arg]
+    """What a CRIU restore of a user-namespaced sandbox needs (``checkpoint.restore_in_userns``), then
+    exec CRIU (``cfg["argv"]``), all in a private mount namespace: the root overlay as
+    ``_build_idmapped_root`` mounts it, and the external mounts' sources staged in ``cfg["stage_dir"]``
+    (an empty directory any uid can walk to: CRIU opens them from inside the new user namespace, where
+    the 0700 state directory cannot be walked), on a tmpfs: ``cfg["stage"]`` (name -> host path) bound
+    there, a fresh /dev as ``dev``; then each of ``cfg["read_only"]`` (path, MS_* flags) bound
+    read-only over itself (what ``criu.in_fresh_netns_argv`` does on the plain path)."""
+    if _libc.unshare(CLONE_NEWNS) != 0:
+        _check(-1, "unshare mount namespace")
+    _build_idmapped_root(cfg, int(cfg["userns"]["fd"]), int(cfg["userns"]["uid"]), populate=False)
+    stage = str(cfg["stage_dir"])
+    mount("tmpfs", stage, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755")
+    for name, src in cfg["stage"].items():
+        target = f"{stage}/{name}"
+        _mkdir(target) if os.path.isdir(src) else _touch(target)
+        bind(src, target)
+    dev_skeleton(f"{stage}/dev")
+    for src, flags in cfg.get("read_only", ()):  # criu.read_only_sources: every restored host bind born read-only
+        bind(src, src, readonly=True, extra=int(flags))
+    os.execvp(cfg["argv"][0], cfg["argv"])
+
+
+def _reap_forever(child: int) -> None:
+    """Stage 1's last job (what ``unshare --fork`` does on the plain path): wait for the sandbox's
+    init and exit with its status, holding no capability and no fd of the host."""
+    null = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    if null > 2:
+        os.close(null)
+    header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+    _check(_libc.capset(ctypes.byref(header), (_CapData * 2)()), "capset")
+    while True:
+        pid, status = os.waitpid(-1, 0)
+        if pid == child:
+            os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+
+
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = (
+    0x00020000, 0x04000000, 0x08000000, 0x20000000, 0x40000000)
+
+
+def run_in_userns(cfg: dict) -> None:  # type: ignore[type-arg]
+    """The whole start with a user namespace (``cfg["userns"]``: an inherited fd of it and the host
+    uid its root maps to). The server runs us directly, not under ``unshare``: the mounts need host
+    root, and CRIU can only dump a tree whose user namespace owns its other namespaces, so we build
+    the root first, join the user namespace, then create the others in it and fork the sandbox's
+    init, staying behind to reap it. Host paths are reached before joining (the sandbox directory is
+    0700 host root): the root by the working directory, the cgroups and boot id by open fds."""
+    userns_fd, host_uid = int(cfg["userns"]["fd"]), int(cfg["userns"]["uid"])
+    if _libc.unshare(CLONE_NEWNS) != 0:
+        _check(-1, "unshare mount namespace")
+    procs = [os.open(path, os.O_WRONLY | os.O_CLOEXEC) for path in cfg["cgroup_procs"]]
+    # a detached copy of the boot id's mount: a bind from a path or fd of this mount namespace would
+    # be refused in the sandbox's (EINVAL), attaching a detached tree is not
+    boot_id = idmap.clone_tree(cfg["boot_id"]) if cfg.get("boot_id") else None
+    os.chdir(_build_idmapped_root(cfg, userns_fd, host_uid))
+    idmap.join(userns_fd)
+    os.close(userns_fd)
+    if _libc.unshare(CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWPID | CLONE_NEWNET) != 0:
+        _check(-1, "unshare namespaces")
+    hostname = cfg.get("hostname", "aenv").encode()
+    _check(_libc.sethostname(hostname, len(hostname)), "sethostname")
+    loopback_up()
+    child = os.fork()
+    if child:
+        for fd in [*procs, *([boot_id] if boot_id is not None else [])]:
+            os.close(fd)
+        _reap_forever(child)
+    for fd in procs:  # "0" = ourselves, as in join_cgroups; the fds carry the host's permission
+        os.write(fd, b"0")
+        os.close(fd)
+    if cfg.get("nice"):
+        os.nice(int(cfg["nice"]))
+    pid, start = host_identity()  # the host's /proc is still mounted beside ours
+    mount_proc(".", None)
+    if boot_id is not None:
+        idmap.attach(boot_id, f"proc/{BOOT_ID}")
+        mount("none", f"proc/{BOOT_ID}", None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    idmap.rebind_root()
+    pivot(".")
+    _contain_and_report(cfg, pid, start)
+    argv = cfg["argv"]
+    os.execve(argv[0], argv, cfg.get("env", {}))
+
+
 def run(cfg: dict) -> None:  # type: ignore[type-arg]
+    if cfg.get("restore_root"):
+        restore_root(cfg)
+    if cfg.get("userns"):
+        run_in_userns(cfg)
     enter(cfg)
     argv = cfg["argv"]
     os.execve(argv[0], argv, cfg.get("env", {}))

@@ -12,20 +12,28 @@ process, which file or socket). What a dump needs from the sandbox beyond ``criu
 A restore runs CRIU in a fresh network namespace and a private mount namespace where the sources of
 the host binds are read-only (``criu.in_fresh_netns_argv``), inside the new sandbox's cgroups
 (``criu.in_cgroups_argv``), on an overlay mounted on the host only for the restore.
+A sandbox in a user namespace (``userns.py``) is dumped and restored differently: ``dump(userns=True)``
+and ``restore_in_userns`` say how and why.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import re
 import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from aenv.agent import launch
+from aenv.runtime.network import SLIRP_GATEWAY
 from aenv.runtime.ns import criu
+from aenv.runtime.ns.userns import SharedUserns
 
 DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
@@ -114,12 +122,15 @@ def reason(log: Path, limit: int = 3) -> str:
     return "; ".join(errors[-limit:]) if errors else (lines[-1].strip() if lines else "no reason logged")
 
 
-def run_criu(argv: list[str], log: Path, what: str, on_ready: Callable[[int], None] | None = None) -> None:
+def run_criu(argv: list[str], log: Path, what: str, on_ready: Callable[[int], None] | None = None,
+             pass_fds: tuple[int, ...] = ()) -> None:
     """Run CRIU (``argv``: CRIU behind its wrappers). ``on_ready``: called with the wrapper's pid once
     it prints ``criu.READY`` (its namespaces made; it waits for our go-ahead on stdin, then CRIU
-    starts in the same process); if the call fails, CRIU is killed and the call's error raised."""
+    starts in the same process); if the call fails, CRIU is killed and the call's error raised.
+    ``pass_fds``: fds the wrapper inherits (the user namespace's, ``restore_in_userns``)."""
     stdin = subprocess.PIPE if on_ready is not None else subprocess.DEVNULL
-    proc = subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            pass_fds=pass_fds)
     try:
         if on_ready is not None:
             assert proc.stdout is not None and proc.stdin is not None
@@ -129,7 +140,7 @@ def run_criu(argv: list[str], log: Path, what: str, on_ready: Callable[[int], No
                 proc.stdin.write("go\n")
                 proc.stdin.close()
             proc.stdin = None  # communicate() must not touch it again
-        _, err = proc.communicate()
+        out, err = proc.communicate()
     except BaseException:
         proc.kill()
         proc.wait()  # not communicate(): a half-restored task may hold the pipes (its cgroup's teardown ends it)
@@ -139,7 +150,8 @@ def run_criu(argv: list[str], log: Path, what: str, on_ready: Callable[[int], No
                     pipe.close()
         raise
     if proc.returncode != 0:
-        why = reason(log) if log.exists() else (err.strip()[-400:] or f"exit {proc.returncode}")
+        # stdout too: the user namespace's launcher (launch.restore_root) reports its failure there
+        why = reason(log) if log.exists() else ((err.strip() or out.strip())[-400:] or f"exit {proc.returncode}")
         raise CheckpointError(f"criu {what} failed: {why}")
 
 
@@ -159,24 +171,78 @@ def kdat_cache(exe: str) -> Path | None:
     return path
 
 
-def dump(exe: str, init_pid: int, images: Path, *, freezer: Path | None, leave_running: bool = True) -> None:
+def dump(exe: str, init_pid: int, images: Path, *, freezer: Path | None, leave_running: bool = True,
+         userns: bool = False) -> None:
     """``criu dump`` of the tree rooted at ``init_pid`` into ``images``, CRIU run in the tree's own
-    network namespace (``criu.in_netns_of_argv``): the namespace is then not one to dump at all."""
+    network namespace (``criu.in_netns_of_argv``): the namespace is then not one to dump at all.
+    ``userns``: a sandbox in a user namespace; its network namespace is dumped, CRIU run in the
+    server's (a restored tree is cloned into a new user namespace first and may not join one made
+    outside it, so a restore cannot put it in CRIU's), and /dev is external (CRIU would tar the tmpfs
+    with the device nodes bound over it: its clean view needs a directory it makes as host uid 0 in
+    the sandbox's /tmp, which the idmapped upper refuses; a restore inside the user namespace could
+    not mknod them either)."""
     images.mkdir(parents=True, exist_ok=True)
+    if userns:
+        argv = criu.dump_argv(exe, init_pid, images, freezer=freezer, log=DUMP_LOG, leave_running=leave_running,
+                              dev_external=True)
+        with _tap_set_aside(init_pid, back=leave_running):
+            run_criu(criu.in_kdat_cache_argv(kdat_cache(exe), argv), images / DUMP_LOG, "dump")
+        return
     argv = criu.dump_argv(exe, init_pid, images, freezer=freezer, log=DUMP_LOG, leave_running=leave_running)
     run_criu(criu.in_netns_of_argv(init_pid, criu.in_kdat_cache_argv(kdat_cache(exe), argv)), images / DUMP_LOG,
              "dump")
 
 
+TAP = "tap0"  # what slirp4netns makes in an internet sandbox (runtime/network.py)
+TAP_ADDR = "10.0.2.100/24"  # and how it configures it (slirp4netns --configure)
+
+
+def _ip(pid: int, *args: str) -> None:
+    subprocess.run(["nsenter", "-t", str(pid), "-n", "ip", *args], check=True, capture_output=True)
+
+
+@contextlib.contextmanager
+def _tap_set_aside(init_pid: int, back: bool) -> Iterator[None]:
+    """An internet sandbox's tap out of its network namespace while CRIU dumps that (the tap's fd is
+    slirp4netns's, so CRIU cannot dump it), then (``back``: the tree runs on) back with slirp4netns's
+    configuration: moved, slirp keeps its fd; otherwise deleted. Aside it sits down and without an
+    address in the server's namespace under a name of its own; the sandbox is frozen meanwhile. Each
+    restore gets a tap of its own from a new slirp4netns (``NsRuntime.attach_restored``)."""
+    with open(f"/proc/{init_pid}/net/dev") as fh:
+        has_tap = any(line.split(":", 1)[0].strip() == TAP for line in fh.read().splitlines()[2:])
+    if not has_tap:
+        yield
+        return
+    aside = f"aenv{init_pid:x}"[:15]
+    _ip(init_pid, "link", "set", TAP, "netns", str(os.getpid()), "name", aside)
+    try:
+        yield
+    finally:
+        if not back or not os.path.exists(f"/proc/{init_pid}"):
+            _ip(os.getpid(), "link", "del", aside)
+        else:
+            _ip(os.getpid(), "link", "set", aside, "netns", str(init_pid), "name", TAP)
+            _ip(init_pid, "addr", "add", TAP_ADDR, "dev", TAP)
+            _ip(init_pid, "link", "set", TAP, "up")
+            _ip(init_pid, "route", "add", "default", "via", SLIRP_GATEWAY, "dev", TAP)
+
+
 def restore(exe: str, images: Path, *, lowers: list[str], upper: Path, work: Path, merged: Path, run_dir: Path,
-            tools: Path, boot_id: Path, procs_files: list[str], on_netns: Callable[[int], None] | None = None) -> int:
+            tools: Path, boot_id: Path, procs_files: list[str], on_netns: Callable[[int], None] | None = None,
+            userns: SharedUserns | None = None) -> int:
     """``criu restore`` into a fresh network namespace and the given cgroups; returns the restored
     init's host pid. The overlay is mounted on the host only while CRIU runs (the restored tree keeps
     its own copy in its mount namespace). ``on_netns``: called with a pid in the fresh network
     namespace while CRIU restores into it (nothing restored runs before CRIU ends), e.g. to write
-    its filter meanwhile; an error there fails the restore."""
+    its filter meanwhile; an error there fails the restore. ``userns``: see ``restore_in_userns``
+    (``on_netns`` must be None there: the network namespace is the image's, made by CRIU)."""
     pidfile = run_dir / "criu-restore.pid"
     log = run_dir / RESTORE_LOG
+    if userns is not None:
+        if on_netns is not None:
+            raise ValueError("a restore in a user namespace has no fresh network namespace to hand out")
+        return restore_in_userns(exe, images, userns, lowers=lowers, upper=upper, work=work, merged=merged,
+                                 run_dir=run_dir, tools=tools, boot_id=boot_id, procs_files=procs_files)
     mount_overlay(criu.overlay_options(lowers, upper, work), merged)
     try:
         masked = criu.masked_here()
@@ -195,3 +261,37 @@ def mount_overlay(options: str, target: Path) -> None:
     if _libc.mount(b"overlay", os.fsencode(target), b"overlay", 0, options.encode()) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"mount overlay at {target}: {os.strerror(err)}")
+
+
+def restore_in_userns(exe: str, images: Path, userns: SharedUserns, *, lowers: list[str], upper: Path,
+                      work: Path, merged: Path, run_dir: Path, tools: Path, boot_id: Path,
+                      procs_files: list[str]) -> int:
+    """``restore`` of a user-namespaced sandbox's images (``dump(userns=True)``): CRIU makes the user
+    namespace again from the dumped map and the network namespace inside it; the launcher
+    (``launch.restore_root``) mounts the overlay over idmapped layers and a fresh /dev in a private
+    mount namespace and execs CRIU there, so nothing is mounted on the host. As on the plain path,
+    the sources of the read-only host binds are bound read-only over themselves there first
+    (``criu.read_only_sources``, the staged ones by their staged paths): every restored bind is born
+    read-only, and the action script only checks so at pre-resume. The filter of an internet sandbox
+    goes in after CRIU, before slirp4netns gives it a tap (``NsRuntime.filter_while_restoring``)."""
+    pidfile = run_dir / "criu-restore.pid"
+    log = run_dir / RESTORE_LOG
+    os.chown(run_dir, userns.host_uid, userns.host_uid)  # restored sockets are bound there from inside
+    fd = userns.fd()
+    stage = Path(tempfile.mkdtemp(prefix="aenv-restore-", dir=criu.KDAT_BASE))  # a tmpfs every uid can walk
+    stage.chmod(0o755)
+    masked = criu.masked_here()
+    argv = criu.restore_argv(exe, images, root=merged, pidfile=pidfile, tools=stage / "tools", run_dir=stage / "run",
+                             log=str(log), boot_id=stage / "boot_id", masked=masked, net_external=False,
+                             dev=stage / "dev")
+    cfg = {"restore_root": True, "userns": {"fd": fd, "uid": userns.host_uid}, "lowers": lowers,
+           "upper": str(upper), "work": str(work), "merged": str(merged), "argv": argv,
+           "stage_dir": str(stage), "stage": {"tools": str(tools), "run": str(run_dir), "boot_id": str(boot_id)},
+           "read_only": criu.read_only_sources(stage / "tools", stage / "boot_id", masked)}
+    helper = [sys.executable, "-I", "-S", launch.__file__, json.dumps(cfg)]
+    try:
+        run_criu(criu.in_cgroups_argv(procs_files, criu.in_kdat_cache_argv(kdat_cache(exe), helper)), log,
+                 "restore", pass_fds=(fd,))
+    finally:
+        stage.rmdir()  # its mounts were in the helper's namespace only
+    return int(pidfile.read_text().strip())

@@ -67,6 +67,7 @@ EXT_RUN = "aenv-run"
 EXT_NET = "aenv-net"  # the sandbox's network namespace: never dumped, a fresh one at each restore
 NET_FD = 3  # where the restore wrapper opens that fresh namespace for --inherit-fd
 CACHE_SUBPATH = ("criu", "current", "criu")  # under the cache dir: what scripts/build-criu.sh leaves
+EXT_DEV = "aenv-dev"  # a user-namespaced sandbox's /dev tmpfs: external, a fresh one at each restore
 EXT_BOOT_ID = "aenv-boot-id"  # the sandbox's own boot id file (agent/launch.py); a restore gets a new one
 BOOT_ID_MOUNT = "/proc/sys/kernel/random/boot_id"
 KDAT_BASE = Path("/dev/shm")  # a tmpfs on any Linux host: CRIU keeps its kernel probe only on one
@@ -189,16 +190,19 @@ def _externals_restore(tools: Path, run_dir: Path, boot_id: Path | None, masked:
 
 def dump_argv(exe: str, pid: int, images: Path, *, freezer: Path | None, log: str = "dump.log",
               leave_running: bool = True, net_inode: int | None = None,
-              masked: Sequence[str] | None = None) -> list[str]:
+              masked: Sequence[str] | None = None, dev_external: bool = False) -> list[str]:
     """``criu dump`` of the process tree rooted at the sandbox init (host ``pid``).
 
     ``freezer``: the sandbox's freezer cgroup dir; the caller freezes it first so the tree is
     consistent with the upper copied right after, and CRIU then leaves it frozen. ``net_inode``: the
     inode of the sandbox's network namespace, dumped as external. ``masked``: the /proc files the
-    sandbox has masked (those that exist on this host: ``launch.harden_proc``)."""
+    sandbox has masked (those that exist on this host: ``launch.harden_proc``). ``dev_external``: a
+    sandbox in a user namespace, whose /dev a restore cannot rebuild (see ``checkpoint.py``)."""
     argv = [exe, "dump", "-t", str(pid), "-D", str(images), "-o", log, "-v2", "--network-lock", "skip",
             "--tcp-established", "--ext-unix-sk", "--file-locks", "--manage-cgroups=ignore",
             *_externals_dump(masked_here() if masked is None else masked, net_inode)]
+    if dev_external:
+        argv += ["--external", f"mnt[/dev]:{EXT_DEV}"]
     if freezer is not None:
         argv += ["--freeze-cgroup", str(freezer)]
     if leave_running:
@@ -309,13 +313,17 @@ def ro_remount_action(masked: Sequence[str], base: Path = KDAT_BASE) -> str:
 
 def restore_argv(exe: str, images: Path, *, root: Path, pidfile: Path, tools: Path, run_dir: Path,
                  log: str = "restore.log", extra: Sequence[str] = (), boot_id: Path | None = None,
-                 masked: Sequence[str] | None = None, net_external: bool = True) -> list[str]:
+                 masked: Sequence[str] | None = None, net_external: bool = True,
+                 dev: Path | None = None) -> list[str]:
     """``criu restore`` detached into ``root`` (a fresh overlay whose upper is a copy taken at dump
     time). Each restore gets a new pid namespace, so N restores of one image run side by side.
     ``boot_id``: the new sandbox's boot id file, bound where the dumped one was. ``net_external``:
     the image's network namespace was external; the restored tree joins the one open at ``NET_FD``
-    (``in_fresh_netns_argv``)."""
+    (``in_fresh_netns_argv``). ``dev``: the fresh /dev of a user-namespaced sandbox (``dump_argv``'s
+    ``dev_external``)."""
     net = ["--inherit-fd", f"fd[{NET_FD}]:{EXT_NET}"] if net_external else []
+    if dev is not None:
+        net += ["--external", f"mnt[{EXT_DEV}]:{dev}"]
     masked = masked_here() if masked is None else masked
     return [exe, "restore", "-D", str(images), "-o", log, "-v2", "--network-lock", "skip", "--restore-detached",
             "--pidfile", str(pidfile), "--root", str(root), "--tcp-established", "--ext-unix-sk",

@@ -30,7 +30,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aenv.config import Settings
 from aenv.errors import RuntimeFailure, SandboxNotFound, SandboxUnreachable, StateError
@@ -50,9 +50,13 @@ from aenv.runtime.ns.reconcile import ReconcileReport, reconcile
 from aenv.runtime.ns.release import NsReleaser
 from aenv.runtime.ns.sandbox import LaunchOptions, NsSandbox, Paths
 from aenv.runtime.ns.snapshot import NsSnapshots
+from aenv.runtime.ns.userns import SharedUserns
 from aenv.runtime.ns.zygote import Zygote, socket_path_for, sweep_stale_sockets
 from aenv.runtime.streams import open_checked
 from aenv.runtime.tools import ensure_tools
+
+if TYPE_CHECKING:
+    from aenv.runtime.process import ProcRef
 
 log = logging.getLogger("aenv.runtime.ns")
 
@@ -98,6 +102,7 @@ class NsRuntime:
         self.host_addrs: list[str] = []
         # on the same filesystem as the sandboxes: hand-out renames a pooled root into place
         self.pool_dir = settings.sandboxes_dir / POOL_NAME
+        self.userns = SharedUserns(settings.ns_userns_uid) if settings.ns_userns_uid else None
         self.disk = DiskQuota(settings.state_dir, settings.sandboxes_dir, enabled=settings.ns_disk_quota,
                               size_mb=settings.ns_volume_mb)
         self._sandboxes: dict[str, NsSandbox] = {}
@@ -133,6 +138,8 @@ class NsRuntime:
         """The zygote makes starts cheap, but CRIU cannot dump what it forks (its preloaded modules
         are mapped from the host's mount): with a usable CRIU sandboxes are started by exec, so every
         one can be snapshotted with its processes. AENV_NS_ZYGOTE=1/0 forces either way."""
+        if self.userns is not None:  # the zygote's in-process launch knows no user namespace
+            return False
         forced = os.environ.get("AENV_NS_ZYGOTE")
         if forced in ("0", "1"):
             return forced == "1"
@@ -151,6 +158,8 @@ class NsRuntime:
         self._sandboxes.clear()
         await self.snapshots.drain()
         await asyncio.to_thread(self.disk.release)  # unmounts the volume unless another runtime uses it
+        if self.userns is not None:  # running sandboxes keep the namespace alive themselves
+            self.userns.close()
         if self.layout is not None:
             await asyncio.to_thread(cgroups.remove_scope_if_empty, self.layout)
 
@@ -184,7 +193,7 @@ class NsRuntime:
             raise RuntimeFailure("internet access needs slirp4netns and iptables on the host (apt-get install slirp4netns iptables)")
         return LaunchOptions(template=template, tools=self.tools, allow_internet=allow_internet,
                              default_limits=limits, debug_log=self.debug_log, nice=nice, zygote=self.zygote,
-                             disk=self.disk if self.disk.active else None,
+                             disk=self.disk if self.disk.active else None, userns=self.userns,
                              disk_mb=self.settings.default_disk_mb if disk_mb is None else disk_mb)
 
     async def _launch_pooled(self, template: SandboxImage, allow_internet: bool) -> NsSandbox:
@@ -301,8 +310,12 @@ class NsRuntime:
         """For ``checkpoint.restore(on_netns=…)`` (called on the restore's thread): the sandbox's filter
         written into the fresh network namespace just before CRIU restores into it (the wrapper waits
         for it: a pid that may already have ended and been reused must never be written into); then
-        ``attach_restored(filtered=True)``. None: offline."""
-        if not sbx.allow_internet:
+        ``attach_restored(filtered=True)``. None: offline, or in a user namespace (``userns``): there the
+        network namespace is the image's, made by CRIU inside the restored user namespace, so there is
+        none before CRIU ends; ``attach_restored`` writes the filter into the restored init's then,
+        before slirp4netns gives it a tap (the dump left none in it), with the init checked to be the
+        sandbox's before and after."""
+        if not sbx.allow_internet or self.userns is not None:
             return None
         sid = sbx.name
 
@@ -328,7 +341,7 @@ class NsRuntime:
         await asyncio.to_thread(sbx.write_state)
         if sbx.allow_internet:  # its policy in the filter before slirp gives the restored tree a way out
             if not filtered:
-                await ENFORCER.install(sid, pid, self.host_addrs)
+                await self._filter_restored(sbx, ref)
             sbx.slirp = await Slirp.start(pid)
             await asyncio.to_thread(sbx.write_state)
         await asyncio.to_thread(identity.set_hostname, pid, sid)  # CRIU brought back the parent's name
@@ -339,6 +352,21 @@ class NsRuntime:
         await sbx.init_envd(init_payload(spec))
         self._sandboxes[sid] = sbx
         self._specs[sid] = spec
+
+    async def _filter_restored(self, sbx: NsSandbox, ref: ProcRef) -> None:
+        """The filter into a restored init's network namespace after CRIU ended (a restore in a user
+        namespace: ``filter_while_restoring``). Its pid must still name the sandbox's init, one of its
+        cgroup's, before and after: a pid reused in between fails the restore, never filters another's."""
+        def ours() -> bool:
+            return ref.alive() and ref.pid in sbx.cgroup.pids()
+
+        if not await asyncio.to_thread(ours):
+            raise RuntimeFailure(f"sandbox {sbx.name}: restored init {ref.pid} ended before its filter",
+                                 sandbox_id=sbx.name)
+        await ENFORCER.install(sbx.name, ref.pid, self.host_addrs)
+        if not await asyncio.to_thread(ours):
+            raise RuntimeFailure(f"sandbox {sbx.name}: restored init {ref.pid} ended while filtered",
+                                 sandbox_id=sbx.name)
 
     def _hand_out(self, sbx: NsSandbox, sid: str, root: Path, limits: tuple[int, int, int], disk_mb: int) -> None:
         if sbx.opts is not None and sbx.opts.disk is not None and sbx.opts.disk_mb != disk_mb:
@@ -469,10 +497,12 @@ class NsRuntime:
     def capabilities(self) -> dict[str, Any]:
         status = self.snapshots.criu_status()
         process = "filesystem+processes (criu)" if status.usable and self.zygote is None else "filesystem"
+        user = (f"user namespace (uids 0-65535 are host {self.userns.host_uid}.., shared by all sandboxes)"
+                if self.userns is not None else "no user namespace")
         return {
             "runtime": "ns",
             "isolation": "namespaces (pid, mount, uts, ipc, net) + cgroups + capability bounding set; "
-                         "seccomp (Docker's default profile); no user namespace: weaker than vm",
+                         f"seccomp (Docker's default profile); {user}: weaker than vm",
             "cgroups": f"v{self.layout.version}" if self.layout else "unknown",
             "pause": "freezer, released to disk with CRIU after ns_release_paused_after s; "
                      "files only: processes end, cold start on resume",

@@ -61,6 +61,7 @@ from aenv.runtime.network import RESOLV_CONF, Slirp, kill_slirps_serving
 from aenv.runtime.ns.cgroups import Cgroup, Layout
 from aenv.runtime.ns.disk import DiskQuota, remove_tree
 from aenv.runtime.ns.handout import HandOutFilter
+from aenv.runtime.ns.userns import SharedUserns
 from aenv.runtime.ns.zygote import Zygote
 from aenv.runtime.process import ProcRef, Reaped
 from aenv.runtime.tools import launch_argv
@@ -147,6 +148,8 @@ class LaunchOptions:
     # Disk quota: the root is made a subvolume limited to ``disk_mb`` before upper/work exist.
     disk: DiskQuota | None = None
     disk_mb: int = 0
+    # The user namespace to run in (``userns.py``); None = host uid 0 in the other namespaces.
+    userns: SharedUserns | None = None
 
     def lowers(self) -> list[str]:
         return [*self.snapshot_layers, *_lowers(self.template)]
@@ -174,6 +177,18 @@ def agent_argv(opts: LaunchOptions) -> list[str]:
         if t.start_cwd:
             argv += ["--start-cwd", t.start_cwd]
     return argv
+
+
+def _spawn_launcher(cfg: dict[str, Any], userns: SharedUserns | None, fd: int | None) -> Reaped:
+    """Plain path: util-linux unshare (stays behind to reap) + the launcher under the host Python; with
+    a user namespace the launcher makes the namespaces itself and reaps (``launch.run_in_userns``)."""
+    if userns is None or fd is None:
+        argv = ["unshare", "--fork", "--pid", "--mount", "--uts", "--ipc", "--net", "--propagation", "private",
+                "--", sys.executable, "-I", "-S", LAUNCHER, json.dumps(cfg)]
+        return Reaped.spawn(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    cfg = {**cfg, "userns": {"fd": fd, "uid": userns.host_uid}}
+    return Reaped.spawn([sys.executable, "-I", "-S", LAUNCHER, json.dumps(cfg)], pass_fds=(fd,),
+                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
 
 
 def _connect_path(sock: Path) -> tuple[int, str]:
@@ -248,6 +263,8 @@ class NsSandbox:
             self.cgroup.create()
             self.cgroup.set_limits(cpu, mem, pids)
             self.cgroup.set_weight(low=opts.nice > 0)
+            if opts.userns is not None:  # the agent makes its sockets here as the sandbox's root
+                os.chown(self.paths.run, opts.userns.host_uid, opts.userns.host_uid)
 
         await asyncio.to_thread(prepare)
         cfg: dict[str, Any] = {
@@ -261,12 +278,8 @@ class NsSandbox:
         report = await opts.zygote.launch(cfg) if opts.zygote is not None else None
         self.from_zygote = report is not None
         if report is None:
-            # Plain path: util-linux unshare (stays behind to reap) + the launcher under the host Python.
-            self._stage1 = Reaped.spawn(
-                ["unshare", "--fork", "--pid", "--mount", "--uts", "--ipc", "--net", "--propagation", "private",
-                 "--", sys.executable, "-I", "-S", LAUNCHER, json.dumps(cfg)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            )
+            userns_fd = await asyncio.to_thread(opts.userns.fd) if opts.userns is not None else None
+            self._stage1 = _spawn_launcher(cfg, opts.userns, userns_fd)
             assert self._stage1.proc.stdout is not None
             line = await self._stage1.readline()
             self._stage1.proc.stdout.close()

@@ -324,7 +324,7 @@ class NsSnapshots:
         status = self.criu_status()
         assert status.exe is not None and sbx.init is not None
         checkpoint.dump(status.exe, sbx.init.pid, images, freezer=sbx.cgroup.dir("freezer"),
-                        leave_running=leave_running)
+                        leave_running=leave_running, userns=self.rt.userns is not None)
 
     def _compact(self, into: Path, snapshot_layers_top_first: list[str]) -> None:
         layers = [Path(p) for p in reversed(snapshot_layers_top_first)] + [into / ".capture"]
@@ -474,7 +474,8 @@ def restore_into(sbx: NsSandbox, spec: SandboxSpec, upper: Path | None, images: 
     cg.set_limits(spec.cpu_count, spec.memory_mb, spec.pids_limit)
     return checkpoint.restore(exe, images, lowers=sbx.lowers, upper=paths.upper, work=paths.work,
                               merged=paths.merged, run_dir=paths.run, tools=tools, boot_id=paths.boot_id,
-                              procs_files=cg.procs_files(), on_netns=on_netns)
+                              procs_files=cg.procs_files(), on_netns=on_netns,
+                              userns=opts.userns if opts is not None else None)
 
 
 def _clean_capture(into: Path) -> None:

@@ -221,6 +221,17 @@ def test_dump_runs_in_the_trees_network_namespace() -> None:
     assert not any(a.startswith("net[") for a in criu.dump_argv("/c", 41, Path("/i"), freezer=None))
 
 
+def test_user_namespace_dumps_its_network_and_keeps_dev_external() -> None:
+    """A sandbox in a user namespace (checkpoint.dump(userns=True)): no network external, /dev by key."""
+    argv = criu.dump_argv("/c", 7, Path("/i"), freezer=None, net_inode=None, masked=(), dev_external=True)
+    ext = [argv[i + 1] for i, a in enumerate(argv) if a == "--external"]
+    assert "mnt[/dev]:aenv-dev" in ext and not any(e.startswith("net[") for e in ext)
+    restore = criu.restore_argv("/c", Path("/i"), root=Path("/r"), pidfile=Path("/p"), tools=Path("/t"),
+                                run_dir=Path("/run"), masked=(), net_external=False, dev=Path("/stage/dev"))
+    ext = [restore[i + 1] for i, a in enumerate(restore) if a == "--external"]
+    assert "mnt[aenv-dev]:/stage/dev" in ext and "--inherit-fd" not in restore
+
+
 def test_masked_here_only_names_what_exists() -> None:
     assert all(Path(f"/proc/{n}").exists() for n in criu.masked_here())
 

@@ -1,0 +1,96 @@
+"""The shared user namespace of ns sandboxes: its range is checked, and the namespace maps it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aenv.runtime.ns.userns import RANGE, SharedUserns
+
+
+@pytest.mark.parametrize("uid", [0, -1, 2**32 - RANGE])
+def test_range_must_fit_above_host_root(uid: int) -> None:
+    with pytest.raises(ValueError, match="ns_userns_uid"):
+        SharedUserns(uid)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("nsenter") is None, reason="needs root and nsenter")
+def test_namespace_maps_uids_and_gids_to_the_range() -> None:
+    ns = SharedUserns(1_300_000_000)
+    try:
+        fd = ns.fd()
+        assert ns.fd() == fd  # made once
+        out = subprocess.run(["nsenter", f"--user=/proc/self/fd/{fd}", "cat", "/proc/self/uid_map",
+                              "/proc/self/gid_map"], pass_fds=(fd,), capture_output=True, text=True, check=True)
+        assert [" ".join(line.split()) for line in out.stdout.splitlines()] == [f"0 1300000000 {RANGE}"] * 2
+    finally:
+        ns.close()
+    ns.close()  # idempotent
+
+
+def test_restore_in_a_user_namespace_binds_the_sources_read_only_and_has_no_netns_hook(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on the plain path every restored host bind is born read-only: the launcher is told to bind each
+    source (the staged tools and boot id by their staged paths) read-only over itself. There is no fresh
+    network namespace before CRIU ends, so an ``on_netns`` hook is refused."""
+    from aenv.runtime.ns import checkpoint, criu
+
+    seen: dict[str, Any] = {}
+
+    def run_criu(argv: list[str], log: Path, what: str, on_ready: object = None, pass_fds: tuple[int, ...] = ()) -> None:
+        seen["cfg"], seen["fds"] = json.loads(argv[-1]), pass_fds
+        (tmp_path / "run" / "criu-restore.pid").write_text("77\n")
+
+    ns = SharedUserns(1_300_000_000)
+    monkeypatch.setattr(ns, "fd", lambda: 9)
+    monkeypatch.setattr(checkpoint, "run_criu", run_criu)
+    monkeypatch.setattr(checkpoint, "kdat_cache", lambda exe: None)
+    monkeypatch.setattr(criu, "KDAT_BASE", tmp_path)
+    monkeypatch.setattr(criu, "ro_remount_action", lambda masked, base=tmp_path: "/action.sh")
+    monkeypatch.setattr(os, "chown", lambda *a: None)
+    (tmp_path / "run").mkdir()
+    kw: dict[str, Any] = {"lowers": ["/l"], "upper": tmp_path / "u", "work": tmp_path / "w", "merged": tmp_path / "m",
+                          "run_dir": tmp_path / "run", "tools": Path("/tools"), "boot_id": tmp_path / "boot_id",
+                          "procs_files": []}
+    with pytest.raises(ValueError, match="network namespace"):
+        checkpoint.restore("/c", tmp_path / "i", **kw, userns=ns, on_netns=lambda pid: None)
+    assert checkpoint.restore("/c", tmp_path / "i", **kw, userns=ns) == 77
+    cfg = seen["cfg"]
+    stage = Path(cfg["stage_dir"])
+    read_only = {src: flags for src, flags in cfg["read_only"]}
+    assert read_only[str(stage / "tools")] == criu.MS_NOSUID | criu.MS_NODEV
+    assert read_only[str(stage / "boot_id")] == criu.MS_NOSUID | criu.MS_NODEV | criu.MS_NOEXEC
+    assert read_only["/dev/null"] == 0 and str(stage / "run") not in read_only
+    assert seen["fds"] == (9,) and "--inherit-fd" not in cfg["argv"] and not stage.exists()
+
+
+async def test_filter_of_a_user_namespaced_restore_goes_in_after_criu_into_the_sandboxs_init(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No hook during CRIU (its network namespace is the image's); afterwards the filter is written only
+    while the pid is the sandbox's init (start time and cgroup), else the restore fails."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from aenv.errors import RuntimeFailure
+    from aenv.runtime.ns import runtime as nsrt
+
+    sbx = SimpleNamespace(name="s1", allow_internet=True, cgroup=SimpleNamespace(pids=lambda: [5]))
+    rt = SimpleNamespace(userns=SharedUserns(1_300_000_000), host_addrs=[])
+    assert nsrt.NsRuntime.filter_while_restoring(rt, sbx, asyncio.get_running_loop()) is None  # type: ignore[arg-type]
+    installed: list[int] = []
+
+    async def install(sid: str, pid: int, addrs: list[str]) -> None:
+        installed.append(pid)
+
+    monkeypatch.setattr(nsrt.ENFORCER, "install", install)
+    await nsrt.NsRuntime._filter_restored(rt, sbx, SimpleNamespace(pid=5, alive=lambda: True))  # type: ignore[arg-type]
+    assert installed == [5]
+    with pytest.raises(RuntimeFailure, match="ended before its filter"):
+        await nsrt.NsRuntime._filter_restored(rt, sbx, SimpleNamespace(pid=6, alive=lambda: True))  # type: ignore[arg-type]
+    assert installed == [5]
