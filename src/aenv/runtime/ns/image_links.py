@@ -158,14 +158,15 @@ def link_unchanged(images: Path, previous: Path) -> Linked | None:
     if chain > MAX_CHAIN:
         return None
     plans = []
-    for name in sorted(os.listdir(images)):
+    names = sorted(os.listdir(images))
+    for name in names:
         if _PAGEMAP.fullmatch(name):
             header, pages_id, entries = read_pagemap(images / name)
             if any(e.flags & ~PE_LAZY != PE_PRESENT for e in entries):  # (lazy: may be served lazily; stored all the same)
                 return None
-            plans.append((name, header, pages_id, entries))
-    used = [int(m.group(1)) for n in os.listdir(images) if (m := _PAGES.fullmatch(n))]
-    next_id = max(used, default=0) + 1
+            if entries:  # a process without pages has nothing to share
+                plans.append((name, header, pages_id, entries))
+    next_id = max((int(m.group(1)) for n in names if (m := _PAGES.fullmatch(n))), default=0) + 1
     parent_dir = images / PARENT
     shared = stored = 0
     switched = False
@@ -217,8 +218,8 @@ def _split(old_pages: Path, new_pages: Path, entries: list[Entry],
     out: list[Entry] = []
     kept = same = 0
     try:
-        with open(old_pages, "rb") as src, open(new_pages, "wb") as dst:
-            data = mmap.mmap(src.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(src.fileno()).st_size else b""
+        with (open(old_pages, "rb") as src, open(new_pages, "wb") as dst,
+              mmap.mmap(src.fileno(), 0, access=mmap.ACCESS_READ) as data):
             offset = 0
             for e in entries:
                 run_start, run_flag = e.vaddr, None
@@ -240,8 +241,6 @@ def _split(old_pages: Path, new_pages: Path, entries: list[Entry],
                         kept += PAGE
                 if run_flag is not None:
                     out.append(Entry(run_start, (e.vaddr + e.nr_pages * PAGE - run_start) // PAGE, run_flag))
-            if isinstance(data, mmap.mmap):
-                data.close()
     finally:
         for m in maps.values():
             with contextlib.suppress(BufferError):
