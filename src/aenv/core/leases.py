@@ -36,6 +36,7 @@ LEASE_KEY = "aenv.lease"  # the metadata key that binds a sandbox to a lease
 MIN_TTL = 1.0
 LIST_LIMIT = 1000
 RETENTION = 86400.0  # s an ended lease is still listed (and answers 410 rather than 404)
+PRUNE_EVERY = 600.0  # s between removals of leases past RETENTION
 
 KillMatching = Callable[[dict[str, str], str, str], Awaitable[KillReport]]
 
@@ -57,7 +58,8 @@ class Leases:
         self.log = LeaseLog(store)
         self._kill_matching = kill_matching
         self._task: asyncio.Task[None] | None = None
-        self._reaps: set[asyncio.Task[Any]] = set()
+        self._reaps: set[asyncio.Future[Any]] = set()
+        self._pruned_at = float("-inf")
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -142,11 +144,12 @@ class Leases:
         """End every live lease whose heartbeat is overdue at ``at`` and kill its sandboxes. Returns
         the ended lease IDs (the loop passes the wall clock; tests pass any time they like)."""
         ended = []
-        for row in self.log.live():
-            if row.expires_at <= at:
-                await self._end(row, "expired")
-                ended.append(row.id)
-        self.log.prune(at - RETENTION)
+        for row in self.log.due(at):
+            await self._end(row, "expired")
+            ended.append(row.id)
+        if at - self._pruned_at >= PRUNE_EVERY:
+            self.log.prune(at - RETENTION)
+            self._pruned_at = at
         return ended
 
     async def _end(self, row: LeaseRow, reason: str) -> KillReport:
@@ -157,10 +160,7 @@ class Leases:
         return report
 
     def _spawn(self, work: Awaitable[Any]) -> None:
-        async def run() -> None:
-            await work
-
-        task = asyncio.get_running_loop().create_task(run())
+        task = asyncio.ensure_future(work)
         self._reaps.add(task)
         task.add_done_callback(self._reaps.discard)
 

@@ -47,6 +47,11 @@ class LeaseLog:
         rows = self.store._query("SELECT * FROM leases WHERE id = ?", (lease_id,))
         return LeaseRow(**dict(rows[0])) if rows else None
 
+    def due(self, at: float) -> list[LeaseRow]:
+        """Live leases whose heartbeat is overdue at ``at``."""
+        return [LeaseRow(**dict(r)) for r in self.store._query(
+            "SELECT * FROM leases WHERE ended_at IS NULL AND expires_at <= ?", (at,))]
+
     def live(self) -> list[LeaseRow]:
         return [LeaseRow(**dict(r)) for r in self.store._query("SELECT * FROM leases WHERE ended_at IS NULL")]
 
