@@ -11,7 +11,6 @@ failure to investigate). No wall-clock assertions.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,15 +18,10 @@ from typing import Any
 
 import pytest
 
-from aenv.runtime.ns import criu
 from aenv.testing.server import API_KEY, Server, start_server, stop_server
+from tests.fixtures.criu import NS_CRIU_SUITE
 
-CRIU = criu.probe()
-pytestmark = [
-    pytest.mark.skipif(os.environ.get("AENV_TEST_RUNTIME", "ns") != "ns", reason="ns runtime suite"),
-    pytest.mark.criu,
-    pytest.mark.skipif(not CRIU.usable, reason=f"CRIU >= 4.2 absent ({CRIU.reason}): run scripts/build-criu.sh"),
-]
+pytestmark = NS_CRIU_SUITE
 
 WORKER = """\
 import os, random, socket, threading, time

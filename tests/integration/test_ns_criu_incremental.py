@@ -5,7 +5,6 @@ deleted, runs that process with its memory. Skips only where CRIU is absent (the
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -13,15 +12,10 @@ from typing import Any
 import httpx
 import pytest
 
-from aenv.runtime.ns import criu
 from aenv.testing.server import API_KEY, Server, start_server, stop_server
+from tests.fixtures.criu import NS_CRIU_SUITE
 
-CRIU = criu.probe()
-pytestmark = [
-    pytest.mark.skipif(os.environ.get("AENV_TEST_RUNTIME", "ns") != "ns", reason="ns runtime suite"),
-    pytest.mark.criu,
-    pytest.mark.skipif(not CRIU.usable, reason=f"CRIU >= 4.2 absent ({CRIU.reason}): run scripts/build-criu.sh"),
-]
+pytestmark = NS_CRIU_SUITE
 
 # 24 MB of distinct pages, then asleep: its pages do not change between two snapshots. SIGUSR1
 # makes it hash the 24 MB again, read from whatever memory it was restored with.
