@@ -82,7 +82,8 @@ class Settings(BaseModel):
         None, description="ns: the CRIU (>= 4.2) for process snapshots; unset = AENV_CRIU, else <cache_dir>/criu/current/criu (scripts/build-criu.sh), else criu on PATH"
     )
     ns_userns_uid: int = Field(
-        0, ge=0, description="ns: run sandboxes in a user namespace whose uids/gids 0-65535 are host uids from this one (one range for all sandboxes, files on disk keep their owners); 0 = none"
+        1_200_000_000, ge=0,
+        description="ns: run sandboxes in a user namespace whose uids/gids 0-65535 are host uids from this one (one range for all sandboxes, files on disk keep their owners; the default lies far above the ranges useradd hands out in /etc/subuid); 0 = none. Left at the default, a host that cannot (no user namespaces, a state or cache dir on a filesystem without idmapped mounts) runs sandboxes without one and says why; set explicitly, that refuses to start"
     )
     ns_release_paused_after: float = Field(
         300.0, ge=0, description="ns: seconds a sandbox stays paused (frozen) before its processes are saved to disk with CRIU and end; resume restores them (0 = at once; needs CRIU, else it stays frozen)"

@@ -69,10 +69,12 @@ def busybox_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
-    """AENV_NS_USERNS_UID set: the runtime's sandboxes run in a user namespace, as a server's would."""
+    """As a server's: sandboxes in the default user namespace (``AENV_NS_USERNS_UID`` picks another
+    base, or 0 for none)."""
     cache = Path(os.environ.get("AENV_CACHE_DIR") or default_cache_dir())
+    userns = os.environ.get("AENV_NS_USERNS_UID")
     return Settings(state_dir=tmp_path_factory.mktemp("state"), cache_dir=cache, pool_size=1,
-                    ns_userns_uid=int(os.environ.get("AENV_NS_USERNS_UID") or 0))
+                    **({"ns_userns_uid": int(userns)} if userns else {}))
 
 
 @pytest.fixture(scope="module")

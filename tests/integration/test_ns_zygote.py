@@ -27,7 +27,9 @@ async def runtime(
 ) -> AsyncIterator[tuple[NsRuntime, Settings, bool]]:
     zygote = bool(request.param)
     monkeypatch.setenv("AENV_NS_ZYGOTE", "1" if zygote else "0")
-    settings = Settings(state_dir=tmp_path / "state", cache_dir=Path(os.environ.get("AENV_CACHE_DIR", "/var/cache/aenv")))
+    # the zygote's in-process launch has no user namespace: it is the start path of ns_userns_uid = 0
+    settings = Settings(state_dir=tmp_path / "state", cache_dir=Path(os.environ.get("AENV_CACHE_DIR", "/var/cache/aenv")),
+                        **({"ns_userns_uid": 0} if zygote else {}))
     rt = NsRuntime(settings, pool_size=0)
     await rt.start()
     try:

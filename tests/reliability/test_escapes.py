@@ -184,6 +184,18 @@ def test_another_sandbox_and_its_envd_unreachable(online: Sandbox, neighbour: Sa
 
 
 @pytest.mark.usefixtures("ns_only")
+def test_root_in_a_default_sandbox_is_an_unprivileged_host_uid(sbx: Sandbox) -> None:
+    """A server with default settings runs ns sandboxes in its user namespace: uid 0 inside (and a
+    sudo'd process) is a non-zero host uid, and the map cannot be rewritten from inside."""
+    for cmd in ("cat /proc/self/uid_map /proc/self/gid_map", "sudo cat /proc/self/uid_map"):
+        maps = [line.split() for line in sbx.commands.run(cmd, user="root").stdout.splitlines()]
+        assert maps and all(inside == "0" and int(outside) > 0 and count == "65536"
+                            for inside, outside, count in maps), maps
+    out = sbx.commands.run("echo '0 0 1' > /proc/self/uid_map 2>/dev/null; cat /proc/1/uid_map", user="root").stdout
+    assert out.split()[:3] == maps[0], out  # still the non-zero base
+
+
+@pytest.mark.usefixtures("ns_only")
 def test_every_process_runs_filtered_and_sudo_stays_inside_the_filter(sbx: Sandbox) -> None:
     """Every process, a sudo'd one included, runs under the filter; sudo raises ``user`` to the
     sandbox's root as on E2B (no ``no_new_privs``), and that root still cannot mount or unshare."""

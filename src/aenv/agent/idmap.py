@@ -77,9 +77,10 @@ def attach(fd: int, target: str | bytes) -> None:
         os.close(fd)
 
 
-def idmapped_bind(src: str, target: str, userns_fd: int) -> None:
-    """Bind ``src`` at ``target`` (a directory, made here) with ``userns_fd``'s mapping applied."""
-    os.makedirs(target, exist_ok=True)
+def idmapped_clone(src: str, userns_fd: int) -> int:
+    """A detached copy of ``src`` with ``userns_fd``'s mapping applied, as an fd (nothing is mounted
+    until ``attach``; closing the fd drops it). Fails (``EINVAL``) where ``src``'s filesystem cannot be
+    idmapped: overlayfs, NFS, FUSE without the server's consent."""
     fd = clone_tree(src)
     try:
         attr = _MountAttr(MOUNT_ATTR_IDMAP, 0, 0, userns_fd)
@@ -88,7 +89,13 @@ def idmapped_bind(src: str, target: str, userns_fd: int) -> None:
     except BaseException:
         os.close(fd)
         raise
-    attach(fd, target)
+    return fd
+
+
+def idmapped_bind(src: str, target: str, userns_fd: int) -> None:
+    """Bind ``src`` at ``target`` (a directory, made here) with ``userns_fd``'s mapping applied."""
+    os.makedirs(target, exist_ok=True)
+    attach(idmapped_clone(src, userns_fd), target)
 
 
 def _raise_effective() -> None:

@@ -36,6 +36,25 @@ def _disk_quota(settings: Settings) -> str:
     return probe(settings.state_dir, settings.sandboxes_dir, settings.ns_disk_quota, settings.ns_volume_mb)
 
 
+def _userns(settings: Settings) -> str:
+    """The same trial the ns runtime makes at start (``NsRuntime._check_userns``)."""
+    from aenv.runtime.ns.userns import SharedUserns
+
+    if not settings.ns_userns_uid:
+        return "off (ns_userns_uid = 0): root in an ns sandbox is host root in namespaces"
+    if os.geteuid() != 0:
+        return "needs root to check"
+    userns = SharedUserns(settings.ns_userns_uid)
+    try:
+        why = userns.unusable_on((settings.cache_dir, settings.templates_dir, settings.snapshots_dir,
+                                  settings.sandboxes_dir))
+    finally:
+        userns.close()
+    if why is None:
+        return f"on: uids 0-65535 in every ns sandbox are host uids {settings.ns_userns_uid}.."
+    return f"unusable ({why}): ns sandboxes run without one"
+
+
 def collect(settings: Settings) -> dict[str, Any]:
     from aenv.runtime.select import auto_choice, vm_unavailable_reason
 
@@ -52,6 +71,7 @@ def collect(settings: Settings) -> dict[str, Any]:
         "qemu": shutil.which("qemu-system-x86_64") or "absent",
         "criu": _criu(settings),
         "ns disk quota": _disk_quota(settings),
+        "ns user namespace": _userns(settings),
         "isolation note": "ns sandboxes share the host kernel (weaker isolation than vm); see README SECURITY",
         "state dir": str(settings.state_dir),
         "cache dir": str(settings.cache_dir),

@@ -12,8 +12,8 @@ process, which file or socket). What a dump needs from the sandbox beyond ``criu
 A restore runs CRIU in a fresh network namespace and a private mount namespace where the sources of
 the host binds are read-only (``criu.in_fresh_netns_argv``), inside the new sandbox's cgroups
 (``criu.in_cgroups_argv``), on an overlay mounted on the host only for the restore.
-A sandbox in a user namespace (``userns.py``) is dumped and restored differently: ``dump(userns=True)``
-and ``restore_in_userns`` say how and why.
+A sandbox in a user namespace (``userns.py``) is dumped and restored differently (its images are
+marked ``USERNS_MARK``): ``dump`` and ``restore_in_userns`` say how and why.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 from aenv.agent import launch
 from aenv.runtime.network import SLIRP_GATEWAY
 from aenv.runtime.ns import criu
-from aenv.runtime.ns.userns import SharedUserns
+from aenv.runtime.ns.userns import SharedUserns, mapped_base
 
 DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
@@ -171,18 +171,34 @@ def kdat_cache(exe: str) -> Path | None:
     return path
 
 
-def dump(exe: str, init_pid: int, images: Path, *, freezer: Path | None, leave_running: bool = True,
-         userns: bool = False) -> None:
+USERNS_MARK = "aenv-userns"  # in a dump of a user-namespaced tree: the host uid its root is
+
+
+def dumped_userns(images: Path) -> int | None:
+    """The host uid of the root of the user namespace ``images`` were dumped in (0: one, base
+    unrecorded), or None: dumped in the host's own."""
+    try:
+        return int((images / USERNS_MARK).read_text())
+    except FileNotFoundError:
+        return 0 if any(images.glob("userns-*.img")) else None
+
+
+def dump(exe: str, init_pid: int, images: Path, *, freezer: Path | None, leave_running: bool = True) -> None:
     """``criu dump`` of the tree rooted at ``init_pid`` into ``images``, CRIU run in the tree's own
     network namespace (``criu.in_netns_of_argv``): the namespace is then not one to dump at all.
-    ``userns``: a sandbox in a user namespace; its network namespace is dumped, CRIU run in the
+    Whether the tree runs in a user namespace is read from its uid map, not from the server's
+    setting: a sandbox adopted after the setting changed keeps the mode it was started in, and
+    its images say which (``USERNS_MARK``; ``restore`` follows them).
+    In a user namespace its network namespace is dumped, CRIU run in the
     server's (a restored tree is cloned into a new user namespace first and may not join one made
     outside it, so a restore cannot put it in CRIU's), and /dev is external (CRIU would tar the tmpfs
     with the device nodes bound over it: its clean view needs a directory it makes as host uid 0 in
     the sandbox's /tmp, which the idmapped upper refuses; a restore inside the user namespace could
     not mknod them either)."""
     images.mkdir(parents=True, exist_ok=True)
-    if userns:
+    base = mapped_base(init_pid)
+    if base is not None:
+        (images / USERNS_MARK).write_text(str(base))
         argv = criu.dump_argv(exe, init_pid, images, freezer=freezer, log=DUMP_LOG, leave_running=leave_running,
                               dev_external=True)
         with _tap_set_aside(init_pid, back=leave_running):
@@ -238,6 +254,7 @@ def restore(exe: str, images: Path, *, lowers: list[str], upper: Path, work: Pat
     (``on_netns`` must be None there: the network namespace is the image's, made by CRIU)."""
     pidfile = run_dir / "criu-restore.pid"
     log = run_dir / RESTORE_LOG
+    userns = _userns_for(images, userns)
     if userns is not None:
         if on_netns is not None:
             raise ValueError("a restore in a user namespace has no fresh network namespace to hand out")
@@ -256,6 +273,22 @@ def restore(exe: str, images: Path, *, lowers: list[str], upper: Path, work: Pat
     return int(pidfile.read_text().strip())
 
 
+def _userns_for(images: Path, server: SharedUserns | None) -> SharedUserns | None:
+    """The user namespace to restore ``images`` into: the one they were dumped in (``dumped_userns``),
+    which must be the server's; images of a tree in the host's namespace restore there, whatever
+    the server's setting (a snapshot taken before ``ns_userns_uid`` was set keeps working)."""
+    base = dumped_userns(images)
+    if base is None:
+        return None
+    if server is None:
+        raise CheckpointError("these processes were saved in a user namespace and this server runs ns sandboxes "
+                              "without one (ns_userns_uid = 0, or unusable here: see `aenv doctor`)")
+    if base and base != server.host_uid:
+        raise CheckpointError(f"these processes were saved in a user namespace whose root is host uid {base}; "
+                              f"this server's is {server.host_uid} (ns_userns_uid)")
+    return server
+
+
 def mount_overlay(options: str, target: Path) -> None:
     """mount(2) of an overlay at ``target`` (what ``mount -t overlay`` does, without its exec)."""
     if _libc.mount(b"overlay", os.fsencode(target), b"overlay", 0, options.encode()) != 0:
@@ -266,7 +299,7 @@ def mount_overlay(options: str, target: Path) -> None:
 def restore_in_userns(exe: str, images: Path, userns: SharedUserns, *, lowers: list[str], upper: Path,
                       work: Path, merged: Path, run_dir: Path, tools: Path, boot_id: Path,
                       procs_files: list[str]) -> int:
-    """``restore`` of a user-namespaced sandbox's images (``dump(userns=True)``): CRIU makes the user
+    """``restore`` of a user-namespaced sandbox's images (``dump`` marked them): CRIU makes the user
     namespace again from the dumped map and the network namespace inside it; the launcher
     (``launch.restore_root``) mounts the overlay over idmapped layers and a fresh /dev in a private
     mount namespace and execs CRIU there, so nothing is mounted on the host. As on the plain path,

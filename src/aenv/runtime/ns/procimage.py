@@ -183,7 +183,7 @@ class ProcImages:
         tmp.mkdir(parents=True)
         sbx.cgroup.freeze()
         checkpoint.dump(status.exe, sbx.init.pid, tmp / CRIU_DIR, freezer=sbx.cgroup.dir("freezer"),
-                        leave_running=False, userns=self.rt.userns is not None)
+                        leave_running=False)
         copy_tree(sbx.paths.upper, tmp / UPPER)
         shutil.rmtree(dest, ignore_errors=True)
         os.rename(tmp, dest)

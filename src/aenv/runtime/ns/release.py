@@ -131,7 +131,7 @@ class NsReleaser:
             await asyncio.to_thread(shutil.rmtree, root / RELEASED_DIR, True)
             async with sbx.quiesce():
                 await asyncio.to_thread(checkpoint.dump, status.exe, sbx.init.pid, images,
-                                        freezer=sbx.cgroup.dir("freezer"), userns=self.rt.userns is not None)
+                                        freezer=sbx.cgroup.dir("freezer"))
             data = {**sbx.state(), "released": True}
             await asyncio.to_thread(_write_marker, root, data)
             fault_point("ns.release.marked")

@@ -103,6 +103,7 @@ class NsRuntime:
         # on the same filesystem as the sandboxes: hand-out renames a pooled root into place
         self.pool_dir = settings.sandboxes_dir / POOL_NAME
         self.userns = SharedUserns(settings.ns_userns_uid) if settings.ns_userns_uid else None
+        self.userns_off_reason = "" if self.userns is not None else "ns_userns_uid = 0"
         self.disk = DiskQuota(settings.state_dir, settings.sandboxes_dir, enabled=settings.ns_disk_quota,
                               size_mb=settings.ns_volume_mb)
         self._sandboxes: dict[str, NsSandbox] = {}
@@ -127,12 +128,29 @@ class NsRuntime:
         await asyncio.to_thread(self.disk.setup)  # mounts the sandboxes volume (before any launch)
         self.settings.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         self.pool_dir.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(self._check_userns)
         if self.zygote is None and await asyncio.to_thread(self._want_zygote):
             tmp = Path(tempfile.gettempdir())
             await asyncio.to_thread(sweep_stale_sockets, tmp)
             self.zygote = Zygote(self.tools, socket_path_for(tmp, os.getpid(), id(self)))
             await self.zygote.ensure()
         self._started = True
+
+    def _check_userns(self) -> None:
+        """Keep the user namespace only where every launch can use it (``SharedUserns.unusable_on``):
+        left at its default, a host that cannot runs sandboxes without one and says why (log, doctor,
+        ``/aenv/info``); asked for explicitly, the server refuses to start."""
+        if self.userns is None:
+            return
+        s = self.settings
+        why = self.userns.unusable_on((s.cache_dir, s.templates_dir, s.snapshots_dir, s.sandboxes_dir))
+        if why is None:
+            return
+        if "ns_userns_uid" in s.model_fields_set:
+            raise RuntimeError(f"ns_userns_uid = {s.ns_userns_uid} cannot be used here: {why}")
+        log.warning("ns sandboxes run without a user namespace (root in them is host root in namespaces): %s", why)
+        self.userns.close()
+        self.userns, self.userns_off_reason = None, why
 
     def _want_zygote(self) -> bool:
         """The zygote makes starts cheap, but CRIU cannot dump what it forks (its preloaded modules
@@ -498,7 +516,7 @@ class NsRuntime:
         status = self.snapshots.criu_status()
         process = "filesystem+processes (criu)" if status.usable and self.zygote is None else "filesystem"
         user = (f"user namespace (uids 0-65535 are host {self.userns.host_uid}.., shared by all sandboxes)"
-                if self.userns is not None else "no user namespace")
+                if self.userns is not None else f"no user namespace ({self.userns_off_reason})")
         return {
             "runtime": "ns",
             "isolation": "namespaces (pid, mount, uts, ipc, net) + cgroups + capability bounding set; "

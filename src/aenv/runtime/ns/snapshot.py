@@ -324,7 +324,7 @@ class NsSnapshots:
         status = self.criu_status()
         assert status.exe is not None and sbx.init is not None
         checkpoint.dump(status.exe, sbx.init.pid, images, freezer=sbx.cgroup.dir("freezer"),
-                        leave_running=leave_running, userns=self.rt.userns is not None)
+                        leave_running=leave_running)
 
     def _compact(self, into: Path, snapshot_layers_top_first: list[str]) -> None:
         layers = [Path(p) for p in reversed(snapshot_layers_top_first)] + [into / ".capture"]

@@ -17,6 +17,10 @@ import os
 import subprocess
 import threading
 import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from aenv.agent import idmap
 
 RANGE = 65536  # uids/gids 0..65535 in the sandbox: what images use (nobody is 65534)
 
@@ -41,6 +45,24 @@ class SharedUserns:
             if self._fd is None:
                 self._fd = _make(self.host_uid)
             return self._fd
+
+    def unusable_on(self, dirs: Iterable[Path]) -> str | None:
+        """Why sandboxes cannot run in this namespace here, or None: the namespace must be made, and
+        every filesystem an overlay layer or upper can live on must take an idmapped mount (overlayfs,
+        NFS and most FUSE filesystems do not; a launch there would fail). Nothing is mounted: the
+        idmapped copy is made detached and dropped. Blocking."""
+        try:
+            fd = self.fd()
+        except UsernsError as exc:
+            return str(exc)
+        for path in dirs:
+            while not path.exists():  # the nearest existing directory: the filesystem it will be made on
+                path = path.parent
+            try:
+                os.close(idmap.idmapped_clone(str(path), fd))
+            except OSError as exc:
+                return f"{path} cannot be mounted idmapped ({exc.strerror or exc})"
+        return None
 
     def close(self) -> None:
         with self._lock:
@@ -78,3 +100,13 @@ def _make(host_uid: int, timeout: float = 10.0) -> int:
         helper.wait()
         if helper.stderr is not None:
             helper.stderr.close()
+
+
+def mapped_base(pid: int) -> int | None:
+    """The host uid that uid 0 of ``pid``'s user namespace is, or None for the host's own namespace
+    (its map is the identity over every uid)."""
+    first = Path(f"/proc/{pid}/uid_map").read_text().split()
+    inside, outside, count = (int(v) for v in first[:3])
+    if inside == 0 and outside == 0 and count == 2**32 - 1:
+        return None
+    return outside - inside

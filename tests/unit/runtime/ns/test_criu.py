@@ -222,7 +222,7 @@ def test_dump_runs_in_the_trees_network_namespace() -> None:
 
 
 def test_user_namespace_dumps_its_network_and_keeps_dev_external() -> None:
-    """A sandbox in a user namespace (checkpoint.dump(userns=True)): no network external, /dev by key."""
+    """A sandbox in a user namespace (checkpoint.dump of such a tree): no network external, /dev by key."""
     argv = criu.dump_argv("/c", 7, Path("/i"), freezer=None, net_inode=None, masked=(), dev_external=True)
     ext = [argv[i + 1] for i, a in enumerate(argv) if a == "--external"]
     assert "mnt[/dev]:aenv-dev" in ext and not any(e.startswith("net[") for e in ext)

@@ -235,9 +235,8 @@ async def test_full_snapshot_dumps_while_frozen(tmp_path: Path, usable_criu: Non
         if argv[0] == "cp":
             Path(argv[-1]).mkdir()
 
-    def dump(exe: str, pid: int, images: Path, *, freezer: Path | None, leave_running: bool = True,
-             userns: bool = False) -> None:
-        assert (exe, pid, leave_running, userns) == ("/opt/criu", 4242, True, False) and freezer is not None
+    def dump(exe: str, pid: int, images: Path, *, freezer: Path | None, leave_running: bool = True) -> None:
+        assert (exe, pid, leave_running) == ("/opt/criu", 4242, True) and freezer is not None
         log.append("dump")
 
     monkeypatch.setattr(snap, "_run", run)

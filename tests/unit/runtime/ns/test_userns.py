@@ -6,12 +6,13 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from aenv.runtime.ns.userns import RANGE, SharedUserns
+from aenv.runtime.ns.userns import RANGE, SharedUserns, mapped_base
 
 
 @pytest.mark.parametrize("uid", [0, -1, 2**32 - RANGE])
@@ -32,6 +33,67 @@ def test_namespace_maps_uids_and_gids_to_the_range() -> None:
     finally:
         ns.close()
     ns.close()  # idempotent
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")
+
+
+@needs_root
+def test_mapped_base_tells_a_user_namespace_from_the_hosts() -> None:
+    ns = SharedUserns(1_300_000_000)
+    try:
+        fd = ns.fd()
+        child = subprocess.Popen(["nsenter", f"--user=/proc/self/fd/{fd}", "sleep", "30"], pass_fds=(fd,))
+        try:
+            deadline = time.monotonic() + 5
+            while mapped_base(child.pid) is None and time.monotonic() < deadline:  # until nsenter has joined
+                time.sleep(0.01)
+            assert mapped_base(child.pid) == 1_300_000_000
+        finally:
+            child.kill()
+            child.wait()
+    finally:
+        ns.close()
+    assert mapped_base(os.getpid()) is None
+
+
+@needs_root
+def test_unusable_on_names_a_filesystem_that_cannot_be_idmapped(tmp_path: Path) -> None:
+    """ext4/btrfs/tmpfs take idmapped mounts; an overlay mount (what a state dir inside a container
+    often is) does not: the start-up check names it, so the server runs without the namespace."""
+    ns = SharedUserns(1_300_000_000)
+    lower, upper, work, merged = (tmp_path / n for n in ("lower", "upper", "work", "merged"))
+    for d in (lower, upper, work, merged):
+        d.mkdir()
+    subprocess.run(["mount", "-t", "overlay", "overlay", "-o", f"lowerdir={lower},upperdir={upper},workdir={work}",
+                    str(merged)], check=True)
+    try:
+        assert ns.unusable_on([tmp_path, tmp_path / "not" / "made" / "yet"]) is None
+        why = ns.unusable_on([tmp_path, merged / "state"])
+        assert why is not None and str(merged) in why and "idmapped" in why
+    finally:
+        subprocess.run(["umount", str(merged)], check=True)
+        ns.close()
+
+
+def test_images_say_which_namespace_they_restore_into(tmp_path: Path) -> None:
+    """Images restore in the mode they were dumped in, not the server's: plain ones plainly even with
+    a user namespace configured; user-namespaced ones only into the same mapping, else a clear error."""
+    from aenv.runtime.ns import checkpoint
+
+    ns = SharedUserns(1_300_000_000)
+    plain, old, marked = tmp_path / "plain", tmp_path / "old", tmp_path / "marked"
+    for d in (plain, old, marked):
+        d.mkdir()
+    (old / "userns-14.img").write_bytes(b"")  # dumped in a user namespace before the mark existed
+    (marked / checkpoint.USERNS_MARK).write_text("1200000000")
+    assert [checkpoint.dumped_userns(d) for d in (plain, old, marked)] == [None, 0, 1_200_000_000]
+    assert checkpoint._userns_for(plain, ns) is None and checkpoint._userns_for(plain, None) is None
+    assert checkpoint._userns_for(old, ns) is ns
+    with pytest.raises(checkpoint.CheckpointError, match="host uid 1200000000; this server's is 1300000000"):
+        checkpoint._userns_for(marked, ns)
+    with pytest.raises(checkpoint.CheckpointError, match="without one"):
+        checkpoint._userns_for(old, None)
 
 
 def test_restore_in_a_user_namespace_binds_the_sources_read_only_and_has_no_netns_hook(
@@ -55,6 +117,8 @@ def test_restore_in_a_user_namespace_binds_the_sources_read_only_and_has_no_netn
     monkeypatch.setattr(criu, "ro_remount_action", lambda masked, base=tmp_path: "/action.sh")
     monkeypatch.setattr(os, "chown", lambda *a: None)
     (tmp_path / "run").mkdir()
+    (tmp_path / "i").mkdir()
+    (tmp_path / "i" / checkpoint.USERNS_MARK).write_text("1300000000")  # what dump writes for such a tree
     kw: dict[str, Any] = {"lowers": ["/l"], "upper": tmp_path / "u", "work": tmp_path / "w", "merged": tmp_path / "m",
                           "run_dir": tmp_path / "run", "tools": Path("/tools"), "boot_id": tmp_path / "boot_id",
                           "procs_files": []}
