@@ -4,7 +4,8 @@ PSS charges each shared page to its sharers in equal parts, so summing it over e
 sandbox gives that sandbox's fair share of the machine's memory, shared template pages included.
 
 * ns: the processes are the members of the sandbox's cgroup (``cgroup.procs`` of
-  ``<hierarchy>/aenv/<scope>/<sandbox ID>``, see ``aenv.runtime.ns.cgroups``);
+  ``<hierarchy>/aenv/<scope>/<sandbox ID>``, see ``aenv.runtime.ns.cgroups``) and the reaper its
+  launch left outside it;
 * vm: the QEMU process whose pid the server recorded in its state database;
 * docker: the members of the container's cgroup, and separately its ``containerd-shim``
   (the engine's daemons, shared by all containers, are not counted; neither is aenv's server).
@@ -38,14 +39,29 @@ def pss_mb(pids: list[int]) -> float:
     return sum(pss_kb(p) for p in pids) / 1024
 
 
+REAPERS = ("reap", "unshare", "python3.11")  # what may stay behind outside an ns sandbox to reap its init
+
+
 def ns_pids(state_dir: Path, sandbox_id: str) -> list[int]:
-    """Every process of an ns sandbox, from its cgroup's ``cgroup.procs``."""
+    """Every process of an ns sandbox, from its cgroup's ``cgroup.procs``, and the one the launch left
+    behind outside it to reap the sandbox's init (``unshare --fork``, or in a user namespace the
+    bundle's ``reap``; the server, a restored tree's parent, is not counted)."""
     from aenv.runtime.ns import cgroups
 
     cg = cgroups.Cgroup(cgroups.detect(None, cgroups.scope_for(state_dir)), sandbox_id)
     if not cg.exists():
         raise RuntimeError(f"no cgroup for sandbox {sandbox_id} under scope of {state_dir}")
-    return cg.pids()
+    members = cg.pids()
+    outside: set[int] = set()
+    for pid in members:
+        with contextlib.suppress(OSError, ValueError):
+            parent = ppid(pid)
+            comm = Path(f"/proc/{parent}/comm").read_text().strip()
+            if parent in members or parent == 1 or comm not in REAPERS:
+                continue
+            if comm != "python3.11" or "launch.py" in Path(f"/proc/{parent}/cmdline").read_text():
+                outside.add(parent)  # an interpreter only if it is the launcher, never the server
+    return [*members, *sorted(outside)]
 
 
 def vm_pids(state_dir: Path, sandbox_id: str) -> list[int]:
@@ -102,7 +118,7 @@ def density(ctx: Ctx) -> dict[str, Any]:
         ours = [pss_mb(finder(ctx.state_dir, s.sandbox_id)) for s in sbxs]
         procs = [len(finder(ctx.state_dir, s.sandbox_id)) for s in sbxs]
         rows = [row("PSS per idle sandbox", ctx.system, ours, unit="MB",
-                    note=f"processes per sandbox: {sorted(procs)[len(procs) // 2]} (median); server not counted")]
+                    note=f"processes per sandbox: {sorted(procs)[len(procs) // 2]} (median), its reaper outside the cgroup included; server not counted")]
         per = rows[0]["p50"]
         rows.append(value_row("idle sandboxes in 4 GiB", ctx.system, BUDGET_MB / per, len(ours), "count",
                               note="4096 MB / median PSS"))

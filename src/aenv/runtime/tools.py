@@ -226,6 +226,7 @@ def build_bundle(dest: Path) -> None:
     _compile(site)
     launcher = _build_static(_LAUNCHER_C, dest / "bin" / "python")
     runas = _build_static(_RUNAS_C, dest / "bin" / "runas")
+    reap = _build_static(_REAP_C, dest / "bin" / "reap")
 
     manifest = {
         "format": BUNDLE_FORMAT,
@@ -235,6 +236,7 @@ def build_bundle(dest: Path) -> None:
         "libs": sorted(libs),
         "launcher": launcher,
         "runas": runas,
+        "reap": reap,
         "argv": launch_argv(MOUNT_POINT),
     }
     (dest / "MANIFEST.json").write_text(json.dumps(manifest, indent=1))
@@ -394,6 +396,25 @@ int main(int argc, char **argv) {
     execv(argv[4], argv + 4);
     fprintf(stderr, "runas: %s: %s\n", argv[4], strerror(errno));
     return errno == ENOENT ? 127 : 126;
+}
+"""
+
+
+_REAP_C = r"""
+/* reap PID: what a user-namespaced sandbox's launcher execs once it has forked the sandbox's init PID
+   (agent/launch.py): wait for every child, exit with PID's status as Python's waitstatus_to_exitcode
+   & 0xff gives it. A static binary of ~100 KB stays behind per sandbox instead of an interpreter. */
+#include <stdlib.h>
+#include <sys/wait.h>
+int main(int argc, char **argv) {
+    if (argc != 2) return 127;
+    pid_t child = (pid_t)strtol(argv[1], NULL, 10);
+    for (;;) {
+        int status;
+        pid_t pid = waitpid(-1, &status, 0);
+        if (pid < 0) return 127;
+        if (pid == child) return WIFEXITED(status) ? WEXITSTATUS(status) : (-WTERMSIG(status)) & 0xff;
+    }
 }
 """
 
