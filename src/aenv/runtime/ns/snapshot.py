@@ -208,6 +208,9 @@ class NsSnapshots:
         status = self.criu_status()
         if not status.usable:
             return f"process snapshots need CRIU >= 4.2 ({status.reason})"
+        spec = self.rt._specs.get(sbx.name)
+        if spec is not None and spec.volumes:
+            return "it has volumes mounted, and CRIU images of a sandbox with volume binds are not supported yet"
         if sbx.from_zygote:
             return ("it was started from the zygote, whose preloaded files CRIU cannot map "
                     "(AENV_NS_ZYGOTE=1 with CRIU present)")
@@ -335,6 +338,9 @@ class NsSnapshots:
     async def create_from_snapshot(self, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
         layers, lowers = stack_of(snapshot, result)
         if result.mode is SnapshotMode.FULL:
+            if spec.volumes:  # a CRIU restore brings back the dumped mount table, which had no volumes
+                raise InvalidRequest(f"volumeMounts: snapshot {snapshot.name} holds processes (mode full), and "
+                                     "the ns runtime cannot add volumes to a process restore; use a filesystem snapshot")
             return await self.restore_processes(spec, snapshot, layers, lowers)
         template = replace(spec.template, lowers=lowers)
         return await self.rt._launch_ready(spec, template, layers)
