@@ -42,6 +42,8 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 READ_ONLY_SUFFIX = ":ro"
 # Where a volume may not go: the sandbox's own machinery and the kernel's filesystems.
 RESERVED = ("/proc", "/sys", "/dev", "/.aenv", "/.aenv-run")
+# A new volume's root: writable by every user of a sandbox (its default user is seldom root), as /tmp is.
+ROOT_MODE = 0o1777
 
 
 class VolumeNotFound(NotFound):
@@ -124,7 +126,7 @@ class Volumes:
             self.runtime.make_volume_dir(path, self.settings.volume_size_mb)
         else:
             path.mkdir(exist_ok=True)
-        path.chmod(0o755)
+        path.chmod(ROOT_MODE)
 
     def _remove_dir(self, volume_id: str) -> None:
         path = self.path(volume_id)
