@@ -12,6 +12,7 @@ import io
 import os
 import secrets
 import signal
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,10 +21,12 @@ import pytest
 from e2b import CommandExitException, Sandbox, SandboxException, Volume
 from e2b.exceptions import NotFoundException, VolumeException, VolumeNotFoundException
 
+from aenv.runtime.ns.criu import probe as criu_probe
 from aenv.testing.server import API_KEY, Server, free_port, start_server, stop_server
 from tests.integration.conftest import _needs_runtime
 
 pytestmark = pytest.mark.sdk
+CRIU = criu_probe()
 
 
 USERNS_BASE = 1_200_000_000  # as test_ns_userns.py: far above any /etc/subuid range
@@ -44,7 +47,8 @@ def vserver(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     if request.param == "userns" and runtime_name != "ns":
         pytest.skip("user namespaces are the ns runtime's")
     tmp = tmp_path_factory.mktemp("aenv-volumes")
-    extra = {"AENV_POOL_SIZE": "1", **({"AENV_NS_USERNS_UID": str(USERNS_BASE)} if request.param == "userns" else {})}
+    # paused sandboxes are released (CRIU-dumped, processes ended) at once: the release path with volumes
+    extra = {"AENV_POOL_SIZE": "1", "AENV_NS_RELEASE_PAUSED_AFTER": "0", **({"AENV_NS_USERNS_UID": str(USERNS_BASE)} if request.param == "userns" else {})}
     running = Running(start_server(tmp, runtime_name, extra, port=free_port()), extra)
     yield running
     stop_server(running.srv)
@@ -191,6 +195,75 @@ def test_volumes_survive_kill_9(env: Server, vserver: Running, kills: list[Sandb
     kills.append(again)
     assert again.commands.run("sha256sum /v/blob").stdout.split()[0] == digest
     again.kill()
+    Volume.destroy(vol.volume_id)
+
+
+criu_suite = pytest.mark.criu
+needs_criu = pytest.mark.skipif(not CRIU.usable, reason=f"CRIU >= 4.2 absent ({CRIU.reason})")
+
+
+def _alive(sbx: Sandbox, pid: int) -> bool:
+    return sbx.commands.run(f"kill -0 {pid} && echo yes || echo no").stdout.strip() == "yes"
+
+
+@criu_suite
+@needs_criu
+def test_fork_keeps_processes_and_shares_the_volume(env: Server, vserver: Running, kills: list[Sandbox],
+                                                    ns_only: None) -> None:
+    """A process fork of a sandbox with a volume: the volume is external to the images (shared, not
+    copied), the child mounts it read-only where the parent had it, a process whose cwd and open
+    file are on the volume comes back. In a user namespace the fork is a filesystem one (CRIU cannot
+    restore the idmapped bind): the same volume, read-only, without the processes."""
+    full = "AENV_NS_USERNS_UID" not in vserver.extra
+    vol = Volume.create(_name())
+    parent = Sandbox.create("base", volume_mounts={"/data": vol}, timeout=120)
+    kills.append(parent)
+    parent.files.write("/data/a.txt", "before the fork")
+    keeper = parent.commands.run("cd /data && exec 3</data/a.txt && exec sleep 100000", background=True, timeout=0)
+    keeper.disconnect()
+    results = parent.fork(count=2)
+    children = [c for c in results if not isinstance(c, Exception)]
+    kills.extend(children)
+    assert len(children) == 2, results
+    parent.files.write("/data/b.txt", "after the fork")  # the writer writes on
+    for child in children:
+        assert _alive(child, keeper.pid) is full  # processes came back: a process (full) fork
+        assert child.files.read("/data/a.txt") == "before the fork"
+        assert child.files.read("/data/b.txt") == "after the fork"  # the same volume, not a copy
+        with pytest.raises(CommandExitException) as refused:
+            child.commands.run("touch /data/child.txt", user="root")
+        assert "Read-only file system" in refused.value.stderr
+    for s in (*children, parent):
+        s.kill()
+    Volume.destroy(vol.volume_id)
+
+
+@criu_suite
+@needs_criu
+def test_a_released_pause_resumes_with_its_volume(env: Server, vserver: Running, kills: list[Sandbox],
+                                                  ns_only: None) -> None:
+    """Paused and released (CRIU dump to disk, processes ended: ``AENV_NS_RELEASE_PAUSED_AFTER=0``),
+    then resumed: the processes and the read-write volume are back."""
+    if "AENV_NS_USERNS_UID" in vserver.extra:
+        pytest.skip("in a user namespace a sandbox with volumes is not released: it stays frozen")
+    vol = Volume.create(_name())
+    sbx = Sandbox.create("base", volume_mounts={"/data": vol}, timeout=120)
+    kills.append(sbx)
+    keeper = sbx.commands.run("cd /data && exec sleep 100000", background=True, timeout=0)
+    keeper.disconnect()
+    sbx.pause()
+    root = env.state_dir / "sandboxes" / sbx.sandbox_id / "ns" / "released" / "released.json"
+    deadline = time.monotonic() + 60
+    while not root.exists():
+        assert time.monotonic() < deadline, "the paused sandbox was not released"
+        time.sleep(0.2)
+    vol.write_file("/while-paused.txt", "written while it was released")
+    sbx.connect()
+    assert _alive(sbx, keeper.pid)
+    assert sbx.files.read("/data/while-paused.txt") == "written while it was released"
+    sbx.files.write("/data/after.txt", "still read-write")
+    assert vol.read_file("/after.txt") == "still read-write"
+    sbx.kill()
     Volume.destroy(vol.volume_id)
 
 

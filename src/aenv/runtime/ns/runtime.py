@@ -228,6 +228,12 @@ class NsRuntime:
     def remove_volume_dir(self, path: Path) -> None:
         remove_tree(path)
 
+    def volume_points(self, sbx: NsSandbox) -> list[str]:
+        """Where ``sbx``'s E2B volumes are mounted: external mounts of its CRIU dumps (``criu.py``)."""
+        spec = self._specs.get(sbx.name)
+        volumes = spec.volumes if spec is not None else sbx.opts.volumes if sbx.opts is not None else ()
+        return [v.path for v in volumes]
+
     # ---- Runtime protocol -----------------------------------------------------------------------
     async def create(self, spec: SandboxSpec) -> RuntimeState:
         # A pooled sandbox has run its template's start command under the base filter since it was
@@ -314,7 +320,7 @@ class NsRuntime:
         assert self.layout is not None
         opts = replace(self._opts(replace(spec.template, lowers=lowers), spec.allow_internet,
                                   (spec.cpu_count, spec.memory_mb, spec.pids_limit), disk_mb=spec.disk_mb),
-                       snapshot_layers=layers if stacked else layers[1:], zygote=None)
+                       snapshot_layers=layers if stacked else layers[1:], zygote=None, volumes=spec.volumes)
         sbx = NsSandbox(spec.sandbox_id, Paths(root or spec.workdir / "ns"), cgroups.Cgroup(self.layout, spec.sandbox_id),
                         opts)
         return sbx
