@@ -267,6 +267,20 @@ def test_a_released_pause_resumes_with_its_volume(env: Server, vserver: Running,
     Volume.destroy(vol.volume_id)
 
 
+def test_a_files_only_pause_cold_starts_with_its_volume(env: Server, kills: list[Sandbox], ns_only: None) -> None:
+    vol = Volume.create(_name())
+    sbx = Sandbox.create("base", volume_mounts={"/data": vol}, timeout=120)
+    kills.append(sbx)
+    sbx.files.write("/data/kept.txt", "in the volume")
+    sbx.pause(keep_memory=False)  # every process ends; the resume is a cold start on the files
+    sbx.connect()
+    assert sbx.files.read("/data/kept.txt") == "in the volume"
+    sbx.files.write("/data/again.txt", "read-write again")
+    assert vol.read_file("/again.txt") == "read-write again"
+    sbx.kill()
+    Volume.destroy(vol.volume_id)
+
+
 def test_vm_refuses_volume_mounts(env: Server, runtime_name: str) -> None:
     if runtime_name != "vm":
         pytest.skip("the vm runtime's refusal")
