@@ -173,14 +173,16 @@ class VolumeDir:
         with self._parent(path) as (fd, name):
             if not name:
                 raise InvalidRequest(f"path {norm} is a directory")
-            try:
-                ffd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=fd)
+            try:  # O_PATH first: opening a device node or FIFO a sandbox made could act on the host
+                pfd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
             except OSError as exc:
                 raise _os_error(exc, norm) from None
-        if not stat.S_ISREG(os.fstat(ffd).st_mode):
-            os.close(ffd)
-            raise InvalidRequest(f"path {norm} is not a regular file")
-        return ffd
+        try:
+            if not stat.S_ISREG(os.fstat(pfd).st_mode):
+                raise InvalidRequest(f"path {norm} is not a regular file")
+            return os.open(f"/proc/self/fd/{pfd}", os.O_RDONLY | os.O_CLOEXEC)  # that same inode
+        finally:
+            os.close(pfd)
 
     def begin_write(self, path: str, force: bool) -> PendingFile:
         """A temporary file beside ``path``; ``PendingFile.commit`` renames it into place."""

@@ -88,7 +88,7 @@ def test_symlinks_are_entries_never_followed(vol: VolumeDir, tmp_path: Path) -> 
     os.symlink(outside, vol.root / "dirlink")
     entry = vol.stat("/link")
     assert entry["type"] == "symlink" and entry["target"] == str(outside / "secret")
-    with pytest.raises(NotFound):
+    with pytest.raises(InvalidRequest, match="not a regular file"):
         _read(vol, "/link")
     with pytest.raises(NotFound):
         _read(vol, "/dirlink/secret")
@@ -104,3 +104,11 @@ def test_symlinks_are_entries_never_followed(vol: VolumeDir, tmp_path: Path) -> 
     _write(vol, "/link", b"replaced", force=True)  # the link is replaced, the target is not written
     assert (outside / "secret").read_text() == "host file"
     assert _read(vol, "/link") == b"replaced"
+
+
+def test_a_fifo_is_never_opened(vol: VolumeDir) -> None:
+    os.mkfifo(vol.root / "pipe")  # opening it for reading would block the server's thread
+    with pytest.raises(InvalidRequest, match="regular file"):
+        vol.open_read("/pipe")
+    with pytest.raises(InvalidRequest, match="directory"):
+        vol.open_read("/")
