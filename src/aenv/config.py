@@ -77,6 +77,10 @@ class Settings(BaseModel):
     ns_disk_quota: bool = Field(
         True, description="ns: enforce each sandbox's disk size (a btrfs volume on the sandboxes dir, one subvolume + quota per sandbox)"
     )
+    volume_size_mb: int = Field(
+        10240, gt=0, description="E2B volumes: each volume's size limit (ns: its quota subvolume's qgroup limit)"
+    )
+    max_volumes: int = Field(100, gt=0, description="E2B volumes per API key")
     ns_volume_mb: int = Field(0, ge=0, description="ns: size of that sparse volume image; 0 = min(64 GiB, half the free space)")
     ns_criu: Path | None = Field(
         None, description="ns: the CRIU (>= 4.2) for process snapshots; unset = AENV_CRIU, else <cache_dir>/criu/current/criu (scripts/build-criu.sh), else criu on PATH"
@@ -151,6 +155,12 @@ class Settings(BaseModel):
     @property
     def sandboxes_dir(self) -> Path:
         return self.state_dir / "sandboxes"
+
+    @property
+    def volumes_dir(self) -> Path:
+        """E2B volumes, one directory each: on the sandboxes volume, so their bytes count where the
+        sandboxes' do (ns: each a quota subvolume). A dot name: reconciliation never takes it for a sandbox."""
+        return self.sandboxes_dir / ".volumes"
 
     @property
     def templates_dir(self) -> Path:

@@ -207,10 +207,9 @@ def test_a_command_whose_sandbox_is_killed_ends_as_not_running(e2b_env: dict[str
     ("options", "named"),
     [
         ({"network": {"egress_proxy": {"address": "proxy.example.com:1080"}}}, "network.egressProxy"),
-        ({"volume_mounts": {"/data": "vol"}}, "volumeMounts"),
         ({"mcp": {"exa": {"apiKey": "k"}}}, "mcp"),
     ],
-    ids=["network", "volumes", "mcp"],
+    ids=["network", "mcp"],
 )
 def test_create_options_aenv_does_not_do_are_refused_by_name(
     e2b_env: dict[str, str], options: dict[str, Any], named: str

@@ -202,6 +202,41 @@ def populate_root(root: str, cfg: dict) -> None:  # type: ignore[type-arg]
             os.unlink(path)
         with open(path, "w") as fh:
             fh.write(cfg["resolv_conf"])
+    bind_volumes(root, cfg)
+
+
+def volume_point(root: str, path: str) -> str:
+    """The directory ``path`` inside ``root`` (still the host's view: nothing is pivoted yet), made
+    where missing. A component that is a symlink is refused, never followed: the image's files could
+    point it anywhere on the host."""
+    cur = root
+    for part in [p for p in path.split("/") if p]:
+        if part in (".", ".."):
+            raise ValueError(f"volume mount path {path!r} is not normalised")
+        cur = f"{cur}/{part}"
+        if os.path.islink(cur):
+            raise ValueError(f"volume mount path {path} crosses a symlink in the image ({cur[len(root):]})")
+        if not os.path.lexists(cur):
+            os.mkdir(cur, 0o755)
+        elif not os.path.isdir(cur):
+            raise ValueError(f"volume mount path {path}: {cur[len(root):]} is not a directory in the image")
+    return cur
+
+
+def bind_volumes(root: str, cfg: dict) -> None:  # type: ignore[type-arg]
+    """E2B volumes (``cfg["volumes"]``: [host dir, path, read-only]) bound into the root. In a user
+    namespace the bind is idmapped like the root's layers (a volume's files keep the uids the sandbox
+    sees); a read-only one is locked so in the sandbox's namespaces (no CAP_SYS_ADMIN there, and in a
+    user namespace the flag is locked by the kernel)."""
+    userns = cfg.get("userns")
+    for src, path, read_only in cfg.get("volumes") or ():
+        target = volume_point(root, path)
+        if userns:
+            idmap.idmapped_bind(src, target, int(userns["fd"]))
+            flags = MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV | (MS_RDONLY if read_only else 0)
+            mount("none", target, None, flags)
+        else:
+            bind(src, target, readonly=bool(read_only), extra=MS_NOSUID | MS_NODEV)
 
 
 def build_root(cfg: dict) -> str:  # type: ignore[type-arg]

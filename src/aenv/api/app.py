@@ -25,6 +25,8 @@ from aenv.api.routes_leases import router as leases_router
 from aenv.api.routes_sandboxes import router as sandboxes_router
 from aenv.api.routes_snapshots import router as snapshots_router
 from aenv.api.routes_templates import router as templates_router
+from aenv.api.routes_volumes import control as volumes_router
+from aenv.api.routes_volumes import router as volume_content_router
 from aenv.api.routes_webhooks import router as webhooks_router
 from aenv.config import Settings
 from aenv.core.leases import Leases
@@ -113,6 +115,8 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
     api.include_router(templates_router)
     api.include_router(snapshots_router)
     api.include_router(webhooks_router)
+    api.include_router(volumes_router)
+    api.include_router(volume_content_router)
 
     @api.get("/health")
     async def health() -> JSONResponse:

@@ -78,6 +78,26 @@ class NetworkUpdate(NetworkConfig):
         return super().request(prefix)
 
 
+class VolumeMount(_Strict):
+    """One of E2B's ``volumeMounts``; ``readOnly`` is aenv's (the SDK says it with ``name:ro``)."""
+
+    name: str = Field(min_length=1, max_length=128)
+    path: str = Field(min_length=1, max_length=4096)
+    readOnly: StrictBool = False
+
+
+class NewVolume(_Strict):
+    name: str = Field(min_length=1, max_length=128)
+
+
+class VolumeMetadata(_Strict):
+    """``PATCH /volumecontent/{id}/path``."""
+
+    uid: StrictInt | None = Field(default=None, ge=0, le=2**32 - 2)
+    gid: StrictInt | None = Field(default=None, ge=0, le=2**32 - 2)
+    mode: StrictInt | None = Field(default=None, ge=0, le=0o7777)
+
+
 class NewSandbox(_Strict):
     templateID: str = Field(min_length=1, max_length=256)
     timeout: StrictInt | None = None
@@ -92,10 +112,16 @@ class NewSandbox(_Strict):
     # E2B fields aenv refuses unless empty (refuse_unsupported says why)
     mcp: Any = None
     iam: dict[str, Any] | None = None
-    volumeMounts: list[Any] | None = None
+    volumeMounts: list[VolumeMount] | None = None
     # aenv extensions (E2B sets resources per template; we also accept them per sandbox)
     cpuCount: StrictInt | None = Field(default=None, ge=1, le=64)
     memoryMB: StrictInt | None = Field(default=None, ge=64, le=262144)
+
+    def unsupported(self, prefix: str = "") -> list[str]:
+        out = super().unsupported(prefix)
+        for i, m in enumerate(self.volumeMounts or ()):
+            out += m.unsupported(f"{prefix}volumeMounts[{i}].")
+        return out
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -103,8 +129,6 @@ class NewSandbox(_Strict):
             raise InvalidRequest("mcp: MCP gateways are not supported by aenv")
         if self.iam:
             raise InvalidRequest("iam: workload identity tokens are not supported by aenv")
-        if self.volumeMounts:
-            raise InvalidRequest("volumeMounts: volumes are not supported by aenv")
         if self.network is not None:
             self.network.request()
         resume = bool(self.autoResume and self.autoResume.enabled)

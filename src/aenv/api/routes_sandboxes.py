@@ -16,6 +16,7 @@ from aenv.api.models import ConnectBody, NetworkUpdate, NewSandbox, PauseBody, R
 from aenv.core.admission import owner_of
 from aenv.core.models import CreateRequest, ListQuery, SandboxState
 from aenv.core.orchestrator import Orchestrator
+from aenv.core.volumes import parse_mounts
 from aenv.errors import InvalidRequest
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -95,6 +96,7 @@ async def _create(request: Request, body: NewSandbox, orch: Orchestrator, idempo
         idempotency_key=idempotency_key,
         network=body.network.request() if body.network is not None else None,
         owner=owner,
+        volume_mounts=tuple(parse_mounts([(m.name, m.path, m.readOnly) for m in body.volumeMounts or ()])),
     )
     sbx = await orch.create(req)
     return JSONResponse(serialize.sandbox(sbx), status_code=201)

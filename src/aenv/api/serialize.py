@@ -18,6 +18,7 @@ from aenv.core.table import LiveSandbox
 from aenv.envd import ENVD_VERSION
 from aenv.kinds import SandboxState
 from aenv.runtime.base import ResourceSample
+from aenv.store.volumes import VolumeRow
 
 CLIENT_ID = "aenv"
 
@@ -81,6 +82,16 @@ def _common(sbx: LiveSandbox) -> dict[str, Any]:
     }
     if row.alias:
         out["alias"] = row.alias
+    if row.volume_mounts:
+        out["volumeMounts"] = [{"name": m["name"], "path": m["path"]} for m in row.volume_mounts]
+    return out
+
+
+def volume(row: VolumeRow, *, token: bool = True) -> dict[str, Any]:
+    """E2B ``VolumeAndToken`` (create, get) or ``Volume`` (list)."""
+    out: dict[str, Any] = {"volumeID": row.id, "name": row.name}
+    if token:
+        out["token"] = row.token
     return out
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from aenv.config import Settings
 from aenv.core.table import SandboxTable
 from aenv.core.templates import TemplateCatalog
+from aenv.core.volumes import Volumes
 from aenv.errors import GuestUnresponsive, InvalidRequest
 from aenv.faults import fault_point
 from aenv.runtime.base import Runtime, RuntimeState, SandboxSpec
@@ -35,6 +36,7 @@ class Context:
     table: SandboxTable
     repository: Any = None  # aenv.snapshots.SnapshotRepository once attached (sync.py), else None
     gone: GoneLog | None = None  # tombstones of ended sandboxes (the orchestrator's), else none kept
+    volumes: Volumes | None = None  # E2B volumes (the orchestrator's): what a row's volume_mounts bind
 
     def check_timeout(self, timeout: int) -> None:
         if timeout <= 0:
@@ -72,6 +74,7 @@ class Context:
                 row.allow_internet or bool(row.network.get("allowOut"))),
             env_vars=dict(row.env_vars),
             access_token=row.access_token,
+            volumes=self.volumes.binds(row) if self.volumes is not None else (),
         )
 
     async def forget(self, row: SandboxRow, reason: str | None = None, detail: str = "") -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from aenv.errors import StateError
 from aenv.kinds import SandboxState
 
-__all__ = ["CreateRequest", "ListQuery", "NetworkRequest", "SandboxState", "require_state"]
+__all__ = ["CreateRequest", "ListQuery", "MountRequest", "NetworkRequest", "SandboxState", "require_state"]
 
 
 def require_state(sandbox_id: str, current: SandboxState, *allowed: SandboxState, action: str) -> None:
@@ -37,6 +37,15 @@ class NetworkRequest:
 
 
 @dataclass(frozen=True)
+class MountRequest:
+    """One of a create's E2B ``volumeMounts``, checked (``volumes.parse_mounts``)."""
+
+    name: str  # the volume's name (E2B mounts by name), without a ``:ro`` suffix
+    path: str  # absolute, normalised
+    read_only: bool = False
+
+
+@dataclass(frozen=True)
 class CreateRequest:
     template: str
     timeout: int | None = None
@@ -52,6 +61,7 @@ class CreateRequest:
     idempotency_key: str | None = None
     network: NetworkRequest | None = None  # E2B's network settings (core/network.py)
     owner: str = ""  # whose quota it counts for (admission.owner_of the API key)
+    volume_mounts: tuple[MountRequest, ...] = ()  # E2B volumeMounts (core/volumes.py)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from aenv.core.sync import SnapshotSync
 from aenv.core.table import LiveSandbox, SandboxTable
 from aenv.core.template_flows import TemplateFlows
 from aenv.core.templates import TemplateCatalog
+from aenv.core.volumes import Volumes
 from aenv.errors import (
     AenvError,
     GuestUnresponsive,
@@ -80,7 +81,8 @@ class Orchestrator:
         self.templates = templates
         self.gone = GoneLog(store)
         self.table = SandboxTable(self.gone.find)
-        self.ctx = Context(settings, store, runtime, templates, self.table, gone=self.gone)
+        self.volumes = Volumes(settings, store, runtime, self.table)
+        self.ctx = Context(settings, store, runtime, templates, self.table, gone=self.gone, volumes=self.volumes)
         net.configure(settings)
         self.sync = SnapshotSync(self.ctx)
         self.snapshots = SnapshotFlows(self.ctx, self.sync)
@@ -104,6 +106,7 @@ class Orchestrator:
     async def start(self) -> None:
         self.settings.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         await self.runtime.start()
+        await self.volumes.start()  # on the sandboxes volume, which the runtime's start mounts
         await recover(self.ctx)
         self.snapshots.discard_unfinished()
         if self.ctx.repository is not None:
@@ -198,6 +201,8 @@ class Orchestrator:
         template = await self.sync.resolve_template(req.template)  # may fetch a snapshot from the repository
         # A burst waits its turn here (fairly per API key and run), or is a readable 429 (admission.py).
         async with self.admission.slot(req.owner, req.metadata.get(self.settings.admission_group_key)):
+            # checked and taken with no await before table.add: two creates cannot both write a volume
+            mounts = self.volumes.resolve(req.owner, list(req.volume_mounts))
             sandbox_id = new_id()
             started = now()
             row = SandboxRow(
@@ -220,6 +225,7 @@ class Orchestrator:
                 access_token=new_token() if req.secure else None,
                 idempotency_key=req.idempotency_key,
                 created_seq=self.table.next_seq(),
+                volume_mounts=mounts,
             )
             snapshot = self.snapshots.snapshot_for_template(template.id) if template.kind is TemplateKind.SNAPSHOT else None
             if snapshot is not None:

@@ -27,6 +27,7 @@ from aenv.core.ids import new_id, new_token
 from aenv.core.models import require_state
 from aenv.core.sync import SnapshotSync, disk_usage, short_error
 from aenv.core.table import LiveSandbox
+from aenv.core.volumes import as_read_only
 from aenv.errors import AenvError, CapacityError, Conflict, InvalidRequest, SnapshotNotFound, StateError
 from aenv.faults import fault_point
 from aenv.kinds import SandboxState, SnapshotMode, TemplateKind
@@ -344,9 +345,11 @@ class SnapshotFlows:
             metadata=dict(src.row.metadata),
             env_vars=dict(src.row.env_vars),
             depends_on=list(src.row.depends_on),
+            volume_mounts=as_read_only(src.row.volume_mounts),  # the parent keeps the one writer's mount
         )
         spec = replace(
-            src.spec, sandbox_id=row.id, workdir=self.ctx.settings.sandboxes_dir / row.id, access_token=row.access_token
+            src.spec, sandbox_id=row.id, workdir=self.ctx.settings.sandboxes_dir / row.id, access_token=row.access_token,
+            volumes=tuple(replace(v, read_only=True) for v in src.spec.volumes),
         )
         child = LiveSandbox(row=row, spec=spec)
         self.ctx.table.add(child)

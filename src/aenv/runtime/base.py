@@ -48,6 +48,15 @@ class SandboxImage:
 
 
 @dataclass(frozen=True)
+class VolumeBind:
+    """A volume's directory on the host, bound at ``path`` inside the sandbox (E2B ``volumeMounts``)."""
+
+    source: Path
+    path: str  # absolute, normalised, not ``/`` (checked at the API edge)
+    read_only: bool = False
+
+
+@dataclass(frozen=True)
 class SandboxSpec:
     """Everything a runtime needs to create one sandbox. Immutable; the orchestrator builds it."""
 
@@ -61,6 +70,7 @@ class SandboxSpec:
     allow_internet: bool = True
     env_vars: dict[str, str] = field(default_factory=dict)  # sandbox-wide env (E2B envVars)
     access_token: str | None = None  # envd X-Access-Token, None = no envd auth
+    volumes: tuple[VolumeBind, ...] = ()  # persistent volumes bound into the sandbox (VolumeCapable)
 
 
 @dataclass(frozen=True)
@@ -193,6 +203,20 @@ class EgressCapable(Protocol):
     async def set_egress(self, sandbox_id: str, policy: EgressPolicy | None) -> None:
         """Register the sandbox's policy (None or empty: no rules) for every network namespace the
         runtime makes for it from now on, and put it into the one it runs in, if any, at once."""
+
+
+@runtime_checkable
+class VolumeCapable(Protocol):
+    """Optional runtime extension: it can bind ``SandboxSpec.volumes`` into a sandbox, and it keeps
+    volume directories where its sandboxes' disk is counted (ns: a quota subvolume on the sandboxes
+    volume). A runtime without it refuses volume mounts; volumes themselves still work."""
+
+    def make_volume_dir(self, path: Path, limit_mb: int) -> None:
+        """Create ``path`` (blocking; its parent exists) as an empty directory limited to ``limit_mb``
+        where the runtime can limit it; an existing one keeps its contents."""
+
+    def remove_volume_dir(self, path: Path) -> None:
+        """Remove a volume directory and everything in it (blocking; idempotent)."""
 
 
 @runtime_checkable

@@ -21,7 +21,7 @@ from typing import Any
 from aenv.errors import StoreError
 from aenv.kinds import SandboxState, SnapshotMode, TemplateKind
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 # Columns added after a database was first created, per table, as (name, SQL definition). A store
 # opening an older database adds the ones it lacks (``ALTER TABLE ... ADD COLUMN``, existing rows get
@@ -33,6 +33,7 @@ _ADDED_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
         ("network", "TEXT NOT NULL DEFAULT '{}'"),  # v3: E2B's network settings (egress rules, masking)
         ("traffic_token", "TEXT"),  # v3: required on user ports when allowPublicTraffic is false
         ("has_network", "INTEGER"),  # v4: made with a way out (NULL: a row from before v4)
+        ("volume_mounts", "TEXT NOT NULL DEFAULT '[]'"),  # v5: E2B volumeMounts (core/volumes.py)
     ),
 }
 
@@ -61,6 +62,7 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     network TEXT NOT NULL DEFAULT '{}',
     traffic_token TEXT,
     has_network INTEGER,
+    volume_mounts TEXT NOT NULL DEFAULT '[]',
     runtime_state TEXT NOT NULL DEFAULT '{}',
     idempotency_key TEXT,
     created_seq INTEGER NOT NULL DEFAULT 0,
@@ -124,6 +126,17 @@ CREATE TABLE IF NOT EXISTS gone_sandboxes (
     at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS gone_sandboxes_at ON gone_sandboxes(at);
+-- E2B volumes (store/volumes.py): a row is written before its directory exists and deleted after
+-- the directory is gone, so a restart finds every volume and removes half-made or half-destroyed ones.
+CREATE TABLE IF NOT EXISTS volumes (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    owner TEXT NOT NULL,
+    token TEXT NOT NULL,
+    state TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    UNIQUE(owner, name)
+);
 -- Heartbeat leases (store/leases.py): a client that stops heartbeating loses its sandboxes.
 CREATE TABLE IF NOT EXISTS leases (
     id TEXT PRIMARY KEY,
@@ -174,6 +187,8 @@ class SandboxRow:
     # what E2B's allowInternetAccess says now (an update can turn it off and on again). None: a row
     # from before v4, where core derives it from the other fields.
     has_network: bool | None = None
+    # E2B volumeMounts as bound: [{"name", "path", "volumeID", "readOnly"}] (core/volumes.py).
+    volume_mounts: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.state = SandboxState(self.state)  # the database holds the plain value
@@ -224,7 +239,7 @@ class SnapshotRow:
         self.mode = SnapshotMode(self.mode)
 
 
-_JSON_FIELDS = {"network", "metadata", "env_vars", "runtime_state", "lowers", "config", "pinned_layers", "depends_on", "result"}
+_JSON_FIELDS = {"volume_mounts", "network", "metadata", "env_vars", "runtime_state", "lowers", "config", "pinned_layers", "depends_on", "result"}
 _BOOL_FIELDS = {"auto_pause", "auto_resume", "auto_pause_memory", "allow_internet", "internal", "published"}
 
 
@@ -258,7 +273,7 @@ def _from_db(cls: type[Any], rec: sqlite3.Row) -> Any:
             continue
         v = rec[k]
         if k in _JSON_FIELDS:
-            v = json.loads(v) if v else ({} if k not in {"lowers", "pinned_layers", "depends_on"} else [])
+            v = json.loads(v) if v else ({} if k not in {"lowers", "pinned_layers", "depends_on", "volume_mounts"} else [])
         elif k in _BOOL_FIELDS:
             v = bool(v)
         data[k] = v

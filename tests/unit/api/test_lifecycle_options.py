@@ -33,7 +33,7 @@ def _refused(resp: Any, *fragments: str) -> None:
         ({"autoResume": {"enabled": False, "afterMs": 5}}, "autoResume.afterMs"),
         ({"mcp": {"github": {}}}, "mcp"),
         ({"iam": {"tokens": {"t": {"audience": "a", "tokenType": "jwt"}}}}, "iam"),
-        ({"volumeMounts": [{"name": "v", "path": "/data"}]}, "volumeMounts"),
+        ({"volumeMounts": [{"name": "v", "path": "/data", "subPath": "x"}]}, "volumeMounts[0].subPath"),
         # network rules aenv enforces are tests/unit/core/test_network.py's; these it cannot
         ({"network": {"rules": {"api.example.com": [{}]}}}, "network.rules"),
         ({"network": {"egressProxy": {"address": "p:1080"}}}, "network.egressProxy"),

@@ -27,10 +27,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from aenv.agent import launch
+from aenv.runtime.base import VolumeBind
 from aenv.runtime.network import SLIRP_GATEWAY
 from aenv.runtime.ns import criu
 from aenv.runtime.ns.userns import SharedUserns, mapped_base
@@ -183,7 +184,8 @@ def dumped_userns(images: Path) -> int | None:
         return 0 if any(images.glob("userns-*.img")) else None
 
 
-def dump(exe: str, init_pid: int, images: Path, *, freezer: Path | None, leave_running: bool = True) -> None:
+def dump(exe: str, init_pid: int, images: Path, *, freezer: Path | None, leave_running: bool = True,
+         volumes: Sequence[str] = ()) -> None:
     """``criu dump`` of the tree rooted at ``init_pid`` into ``images``, CRIU run in the tree's own
     network namespace (``criu.in_netns_of_argv``): the namespace is then not one to dump at all.
     Whether the tree runs in a user namespace is read from its uid map, not from the server's
@@ -194,17 +196,18 @@ def dump(exe: str, init_pid: int, images: Path, *, freezer: Path | None, leave_r
     outside it, so a restore cannot put it in CRIU's), and /dev is external (CRIU would tar the tmpfs
     with the device nodes bound over it: its clean view needs a directory it makes as host uid 0 in
     the sandbox's /tmp, which the idmapped upper refuses; a restore inside the user namespace could
-    not mknod them either)."""
+    not mknod them either). ``volumes``: the mount points of its E2B volumes (external)."""
     images.mkdir(parents=True, exist_ok=True)
     base = mapped_base(init_pid)
     if base is not None:
         (images / USERNS_MARK).write_text(str(base))
         argv = criu.dump_argv(exe, init_pid, images, freezer=freezer, log=DUMP_LOG, leave_running=leave_running,
-                              dev_external=True)
+                              dev_external=True, volumes=volumes)
         with _tap_set_aside(init_pid, back=leave_running):
             run_criu(criu.in_kdat_cache_argv(kdat_cache(exe), argv), images / DUMP_LOG, "dump")
         return
-    argv = criu.dump_argv(exe, init_pid, images, freezer=freezer, log=DUMP_LOG, leave_running=leave_running)
+    argv = criu.dump_argv(exe, init_pid, images, freezer=freezer, log=DUMP_LOG, leave_running=leave_running,
+                          volumes=volumes)
     run_criu(criu.in_netns_of_argv(init_pid, criu.in_kdat_cache_argv(kdat_cache(exe), argv)), images / DUMP_LOG,
              "dump")
 
@@ -245,28 +248,34 @@ def _tap_set_aside(init_pid: int, back: bool) -> Iterator[None]:
 
 def restore(exe: str, images: Path, *, lowers: list[str], upper: Path, work: Path, merged: Path, run_dir: Path,
             tools: Path, boot_id: Path, procs_files: list[str], on_netns: Callable[[int], None] | None = None,
-            userns: SharedUserns | None = None) -> int:
+            userns: SharedUserns | None = None, volumes: Sequence[VolumeBind] = ()) -> int:
     """``criu restore`` into a fresh network namespace and the given cgroups; returns the restored
     init's host pid. The overlay is mounted on the host only while CRIU runs (the restored tree keeps
     its own copy in its mount namespace). ``on_netns``: called with a pid in the fresh network
     namespace while CRIU restores into it (nothing restored runs before CRIU ends), e.g. to write
     its filter meanwhile; an error there fails the restore. ``userns``: see ``restore_in_userns``
-    (``on_netns`` must be None there: the network namespace is the image's, made by CRIU)."""
+    (``on_netns`` must be None there: the network namespace is the image's, made by CRIU).
+    ``volumes``: the E2B volumes bound where the dumped ones were (the same mount points); a
+    read-only one's source is bound read-only first, so its restored bind is born read-only."""
     pidfile = run_dir / "criu-restore.pid"
     log = run_dir / RESTORE_LOG
     userns = _userns_for(images, userns)
     if userns is not None:
         if on_netns is not None:
             raise ValueError("a restore in a user namespace has no fresh network namespace to hand out")
+        if volumes:  # CRIU gets EPERM binding an idmapped volume in the restored namespace
+            raise CheckpointError("a sandbox with volumes in a user namespace cannot be restored by CRIU")
         return restore_in_userns(exe, images, userns, lowers=lowers, upper=upper, work=work, merged=merged,
                                  run_dir=run_dir, tools=tools, boot_id=boot_id, procs_files=procs_files)
     mount_overlay(criu.overlay_options(lowers, upper, work), merged)
     try:
         masked = criu.masked_here()
+        read_only = [str(v.source) for v in volumes if v.read_only]
         run_criu(criu.in_cgroups_argv(procs_files, criu.in_fresh_netns_argv(criu.restore_argv(
             exe, images, root=merged, pidfile=pidfile, tools=tools, run_dir=run_dir, log=str(log),
-            boot_id=boot_id, masked=masked), kdat=kdat_cache(exe),
-            read_only=criu.read_only_sources(tools, boot_id, masked), ready=on_netns is not None)),
+            boot_id=boot_id, masked=masked, volumes=[(v.path, str(v.source)) for v in volumes],
+            read_only_volumes=[v.path for v in volumes if v.read_only]), kdat=kdat_cache(exe),
+            read_only=criu.read_only_sources(tools, boot_id, masked, read_only), ready=on_netns is not None)),
             log, "restore", on_ready=on_netns)
     finally:
         _libc.umount2(os.fsencode(merged), _MNT_DETACH)  # the restored tree holds its own copy

@@ -71,6 +71,7 @@ EXT_DEV = "aenv-dev"  # a user-namespaced sandbox's /dev tmpfs: external, a fres
 EXT_BOOT_ID = "aenv-boot-id"  # the sandbox's own boot id file (agent/launch.py); a restore gets a new one
 BOOT_ID_MOUNT = "/proc/sys/kernel/random/boot_id"
 KDAT_BASE = Path("/dev/shm")  # a tmpfs on any Linux host: CRIU keeps its kernel probe only on one
+EXT_VOLUME = "aenv-vol-"  # + a digest of its mount point: an E2B volume's bind (agent/launch.py)
 READY = "aenv-netns-ready"  # what the restore wrapper prints once its namespaces are made
 PRE_RESUME = "pre-resume"  # the CRIU stage at which the restored tree exists and none of it runs yet
 
@@ -179,6 +180,21 @@ def _externals_dump(masked: Sequence[str], net_inode: int | None) -> list[str]:
     return out
 
 
+def volume_key(point: str) -> str:
+    """The external key of a volume mounted at ``point``: named by its place, so a restore maps each
+    dumped volume bind to a source whatever order its sandbox lists them in."""
+    return EXT_VOLUME + hashlib.sha256(point.encode()).hexdigest()[:16]
+
+
+def _volumes_dump(points: Sequence[str]) -> list[str]:
+    return [a for p in points for a in ("--external", f"mnt[{p}]:{volume_key(p)}")]
+
+
+def _volumes_restore(sources: Sequence[tuple[str, str]]) -> list[str]:
+    """``(mount point, host source)`` of each volume a restore binds where the dumped one was."""
+    return [a for point, src in sources for a in ("--external", f"mnt[{volume_key(point)}]:{src}")]
+
+
 def _externals_restore(tools: Path, run_dir: Path, boot_id: Path | None, masked: Sequence[str]) -> list[str]:
     out = ["--external", f"mnt[{EXT_TOOLS}]:{tools}", "--external", f"mnt[{EXT_RUN}]:{run_dir}"]
     if boot_id is not None:
@@ -190,17 +206,20 @@ def _externals_restore(tools: Path, run_dir: Path, boot_id: Path | None, masked:
 
 def dump_argv(exe: str, pid: int, images: Path, *, freezer: Path | None, log: str = "dump.log",
               leave_running: bool = True, net_inode: int | None = None,
-              masked: Sequence[str] | None = None, dev_external: bool = False) -> list[str]:
+              masked: Sequence[str] | None = None, dev_external: bool = False,
+              volumes: Sequence[str] = ()) -> list[str]:
     """``criu dump`` of the process tree rooted at the sandbox init (host ``pid``).
 
     ``freezer``: the sandbox's freezer cgroup dir; the caller freezes it first so the tree is
     consistent with the upper copied right after, and CRIU then leaves it frozen. ``net_inode``: the
     inode of the sandbox's network namespace, dumped as external. ``masked``: the /proc files the
     sandbox has masked (those that exist on this host: ``launch.harden_proc``). ``dev_external``: a
-    sandbox in a user namespace, whose /dev a restore cannot rebuild (see ``checkpoint.py``)."""
+    sandbox in a user namespace, whose /dev a restore cannot rebuild (see ``checkpoint.py``).
+    ``volumes``: the mount points of the sandbox's E2B volumes, external too (a restore binds them
+    again: the volume is shared, never copied into the images)."""
     argv = [exe, "dump", "-t", str(pid), "-D", str(images), "-o", log, "-v2", "--network-lock", "skip",
             "--tcp-established", "--ext-unix-sk", "--file-locks", "--manage-cgroups=ignore",
-            *_externals_dump(masked_here() if masked is None else masked, net_inode)]
+            *_externals_dump(masked_here() if masked is None else masked, net_inode), *_volumes_dump(volumes)]
     if dev_external:
         argv += ["--external", f"mnt[/dev]:{EXT_DEV}"]
     if freezer is not None:
@@ -220,14 +239,20 @@ def mount_options(flags: int) -> list[str]:
     return ["ro", *(name for bit, name in _FLAG_NAMES if flags & bit)]
 
 
-def read_only_points(masked: Sequence[str]) -> list[str]:
+def read_only_points(masked: Sequence[str], volumes: Sequence[str] = ()) -> list[str]:
     """``POINT:FLAGS`` of every host bind a restore must make read-only again (``ro_remount.py``),
-    with the other flags the launcher gave it (``agent/launch.py``)."""
+    with the other flags the launcher gave it (``agent/launch.py``); ``volumes``: the mount points
+    of the read-only volumes (a fork child's of its parent's read-write one among them)."""
     points = [f"{point}:0" for point, _ in _masks(masked)]
-    return [*points, f"{BOOT_ID_MOUNT}:{_BOOT_ID_FLAGS}", f"/.aenv:{_TOOLS_FLAGS}"]
+    return [*points, f"{BOOT_ID_MOUNT}:{_BOOT_ID_FLAGS}", f"/.aenv:{_TOOLS_FLAGS}",
+            *(f"{p}:{VOLUME_FLAGS}" for p in volumes)]
 
 
-def read_only_sources(tools: Path, boot_id: Path | None, masked: Sequence[str]) -> list[tuple[str, int]]:
+VOLUME_FLAGS = MS_NOSUID | MS_NODEV  # what the launcher gives a volume bind besides read-only
+
+
+def read_only_sources(tools: Path, boot_id: Path | None, masked: Sequence[str],
+                      volumes: Sequence[str] = ()) -> list[tuple[str, int]]:
     """(host path, MS_* flags besides read-only) of every source of a read-only host bind of a
     restore (``_externals_restore``), each once. CRIU bind-mounts each source as it is, so the
     restore wrapper binds each one read-only over itself in CRIU's private mount namespace
@@ -239,6 +264,8 @@ def read_only_sources(tools: Path, boot_id: Path | None, masked: Sequence[str]) 
     if boot_id is not None:
         out[str(boot_id)] = _BOOT_ID_FLAGS
     out[str(tools)] = _TOOLS_FLAGS
+    for src in volumes:  # the read-only volumes' sources
+        out[src] = VOLUME_FLAGS
     return list(out.items())
 
 
@@ -264,11 +291,11 @@ def _read_only_binds(sources: Sequence[tuple[str, int]]) -> str:
     return "".join(out)
 
 
-def _check_script(masked: Sequence[str]) -> str:
+def _check_script(masked: Sequence[str], volumes: Sequence[str] = ()) -> str:
     """Shell that runs through the restored tree's mount table and calls the remount (``fix``) at
     the first host bind that lacks read-only or one of its flags, or when it cannot read the table."""
     need: dict[str, list[str]] = {}
-    for arg in read_only_points(masked):
+    for arg in read_only_points(masked, volumes):
         point, _, flags = arg.rpartition(":")
         need.setdefault(" ".join(mount_options(int(flags))), []).append(point)
     arms = "".join(f"    {'|'.join(points)}) need='{opts}' ;;\n" for opts, points in need.items())
@@ -286,7 +313,7 @@ def _check_script(masked: Sequence[str]) -> str:
             '[ "$seen" = 1 ] || fix\n')
 
 
-def ro_remount_action(masked: Sequence[str], base: Path = KDAT_BASE) -> str:
+def ro_remount_action(masked: Sequence[str], base: Path = KDAT_BASE, volumes: Sequence[str] = ()) -> str:
     """The ``--action-script`` that makes sure of it: CRIU execs a file (no arguments), written once
     into a root-only directory of the host (a sandbox's ``/.aenv-run`` would let the sandbox rewrite
     what the host runs as root). CRIU runs it at each of its seven stages and waits for it, so the
@@ -295,9 +322,10 @@ def ro_remount_action(masked: Sequence[str], base: Path = KDAT_BASE) -> str:
     be writable (a CRIU that binds otherwise). Each Python start is ~25 ms: seven of them were
     ~160 ms of a ~220 ms restore."""
     script = Path(__file__).with_name("ro_remount.py")
-    fix = " ".join(shlex.quote(a) for a in (sys.executable, "-I", "-S", str(script), *read_only_points(masked)))
+    fix = " ".join(shlex.quote(a) for a in (sys.executable, "-I", "-S", str(script),
+                                            *read_only_points(masked, volumes)))
     body = (f'#!/bin/sh\n[ "$CRTOOLS_SCRIPT_ACTION" = {PRE_RESUME} ] || exit 0\nfix() {{ exec {fix}; }}\n'
-            f"{_check_script(masked)}")
+            f"{_check_script(masked, volumes)}")
     directory = base / f"aenv-criu-actions-{os.geteuid()}"
     path = directory / f"ro-remount-{hashlib.sha256(body.encode()).hexdigest()[:12]}.sh"
     if not path.exists():
@@ -314,13 +342,16 @@ def ro_remount_action(masked: Sequence[str], base: Path = KDAT_BASE) -> str:
 def restore_argv(exe: str, images: Path, *, root: Path, pidfile: Path, tools: Path, run_dir: Path,
                  log: str = "restore.log", extra: Sequence[str] = (), boot_id: Path | None = None,
                  masked: Sequence[str] | None = None, net_external: bool = True,
-                 dev: Path | None = None) -> list[str]:
+                 dev: Path | None = None, volumes: Sequence[tuple[str, str]] = (),
+                 read_only_volumes: Sequence[str] = ()) -> list[str]:
     """``criu restore`` detached into ``root`` (a fresh overlay whose upper is a copy taken at dump
     time). Each restore gets a new pid namespace, so N restores of one image run side by side.
     ``boot_id``: the new sandbox's boot id file, bound where the dumped one was. ``net_external``:
     the image's network namespace was external; the restored tree joins the one open at ``NET_FD``
     (``in_fresh_netns_argv``). ``dev``: the fresh /dev of a user-namespaced sandbox (``dump_argv``'s
-    ``dev_external``)."""
+    ``dev_external``). ``volumes``: (mount point, host source) of each volume (``dump_argv``'s);
+    ``read_only_volumes``: the mount points of those that must come back read-only (the action
+    script sees to it: CRIU restores a bind with the dumped flags, a fork child's from a writer)."""
     net = ["--inherit-fd", f"fd[{NET_FD}]:{EXT_NET}"] if net_external else []
     if dev is not None:
         net += ["--external", f"mnt[{EXT_DEV}]:{dev}"]
@@ -328,7 +359,8 @@ def restore_argv(exe: str, images: Path, *, root: Path, pidfile: Path, tools: Pa
     return [exe, "restore", "-D", str(images), "-o", log, "-v2", "--network-lock", "skip", "--restore-detached",
             "--pidfile", str(pidfile), "--root", str(root), "--tcp-established", "--ext-unix-sk",
             "--file-locks", "--manage-cgroups=ignore", *_externals_restore(tools, run_dir, boot_id, masked),
-            "--action-script", ro_remount_action(masked), *net, *extra]
+            "--action-script", ro_remount_action(masked, volumes=read_only_volumes), *net, *_volumes_restore(volumes),
+            *extra]
 
 
 def kdat_dir(exe: str, base: Path = KDAT_BASE) -> Path:

@@ -453,7 +453,7 @@ class DiskQuota:
             with contextlib.suppress(OSError):
                 (self.mount / POOL_NAME).rmdir()
             with os.scandir(self.mount) as it:
-                left = sum(1 for _ in it)
+                left = sum(1 for e in it if not e.name.startswith("."))  # not the volumes dir
             try:
                 _run(["umount", str(self.mount)])
             except OSError as exc:

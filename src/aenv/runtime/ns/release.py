@@ -131,7 +131,7 @@ class NsReleaser:
             await asyncio.to_thread(shutil.rmtree, root / RELEASED_DIR, True)
             async with sbx.quiesce():
                 await asyncio.to_thread(checkpoint.dump, status.exe, sbx.init.pid, images,
-                                        freezer=sbx.cgroup.dir("freezer"))
+                                        freezer=sbx.cgroup.dir("freezer"), volumes=self.rt.volume_points(sbx))
             data = {**sbx.state(), "released": True}
             await asyncio.to_thread(_write_marker, root, data)
             fault_point("ns.release.marked")
@@ -167,7 +167,7 @@ class NsReleaser:
             return checkpoint.restore(exe, root / RELEASED_DIR / "criu", lowers=sbx.lowers, upper=sbx.paths.upper,
                                       work=sbx.paths.work, merged=sbx.paths.merged, run_dir=sbx.paths.run,
                                       tools=tools, boot_id=sbx.paths.boot_id, procs_files=sbx.cgroup.procs_files(),
-                                      on_netns=on_netns, userns=self.rt.userns)
+                                      on_netns=on_netns, userns=self.rt.userns, volumes=spec.volumes)
 
         try:
             pid = await asyncio.to_thread(restore)

@@ -42,7 +42,7 @@ from aenv.runtime.envd_client import EnvdError, init_payload
 from aenv.runtime.netpolicy import EgressPolicy
 from aenv.runtime.network import Slirp, drop_foreign_rules, host_ipv4_addresses, slirp_available
 from aenv.runtime.ns import cgroups, identity
-from aenv.runtime.ns.disk import POOL_NAME, DiskQuota
+from aenv.runtime.ns.disk import POOL_NAME, DiskQuota, remove_tree
 from aenv.runtime.ns.lifecycle import NsLifecycle
 from aenv.runtime.ns.pool import WarmPool
 from aenv.runtime.ns.procimage import ProcImages
@@ -234,11 +234,30 @@ class NsRuntime:
             raise
         return sbx
 
+    # ---- VolumeCapable ----------------------------------------------------------------------------
+    def make_volume_dir(self, path: Path, limit_mb: int) -> None:
+        """A quota subvolume on the sandboxes volume when quotas are on (its bytes count there and stop
+        at ``limit_mb``), else a plain directory."""
+        if self.disk.active:
+            self.disk.make_root(path, limit_mb)
+        else:
+            path.mkdir(exist_ok=True)
+
+    def remove_volume_dir(self, path: Path) -> None:
+        remove_tree(path)
+
+    def volume_points(self, sbx: NsSandbox) -> list[str]:
+        """Where ``sbx``'s E2B volumes are mounted: external mounts of its CRIU dumps (``criu.py``)."""
+        spec = self._specs.get(sbx.name)
+        volumes = spec.volumes if spec is not None else sbx.opts.volumes if sbx.opts is not None else ()
+        return [v.path for v in volumes]
+
     # ---- Runtime protocol -----------------------------------------------------------------------
     async def create(self, spec: SandboxSpec) -> RuntimeState:
         # A pooled sandbox has run its template's start command under the base filter since it was
         # pooled: with a policy, that command starts in a namespace that has the policy from the start.
-        use_pool = not (spec.template.start_cmd and ENFORCER.has(spec.sandbox_id))
+        # Volumes are bound while the root is built: a sandbox with them is always launched for itself.
+        use_pool = not (spec.template.start_cmd and ENFORCER.has(spec.sandbox_id)) and not spec.volumes
         return await self._egress_ensured(spec.sandbox_id, self._launch_ready(spec, spec.template, (), use_pool=use_pool))
 
     async def _prelaunch(self, name: str, root: Path, spec: SandboxSpec, template: SandboxImage,
@@ -250,7 +269,7 @@ class NsRuntime:
         assert self.layout is not None
         await self._ensure_tools()
         opts = replace(self._opts(template, spec.allow_internet, (spec.cpu_count, spec.memory_mb, spec.pids_limit),
-                                  disk_mb=spec.disk_mb), snapshot_layers=snapshot_layers)
+                                  disk_mb=spec.disk_mb), snapshot_layers=snapshot_layers, volumes=spec.volumes)
         return await NsSandbox.launch(name, root, self.layout, opts, self.host_addrs, timeout=self.launch_timeout)
 
     async def _launch_ready(self, spec: SandboxSpec, template: SandboxImage, snapshot_layers: tuple[str, ...],
@@ -270,7 +289,7 @@ class NsRuntime:
         root = root or spec.workdir / "ns"
         sbx = prelaunched or (
             self.pool.take(spec.template, spec.allow_internet) if use_pool and not snapshot_layers else None)
-        if sbx is None and not in_place:  # not from the pool: restore the template's process image if there is one
+        if sbx is None and not in_place and not spec.volumes:  # not pooled: the template's process image, if any
             restored = await self.procimages.start(spec, template, snapshot_layers)
             if restored is not None:
                 return restored
@@ -292,7 +311,7 @@ class NsRuntime:
             else:
                 await self._ensure_tools()
                 opts = replace(self._opts(template, spec.allow_internet, limits, disk_mb=spec.disk_mb),
-                               snapshot_layers=snapshot_layers, hostname=sid)
+                               snapshot_layers=snapshot_layers, hostname=sid, volumes=spec.volumes)
                 sbx = await NsSandbox.launch(sid, root, self.layout, opts, self.host_addrs,
                                              timeout=self.launch_timeout, keep_root=in_place)
             await sbx.init_envd(init_payload(spec), meanwhile=hand_out)
@@ -319,7 +338,7 @@ class NsRuntime:
         assert self.layout is not None
         opts = replace(self._opts(replace(spec.template, lowers=lowers), spec.allow_internet,
                                   (spec.cpu_count, spec.memory_mb, spec.pids_limit), disk_mb=spec.disk_mb),
-                       snapshot_layers=layers if stacked else layers[1:], zygote=None)
+                       snapshot_layers=layers if stacked else layers[1:], zygote=None, volumes=spec.volumes)
         sbx = NsSandbox(spec.sandbox_id, Paths(root or spec.workdir / "ns"), cgroups.Cgroup(self.layout, spec.sandbox_id),
                         opts)
         return sbx

@@ -47,7 +47,7 @@ from aenv.faults import fault_point
 from aenv.mux import ByteStream, MuxSession, StreamClosed
 from aenv.mux.direct import DirectStream, open_direct
 from aenv.mux.session import open_unix_session
-from aenv.runtime.base import SandboxImage
+from aenv.runtime.base import SandboxImage, VolumeBind
 from aenv.runtime.egress import ENFORCER
 from aenv.runtime.envd_client import (
     ENVD_PORT,
@@ -150,6 +150,8 @@ class LaunchOptions:
     disk_mb: int = 0
     # The user namespace to run in (``userns.py``); None = host uid 0 in the other namespaces.
     userns: SharedUserns | None = None
+    # E2B volumes bound into the root (``launch.bind_volumes``): never a pooled or zygote-less restore.
+    volumes: tuple[VolumeBind, ...] = ()
 
     def lowers(self) -> list[str]:
         return [*self.snapshot_layers, *_lowers(self.template)]
@@ -273,6 +275,7 @@ class NsSandbox:
             "cgroup_procs": self.cgroup.procs_files(), "hostname": opts.hostname,
             "resolv_conf": RESOLV_CONF if opts.allow_internet else None, "boot_id": str(self.paths.boot_id),
             "argv": agent_argv(opts), "env": {}, "log": None,
+            "volumes": [[str(v.source), v.path, v.read_only] for v in opts.volumes],
         }
         cfg["nice"] = opts.nice
         report = await opts.zygote.launch(cfg) if opts.zygote is not None else None

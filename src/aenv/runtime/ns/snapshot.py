@@ -208,6 +208,9 @@ class NsSnapshots:
         status = self.criu_status()
         if not status.usable:
             return f"process snapshots need CRIU >= 4.2 ({status.reason})"
+        if self.rt.userns is not None and self.rt.volume_points(sbx):
+            return ("it has volumes in a user namespace, whose idmapped binds CRIU cannot restore "
+                    "(EPERM binding them in the restored namespace)")
         if sbx.from_zygote:
             return ("it was started from the zygote, whose preloaded files CRIU cannot map "
                     "(AENV_NS_ZYGOTE=1 with CRIU present)")
@@ -256,6 +259,7 @@ class NsSnapshots:
         if mode is SnapshotMode.FULL:
             status = self.criu_status()
             data["criu"] = status.describe()
+            data["volume_points"] = sorted(self.rt.volume_points(sbx))  # a restore must bind these again
             layers = (UPPER, CRIU_DIR)
             pending = self._link_unchanged_later(sandbox_id, into / CRIU_DIR, data)
         log.info("sandbox=%s snapshot mode=%s depth=%d compacted=%s frozen=%.1fms",
@@ -324,7 +328,7 @@ class NsSnapshots:
         status = self.criu_status()
         assert status.exe is not None and sbx.init is not None
         checkpoint.dump(status.exe, sbx.init.pid, images, freezer=sbx.cgroup.dir("freezer"),
-                        leave_running=leave_running)
+                        leave_running=leave_running, volumes=self.rt.volume_points(sbx))
 
     def _compact(self, into: Path, snapshot_layers_top_first: list[str]) -> None:
         layers = [Path(p) for p in reversed(snapshot_layers_top_first)] + [into / ".capture"]
@@ -335,6 +339,12 @@ class NsSnapshots:
     async def create_from_snapshot(self, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
         layers, lowers = stack_of(snapshot, result)
         if result.mode is SnapshotMode.FULL:
+            # a CRIU restore brings back the dumped mount table: the volumes must be where they were
+            dumped = sorted(result.data.get("volume_points") or ())
+            if sorted(v.path for v in spec.volumes) != dumped:
+                raise InvalidRequest(f"volumeMounts: snapshot {snapshot.name} holds processes (mode full) that had "
+                                     f"volumes mounted at {dumped or 'no path'}; a sandbox restored from it mounts "
+                                     "volumes at exactly those paths (or use a filesystem snapshot)")
             return await self.restore_processes(spec, snapshot, layers, lowers)
         template = replace(spec.template, lowers=lowers)
         return await self.rt._launch_ready(spec, template, layers)
@@ -475,7 +485,7 @@ def restore_into(sbx: NsSandbox, spec: SandboxSpec, upper: Path | None, images: 
     return checkpoint.restore(exe, images, lowers=sbx.lowers, upper=paths.upper, work=paths.work,
                               merged=paths.merged, run_dir=paths.run, tools=tools, boot_id=paths.boot_id,
                               procs_files=cg.procs_files(), on_netns=on_netns,
-                              userns=opts.userns if opts is not None else None)
+                              userns=opts.userns if opts is not None else None, volumes=spec.volumes)
 
 
 def _clean_capture(into: Path) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -215,7 +215,7 @@ def _fake_runtime(tmp: Path, log: list[str], allow_internet: bool = False, from_
     sbx = SimpleNamespace(cgroup=_FakeCgroup(log, tmp), init=ProcRef(4242, 1), paths=paths, quiesce=quiesce,
                           allow_internet=allow_internet, from_zygote=from_zygote, lowers=["/rootfs"],
                           snapshot_depth=0)
-    return SimpleNamespace(_get=lambda sid: sbx, _specs={}, settings=None, userns=None)
+    return SimpleNamespace(_get=lambda sid: sbx, _specs={}, settings=None, userns=None, volume_points=lambda s: [])
 
 
 @pytest.fixture
@@ -235,8 +235,10 @@ async def test_full_snapshot_dumps_while_frozen(tmp_path: Path, usable_criu: Non
         if argv[0] == "cp":
             Path(argv[-1]).mkdir()
 
-    def dump(exe: str, pid: int, images: Path, *, freezer: Path | None, leave_running: bool = True) -> None:
-        assert (exe, pid, leave_running) == ("/opt/criu", 4242, True) and freezer is not None
+    def dump(exe: str, pid: int, images: Path, *, freezer: Path | None, leave_running: bool = True,
+             volumes: Sequence[str] = ()) -> None:
+        assert (exe, pid, leave_running, list(volumes)) == ("/opt/criu", 4242, True, [])
+        assert freezer is not None
         log.append("dump")
 
     monkeypatch.setattr(snap, "_run", run)

@@ -114,7 +114,7 @@ def test_restore_in_a_user_namespace_binds_the_sources_read_only_and_has_no_netn
     monkeypatch.setattr(checkpoint, "run_criu", run_criu)
     monkeypatch.setattr(checkpoint, "kdat_cache", lambda exe: None)
     monkeypatch.setattr(criu, "KDAT_BASE", tmp_path)
-    monkeypatch.setattr(criu, "ro_remount_action", lambda masked, base=tmp_path: "/action.sh")
+    monkeypatch.setattr(criu, "ro_remount_action", lambda masked, base=tmp_path, volumes=(): "/action.sh")
     monkeypatch.setattr(os, "chown", lambda *a: None)
     (tmp_path / "run").mkdir()
     (tmp_path / "i").mkdir()

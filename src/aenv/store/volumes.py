@@ -1,0 +1,66 @@
+"""E2B volumes (``core/volumes.py``): one row per volume. The row is written (``creating``) before
+the volume's directory is made and marked ``destroying`` before it is removed, so a restart (even
+after kill -9) finishes what was cut short: ``ready`` rows are the volumes, the others are cleaned up.
+Names are unique per owner (the API key's owner), as E2B's are per team. The table is in
+``sqlite.py``'s schema."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aenv.errors import Conflict, StoreError
+from aenv.store.sqlite import Store
+
+_COLUMNS = ("id", "name", "owner", "token", "state", "created_at")
+
+CREATING, READY, DESTROYING = "creating", "ready", "destroying"
+
+
+@dataclass
+class VolumeRow:
+    id: str
+    name: str
+    owner: str  # sha256 of the API key that made it ('' without auth): only that key sees it
+    token: str  # the volume content API's bearer token
+    state: str  # creating | ready | destroying
+    created_at: float
+
+
+class VolumeLog:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def put(self, row: VolumeRow) -> None:
+        """Insert a new volume; a name the owner already uses is a Conflict."""
+        try:
+            with self.store._tx() as db:
+                taken = db.execute("SELECT 1 FROM volumes WHERE owner = ? AND name = ?", (row.owner, row.name)).fetchone()
+                if taken:
+                    raise Conflict(f"a volume named '{row.name}' already exists", volume=row.name)
+                db.execute(f"INSERT INTO volumes ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})",
+                           tuple(getattr(row, c) for c in _COLUMNS))  # fmt: skip
+        except StoreError as exc:
+            raise StoreError(f"cannot record volume '{row.name}': {exc}") from exc
+
+    def set_state(self, volume_id: str, state: str) -> None:
+        with self.store._tx() as db:
+            db.execute("UPDATE volumes SET state = ? WHERE id = ?", (state, volume_id))
+
+    def delete(self, volume_id: str) -> None:
+        with self.store._tx() as db:
+            db.execute("DELETE FROM volumes WHERE id = ?", (volume_id,))
+
+    def get(self, volume_id: str) -> VolumeRow | None:
+        rows = self.store._query("SELECT * FROM volumes WHERE id = ?", (volume_id,))
+        return VolumeRow(**dict(rows[0])) if rows else None
+
+    def by_name(self, owner: str, name: str) -> VolumeRow | None:
+        rows = self.store._query("SELECT * FROM volumes WHERE owner = ? AND name = ?", (owner, name))
+        return VolumeRow(**dict(rows[0])) if rows else None
+
+    def of_owner(self, owner: str) -> list[VolumeRow]:
+        return [VolumeRow(**dict(r)) for r in self.store._query(
+            "SELECT * FROM volumes WHERE owner = ? AND state = ? ORDER BY created_at, id", (owner, READY))]
+
+    def all(self) -> list[VolumeRow]:
+        return [VolumeRow(**dict(r)) for r in self.store._query("SELECT * FROM volumes ORDER BY created_at, id")]

@@ -1,0 +1,293 @@
+"""E2B volumes through the unmodified SDK (``from e2b import Volume, Sandbox``) against a real server:
+create/list/connect/destroy, the volume content API, a volume written in one sandbox and read in
+another, a read-only mount that refuses writes, one writer at a time, and volumes that survive a
+kill -9 of the server. ns only: the vm runtime refuses ``volume_mounts`` with a 400 (last test).
+
+A server of its own (module scope): the kill -9 test restarts it on the same state dir and port.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import secrets
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from e2b import CommandExitException, Sandbox, SandboxException, Volume
+from e2b.exceptions import NotFoundException, VolumeException, VolumeNotFoundException
+
+from aenv.runtime.ns.criu import probe as criu_probe
+from aenv.testing.server import API_KEY, Server, free_port, start_server, stop_server
+from tests.integration.conftest import _needs_runtime
+
+pytestmark = pytest.mark.sdk
+CRIU = criu_probe()
+
+
+USERNS_BASE = 1_200_000_000  # as test_ns_userns.py: far above any /etc/subuid range
+
+
+@dataclass
+class Running:
+    srv: Server
+    extra: dict[str, str]  # the server's settings, for a restart
+
+
+@pytest.fixture(scope="module", params=["plain", "userns"])
+def vserver(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+            runtime_name: str) -> Iterator[Running]:
+    """The kill -9 test swaps in the restarted server. Twice on ns: sandboxes as host root, and in a
+    user namespace (there the volume is bound idmapped)."""
+    _needs_runtime(runtime_name)
+    if request.param == "userns" and runtime_name != "ns":
+        pytest.skip("user namespaces are the ns runtime's")
+    tmp = tmp_path_factory.mktemp("aenv-volumes")
+    # paused sandboxes are released (CRIU-dumped, processes ended) at once: the release path with volumes
+    extra = {"AENV_POOL_SIZE": "1", "AENV_NS_RELEASE_PAUSED_AFTER": "0", **({"AENV_NS_USERNS_UID": str(USERNS_BASE)} if request.param == "userns" else {})}
+    running = Running(start_server(tmp, runtime_name, extra, port=free_port()), extra)
+    yield running
+    stop_server(running.srv)
+
+
+@pytest.fixture
+def env(vserver: Running, monkeypatch: pytest.MonkeyPatch) -> Server:
+    srv = vserver.srv
+    for k, v in {"E2B_API_URL": srv.url, "E2B_SANDBOX_URL": srv.url, "E2B_VOLUME_API_URL": srv.url,
+                 "E2B_API_KEY": API_KEY, "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}.items():
+        monkeypatch.setenv(k, v)
+    for k in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(k, raising=False)
+    return srv
+
+
+@pytest.fixture
+def kills() -> Iterator[list[Sandbox]]:
+    """Sandboxes a test made: killed after it, whatever happened."""
+    made: list[Sandbox] = []
+    yield made
+    for s in made:
+        try:
+            s.kill()
+        except Exception:
+            pass
+
+
+@pytest.fixture
+def ns_only(runtime_name: str) -> None:
+    if runtime_name != "ns":
+        pytest.skip("volume mounts are ns only (vm refuses them: test_vm_refuses_volume_mounts)")
+
+
+def _name() -> str:
+    return f"vol-{secrets.token_hex(4)}"
+
+
+def test_volume_lifecycle(env: Server) -> None:
+    vol = Volume.create(_name())
+    assert vol.volume_id and vol.token
+    info = Volume.get_info(vol.volume_id)
+    assert (info.volume_id, info.name, info.token) == (vol.volume_id, vol.name, vol.token)
+    assert vol.volume_id in {v.volume_id for v in Volume.list()}
+    again = Volume.connect(vol.volume_id)
+    assert again.token == vol.token and again.name == vol.name
+    with pytest.raises(VolumeException):
+        Volume.create(vol.name)  # names are unique (409)
+    assert Volume.destroy(vol.volume_id) is True
+    assert Volume.destroy(vol.volume_id) is False
+    with pytest.raises(VolumeNotFoundException):
+        Volume.get_info(vol.volume_id)
+
+
+def test_content_api(env: Server) -> None:
+    vol = Volume.create(_name())
+    try:
+        vol.write_file("/hello.txt", "Hello, World!")
+        assert vol.read_file("/hello.txt") == "Hello, World!"
+        vol.write_file("/bin.dat", bytes(range(256)) * 4096)  # 1 MiB: more than one upload chunk
+        assert vol.read_file("/bin.dat", format="bytes") == bytes(range(256)) * 4096
+        vol.write_file("/s.txt", io.BytesIO(b"streamed"))
+        assert b"".join(vol.read_file("/s.txt", format="stream")) == b"streamed"
+        with pytest.raises(VolumeException):
+            vol.write_file("/hello.txt", "again")  # exists, no force
+        vol.write_file("/hello.txt", "again", force=True)
+        vol.make_dir("/a/b", force=True)
+        vol.write_file("/a/b/f.txt", "nested", uid=1000, gid=1000, mode=0o600)
+        info = vol.get_info("/a/b/f.txt")
+        assert (info.type.value, info.size, info.uid, info.mode) == ("file", 6, 1000, 0o600)
+        assert {e.name for e in vol.list("/")} == {"hello.txt", "bin.dat", "s.txt", "a"}
+        assert vol.update_metadata("/a/b/f.txt", mode=0o644).mode == 0o644
+        assert vol.exists("/a/b") and not vol.exists("/nope")
+        vol.remove("/a")
+        assert not vol.exists("/a/b/f.txt")
+        with pytest.raises(NotFoundException):
+            vol.remove("/a")
+        with pytest.raises(NotFoundException):
+            vol.read_file("/nope")
+    finally:
+        Volume.destroy(vol.volume_id)
+
+
+def test_written_in_one_sandbox_read_in_another(env: Server, vserver: Running, kills: list[Sandbox],
+                                                ns_only: None) -> None:
+    vol = Volume.create(_name())
+    first = Sandbox.create("base", volume_mounts={"/mnt/data": vol}, timeout=120)
+    kills.append(first)
+    uid_map = first.commands.run("cat /proc/self/uid_map").stdout.split()
+    assert (uid_map[1] == str(USERNS_BASE)) is ("AENV_NS_USERNS_UID" in vserver.extra), uid_map
+    first.files.write("/mnt/data/hello.txt", "from the first sandbox")
+    uid = int(first.commands.run("mkdir -p /mnt/data/sub && echo made-by-shell > /mnt/data/sub/b.txt && id -u").stdout)
+    first.kill()
+    assert vol.get_info("/sub/b.txt").uid == uid  # the owner the sandbox saw (idmapped in a user namespace)
+    assert vol.read_file("/hello.txt") == "from the first sandbox"  # the content API sees it too
+    vol.write_file("/from-api.txt", "from the content API")
+
+    second = Sandbox.create("base", volume_mounts={"/data": vol.name}, timeout=120)  # by name, elsewhere
+    kills.append(second)
+    assert second.files.read("/data/hello.txt") == "from the first sandbox"
+    assert second.commands.run("cat /data/sub/b.txt /data/from-api.txt").stdout == "made-by-shell\nfrom the content API"
+    second.kill()
+    Volume.destroy(vol.volume_id)
+
+
+def test_read_only_mount_refuses_writes(env: Server, kills: list[Sandbox], ns_only: None) -> None:
+    vol = Volume.create(_name())
+    writer = Sandbox.create("base", volume_mounts={"/w": vol}, timeout=120)
+    kills.append(writer)
+    with pytest.raises(SandboxException) as info:  # one writer at a time
+        kills.append(Sandbox.create("base", volume_mounts={"/w": vol}, timeout=120))
+    assert "read-write" in str(info.value) and writer.sandbox_id in str(info.value), info.value
+    reader = Sandbox.create("base", volume_mounts={"/r": f"{vol.name}:ro"}, timeout=120)
+    kills.append(reader)
+    writer.files.write("/w/live.txt", "written while the reader runs")
+    assert reader.files.read("/r/live.txt") == "written while the reader runs"
+    with pytest.raises(CommandExitException) as refused:
+        reader.commands.run("echo x > /r/new.txt", user="root")
+    assert "Read-only file system" in refused.value.stderr, refused.value.stderr
+    with pytest.raises(CommandExitException):
+        reader.commands.run("mount -o remount,rw /r", user="root")  # no way to lift it from inside
+    assert not vol.exists("/new.txt")
+    with pytest.raises(VolumeException):
+        Volume.destroy(vol.volume_id)  # mounted: 409
+    writer.kill()
+    reader.kill()
+    assert Volume.destroy(vol.volume_id) is True
+
+
+def test_volumes_survive_kill_9(env: Server, vserver: Running, kills: list[Sandbox], ns_only: None) -> None:
+    vol = Volume.create(_name())
+    sbx = Sandbox.create("base", volume_mounts={"/data": vol}, timeout=120)
+    sbx.commands.run("head -c 300000 /dev/urandom > /data/blob && sha256sum /data/blob > /data/blob.sum")
+    digest = sbx.commands.run("cat /data/blob.sum").stdout.split()[0]
+    sbx.kill()  # the test's sandboxes end before the server does
+    old = vserver.srv
+    os.kill(old.proc.pid, signal.SIGKILL)
+    old.proc.wait(timeout=30)
+    port = int(old.url.rsplit(":", 1)[1])
+    vserver.srv = start_server(Path(old.state_dir).parent, "ns", vserver.extra, port=port)
+    assert Volume.get_info(vol.volume_id).token == vol.token
+    assert vol.read_file("/blob.sum").split()[0] == digest
+    again = Sandbox.create("base", volume_mounts={"/v": vol.name}, timeout=120)
+    kills.append(again)
+    assert again.commands.run("sha256sum /v/blob").stdout.split()[0] == digest
+    again.kill()
+    Volume.destroy(vol.volume_id)
+
+
+criu_suite = pytest.mark.criu
+needs_criu = pytest.mark.skipif(not CRIU.usable, reason=f"CRIU >= 4.2 absent ({CRIU.reason})")
+
+
+def _alive(sbx: Sandbox, pid: int) -> bool:
+    return sbx.commands.run(f"kill -0 {pid} && echo yes || echo no").stdout.strip() == "yes"
+
+
+@criu_suite
+@needs_criu
+def test_fork_keeps_processes_and_shares_the_volume(env: Server, vserver: Running, kills: list[Sandbox],
+                                                    ns_only: None) -> None:
+    """A process fork of a sandbox with a volume: the volume is external to the images (shared, not
+    copied), the child mounts it read-only where the parent had it, a process whose cwd and open
+    file are on the volume comes back. In a user namespace the fork is a filesystem one (CRIU cannot
+    restore the idmapped bind): the same volume, read-only, without the processes."""
+    full = "AENV_NS_USERNS_UID" not in vserver.extra
+    vol = Volume.create(_name())
+    parent = Sandbox.create("base", volume_mounts={"/data": vol}, timeout=120)
+    kills.append(parent)
+    parent.files.write("/data/a.txt", "before the fork")
+    keeper = parent.commands.run("cd /data && exec 3</data/a.txt && exec sleep 100000", background=True, timeout=0)
+    keeper.disconnect()
+    results = parent.fork(count=2)
+    children = [c for c in results if not isinstance(c, Exception)]
+    kills.extend(children)
+    assert len(children) == 2, results
+    parent.files.write("/data/b.txt", "after the fork")  # the writer writes on
+    for child in children:
+        assert _alive(child, keeper.pid) is full  # processes came back: a process (full) fork
+        assert child.files.read("/data/a.txt") == "before the fork"
+        assert child.files.read("/data/b.txt") == "after the fork"  # the same volume, not a copy
+        with pytest.raises(CommandExitException) as refused:
+            child.commands.run("touch /data/child.txt", user="root")
+        assert "Read-only file system" in refused.value.stderr
+    for s in (*children, parent):
+        s.kill()
+    Volume.destroy(vol.volume_id)
+
+
+@criu_suite
+@needs_criu
+def test_a_released_pause_resumes_with_its_volume(env: Server, vserver: Running, kills: list[Sandbox],
+                                                  ns_only: None) -> None:
+    """Paused and released (CRIU dump to disk, processes ended: ``AENV_NS_RELEASE_PAUSED_AFTER=0``),
+    then resumed: the processes and the read-write volume are back."""
+    if "AENV_NS_USERNS_UID" in vserver.extra:
+        pytest.skip("in a user namespace a sandbox with volumes is not released: it stays frozen")
+    vol = Volume.create(_name())
+    sbx = Sandbox.create("base", volume_mounts={"/data": vol}, timeout=120)
+    kills.append(sbx)
+    keeper = sbx.commands.run("cd /data && exec sleep 100000", background=True, timeout=0)
+    keeper.disconnect()
+    sbx.pause()
+    root = env.state_dir / "sandboxes" / sbx.sandbox_id / "ns" / "released" / "released.json"
+    deadline = time.monotonic() + 60
+    while not root.exists():
+        assert time.monotonic() < deadline, "the paused sandbox was not released"
+        time.sleep(0.2)
+    vol.write_file("/while-paused.txt", "written while it was released")
+    sbx.connect()
+    assert _alive(sbx, keeper.pid)
+    assert sbx.files.read("/data/while-paused.txt") == "written while it was released"
+    sbx.files.write("/data/after.txt", "still read-write")
+    assert vol.read_file("/after.txt") == "still read-write"
+    sbx.kill()
+    Volume.destroy(vol.volume_id)
+
+
+def test_a_files_only_pause_cold_starts_with_its_volume(env: Server, kills: list[Sandbox], ns_only: None) -> None:
+    vol = Volume.create(_name())
+    sbx = Sandbox.create("base", volume_mounts={"/data": vol}, timeout=120)
+    kills.append(sbx)
+    sbx.files.write("/data/kept.txt", "in the volume")
+    sbx.pause(keep_memory=False)  # every process ends; the resume is a cold start on the files
+    sbx.connect()
+    assert sbx.files.read("/data/kept.txt") == "in the volume"
+    sbx.files.write("/data/again.txt", "read-write again")
+    assert vol.read_file("/again.txt") == "read-write again"
+    sbx.kill()
+    Volume.destroy(vol.volume_id)
+
+
+def test_vm_refuses_volume_mounts(env: Server, runtime_name: str) -> None:
+    if runtime_name != "vm":
+        pytest.skip("the vm runtime's refusal")
+    vol = Volume.create(_name())
+    try:
+        with pytest.raises(SandboxException) as info:
+            Sandbox.create("base", volume_mounts={"/data": vol})
+        assert "400" in str(info.value) and "volumeMounts" in str(info.value)
+    finally:
+        Volume.destroy(vol.volume_id)
