@@ -130,8 +130,9 @@ def test_an_older_database_gains_the_new_columns_and_keeps_its_rows(tmp_path: Pa
         store.update_sandbox("old1", has_network=True)
         fourth = store.get_sandbox("old1")
         assert fourth is not None and fourth.has_network is True
+        assert fourth.volume_mounts == []  # v5
         version = store._query("SELECT value FROM meta WHERE key='schema_version'")[0]["value"]
-        assert int(version) == SCHEMA_VERSION == 4
+        assert int(version) == SCHEMA_VERSION == 5
     finally:
         store.close()
     Store(path).close()  # opening a migrated database again changes nothing
