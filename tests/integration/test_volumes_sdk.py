@@ -29,7 +29,7 @@ pytestmark = pytest.mark.sdk
 CRIU = criu_probe()
 
 
-USERNS_BASE = 1_200_000_000  # as test_ns_userns.py: far above any /etc/subuid range
+USERNS_BASE = 1_200_000_000  # the default ns_userns_uid
 
 
 @dataclass
@@ -38,17 +38,22 @@ class Running:
     extra: dict[str, str]  # the server's settings, for a restart
 
 
+def _in_userns(vserver: Running) -> bool:
+    return vserver.extra.get("AENV_NS_USERNS_UID") != "0"
+
+
 @pytest.fixture(scope="module", params=["plain", "userns"])
 def vserver(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
             runtime_name: str) -> Iterator[Running]:
-    """The kill -9 test swaps in the restarted server. Twice on ns: sandboxes as host root, and in a
-    user namespace (there the volume is bound idmapped)."""
+    """The kill -9 test swaps in the restarted server. Twice on ns: sandboxes as host root
+    (``ns_userns_uid = 0``), and in the default user namespace (there the volume is bound idmapped)."""
     _needs_runtime(runtime_name)
     if request.param == "userns" and runtime_name != "ns":
         pytest.skip("user namespaces are the ns runtime's")
     tmp = tmp_path_factory.mktemp("aenv-volumes")
     # paused sandboxes are released (CRIU-dumped, processes ended) at once: the release path with volumes
-    extra = {"AENV_POOL_SIZE": "1", "AENV_NS_RELEASE_PAUSED_AFTER": "0", **({"AENV_NS_USERNS_UID": str(USERNS_BASE)} if request.param == "userns" else {})}
+    extra = {"AENV_POOL_SIZE": "1", "AENV_NS_RELEASE_PAUSED_AFTER": "0",
+             **({"AENV_NS_USERNS_UID": "0"} if request.param == "plain" else {})}
     running = Running(start_server(tmp, runtime_name, extra, port=free_port()), extra)
     yield running
     stop_server(running.srv)
@@ -138,7 +143,7 @@ def test_written_in_one_sandbox_read_in_another(env: Server, vserver: Running, k
     first = Sandbox.create("base", volume_mounts={"/mnt/data": vol}, timeout=120)
     kills.append(first)
     uid_map = first.commands.run("cat /proc/self/uid_map").stdout.split()
-    assert (uid_map[1] == str(USERNS_BASE)) is ("AENV_NS_USERNS_UID" in vserver.extra), uid_map
+    assert (uid_map[1] == str(USERNS_BASE)) is _in_userns(vserver), uid_map
     first.files.write("/mnt/data/hello.txt", "from the first sandbox")
     uid = int(first.commands.run("mkdir -p /mnt/data/sub && echo made-by-shell > /mnt/data/sub/b.txt && id -u").stdout)
     first.kill()
@@ -212,9 +217,8 @@ def test_fork_keeps_processes_and_shares_the_volume(env: Server, vserver: Runnin
                                                     ns_only: None) -> None:
     """A process fork of a sandbox with a volume: the volume is external to the images (shared, not
     copied), the child mounts it read-only where the parent had it, a process whose cwd and open
-    file are on the volume comes back. In a user namespace the fork is a filesystem one (CRIU cannot
-    restore the idmapped bind): the same volume, read-only, without the processes."""
-    full = "AENV_NS_USERNS_UID" not in vserver.extra
+    file are on the volume comes back; in a user namespace too (the restore binds an idmapped clone
+    of the volume that host root staged for CRIU)."""
     vol = Volume.create(_name())
     parent = Sandbox.create("base", volume_mounts={"/data": vol}, timeout=120)
     kills.append(parent)
@@ -227,7 +231,7 @@ def test_fork_keeps_processes_and_shares_the_volume(env: Server, vserver: Runnin
     assert len(children) == 2, results
     parent.files.write("/data/b.txt", "after the fork")  # the writer writes on
     for child in children:
-        assert _alive(child, keeper.pid) is full  # processes came back: a process (full) fork
+        assert _alive(child, keeper.pid)  # processes came back: a process (full) fork
         assert child.files.read("/data/a.txt") == "before the fork"
         assert child.files.read("/data/b.txt") == "after the fork"  # the same volume, not a copy
         with pytest.raises(CommandExitException) as refused:
@@ -244,8 +248,6 @@ def test_a_released_pause_resumes_with_its_volume(env: Server, vserver: Running,
                                                   ns_only: None) -> None:
     """Paused and released (CRIU dump to disk, processes ended: ``AENV_NS_RELEASE_PAUSED_AFTER=0``),
     then resumed: the processes and the read-write volume are back."""
-    if "AENV_NS_USERNS_UID" in vserver.extra:
-        pytest.skip("in a user namespace a sandbox with volumes is not released: it stays frozen")
     vol = Volume.create(_name())
     sbx = Sandbox.create("base", volume_mounts={"/data": vol}, timeout=120)
     kills.append(sbx)

@@ -369,7 +369,11 @@ def restore_root(cfg: dict) -> None:  # type: ignore[type-arg]
     ``_build_idmapped_root`` mounts it, and the external mounts' sources staged in ``cfg["stage_dir"]``
     (an empty directory any uid can walk to: CRIU opens them from inside the new user namespace, where
     the 0700 state directory cannot be walked), on a tmpfs: ``cfg["stage"]`` (name -> host path) bound
-    there, a fresh /dev as ``dev``; then each of ``cfg["read_only"]`` (path, MS_* flags) bound
+    there, each of ``cfg["stage_idmapped"]`` (the volumes: name -> host path) bound idmapped and
+    writable (CRIU restores a bind with its dumped flags and cannot clear a read-only flag locked
+    in the user namespace; the action script makes a read-only one so before any task runs), a
+    fresh /dev as ``dev``;
+    then each of ``cfg["read_only"]`` (path, MS_* flags) bound
     read-only over itself (what ``criu.in_fresh_netns_argv`` does on the plain path)."""
     if _libc.unshare(CLONE_NEWNS) != 0:
         _check(-1, "unshare mount namespace")
@@ -380,6 +384,8 @@ def restore_root(cfg: dict) -> None:  # type: ignore[type-arg]
         target = f"{stage}/{name}"
         _mkdir(target) if os.path.isdir(src) else _touch(target)
         bind(src, target)
+    for name, src in cfg.get("stage_idmapped", {}).items():  # volumes: CRIU cannot idmap them
+        idmap.idmapped_bind(src, f"{stage}/{name}", int(cfg["userns"]["fd"]))
     dev_skeleton(f"{stage}/dev")
     for src, flags in cfg.get("read_only", ()):  # criu.read_only_sources: every restored host bind born read-only
         bind(src, src, readonly=True, extra=int(flags))

@@ -263,10 +263,9 @@ def restore(exe: str, images: Path, *, lowers: list[str], upper: Path, work: Pat
     if userns is not None:
         if on_netns is not None:
             raise ValueError("a restore in a user namespace has no fresh network namespace to hand out")
-        if volumes:  # CRIU gets EPERM binding an idmapped volume in the restored namespace
-            raise CheckpointError("a sandbox with volumes in a user namespace cannot be restored by CRIU")
         return restore_in_userns(exe, images, userns, lowers=lowers, upper=upper, work=work, merged=merged,
-                                 run_dir=run_dir, tools=tools, boot_id=boot_id, procs_files=procs_files)
+                                 run_dir=run_dir, tools=tools, boot_id=boot_id, procs_files=procs_files,
+                                 volumes=volumes)
     mount_overlay(criu.overlay_options(lowers, upper, work), merged)
     try:
         masked = criu.masked_here()
@@ -307,7 +306,7 @@ def mount_overlay(options: str, target: Path) -> None:
 
 def restore_in_userns(exe: str, images: Path, userns: SharedUserns, *, lowers: list[str], upper: Path,
                       work: Path, merged: Path, run_dir: Path, tools: Path, boot_id: Path,
-                      procs_files: list[str]) -> int:
+                      procs_files: list[str], volumes: Sequence[VolumeBind] = ()) -> int:
     """``restore`` of a user-namespaced sandbox's images (``dump`` marked them): CRIU makes the user
     namespace again from the dumped map and the network namespace inside it; the launcher
     (``launch.restore_root``) mounts the overlay over idmapped layers and a fresh /dev in a private
@@ -315,7 +314,9 @@ def restore_in_userns(exe: str, images: Path, userns: SharedUserns, *, lowers: l
     the sources of the read-only host binds are bound read-only over themselves there first
     (``criu.read_only_sources``, the staged ones by their staged paths): every restored bind is born
     read-only, and the action script only checks so at pre-resume. The filter of an internet sandbox
-    goes in after CRIU, before slirp4netns gives it a tap (``NsRuntime.filter_while_restoring``)."""
+    goes in after CRIU, before slirp4netns gives it a tap (``NsRuntime.filter_while_restoring``).
+    Each volume is staged as an idmapped clone made by host root (``launch.restore_root``), for CRIU,
+    which cannot idmap from inside the user namespace, to bind as it is where the dumped one was."""
     pidfile = run_dir / "criu-restore.pid"
     log = run_dir / RESTORE_LOG
     os.chown(run_dir, userns.host_uid, userns.host_uid)  # restored sockets are bound there from inside
@@ -323,12 +324,15 @@ def restore_in_userns(exe: str, images: Path, userns: SharedUserns, *, lowers: l
     stage = Path(tempfile.mkdtemp(prefix="aenv-restore-", dir=criu.KDAT_BASE))  # a tmpfs every uid can walk
     stage.chmod(0o755)
     masked = criu.masked_here()
+    staged = {f"vol-{i}": v for i, v in enumerate(volumes)}
     argv = criu.restore_argv(exe, images, root=merged, pidfile=pidfile, tools=stage / "tools", run_dir=stage / "run",
                              log=str(log), boot_id=stage / "boot_id", masked=masked, net_external=False,
-                             dev=stage / "dev")
+                             dev=stage / "dev", volumes=[(v.path, str(stage / n)) for n, v in staged.items()],
+                             read_only_volumes=[v.path for v in volumes if v.read_only])
     cfg = {"restore_root": True, "userns": {"fd": fd, "uid": userns.host_uid}, "lowers": lowers,
            "upper": str(upper), "work": str(work), "merged": str(merged), "argv": argv,
            "stage_dir": str(stage), "stage": {"tools": str(tools), "run": str(run_dir), "boot_id": str(boot_id)},
+           "stage_idmapped": {n: str(v.source) for n, v in staged.items()},
            "read_only": criu.read_only_sources(stage / "tools", stage / "boot_id", masked)}
     helper = [sys.executable, "-I", "-S", launch.__file__, json.dumps(cfg)]
     try:

@@ -208,9 +208,6 @@ class NsSnapshots:
         status = self.criu_status()
         if not status.usable:
             return f"process snapshots need CRIU >= 4.2 ({status.reason})"
-        if self.rt.userns is not None and self.rt.volume_points(sbx):
-            return ("it has volumes in a user namespace, whose idmapped binds CRIU cannot restore "
-                    "(EPERM binding them in the restored namespace)")
         if sbx.from_zygote:
             return ("it was started from the zygote, whose preloaded files CRIU cannot map "
                     "(AENV_NS_ZYGOTE=1 with CRIU present)")
