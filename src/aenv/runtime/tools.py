@@ -25,6 +25,7 @@ The bundle is cached under ``<cache_dir>/tools/<hash of inputs>/`` and built ato
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -126,6 +127,7 @@ def bundle_key() -> str:
             _hash_tree(h, aenv_root / part)
     h.update(_LAUNCHER_C.encode())
     h.update(_RUNAS_C.encode())
+    h.update(_REAP_C.encode())
     return h.hexdigest()[:16]
 
 
@@ -135,11 +137,40 @@ def ensure_tools(settings: Settings) -> Path:
     return ensure_tools_at(Path(settings.cache_dir) / "tools")
 
 
+_HELD: dict[Path, int] = {}  # bundle -> fd of its MANIFEST.json, share-locked while this process lives
+
+
+def _hold(bundle: Path) -> Path:
+    """Share-lock ``bundle`` for this process's life, so another server's ``gc_tools`` (a different
+    aenv version on the same cache dir, e.g. a test run beside a dev server) never deletes a bundle a
+    running server still launches sandboxes from while none of them has it mounted."""
+    if bundle not in _HELD:
+        fd = os.open(bundle / "MANIFEST.json", os.O_RDONLY | os.O_CLOEXEC)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        _HELD[bundle] = fd
+    return bundle
+
+
+def _in_use(bundle: Path) -> bool:
+    """True while some process holds ``bundle`` (``_hold``); False also when it has no manifest."""
+    try:
+        fd = os.open(bundle / "MANIFEST.json", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # drops the trial lock too
+    return False
+
+
 def ensure_tools_at(tools_dir: Path) -> Path:
     key = bundle_key()
     final = tools_dir / key
     if (final / "MANIFEST.json").is_file():
-        return final
+        return _hold(final)
     tools_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=tools_dir))
     try:
@@ -154,6 +185,7 @@ def ensure_tools_at(tools_dir: Path) -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    _hold(final)
     gc_tools(tools_dir, keep=final)
     return final
 
@@ -181,9 +213,9 @@ def _mounted_sources() -> set[str]:
 
 
 def gc_tools(tools_dir: Path, keep: Path, min_age: float = 600.0) -> list[Path]:
-    """Delete superseded bundles that no sandbox has mounted (in any mount namespace) and that are
-    older than ``min_age`` seconds (another server may be about to use a fresh one). Runs only after a
-    build, so its /proc scan is rare."""
+    """Delete superseded bundles that no running server holds (``_hold``), no sandbox has mounted (in
+    any mount namespace) and that are older than ``min_age`` seconds (another server may be about to
+    use a fresh one). Runs only after a build, so its /proc scan is rare."""
     import time
 
     now = time.time()
@@ -194,7 +226,7 @@ def gc_tools(tools_dir: Path, keep: Path, min_age: float = 600.0) -> list[Path]:
     mounted = _mounted_sources()
     removed: list[Path] = []
     for d in old:
-        if any(src == str(d) or src.startswith(f"{d}/") for src in mounted):
+        if any(src == str(d) or src.startswith(f"{d}/") for src in mounted) or _in_use(d):
             continue
         shutil.rmtree(d, ignore_errors=True)
         removed.append(d)

@@ -54,3 +54,35 @@ def test_gc_keeps_current_recent_and_mounted(tmp_path: Path, monkeypatch) -> Non
     removed = tools.gc_tools(tmp_path, keep=current)
     assert removed == [stale]
     assert current.exists() and recent.exists() and mounted.exists() and not stale.exists()
+
+
+def test_gc_keeps_a_bundle_another_server_holds(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A bundle a running server launched from keeps its share lock: another version's GC (a test run
+    beside a dev server, both on one cache dir) leaves it, even with no sandbox mounting it now."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    current, held, stale = (tmp_path / n for n in ("cur", "held", "stale"))
+    for d in (current, held, stale):
+        d.mkdir()
+        (d / "MANIFEST.json").write_text("{}")
+        old = time.time() - 3600
+        os.utime(d, (old, old))
+    monkeypatch.setattr(tools, "_mounted_sources", lambda: {"/"})
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; "
+                               "from aenv.runtime import tools; tools._hold(Path(sys.argv[1])); "
+                               "print('held', flush=True); sys.stdin.read()", str(held)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        assert tools.gc_tools(tmp_path, keep=current) == [stale]
+        assert held.exists()
+    finally:
+        assert holder.stdin is not None and holder.stdout is not None
+        holder.stdin.close()
+        holder.wait()
+        holder.stdout.close()
+    assert tools.gc_tools(tmp_path, keep=current) == [held]  # its server is gone
