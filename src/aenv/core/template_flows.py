@@ -94,6 +94,7 @@ class TemplateFlows:
                 "env": view.env, "workdir": view.workdir, "user": view.user,
                 "start_cmd": view.start_cmd, "ready_cmd": view.ready_cmd,
                 "manifest_digest": pulled.manifest_digest, "image_user": pulled.config.user,
+                **({"lazy_file": str(pulled.lazy_file)} if pulled.lazy_file else {}),
                 **({"hidden": True} if hidden else {}),
             },  # fmt: skip
             source=pulled.reference,

@@ -400,7 +400,9 @@ class RegistryClient:
             raise RegistryProtocolError(str(ref), f"blob {digest} range: HTTP {resp.status_code}")
         data = await self._read_bounded(ref, resp, end - start, f"blob {digest} range")
         if len(data) != end - start:
-            raise RegistryProtocolError(str(ref), f"blob {digest}: {len(data)} bytes for a {end - start} range")
+            raise RegistryProtocolError(
+                str(ref), f"blob {digest}: {len(data)} bytes for a {end - start} range"
+            )
         return data
 
     async def get_manifest_raw(self, ref: Reference, ident: str, accept: str) -> tuple[bytes, str]:
@@ -412,7 +414,9 @@ class RegistryClient:
         data = await self._read_bounded(ref, resp, m.MAX_MANIFEST_BYTES, "manifest")
         return data, sha256_hex(data)
 
-    async def get_referrers(self, ref: Reference, digest: str, artifact_type: str) -> list[m.Descriptor] | None:
+    async def get_referrers(
+        self, ref: Reference, digest: str, artifact_type: str
+    ) -> list[m.Descriptor] | None:
         """The referrers API; None where the registry has none (404), so the caller uses the tag fallback."""
         url = f"{self.base_url(ref)}/v2/{ref.repository}/referrers/{digest}?artifactType={artifact_type}"
         resp = await self._request(ref, "GET", url, headers={"Accept": m.OCI_INDEX}, stream=True)

@@ -1,0 +1,186 @@
+"""Lazy images for one server: find an image's lazy artifact, mount it, or convert and publish one.
+
+``ImageBuilder`` asks ``find`` before pulling layers; a hit means the template's root filesystem is
+the lazy ext4 served by ``aenv-lazyd``, loop-mounted read-only (``root_of``: the ns overlay lower; its
+file, ``file_of``, is the vm disk's raw backing). A miss pulls the whole image as before and then
+``convert`` flattens it, writes the ext4, and publishes it (to the image's registry when it accepts a
+push, else to the directory store), so the next node starts lazily.
+
+Layout: ``<state_dir>/lazy/`` (the daemon's root: mnt/, images/, cache/), ``<state_dir>/lazy/roots/<hex>``
+(mounts), ``<lazy_store>/lazy/<hex>/`` (directory store), builds under ``<cache_dir>/lazy-build/``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import subprocess
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aenv.errors import AenvError
+from aenv.images.lazy import publish as pub
+from aenv.images.lazy.lazyd import LazyDaemon, LazyUnavailable, fuse_support
+from aenv.images.reference import Reference
+from aenv.images.registry import RegistryClient
+
+if TYPE_CHECKING:
+    from aenv.config import Settings
+
+log = logging.getLogger("aenv.lazy")
+
+
+def lazy_name(manifest_digest: str) -> str:
+    return manifest_digest.split(":", 1)[-1][:32]
+
+
+class LazyImages:
+    def __init__(self, settings: Settings, client: RegistryClient) -> None:
+        self.client = client
+        self.settings = settings
+        root = Path(settings.state_dir) / "lazy"
+        self.daemon = LazyDaemon(
+            root,
+            settings.lazy_cache_bytes,
+            mirrors=dict(settings.registry_mirrors),
+            insecure=tuple(settings.insecure_registries),
+        )
+        self.roots = root / "roots"
+        self.store = (
+            Path(settings.lazy_store) if settings.lazy_store else Path(settings.state_dir) / "lazy-store"
+        )
+        self.build_dir = Path(settings.cache_dir) / "lazy-build"
+        self.reason = None if settings.lazy_images else "off (lazy_images = false)"
+        if self.reason is None:
+            self.reason = fuse_support()
+        self._converting: dict[str, asyncio.Task[None]] = {}
+
+    @property
+    def available(self) -> bool:
+        return self.reason is None
+
+    def describe(self) -> dict[str, Any]:
+        """For doctor and GET /aenv/info: lazy or the full pull, and why."""
+        return {
+            "lazy_images": self.available,
+            "lazy_images_reason": self.reason or "FUSE reader (aenv-lazyd)",
+        }
+
+    async def find(self, ref: Reference, manifest_digest: str) -> pub.LazyArtifact | None:
+        try:
+            art = await pub.find_in_registry(self.client, ref, manifest_digest)
+        except AenvError as exc:  # a registry with no room for artifacts, or down: try the store
+            log.info("lazy artifact lookup in %s failed: %s", ref.name, exc)
+            art = None
+        if art is None:
+            art = await asyncio.to_thread(pub.find_in_dir, self.store, manifest_digest)
+        return art
+
+    def file_of(self, manifest_digest: str) -> Path:
+        return self.daemon.path_of(lazy_name(manifest_digest))
+
+    async def root_of(self, manifest_digest: str, art: pub.LazyArtifact) -> Path:
+        """Register the artifact with the daemon and loop-mount its ext4 read-only (idempotent)."""
+        name = lazy_name(manifest_digest)
+        await asyncio.to_thread(self.daemon.ensure)
+        path = self.daemon.register(name, art.index, art.source)
+        where = self.roots / name
+        if not os.path.ismount(where):
+            where.mkdir(parents=True, exist_ok=True)
+            await asyncio.to_thread(_mount_ro_ext4, path, where)
+        return where
+
+    def convert_in_background(
+        self, ref: Reference, manifest_digest: str, manifest_size: int, tree: Callable[[], Awaitable[Path]]
+    ) -> None:
+        if not self.available or not self.settings.lazy_publish or manifest_digest in self._converting:
+            return
+        task = asyncio.create_task(self.convert(ref, manifest_digest, manifest_size, tree))
+        self._converting[manifest_digest] = task
+        task.add_done_callback(lambda _t: self._converting.pop(manifest_digest, None))
+
+    async def convert(
+        self, ref: Reference, manifest_digest: str, manifest_size: int, tree: Callable[[], Awaitable[Path]]
+    ) -> None:
+        """Flat tree → ext4 → published (registry, else store). Failures are logged, never raised."""
+        name = lazy_name(manifest_digest)
+        work = self.build_dir / name
+        work.mkdir(parents=True, exist_ok=True)
+        try:
+            img = work / "root.ext4"
+            await asyncio.to_thread(make_ro_ext4, await tree(), img, self.settings.default_disk_mb)
+            try:
+                art = await pub.publish_to_registry(
+                    self.client, ref, manifest_digest, manifest_size, img, work
+                )
+            except AenvError as exc:
+                log.info("lazy publish to %s refused (%s): using the store %s", ref.name, exc, self.store)
+                art = await asyncio.to_thread(pub.publish_to_dir, self.store, manifest_digest, img)
+            log.info("lazy image of %s published to %s (%d chunks, %d bytes)", ref, art.where,
+                     len(art.index.chunks), art.index.stored_bytes)  # fmt: skip
+        except Exception as exc:
+            log.warning("lazy conversion of %s failed: %s", ref, exc)
+        finally:
+            await asyncio.to_thread(shutil.rmtree, work, True)
+
+    async def aclose(self) -> None:
+        for t in list(self._converting.values()):
+            t.cancel()
+        await asyncio.gather(*self._converting.values(), return_exceptions=True)
+
+    async def wait_converted(self) -> None:
+        """Until every background conversion has ended (tests, and a CLI pull that wants it published)."""
+        await asyncio.gather(*self._converting.values(), return_exceptions=True)
+
+    def unmount_all(self) -> None:
+        """Detach every lazy root and stop the daemon: only when no sandbox runs on them (tests, teardown)."""
+        for where in sorted(self.roots.glob("*")) if self.roots.is_dir() else []:
+            subprocess.run(["umount", str(where)], capture_output=True, check=False)
+        self.daemon.stop()
+
+    def listing(self) -> list[dict[str, Any]]:
+        if not self.daemon.alive():
+            return []
+        out = []
+        for name in self.daemon.registered():
+            try:
+                st = self.daemon.stats(name)
+            except OSError:
+                continue
+            st.pop("touched", None)
+            out.append({"name": name, **st})
+        return out
+
+    async def pin(self, manifest_digest: str, pinned: bool = True) -> dict[str, Any]:
+        name = lazy_name(manifest_digest)
+        try:
+            await asyncio.to_thread(self.daemon.pin, name, pinned)
+        except OSError as exc:
+            raise LazyUnavailable(f"pin {name}: {exc}") from exc
+        return {"name": name, **self.daemon.stats(name)}
+
+
+def make_ro_ext4(tree: Path, out: Path, min_mb: int = 0) -> None:
+    """The root filesystem image of ``tree``: ext4 with a journal (a vm guest writes it through its
+    qcow2 overlay and must survive a crash; ns mounts it ``noload``), at least ``min_mb`` (the vm disk
+    size) and 25 % + 64 MiB over the tree. Free space is zero chunks: neither stored nor fetched."""
+    du = subprocess.run(["du", "-sxb", str(tree)], capture_output=True, text=True, check=True)
+    used = int(du.stdout.split()[0])
+    size = max(min_mb, (used + used // 4 + (64 << 20) + (1 << 20) - 1) // (1 << 20))
+    out.unlink(missing_ok=True)
+    with open(out, "wb") as fh:
+        fh.truncate(size << 20)
+    subprocess.run(
+        ["mkfs.ext4", "-q", "-F", "-E", "root_owner=0:0", "-L", "aenv-root", "-d", str(tree), str(out)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+
+
+def _mount_ro_ext4(image: Path, where: Path) -> None:
+    r = subprocess.run(["mount", "-t", "ext4", "-o", "ro,noload,loop", str(image), str(where)],
+                       capture_output=True, text=True)  # fmt: skip
+    if r.returncode != 0:
+        raise LazyUnavailable(f"mount {image}: {r.stderr.strip()}")
