@@ -482,7 +482,7 @@ class Orchestrator:
                 "waiting": self.admission.waiting, "runtime": self.runtime.name}
 
     def capabilities(self) -> dict[str, Any]:
-        return self.runtime.capabilities()
+        return {**self.runtime.capabilities(), **self.template_flows.builder.lazy.describe()}
 
     # ---- checkpoints: snapshots.py --------------------------------------------------------------
     async def snapshot(self, sandbox_id: str, name: str | None, mode: str) -> SnapshotRow:
@@ -558,6 +558,9 @@ class Orchestrator:
 
     async def prune_cache(self, everything_unpinned: bool) -> dict[str, Any]:
         return await self.template_flows.prune_cache(everything_unpinned)
+
+    async def pin_cache(self, template: str, pinned: bool) -> dict[str, Any]:
+        return await self.template_flows.pin_lazy(self.templates.resolve(template), pinned)
 
     # ---- template builds: builds.py -------------------------------------------------------------
     def request_build(self, name: str, tags: list[str], cpu_count: int | None, memory_mb: int | None) -> BuildRecord:

@@ -17,9 +17,11 @@ from typing import Any
 
 from aenv.core.context import Context
 from aenv.core.templates import sandbox_image_of
-from aenv.errors import InvalidRequest
+from aenv.errors import InvalidRequest, RuntimeFailure
 from aenv.images import ImageBuilder, ProgressCallback, evict_periodically, parse_reference
 from aenv.images.bootstrap import ensure_base_rootfs
+from aenv.images.lazy.lazyd import LazyUnavailable
+from aenv.images.lazy.service import lazy_name
 from aenv.kinds import TemplateKind
 from aenv.store.sqlite import TemplateRow
 
@@ -115,7 +117,27 @@ class TemplateFlows:
 
     def cache_listing(self) -> dict[str, Any]:
         cache = self.builder.cache
-        return {"usage": asdict(cache.usage()), "entries": [asdict(e) for e in cache.entries()]}
+        lazy = self.builder.lazy
+        names: dict[str, list[str]] = {}
+        for t in self.ctx.templates.list_templates():
+            if d := t.config.get("manifest_digest"):
+                names.setdefault(lazy_name(d), []).append(t.alias or t.id)
+        images = [{**i, "templates": names.get(i["name"], [])} for i in lazy.listing()]
+        return {
+            "usage": asdict(cache.usage()),
+            "entries": [asdict(e) for e in cache.entries()],
+            "lazy": {**lazy.describe(), "budget": self.ctx.settings.lazy_cache_bytes, "images": images},
+        }
+
+    async def pin_lazy(self, row: TemplateRow, pinned: bool) -> dict[str, Any]:
+        """Keep a lazy template's every chunk local (offline use), or let them be evicted again."""
+        digest = row.config.get("manifest_digest")
+        if not digest or not row.config.get("lazy_file"):
+            raise InvalidRequest(f"template '{row.id}' is not a lazy image: it is pulled whole, already local")
+        try:
+            return await self.builder.lazy.pin(digest, pinned)
+        except LazyUnavailable as exc:
+            raise RuntimeFailure(f"template '{row.id}': {exc}", template_id=row.id) from exc
 
     async def prune_cache(self, everything_unpinned: bool) -> dict[str, Any]:
         removed = await asyncio.to_thread(self.builder.cache.prune, everything_unpinned=everything_unpinned)

@@ -36,6 +36,17 @@ def _disk_quota(settings: Settings) -> str:
     return probe(settings.state_dir, settings.sandboxes_dir, settings.ns_disk_quota, settings.ns_volume_mb)
 
 
+def _lazy(settings: Settings) -> str:
+    from aenv.images.lazy.lazyd import fuse_support
+
+    why = fuse_support()
+    if why is not None:
+        return f"unavailable ({why}): images are pulled whole"
+    if not settings.lazy_images:
+        return "available, off (lazy_images = false): images are pulled whole"
+    return f"on: started on demand through aenv-lazyd (FUSE), chunk cache {settings.lazy_cache_bytes / 2**30:.1f} GiB"
+
+
 def collect(settings: Settings) -> dict[str, Any]:
     from aenv.runtime.select import auto_choice, vm_unavailable_reason
 
@@ -52,6 +63,7 @@ def collect(settings: Settings) -> dict[str, Any]:
         "qemu": shutil.which("qemu-system-x86_64") or "absent",
         "criu": _criu(settings),
         "ns disk quota": _disk_quota(settings),
+        "lazy images": _lazy(settings),
         "isolation note": "ns sandboxes share the host kernel (weaker isolation than vm); see README SECURITY",
         "state dir": str(settings.state_dir),
         "cache dir": str(settings.cache_dir),

@@ -1,0 +1,111 @@
+"""Lazy images through the server and the E2B SDK: pull (no layers), create, run, ``aenv cache ls`` / ``pin``.
+
+The artifact is published first by a builder acting as another node (lazy on, full pull, conversion).
+The server (``AENV_LAZY_IMAGES=true``) then finds it and serves the template from aenv-lazyd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from aenv.images.lazy.lazyd import LazyDaemon, fuse_support
+from aenv.images.registry import RegistryClient
+from aenv.images.templates import ImageBuilder
+from aenv.testing.server import API_KEY, Server, discard_vm_state, start_server, stop_server
+from tests.fixtures import images as fx
+from tests.fixtures.oci import image_config, push_image
+from tests.fixtures.plugin import PushedImages, make_settings
+from tests.integration.test_pull_sdk import aenv
+
+pytestmark = [
+    pytest.mark.skipif(fuse_support() is not None, reason=f"no FUSE here: {fuse_support()}"),
+]
+
+
+def push_fresh_busybox(pushed: PushedImages) -> str:
+    """busybox under a digest no earlier run has pulled (the servers' cache dir is shared)."""
+    image = fx.busybox_image()
+    ref = f"aenv/lazy-bb:{uuid.uuid4().hex[:8]}"
+
+    async def go() -> None:
+        async with RegistryClient(mirrors={"docker.io": pushed.registry.url}) as client:
+            cfg = image_config(image.layers, cmd=image.cmd, env={"PATH": "/bin:/usr/bin", "FRESH": ref})
+            await push_image(client, ref, image.layers, cfg)
+
+    asyncio.run(go())
+    return ref
+
+
+def publish_from_another_node(tmp: Path, pushed: PushedImages, image: str) -> None:
+    async def go() -> None:
+        s = make_settings(tmp, pushed.registry, lazy_images=True)
+        b = ImageBuilder(s, client=RegistryClient.from_settings(s, attempts=3, backoff=0.01))
+        try:
+            full = await b.pull(image)
+            assert full.lazy_root is None
+            await b.lazy.wait_converted()
+        finally:
+            await b.aclose()
+
+    asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def lazy_server(
+    tmp_path_factory: pytest.TempPathFactory, pushed_images: PushedImages, runtime_name: str
+) -> Iterator[Server]:
+    pushed_images.require("busybox:latest")
+    image = push_fresh_busybox(pushed_images)
+    publish_from_another_node(tmp_path_factory.mktemp("node-a"), pushed_images, image)
+    srv = start_server(
+        tmp_path_factory.mktemp("lazy-server"),
+        runtime_name,
+        {
+            "AENV_REGISTRY_MIRRORS": f"docker.io={pushed_images.registry.url}",
+            "AENV_POOL_SIZE": "0",
+            "AENV_LAZY_IMAGES": "true",
+            "AENV_LAZY_CACHE_BYTES": str(256 << 20),
+        },
+    )
+    srv.env["LAZY_TEST_IMAGE"] = image
+    yield srv
+    stop_server(srv)
+    discard_vm_state(srv.state_dir)
+    for root in sorted((srv.state_dir / "lazy" / "roots").glob("*")):  # the server leaves them (sandboxes may run)
+        subprocess.run(["umount", str(root)], check=False, capture_output=True)
+    LazyDaemon(srv.state_dir / "lazy", 0).stop()
+
+
+def test_lazy_template_runs_and_the_cache_commands_show_it(lazy_server: Server) -> None:
+    r = aenv(lazy_server, "pull", lazy_server.env["LAZY_TEST_IMAGE"], "--name", "lbb")
+    assert r.returncode == 0, r.stderr
+    info = httpx.get(lazy_server.url + "/aenv/info", headers={"X-API-KEY": API_KEY}, trust_env=False).json()
+    assert info["capabilities"]["lazy_images"] is True
+    from e2b import Sandbox
+
+    sbx = Sandbox.create("lbb", api_url=lazy_server.url, sandbox_url=lazy_server.url, api_key=API_KEY)
+    try:
+        assert "BusyBox" in sbx.commands.run("busybox | head -1").stdout
+        sbx.files.write("/home/user/f.txt", "on a lazy lower")
+        assert sbx.files.read("/home/user/f.txt") == "on a lazy lower"
+    finally:
+        sbx.kill()
+    listing = json.loads(aenv(lazy_server, "cache", "ls", "-o", "json").stdout)
+    (img,) = listing["lazy"]["images"]
+    assert img["templates"] == ["lbb"] and 0 < img["fetched"] <= img["stored"] and img["cached"] > 0
+    table = aenv(lazy_server, "cache", "ls")
+    assert "lazy images:" in table.stdout and "lbb" in table.stdout
+    pin = aenv(lazy_server, "cache", "pin", "lbb")
+    assert pin.returncode == 0 and "pinned" in pin.stdout, pin.stderr
+    (img,) = json.loads(aenv(lazy_server, "cache", "ls", "-o", "json").stdout)["lazy"]["images"]
+    assert img["pinned"] and img["fetched"] == img["stored"]
+    not_lazy = aenv(lazy_server, "cache", "pin", "base")
+    assert not_lazy.returncode != 0 and "not a lazy image" in not_lazy.stderr
