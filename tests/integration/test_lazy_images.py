@@ -25,6 +25,7 @@ from aenv.images.lazy.publish import LazyArtifact, find_in_registry, publish_to_
 from aenv.images.reference import parse_reference
 from aenv.images.registry import RegistryClient
 from tests.fixtures.registry import LocalRegistry, available, start_registry
+from tests.fixtures.throttle import Throttle
 
 pytestmark = [
     pytest.mark.skipif(not available(), reason="docker-registry not installed"),
@@ -217,3 +218,72 @@ def test_pin_fetches_everything_and_survives_the_registry(
     assert st["pinned"] and st["cached"] >= art.index.stored_bytes // 2
     registry.stop()
     assert path.read_bytes() == img.read_bytes()  # offline: every chunk is local
+
+
+# -- slow: 1 GiB images behind a throttled registry -------------------------------------------------
+
+
+def big_image(tmp: Path) -> tuple[Path, Path]:
+    """A 1 GiB ext4 holding 600 MiB of random files (real bytes, checked by sha256 below)."""
+    return make_ext4(tmp, 1024, 600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits_per_s", [1e9, 1e8], ids=["1Gbit", "100Mbit"])
+def test_one_gib_image_fetches_only_what_it_touches(
+    tmp_path: Path, registry: LocalRegistry, daemon: LazyDaemon, bits_per_s: float
+) -> None:
+    img, src = big_image(tmp_path)
+    art = publish(registry, img, tmp_path)
+    thr = Throttle(
+        int(registry.host.rsplit(":", 1)[1]), bits_per_s=bits_per_s, rtt=0.001 if bits_per_s >= 1e9 else 0.01
+    )
+    try:
+        source = {**art.source, "reference": f"127.0.0.1:{thr.port}/lazy/test"}
+        daemon.ensure()
+        path = daemon.register("big", art.index, source)
+        m = LoopMount(path, tmp_path / "root")
+        try:
+            assert (m.where / "hello.txt").read_text() == "hello from a lazy image\n"
+            assert (m.where / "bin" / "f7").read_bytes() == (src / "bin" / "f7").read_bytes()
+        finally:
+            m.close()
+        st = daemon.stats("big")
+        assert st["fetched"] < art.index.stored_bytes // 20  # a few MiB of ~600
+        assert thr.bytes < art.index.stored_bytes // 20 + (1 << 20)
+        assert st["disk"] <= 2 * st["cached"] + (1 << 20)
+    finally:
+        thr.close()
+
+
+@pytest.mark.slow
+def test_three_gib_images_run_side_by_side_under_a_512_mib_budget(
+    tmp_path: Path, registry: LocalRegistry
+) -> None:
+    img, src = big_image(tmp_path)
+    art = publish(registry, img, tmp_path)
+    d = LazyDaemon(tmp_path / "lazy512", budget=512 << 20)
+    mounts: list[LoopMount] = []
+    try:
+        d.ensure()
+        for k in range(3):  # three images (three names: three caches' worth of chunks) on one budget
+            mounts.append(LoopMount(d.register(f"img{k}", art.index, art.source), tmp_path / f"root{k}"))
+        want = {
+            f: hashlib.sha256((src / "bin" / f).read_bytes()).hexdigest()
+            for f in (f"f{i}" for i in range(0, 600, 3))
+        }
+        for m in mounts:  # 200 MiB of each: 600 MiB of working set in all, over the budget
+            for f, h in want.items():
+                assert hashlib.sha256((m.where / "bin" / f).read_bytes()).hexdigest() == h
+        mounts[0].close()  # the first again, remounted, after the others evicted much of it: still exact
+        mounts[0] = LoopMount(d.path_of("img0"), tmp_path / "root0")
+        for f, h in list(want.items())[:50]:
+            assert hashlib.sha256((mounts[0].where / "bin" / f).read_bytes()).hexdigest() == h
+        st = d.stats("img0")
+        assert st["evictions"] > 0 and st["cache_unpinned_bytes"] <= 512 << 20
+        disk = sum(os.stat(p).st_blocks * 512 for p in (tmp_path / "lazy512" / "cache").glob("*.cache"))
+        assert disk <= (512 << 20) + (8 << 20)
+    finally:
+        for m in mounts:
+            m.close()
+        d.stop()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,12 +18,15 @@ import httpx
 import pytest
 
 from aenv.images.lazy.lazyd import LazyDaemon, fuse_support
+from aenv.images.lazy.publish import find_in_registry
+from aenv.images.reference import parse_reference
 from aenv.images.registry import RegistryClient
 from aenv.images.templates import ImageBuilder
 from aenv.testing.server import API_KEY, Server, discard_vm_state, start_server, stop_server
 from tests.fixtures import images as fx
 from tests.fixtures.oci import image_config, push_image
 from tests.fixtures.plugin import PushedImages, make_settings
+from tests.integration.conftest import _needs_runtime
 from tests.integration.test_pull_sdk import aenv
 
 pytestmark = [
@@ -58,10 +62,26 @@ def publish_from_another_node(tmp: Path, pushed: PushedImages, image: str) -> No
     asyncio.run(go())
 
 
+def recorded_prefetch(srv: Server, wait: float = 20.0) -> list[int]:
+    async def go() -> list[int]:
+        async with RegistryClient(mirrors={"docker.io": srv.env["AENV_REGISTRY_MIRRORS"].split("=", 1)[1]}) as c:
+            ref = parse_reference(srv.env["LAZY_TEST_IMAGE"])
+            digest = (await c.resolve(ref)).manifest_digest
+            deadline = time.monotonic() + wait
+            while True:
+                art = await find_in_registry(c, ref, digest)
+                if (art and art.index.prefetch) or time.monotonic() > deadline:
+                    return list(art.index.prefetch) if art else []
+                await asyncio.sleep(0.2)
+
+    return asyncio.run(go())
+
+
 @pytest.fixture(scope="module")
 def lazy_server(
     tmp_path_factory: pytest.TempPathFactory, pushed_images: PushedImages, runtime_name: str
 ) -> Iterator[Server]:
+    _needs_runtime(runtime_name)
     pushed_images.require("busybox:latest")
     image = push_fresh_busybox(pushed_images)
     publish_from_another_node(tmp_path_factory.mktemp("node-a"), pushed_images, image)
@@ -98,6 +118,7 @@ def test_lazy_template_runs_and_the_cache_commands_show_it(lazy_server: Server) 
         assert sbx.files.read("/home/user/f.txt") == "on a lazy lower"
     finally:
         sbx.kill()
+    assert recorded_prefetch(lazy_server)  # the first start's chunks, published with the index
     listing = json.loads(aenv(lazy_server, "cache", "ls", "-o", "json").stdout)
     (img,) = listing["lazy"]["images"]
     assert img["templates"] == ["lbb"] and 0 < img["fetched"] <= img["stored"] and img["cached"] > 0

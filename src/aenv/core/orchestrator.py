@@ -240,6 +240,7 @@ class Orchestrator:
                 await self.ctx.forget(row)
                 raise
             fault_point("create.started")
+            self.template_flows.note_started(template)  # a lazy image's first start: its prefetch list
             # The TTL counts from when the sandbox became usable.
             row.started_at = now()
             row.end_at = row.started_at + timeout

@@ -43,11 +43,26 @@ class TemplateFlows:
         self.ctx = ctx
         self.builder = ImageBuilder(ctx.settings)
         self._evictor: asyncio.Task[None] | None = None
+        self._prefetch_noted: set[str] = set()
+        self._background: set[asyncio.Task[None]] = set()
 
     def start(self) -> None:
         self._evictor = asyncio.create_task(evict_periodically(self.builder.cache, EVICT_INTERVAL))
 
+    def note_started(self, row: TemplateRow) -> None:
+        """A sandbox of ``row`` started: the first one of a lazy image records what it touched as the
+        image's prefetch list (published with its index, replayed by every later cold start)."""
+        digest = row.config.get("manifest_digest")
+        if not row.config.get("lazy_file") or not digest or not row.source or digest in self._prefetch_noted:
+            return
+        self._prefetch_noted.add(digest)
+        task = asyncio.create_task(self.builder.lazy.record_prefetch(parse_reference(row.source), digest))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def aclose(self) -> None:
+        for task in list(self._background):
+            task.cancel()
         if self._evictor is not None:
             self._evictor.cancel()
             self._evictor = None

@@ -13,6 +13,7 @@ Layout: ``<state_dir>/lazy/`` (the daemon's root: mnt/, images/, cache/), ``<sta
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import shutil
@@ -23,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 from aenv.errors import AenvError
 from aenv.images.lazy import publish as pub
+from aenv.images.lazy.format import parse_index
 from aenv.images.lazy.lazyd import LazyDaemon, LazyUnavailable, fuse_support
-from aenv.images.reference import Reference
+from aenv.images.reference import Reference, parse_reference
 from aenv.images.registry import RegistryClient
 
 if TYPE_CHECKING:
@@ -130,6 +132,29 @@ class LazyImages:
         for t in list(self._converting.values()):
             t.cancel()
         await asyncio.gather(*self._converting.values(), return_exceptions=True)
+
+    async def record_prefetch(self, ref: Reference, manifest_digest: str) -> None:
+        """Publish the chunks this node's first start of the image touched as its index's prefetch list
+        (only where the index has none yet). Failures are logged, never raised."""
+        name = lazy_name(manifest_digest)
+        try:
+            reg = json.loads((self.daemon.root / "images" / f"{name}.json").read_bytes())
+            index = parse_index(json.dumps(reg["index"]).encode())
+            if index.prefetch:
+                return
+            touched = (await asyncio.to_thread(self.daemon.stats, name))["touched"]
+            new = index.with_prefetch(touched)
+            if not new.prefetch:
+                return
+            if reg["source"].get("kind") == "registry":
+                where = parse_reference(str(reg["source"]["reference"]))
+                resolved = await self.client.resolve(ref.with_digest(manifest_digest))
+                await pub.push_index(self.client, where, manifest_digest, len(resolved.manifest_bytes), new)
+            else:
+                await asyncio.to_thread(pub.write_dir_index, self.store, manifest_digest, new)
+            log.info("lazy image %s: prefetch list of %d chunks published", ref, len(new.prefetch))
+        except Exception as exc:
+            log.warning("lazy prefetch list of %s not recorded: %s", ref, exc)
 
     async def wait_converted(self) -> None:
         """Until every background conversion has ended (tests, and a CLI pull that wants it published)."""
