@@ -25,7 +25,8 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:  # typ
     if os.geteuid() != 0:
         pytest.skip("the ns runtime needs root")
     tmp = tmp_path_factory.mktemp("bench")
-    env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
+    env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost",
+           "PYTHONPATH": str(REPO / "src")}  # this checkout's aenv, not the one the venv installed
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "--smoke", "--runtime", "ns", "--json", str(tmp / "smoke.json"),
          "--out", str(tmp / "out")],
