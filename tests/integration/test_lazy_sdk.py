@@ -130,3 +130,30 @@ def test_lazy_template_runs_and_the_cache_commands_show_it(lazy_server: Server) 
     assert img["pinned"] and img["fetched"] == img["stored"]
     not_lazy = aenv(lazy_server, "cache", "pin", "base")
     assert not_lazy.returncode != 0 and "not a lazy image" in not_lazy.stderr
+
+
+@pytest.mark.slow
+def test_sixteen_concurrent_cold_creates_fetch_each_chunk_once(
+    lazy_server: Server, pushed_images: PushedImages, tmp_path: Path
+) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from e2b import Sandbox
+
+    image = push_fresh_busybox(pushed_images)
+    publish_from_another_node(tmp_path / "node-a", pushed_images, image)
+    assert aenv(lazy_server, "pull", image, "--name", "l16").returncode == 0
+
+    def one(_: int) -> str:
+        sbx = Sandbox.create("l16", api_url=lazy_server.url, sandbox_url=lazy_server.url, api_key=API_KEY)
+        try:
+            return str(sbx.commands.run("busybox | head -1; ls -R /bin /etc | wc -l").stdout)
+        finally:
+            sbx.kill()
+
+    with ThreadPoolExecutor(16) as pool:
+        outs = list(pool.map(one, range(16)))
+    assert all("BusyBox" in o for o in outs) and len(set(outs)) == 1
+    listing = json.loads(aenv(lazy_server, "cache", "ls", "-o", "json").stdout)
+    (img,) = [i for i in listing["lazy"]["images"] if i["templates"] == ["l16"]]
+    assert img["max_fetches_per_chunk"] == 1 and 0 < img["fetched"] <= img["stored"]
