@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import time
 import uuid
@@ -130,6 +132,35 @@ def test_lazy_template_runs_and_the_cache_commands_show_it(lazy_server: Server) 
     assert img["pinned"] and img["fetched"] == img["stored"]
     not_lazy = aenv(lazy_server, "cache", "pin", "base")
     assert not_lazy.returncode != 0 and "not a lazy image" in not_lazy.stderr
+
+
+
+def test_a_killed_reader_is_restarted_and_new_sandboxes_run(lazy_server: Server) -> None:
+    from e2b import Sandbox
+
+    if aenv(lazy_server, "template", "ls", "-o", "json").stdout.count('"lbb"') == 0:
+        assert aenv(lazy_server, "pull", lazy_server.env["LAZY_TEST_IMAGE"], "--name", "lbb").returncode == 0
+    d = LazyDaemon(lazy_server.state_dir / "lazy", 0)
+    pid = d.pid()
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while not (d.alive() and d.pid() != pid and all(_readable(r) for r in (d.root / "roots").iterdir())):
+        assert time.monotonic() < deadline, "aenv-lazyd was not restarted, or its roots not remounted"
+        time.sleep(0.2)
+    sbx = Sandbox.create("lbb", api_url=lazy_server.url, sandbox_url=lazy_server.url, api_key=API_KEY)
+    try:
+        assert "BusyBox" in sbx.commands.run("busybox | head -1").stdout
+    finally:
+        sbx.kill()
+    assert "aenv-lazyd is gone" in lazy_server.log_path.read_text()
+
+def _readable(root: Path) -> bool:
+    try:
+        os.listdir(root)
+    except OSError:
+        return False
+    return os.path.ismount(root)
 
 
 @pytest.mark.slow

@@ -48,6 +48,10 @@ class TemplateFlows:
 
     def start(self) -> None:
         self._evictor = asyncio.create_task(evict_periodically(self.builder.cache, EVICT_INTERVAL))
+        if self.builder.lazy.available:  # aenv-lazyd killed: started again, its roots remounted
+            task = asyncio.create_task(self.builder.lazy.supervise())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     def note_started(self, row: TemplateRow) -> None:
         """A sandbox of ``row`` started: the first one of a lazy image records what it touched as the

@@ -156,6 +156,31 @@ class LazyImages:
         except Exception as exc:
             log.warning("lazy prefetch list of %s not recorded: %s", ref, exc)
 
+    async def supervise(self, every: float = 2.0) -> None:
+        """The server's task: a dead aenv-lazyd is started again and the lazy roots mounted anew."""
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await self.heal()
+            except Exception as exc:
+                log.warning("lazy images: restarting aenv-lazyd failed: %s", exc)
+
+    async def heal(self) -> bool:
+        """Restart a dead daemon (its cache is adopted as is) and remount every root; True if it had to."""
+        names = self.daemon.registered()
+        if not names or self.daemon.alive():
+            return False
+        log.error("aenv-lazyd is gone: restarting it; sandboxes still on its old mount must be restarted")
+        await asyncio.to_thread(self.daemon.ensure)
+        for name in names:
+            where = self.roots / name
+            if not where.is_dir():
+                continue
+            if os.path.ismount(where):
+                await asyncio.to_thread(subprocess.run, ["umount", "-l", str(where)], capture_output=True)
+            await asyncio.to_thread(_mount_ro_ext4, self.daemon.path_of(name), where)
+        return True
+
     async def wait_converted(self) -> None:
         """Until every background conversion has ended (tests, and a CLI pull that wants it published)."""
         await asyncio.gather(*self._converting.values(), return_exceptions=True)
