@@ -67,6 +67,7 @@ class TemplateFlows:
     async def aclose(self) -> None:
         for task in list(self._background):
             task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         if self._evictor is not None:
             self._evictor.cancel()
             self._evictor = None
