@@ -26,8 +26,10 @@ from aenv.images.registry import RegistryClient
 from aenv.images.templates import ImageBuilder
 from aenv.testing.server import API_KEY, Server, discard_vm_state, start_server, stop_server
 from tests.fixtures import images as fx
+from tests.fixtures.lazyimage import build_layers, push_unique
 from tests.fixtures.oci import image_config, push_image
 from tests.fixtures.plugin import PushedImages, make_settings
+from tests.fixtures.throttle import Throttle
 from tests.integration.conftest import _needs_runtime
 from tests.integration.test_pull_sdk import aenv
 
@@ -64,10 +66,13 @@ def publish_from_another_node(tmp: Path, pushed: PushedImages, image: str) -> No
     asyncio.run(go())
 
 
+LINKS: dict[str, Throttle] = {}  # each server's link to the registry (a proxy the last test cuts)
+
+
 def recorded_prefetch(srv: Server, wait: float = 20.0) -> list[int]:
     async def go() -> list[int]:
         async with RegistryClient(mirrors={"docker.io": srv.env["AENV_REGISTRY_MIRRORS"].split("=", 1)[1]}) as c:
-            ref = parse_reference(srv.env["LAZY_TEST_IMAGE"])
+            ref = parse_reference(srv.env["LAZY_TEST_IMAGE"])  # via the link: same registry
             digest = (await c.resolve(ref)).manifest_digest
             deadline = time.monotonic() + wait
             while True:
@@ -87,19 +92,22 @@ def lazy_server(
     pushed_images.require("busybox:latest")
     image = push_fresh_busybox(pushed_images)
     publish_from_another_node(tmp_path_factory.mktemp("node-a"), pushed_images, image)
+    link = Throttle(int(pushed_images.registry.host.rsplit(":", 1)[1]), bits_per_s=1e10, rtt=0)
     srv = start_server(
         tmp_path_factory.mktemp("lazy-server"),
         runtime_name,
         {
-            "AENV_REGISTRY_MIRRORS": f"docker.io={pushed_images.registry.url}",
+            "AENV_REGISTRY_MIRRORS": f"docker.io=http://127.0.0.1:{link.port}",
             "AENV_POOL_SIZE": "0",
             "AENV_LAZY_IMAGES": "true",
             "AENV_LAZY_CACHE_BYTES": str(256 << 20),
         },
     )
     srv.env["LAZY_TEST_IMAGE"] = image
+    LINKS[srv.url] = link
     yield srv
     stop_server(srv)
+    link.close()
     discard_vm_state(srv.state_dir)
     for root in sorted((srv.state_dir / "lazy" / "roots").glob("*")):  # the server leaves them (sandboxes may run)
         subprocess.run(["umount", str(root)], check=False, capture_output=True)
@@ -188,3 +196,35 @@ def test_sixteen_concurrent_cold_creates_fetch_each_chunk_once(
     listing = json.loads(aenv(lazy_server, "cache", "ls", "-o", "json").stdout)
     (img,) = [i for i in listing["lazy"]["images"] if i["templates"] == ["l16"]]
     assert img["max_fetches_per_chunk"] == 1 and 0 < img["fetched"] <= img["stored"]
+
+
+def test_an_unreachable_registry_is_eio_in_the_sandbox_and_in_the_server_log(
+    lazy_server: Server, pushed_images: PushedImages, tmp_path: Path
+) -> None:
+    """Last in this module: it cuts the server's link to the registry."""
+    from e2b import Sandbox
+    from e2b.sandbox.commands.command_handle import CommandExitException
+
+    layers, cmd = build_layers(tmp_path, 24)
+
+    async def push() -> str:
+        async with RegistryClient(mirrors={"docker.io": pushed_images.registry.url}) as client:
+            return (await push_unique(client, "aenv/lazy-cut", layers, cmd))[0]
+
+    image = asyncio.run(push())
+    publish_from_another_node(tmp_path / "node-a", pushed_images, image)
+    assert aenv(lazy_server, "pull", image, "--name", "lcut").returncode == 0
+    sbx = Sandbox.create("lcut", api_url=lazy_server.url, sandbox_url=lazy_server.url, api_key=API_KEY)
+    try:
+        assert "blob0000" in sbx.commands.run("ls /payload").stdout
+        LINKS[lazy_server.url].cut_link()
+        with pytest.raises(CommandExitException) as exc:
+            sbx.commands.run("cat /payload/blob0002 > /dev/null")
+        assert "I/O error" in str(exc.value) or "Input/output error" in str(exc.value)
+    finally:
+        sbx.kill()
+    deadline = time.monotonic() + 10
+    while "aenv-lazyd: " not in lazy_server.log_path.read_text():
+        assert time.monotonic() < deadline, "the daemon's error did not reach the server's log"
+        time.sleep(0.2)
+    assert "lazy fetch failed" in lazy_server.log_path.read_text()

@@ -59,6 +59,10 @@ class LazyImages:
         if self.reason is None:
             self.reason = fuse_support()
         self._converting: dict[str, asyncio.Task[None]] = {}
+        try:  # errors logged before this server started were another server's to report
+            self._log_pos = (self.daemon.root / "daemon.log").stat().st_size
+        except OSError:
+            self._log_pos = 0
 
     @property
     def available(self) -> bool:
@@ -161,9 +165,29 @@ class LazyImages:
         while True:
             await asyncio.sleep(every)
             try:
+                self.forward_errors()
                 await self.heal()
             except Exception as exc:
                 log.warning("lazy images: restarting aenv-lazyd failed: %s", exc)
+
+    def forward_errors(self) -> int:
+        """The daemon's ERROR lines since the last call (failed fetches, refused chunks), into the server's
+        log: a sandbox's EIO is explained where the operator looks. Returns how many."""
+        path = self.daemon.root / "daemon.log"
+        try:
+            with open(path, "rb") as fh:
+                if fh.seek(0, os.SEEK_END) < self._log_pos:
+                    self._log_pos = 0  # a new log
+                fh.seek(self._log_pos)
+                data = fh.read(1 << 20)
+        except OSError:
+            return 0
+        text = data[: data.rfind(b"\n") + 1]
+        self._log_pos += len(text)
+        lines = [ln for ln in text.decode(errors="replace").splitlines() if " ERROR " in ln]
+        for ln in lines:
+            log.error("aenv-lazyd: %s", ln.split(" ERROR ", 1)[1])
+        return len(lines)
 
     async def heal(self) -> bool:
         """Restart a dead daemon (its cache is adopted as is) and remount every root; True if it had to."""
