@@ -23,8 +23,8 @@ APT_PACKAGES=(
   python3-venv ca-certificates
   # ns runtime and sandbox networking
   util-linux iproute2 iptables slirp4netns uidmap procps psmisc e2fsprogs btrfs-progs
-  # images: base template, local registry for tests, cross-checks
-  mmdebstrap docker-registry skopeo umoci busybox-static zstd
+  # images: base template, local registry for tests, cross-checks; libfuse3 for lazy images (aenv-lazyd)
+  mmdebstrap docker-registry skopeo umoci busybox-static zstd libfuse3-3
   # vm runtime: QEMU, disk tools, guest kernel build
   qemu-system-x86 qemu-utils cpio lz4 kmod socat
   linux-source-6.1 build-essential bc bison flex libelf-dev libssl-dev

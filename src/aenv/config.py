@@ -98,6 +98,12 @@ class Settings(BaseModel):
     registry_mirrors: dict[str, str] = Field(default_factory=dict, description='e.g. {"docker.io": "http://127.0.0.1:5000"}')
     insecure_registries: list[str] = Field(default_factory=list)
     layer_cache_bytes: int = Field(20 * 1024**3, gt=0, description="byte budget of the image layer cache")
+    lazy_images: bool = Field(
+        False, description="start images on demand where a lazy artifact exists (FUSE reader aenv-lazyd; needs /dev/fuse and root); otherwise, and when off, images are pulled whole"
+    )
+    lazy_cache_bytes: int = Field(10 * 1024**3, gt=0, description="byte budget of the lazy images' chunk cache (one for all images; pinned ones apart)")
+    lazy_store: str | None = Field(None, description="directory store for lazy artifacts a registry will not take; unset = <state_dir>/lazy-store")
+    lazy_publish: bool = Field(True, description="with lazy_images: convert an image pulled whole and publish its lazy artifact (registry, else store)")
     log_level: str = Field("info")
     vm_release_paused_after: float = Field(
         60.0, ge=0, description="vm: seconds a sandbox stays paused in RAM before it is saved to disk and QEMU ends (0 = at once)"

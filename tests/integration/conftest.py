@@ -36,7 +36,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests that drive a server (the SDK suite) are marked ``sdk``: CI runs them a second time
     with ``AENV_TEST_RUNTIME=vm`` (``scripts/setup.sh test``)."""
     for item in items:
-        if {"server", "mirror_server"} & set(getattr(item, "fixturenames", ())):
+        if {"server", "mirror_server", "lazy_server"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.sdk)
 
 

@@ -25,7 +25,8 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:  # typ
     if os.geteuid() != 0:
         pytest.skip("the ns runtime needs root")
     tmp = tmp_path_factory.mktemp("bench")
-    env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
+    env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost",
+           "PYTHONPATH": str(REPO / "src")}  # this checkout's aenv, not the one the venv installed
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "--smoke", "--runtime", "ns", "--json", str(tmp / "smoke.json"),
          "--out", str(tmp / "out")],
@@ -70,3 +71,25 @@ def test_fork_counts_and_meta(smoke: tuple[dict, Path]) -> None:  # type: ignore
     assert meta["mode"] == "smoke" and meta["command"].startswith("python -m bench")
     assert len(meta["load_before"]) == 3 and meta["machine"]
     assert (out / "results.json").is_file() and "| scenario |" in (out / "results.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_lazy_scenario_smoke(tmp_path: Path) -> None:
+    """``lazy`` is run by name (its own registry and servers): its smoke has lazy and full-pull rows."""
+    if os.geteuid() != 0:
+        pytest.skip("the ns runtime needs root")
+    env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost", "PYTHONPATH": str(REPO / "src")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--smoke", "--scenarios", "lazy", "--baseline", "none", "--runtime", "ns",
+         "--json", str(tmp_path / "lazy.json"), "--out", str(tmp_path / "out")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=580,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    sc = json.loads((tmp_path / "lazy.json").read_text())["runs"]["ns"]["scenarios"]["lazy"]
+    if not sc["rows"]:
+        assert any("skipped" in n for n in sc["notes"])
+        return
+    systems = {r["system"] for r in sc["rows"]}
+    assert systems == {"aenv-ns lazy", "full pull (aenv-ns)"}
+    assert all(r["n"] > 0 and r["p50"] > 0 for r in sc["rows"])

@@ -32,7 +32,8 @@ def mirror_server(
 
 
 def aenv(server: Server, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "AENV_SERVER": server.url, "NO_PROXY": "127.0.0.1,localhost"}
+    env = {**os.environ, "AENV_SERVER": server.url, "NO_PROXY": "127.0.0.1,localhost",
+           "PYTHONPATH": server.env["PYTHONPATH"]}  # the CLI of the aenv under test, as the server  # fmt: skip
     return subprocess.run([sys.executable, "-m", "aenv.cli.main", *args], capture_output=True, text=True, env=env, timeout=300)
 
 

@@ -126,6 +126,11 @@ async def cache_ls(orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
     return JSONResponse(orch.cache_listing())
 
 
+@router.post("/aenv/cache/pin/{template}")
+async def cache_pin(template: str, orch: Orchestrator = Depends(orchestrator), unpin: bool = False) -> JSONResponse:
+    return JSONResponse(await orch.pin_cache(template, pinned=not unpin))
+
+
 @router.post("/aenv/cache/prune")
 async def cache_prune(orch: Orchestrator = Depends(orchestrator), all: bool = False) -> JSONResponse:
     return JSONResponse(await orch.prune_cache(everything_unpinned=all))

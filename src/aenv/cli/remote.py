@@ -6,6 +6,7 @@ that act on this machine (``serve``, ``setup``, ``doctor``, ``bench``, ``templat
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -254,7 +255,7 @@ def pull_cmd(
         client.printer.data(f"{result.get('summary', '')} → template {','.join(tpl['aliases']) or tpl['templateID']}")
 
 
-cache_app = typer.Typer(help="The image layer cache: usage and pruning.", no_args_is_help=True)
+cache_app = typer.Typer(help="The image caches (layers; lazy images' chunks): usage, pins, pruning.", no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
 
 
@@ -282,6 +283,39 @@ def cache_ls(
             for e in data["entries"]
         ),
     )
+    lazy = data.get("lazy") or {}
+    if lazy.get("images"):
+        cached = sum(i["cached"] for i in lazy["images"] if not i["pinned"])
+        client.printer.data(f"lazy images: {cached / 1e6:.1f} MB cached of {lazy['budget'] / 1e6:.0f} MB budget")
+        client.printer.table(
+            ("IMAGE", "TEMPLATES", "SIZE MB", "CACHED MB", "FETCHED MB", "LAST USE", "PINNED"),
+            (
+                (i["name"][:12], ",".join(i["templates"])[:30], f"{i['size'] / 1e6:.0f}", f"{i['cached'] / 1e6:.1f}",
+                 f"{i['fetched'] / 1e6:.1f}", _ago(i["last_use"]), "yes" if i["pinned"] else "")
+                for i in lazy["images"]
+            ),
+        )  # fmt: skip
+
+
+def _ago(ts: float) -> str:
+    if not ts:
+        return "-"
+    s = max(0.0, time.time() - ts)
+    return f"{s:.0f}s ago" if s < 120 else f"{s / 60:.0f}m ago" if s < 7200 else f"{s / 3600:.0f}h ago"
+
+
+@cache_app.command("pin")
+def cache_pin(
+    template: str = typer.Argument(..., help="template ID or alias of a lazy image"),
+    unpin: bool = typer.Option(False, "--unpin", help="let its chunks be evicted again"),
+    server: Optional[str] = ServerOpt,
+    api_key: Optional[str] = KeyOpt,
+) -> None:
+    """Keep a lazy template fully local (every chunk fetched, never evicted): it then starts offline."""
+    client = _client(server, api_key)
+    data = client.request("POST", f"/aenv/cache/pin/{template}", params={"unpin": str(unpin).lower()}).json()
+    state = "pinned" if data["pinned"] else "unpinned"
+    client.printer.data(f"{template}: {state}, {data['cached'] / 1e6:.1f} MB of {data['stored'] / 1e6:.1f} MB local")
 
 
 @cache_app.command("prune")

@@ -246,6 +246,7 @@ class Orchestrator:
                 await self.ctx.forget(row)
                 raise
             fault_point("create.started")
+            self.template_flows.note_started(template)  # a lazy image's first start: its prefetch list
             # The TTL counts from when the sandbox became usable.
             row.started_at = now()
             row.end_at = row.started_at + timeout
@@ -488,7 +489,7 @@ class Orchestrator:
                 "waiting": self.admission.waiting, "runtime": self.runtime.name}
 
     def capabilities(self) -> dict[str, Any]:
-        return self.runtime.capabilities()
+        return {**self.runtime.capabilities(), **self.template_flows.builder.lazy.describe()}
 
     # ---- checkpoints: snapshots.py --------------------------------------------------------------
     async def snapshot(self, sandbox_id: str, name: str | None, mode: str) -> SnapshotRow:
@@ -564,6 +565,9 @@ class Orchestrator:
 
     async def prune_cache(self, everything_unpinned: bool) -> dict[str, Any]:
         return await self.template_flows.prune_cache(everything_unpinned)
+
+    async def pin_cache(self, template: str, pinned: bool) -> dict[str, Any]:
+        return await self.template_flows.pin_lazy(self.templates.resolve(template), pinned)
 
     # ---- template builds: builds.py -------------------------------------------------------------
     def request_build(self, name: str, tags: list[str], cpu_count: int | None, memory_mb: int | None) -> BuildRecord:

@@ -17,9 +17,11 @@ from typing import Any
 
 from aenv.core.context import Context
 from aenv.core.templates import sandbox_image_of
-from aenv.errors import InvalidRequest
+from aenv.errors import InvalidRequest, RuntimeFailure
 from aenv.images import ImageBuilder, ProgressCallback, evict_periodically, parse_reference
 from aenv.images.bootstrap import ensure_base_rootfs
+from aenv.images.lazy.lazyd import LazyUnavailable
+from aenv.images.lazy.service import lazy_name
 from aenv.kinds import TemplateKind
 from aenv.store.sqlite import TemplateRow
 
@@ -41,11 +43,31 @@ class TemplateFlows:
         self.ctx = ctx
         self.builder = ImageBuilder(ctx.settings)
         self._evictor: asyncio.Task[None] | None = None
+        self._prefetch_noted: set[str] = set()
+        self._background: set[asyncio.Task[None]] = set()
 
     def start(self) -> None:
         self._evictor = asyncio.create_task(evict_periodically(self.builder.cache, EVICT_INTERVAL))
+        if self.builder.lazy.available:  # aenv-lazyd killed: started again, its roots remounted
+            task = asyncio.create_task(self.builder.lazy.supervise())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    def note_started(self, row: TemplateRow) -> None:
+        """A sandbox of ``row`` started: the first one of a lazy image records what it touched as the
+        image's prefetch list (published with its index, replayed by every later cold start)."""
+        digest = row.config.get("manifest_digest")
+        if not row.config.get("lazy_file") or not digest or not row.source or digest in self._prefetch_noted:
+            return
+        self._prefetch_noted.add(digest)
+        task = asyncio.create_task(self.builder.lazy.record_prefetch(parse_reference(row.source), digest))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def aclose(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         if self._evictor is not None:
             self._evictor.cancel()
             self._evictor = None
@@ -94,6 +116,7 @@ class TemplateFlows:
                 "env": view.env, "workdir": view.workdir, "user": view.user,
                 "start_cmd": view.start_cmd, "ready_cmd": view.ready_cmd,
                 "manifest_digest": pulled.manifest_digest, "image_user": pulled.config.user,
+                **({"lazy_file": str(pulled.lazy_file)} if pulled.lazy_file else {}),
                 **({"hidden": True} if hidden else {}),
             },  # fmt: skip
             source=pulled.reference,
@@ -114,7 +137,27 @@ class TemplateFlows:
 
     def cache_listing(self) -> dict[str, Any]:
         cache = self.builder.cache
-        return {"usage": asdict(cache.usage()), "entries": [asdict(e) for e in cache.entries()]}
+        lazy = self.builder.lazy
+        names: dict[str, list[str]] = {}
+        for t in self.ctx.templates.list_templates():
+            if d := t.config.get("manifest_digest"):
+                names.setdefault(lazy_name(d), []).append(t.alias or t.id)
+        images = [{**i, "templates": names.get(i["name"], [])} for i in lazy.listing()]
+        return {
+            "usage": asdict(cache.usage()),
+            "entries": [asdict(e) for e in cache.entries()],
+            "lazy": {**lazy.describe(), "budget": self.ctx.settings.lazy_cache_bytes, "images": images},
+        }
+
+    async def pin_lazy(self, row: TemplateRow, pinned: bool) -> dict[str, Any]:
+        """Keep a lazy template's every chunk local (offline use), or let them be evicted again."""
+        digest = row.config.get("manifest_digest")
+        if not digest or not row.config.get("lazy_file"):
+            raise InvalidRequest(f"template '{row.id}' is not a lazy image: it is pulled whole, already local")
+        try:
+            return await self.builder.lazy.pin(digest, pinned)
+        except LazyUnavailable as exc:
+            raise RuntimeFailure(f"template '{row.id}': {exc}", template_id=row.id) from exc
 
     async def prune_cache(self, everything_unpinned: bool) -> dict[str, Any]:
         removed = await asyncio.to_thread(self.builder.cache.prune, everything_unpinned=everything_unpinned)

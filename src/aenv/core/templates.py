@@ -45,6 +45,7 @@ def sandbox_image_of(
         user="user",  # the image's User is recorded in config.user; sandboxes default to `user`
         start_cmd=start_cmd if start_cmd is not None else pulled.config.start_cmd,
         ready_cmd=ready_cmd,
+        lazy_file=pulled.lazy_file,
     )
 
 
@@ -105,6 +106,7 @@ class TemplateCatalog:
             start_user=cfg.get("start_user"),
             start_cwd=cfg.get("start_cwd"),
             ready_cmd=cfg.get("ready_cmd"),
+            lazy_file=Path(cfg["lazy_file"]) if cfg.get("lazy_file") else None,
         )
 
     def register(

@@ -22,6 +22,7 @@ Status = Literal[
     "cached",
     "done",
     "user-layer",
+    "lazy",  # no layers pulled: the image is served on demand (images/lazy)
     "complete",
     "error",
 ]

@@ -378,6 +378,59 @@ class RegistryClient:
                 raise DigestMismatch(str(ref), desc.digest, actual if actual != desc.digest else f"{n} bytes")
             return
 
+    async def get_blob_range(self, ref: Reference, digest: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of a blob by HTTP ``Range`` (a 206 is required: a registry that sends the
+        whole blob instead is refused). After a redirect httpx re-sends the header. The caller checks
+        the bytes (lazy chunks carry their own sha256)."""
+        if end <= start:
+            return b""
+        resp = await self._request(
+            ref,
+            "GET",
+            self._url(ref, "blobs", digest),
+            headers={"Range": f"bytes={start}-{end - 1}"},
+            stream=True,
+        )
+        if resp.status_code == 200:
+            await resp.aclose()
+            raise RegistryProtocolError(str(ref), f"blob {digest}: the registry ignores Range (HTTP 200)")
+        if resp.status_code != 206:
+            await self._raise_for_status(ref, resp, f"blob {digest}")
+            await resp.aclose()
+            raise RegistryProtocolError(str(ref), f"blob {digest} range: HTTP {resp.status_code}")
+        data = await self._read_bounded(ref, resp, end - start, f"blob {digest} range")
+        if len(data) != end - start:
+            raise RegistryProtocolError(
+                str(ref), f"blob {digest}: {len(data)} bytes for a {end - start} range"
+            )
+        return data
+
+    async def get_manifest_raw(self, ref: Reference, ident: str, accept: str) -> tuple[bytes, str]:
+        """A manifest (or a referrers index) as raw bytes with its digest; ``ManifestNotFound`` on 404."""
+        resp = await self._request(
+            ref, "GET", self._url(ref, "manifests", ident), headers={"Accept": accept}, stream=True
+        )
+        await self._raise_for_status(ref, resp, "manifest")
+        data = await self._read_bounded(ref, resp, m.MAX_MANIFEST_BYTES, "manifest")
+        return data, sha256_hex(data)
+
+    async def get_referrers(
+        self, ref: Reference, digest: str, artifact_type: str
+    ) -> list[m.Descriptor] | None:
+        """The referrers API; None where the registry has none (404), so the caller uses the tag fallback."""
+        url = f"{self.base_url(ref)}/v2/{ref.repository}/referrers/{digest}?artifactType={artifact_type}"
+        resp = await self._request(ref, "GET", url, headers={"Accept": m.OCI_INDEX}, stream=True)
+        if resp.status_code == 404:
+            await resp.aclose()
+            return None
+        await self._raise_for_status(ref, resp, "referrers")
+        doc = m.load_json(await self._read_bounded(ref, resp, m.MAX_MANIFEST_BYTES, "referrers"), str(ref))
+        return [
+            m.Descriptor.from_json(d, str(ref))
+            for d in doc.get("manifests") or []
+            if d.get("artifactType") == artifact_type
+        ]
+
     # -- push (used by test fixtures and bench) ------------------------------------------------------
 
     async def blob_exists(self, ref: Reference, digest: str) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import time
@@ -30,6 +31,9 @@ from typing import TYPE_CHECKING, Any
 from aenv.images import manifest as m
 from aenv.images.cache import LayerCache, LayerInfo, pid_alive, pull_owner
 from aenv.images.flatten import flatten_layers
+from aenv.images.lazy.lazyd import LazyUnavailable
+from aenv.images.lazy.publish import LazyArtifact
+from aenv.images.lazy.service import LazyImages
 from aenv.images.progress import ProgressCallback, PullEvent, emit
 from aenv.images.reference import Reference, parse_reference
 from aenv.images.registry import RegistryClient, ResolvedImage
@@ -37,6 +41,8 @@ from aenv.images.users import write_user_layer
 
 if TYPE_CHECKING:
     from aenv.config import Settings
+
+log = logging.getLogger("aenv.images")
 
 IMAGE_JSON = "image.json"
 FORMAT_VERSION = 1
@@ -57,10 +63,14 @@ class PulledImage:
     download_bytes: int = 0  # compressed bytes fetched by this pull
     layers_reused: int = 0  # layers that needed no download in this pull
     seconds: float = 0.0
+    lazy_root: Path | None = None  # a lazy image: its ext4 mounted read-only (the whole tree, user included)
+    lazy_file: Path | None = None  # ... and that ext4 as a file on aenv-lazyd's FUSE mount (vm's raw backing)
 
     @property
     def lowers(self) -> tuple[Path, ...]:
         """overlayfs lowerdir order: user layer (if any), then image layers top → bottom."""
+        if self.lazy_root is not None:
+            return (self.lazy_root,)
         top = (self.user_layer,) if self.user_layer else ()
         return (*top, *reversed(self.layers))
 
@@ -89,6 +99,8 @@ class PulledImage:
             "layer_digests": list(self.layer_digests),
             "user_layer": str(self.user_layer) if self.user_layer else None,
             "size": self.size,
+            "lazy_root": str(self.lazy_root) if self.lazy_root else None,
+            "lazy_file": str(self.lazy_file) if self.lazy_file else None,
             "config": {
                 "env": self.config.env,
                 "workdir": self.config.workdir,
@@ -119,6 +131,9 @@ def load_image(path: Path) -> PulledImage | None:
     layers = tuple(Path(p) for p in doc["layers"])
     if not all(p.is_dir() for p in layers):
         return None
+    lazy_root = Path(doc["lazy_root"]) if doc.get("lazy_root") else None
+    if lazy_root is not None and not os.path.ismount(lazy_root):
+        return None  # its reader or mount is gone: the pull mounts it again
     c = doc["config"]
     cfg = m.ImageConfig(
         env=c["env"],
@@ -138,6 +153,8 @@ def load_image(path: Path) -> PulledImage | None:
         cfg,
         int(doc["size"]),
         layers_reused=len(layers),
+        lazy_root=lazy_root,
+        lazy_file=Path(doc["lazy_file"]) if doc.get("lazy_file") else None,
     )
 
 
@@ -153,6 +170,7 @@ class ImageBuilder:
         self.settings = settings
         self.client = client or RegistryClient.from_settings(settings)
         self.cache = cache or LayerCache.from_settings(settings)
+        self.lazy = LazyImages(settings, self.client)
         self.root = images_dir(settings)
         self.root.mkdir(parents=True, exist_ok=True)
         for stale in self.root.glob(".tmp-*"):  # .tmp-<pid>-…: only dead (or our own recycled) pids
@@ -164,6 +182,7 @@ class ImageBuilder:
         self._flat_locks: dict[str, asyncio.Lock] = {}
 
     async def aclose(self) -> None:
+        await self.lazy.aclose()
         await self.client.aclose()
         self.cache.close()
 
@@ -219,6 +238,44 @@ class ImageBuilder:
         return tpl
 
     async def _build(
+        self, ref: Reference, resolved: ResolvedImage, progress: ProgressCallback | None, started: float
+    ) -> PulledImage:
+        if self.lazy.available:
+            art = await self.lazy.find(ref, resolved.manifest_digest)
+            if art is not None:
+                try:
+                    return await self._build_lazy(ref, resolved, art, progress, started)
+                except LazyUnavailable as exc:
+                    log.warning("lazy start of %s unavailable, pulling it whole: %s", ref, exc)
+        tpl = await self._build_full(ref, resolved, progress, started)
+        if self.lazy.available:
+            self.lazy.convert_in_background(ref, resolved.manifest_digest, len(resolved.manifest_bytes),
+                                            lambda: self.flat_rootfs(tpl))  # fmt: skip
+        return tpl
+
+    async def _build_lazy(
+        self,
+        ref: Reference,
+        resolved: ResolvedImage,
+        art: LazyArtifact,
+        progress: ProgressCallback | None,
+        started: float,
+    ) -> PulledImage:
+        """No layers: the config, then the lazy artifact registered with aenv-lazyd and mounted."""
+        config_raw = await self.client.get_blob_bytes(ref, resolved.manifest.config)
+        config = m.parse_config(m.load_json(config_raw, str(ref)), str(ref))
+        emit(progress, PullEvent(str(ref), "lazy", message=f"on demand from {art.where}"))
+        root = await self.lazy.root_of(resolved.manifest_digest, art)
+        hexd = resolved.manifest_digest.split(":", 1)[1]
+        tpl = PulledImage(str(ref), resolved.manifest_digest, self.root / hexd, (), (), None, config,
+                          art.index.size, lazy_root=root, lazy_file=self.lazy.file_of(resolved.manifest_digest))  # fmt: skip
+        tpl.path.mkdir(parents=True, exist_ok=True)
+        tmp = tpl.path / f".{IMAGE_JSON}.{os.getpid()}"
+        tmp.write_text(json.dumps(tpl.to_json(), indent=1))
+        os.replace(tmp, tpl.path / IMAGE_JSON)
+        return _replace(tpl, seconds=time.monotonic() - started)
+
+    async def _build_full(
         self, ref: Reference, resolved: ResolvedImage, progress: ProgressCallback | None, started: float
     ) -> PulledImage:
         layers = resolved.manifest.layers

@@ -45,6 +45,9 @@ class SandboxImage:
     start_user: str | None = None  # ... as this user (None: root) and in this directory (None: /)
     start_cwd: str | None = None
     ready_cmd: str | None = None
+    # A lazy image (images/lazy): its read-only ext4 as a file served on demand. vm: the raw backing of
+    # the template disk instead of an ext4 made from ``rootfs``; ns: ``lowers`` already name its mount.
+    lazy_file: Path | None = None
 
 
 @dataclass(frozen=True)

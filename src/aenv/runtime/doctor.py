@@ -55,6 +55,17 @@ def _userns(settings: Settings) -> str:
     return f"unusable ({why}): ns sandboxes run without one"
 
 
+def _lazy(settings: Settings) -> str:
+    from aenv.images.lazy.lazyd import fuse_support
+
+    why = fuse_support()
+    if why is not None:
+        return f"unavailable ({why}): images are pulled whole"
+    if not settings.lazy_images:
+        return "available, off (lazy_images = false): images are pulled whole"
+    return f"on: started on demand through aenv-lazyd (FUSE), chunk cache {settings.lazy_cache_bytes / 2**30:.1f} GiB"
+
+
 def collect(settings: Settings) -> dict[str, Any]:
     from aenv.runtime.select import auto_choice, vm_unavailable_reason
 
@@ -72,6 +83,7 @@ def collect(settings: Settings) -> dict[str, Any]:
         "criu": _criu(settings),
         "ns disk quota": _disk_quota(settings),
         "ns user namespace": _userns(settings),
+        "lazy images": _lazy(settings),
         "isolation note": "ns sandboxes share the host kernel (weaker isolation than vm); see README SECURITY",
         "state dir": str(settings.state_dir),
         "cache dir": str(settings.cache_dir),

@@ -55,8 +55,12 @@ def start_server(
     port = port or free_port()
     state = tmp / "state"
     log_path = tmp / "server.log"
+    # The server runs the aenv this process imported (a worktree's src under pytest), not whatever the
+    # venv has installed.
+    src = str(Path(__file__).resolve().parents[2])
     env = {
         **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p),
         "AENV_STATE_DIR": str(state),
         "AENV_RUNTIME": runtime,
         "AENV_PORT": str(port),

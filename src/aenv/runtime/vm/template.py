@@ -235,17 +235,22 @@ async def build(
     t0 = time.perf_counter()
     try:
         source = tpl.rootfs
-        if len(tpl.lowers) > 1 or (tpl.lowers and tpl.lowers[0] != tpl.rootfs):
+        if tpl.lazy_file is not None:
+            # A lazy image: its ext4 on aenv-lazyd's FUSE mount is the raw backing; nothing is copied,
+            # the guest's reads fetch the chunks they touch. Snapshots keep it as their base.
+            await disk.create_overlay(tpl.lazy_file, tdir / "base.qcow2", backing_format="raw")
+        elif len(tpl.lowers) > 1 or (tpl.lowers and tpl.lowers[0] != tpl.rootfs):
             # An image's layers (top first, overlay whiteouts) merged as overlayfs would show them:
             # the VM's disk is one ext4 tree. A copy, made once per template build and removed.
             from aenv.images.flatten import flatten_layers
 
             source = await asyncio.to_thread(flatten_layers, tpl.lowers, tdir / "merged-layers")
-        raw = await disk.make_ext4(source, tdir / "base.raw", size_mb=shape.disk_mb, label="aenv-root")
-        if source != tpl.rootfs:
-            await asyncio.to_thread(shutil.rmtree, source, True)
-        await disk.to_qcow2(raw, tdir / "base.qcow2")
-        raw.unlink()
+        if tpl.lazy_file is None:
+            raw = await disk.make_ext4(source, tdir / "base.raw", size_mb=shape.disk_mb, label="aenv-root")
+            if source != tpl.rootfs:
+                await asyncio.to_thread(shutil.rmtree, source, True)
+            await disk.to_qcow2(raw, tdir / "base.qcow2")
+            raw.unlink()
         await disk.create_overlay(tdir / "base.qcow2", result.disk)
         (tdir / "config.raw").write_bytes(config_disk_bytes(agent_args(tpl)))
         with contextlib.suppress(FileNotFoundError):

@@ -1,0 +1,172 @@
+"""Where lazy images live: an OCI artifact next to the image in its registry, or a directory store.
+
+Registry (OCI 1.1 artifact)::
+
+    artifact manifest  artifactType application/vnd.aenv.lazy-rootfs.v1+json, subject = the image
+                       manifest, config = the empty descriptor, layers = [index blob, data blob]
+    discovery          GET /v2/<repo>/referrers/<image digest>; where that is 404 (Debian's
+                       docker-registry 2.8), the spec's fallback tag ``sha256-<hex>``: an image index
+                       listing the referrers, which the publisher updates (keeping other entries)
+
+Directory store (any node-shared path; an S3 store would take the same two keys)::
+
+    <store>/lazy/<image hex>/index.json   <store>/lazy/<image hex>/data
+
+A *source* is the JSON a reader needs to fetch ranges of the data blob: ``{"kind": "registry",
+"reference", "digest"}`` or ``{"kind": "dir", "path"}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aenv.images import manifest as m
+from aenv.images.errors import ManifestNotFound, RegistryProtocolError
+from aenv.images.lazy.format import MAX_INDEX_BYTES, LazyFormatError, LazyIndex, chunkify, parse_index
+from aenv.images.reference import Reference
+from aenv.images.registry import RegistryClient, sha256_hex
+
+ARTIFACT_TYPE = "application/vnd.aenv.lazy-rootfs.v1+json"
+INDEX_MEDIA = "application/vnd.aenv.lazy.index.v1+json"
+DATA_MEDIA = "application/vnd.aenv.lazy.data.v1"
+EMPTY_MEDIA = "application/vnd.oci.empty.v1+json"
+EMPTY = b"{}"
+
+
+@dataclass(frozen=True)
+class LazyArtifact:
+    index: LazyIndex
+    source: dict[str, Any]
+    where: str  # for messages: "registry <ref>" or "store <path>"
+
+
+def fallback_tag(digest: str) -> str:
+    return digest.replace(":", "-")
+
+
+def _desc(media: str, digest: str, size: int, **extra: Any) -> dict[str, Any]:
+    return {"mediaType": media, "digest": digest, "size": size, **extra}
+
+
+async def publish_to_registry(
+    client: RegistryClient, ref: Reference, subject_digest: str, subject_size: int, image: Path, work: Path
+) -> LazyArtifact:
+    """Chunk ``image``, push index + data + artifact manifest, update the fallback tag."""
+    data_path = work / "lazy.data"
+    index = await asyncio.to_thread(chunkify, image, data_path)
+    try:
+        await client.push_blob(ref, data_path, index.data_digest)
+    finally:
+        data_path.unlink(missing_ok=True)
+    return await push_index(client, ref, subject_digest, subject_size, index)
+
+
+async def push_index(
+    client: RegistryClient, ref: Reference, subject_digest: str, subject_size: int, index: LazyIndex
+) -> LazyArtifact:
+    """Push (or re-push, e.g. with a prefetch list) the index of an already pushed data blob."""
+    raw = index.dumps()
+    idx_desc = await client.push_blob(ref, raw)
+    await client.push_blob(ref, EMPTY)
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": m.OCI_MANIFEST,
+        "artifactType": ARTIFACT_TYPE,
+        "config": _desc(EMPTY_MEDIA, sha256_hex(EMPTY), len(EMPTY)),
+        "layers": [
+            _desc(INDEX_MEDIA, idx_desc.digest, idx_desc.size),
+            _desc(DATA_MEDIA, index.data_digest, index.data_size),
+        ],
+        "subject": _desc(m.OCI_MANIFEST, subject_digest, subject_size),
+    }
+    body = json.dumps(manifest, separators=(",", ":")).encode()
+    digest = await client.push_manifest(
+        Reference(ref.registry, ref.repository, None, None), body, m.OCI_MANIFEST
+    )
+    tag_ref = Reference(ref.registry, ref.repository, fallback_tag(subject_digest), None)
+    entries: list[dict[str, Any]] = []
+    try:
+        old, _ = await client.get_manifest_raw(tag_ref, tag_ref.ref, m.OCI_INDEX)
+        entries = [
+            e for e in json.loads(old).get("manifests") or [] if e.get("artifactType") != ARTIFACT_TYPE
+        ]
+    except (ManifestNotFound, ValueError, AttributeError):
+        pass
+    entries.append(_desc(m.OCI_MANIFEST, digest, len(body), artifactType=ARTIFACT_TYPE))
+    tag_index = json.dumps({"schemaVersion": 2, "mediaType": m.OCI_INDEX, "manifests": entries}).encode()
+    await client.push_manifest(tag_ref, tag_index, m.OCI_INDEX)
+    return LazyArtifact(index, registry_source(ref, index), f"registry {ref.name}")
+
+
+def registry_source(ref: Reference, index: LazyIndex) -> dict[str, Any]:
+    return {"kind": "registry", "reference": f"{ref.registry}/{ref.repository}", "digest": index.data_digest}
+
+
+async def find_in_registry(
+    client: RegistryClient, ref: Reference, subject_digest: str
+) -> LazyArtifact | None:
+    """The newest lazy artifact of ``subject_digest``, by referrers API or fallback tag; None if none."""
+    found = await client.get_referrers(ref, subject_digest, ARTIFACT_TYPE)
+    if found is None:
+        tag_ref = Reference(ref.registry, ref.repository, fallback_tag(subject_digest), None)
+        try:
+            raw, _ = await client.get_manifest_raw(tag_ref, tag_ref.ref, m.OCI_INDEX)
+        except ManifestNotFound:
+            return None
+        doc = m.load_json(raw, str(ref))
+        found = [
+            m.Descriptor.from_json(d, str(ref))
+            for d in doc.get("manifests") or []
+            if d.get("artifactType") == ARTIFACT_TYPE
+        ]
+    if not found:
+        return None
+    raw, _ = await client.get_manifest_raw(ref, found[-1].digest, m.OCI_MANIFEST)
+    layers = [m.Descriptor.from_json(d, str(ref)) for d in m.load_json(raw, str(ref)).get("layers") or []]
+    idx = next((d for d in layers if d.media_type == INDEX_MEDIA), None)
+    if idx is None:
+        raise RegistryProtocolError(str(ref), f"lazy artifact {found[-1].digest} has no index layer")
+    try:
+        index = parse_index(await client.get_blob_bytes(ref, idx, limit=MAX_INDEX_BYTES))
+    except LazyFormatError as exc:
+        raise RegistryProtocolError(str(ref), f"lazy index {idx.digest}: {exc}") from exc
+    return LazyArtifact(index, registry_source(ref, index), f"registry {ref.name}")
+
+
+# -- the directory store --------------------------------------------------------------------------
+
+
+def store_dir(store: Path, subject_digest: str) -> Path:
+    return store / "lazy" / subject_digest.split(":", 1)[-1]
+
+
+def publish_to_dir(store: Path, subject_digest: str, image: Path) -> LazyArtifact:
+    """Chunk ``image`` into ``<store>/lazy/<hex>/`` (data first, index last: the index is the commit)."""
+    d = store_dir(store, subject_digest)
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / f".data-{os.getpid()}"
+    index = chunkify(image, tmp)
+    os.replace(tmp, d / "data")
+    write_dir_index(store, subject_digest, index)
+    return LazyArtifact(index, {"kind": "dir", "path": str(d / "data")}, f"store {d}")
+
+
+def write_dir_index(store: Path, subject_digest: str, index: LazyIndex) -> None:
+    d = store_dir(store, subject_digest)
+    tmp = d / f".index-{os.getpid()}"
+    tmp.write_bytes(index.dumps())
+    os.replace(tmp, d / "index.json")
+
+
+def find_in_dir(store: Path, subject_digest: str) -> LazyArtifact | None:
+    d = store_dir(store, subject_digest)
+    try:
+        raw = (d / "index.json").read_bytes()
+    except FileNotFoundError:
+        return None
+    return LazyArtifact(parse_index(raw), {"kind": "dir", "path": str(d / "data")}, f"store {d}")
