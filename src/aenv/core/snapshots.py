@@ -349,8 +349,8 @@ class SnapshotFlows:
             src.spec, sandbox_id=row.id, workdir=self.ctx.settings.sandboxes_dir / row.id, access_token=row.access_token
         )
         child = LiveSandbox(row=row, spec=spec)
+        self.store.put_sandbox(row)  # first: in cluster mode a fenced node refuses here, holding nothing
         self.ctx.table.add(child)
-        self.store.put_sandbox(row)
         return child
 
     # ---- rollback -------------------------------------------------------------------------------
