@@ -32,7 +32,7 @@ from typing import Any
 from rich.console import Console
 
 from aenv.testing.server import API_KEY, discard_vm_state, start_server, stop_server
-from bench import builds, core, density, forks, gateway, report, rl, ws
+from bench import builds, cluster, core, density, forks, gateway, report, rl, ws
 from bench.context import Ctx
 
 console = Console(stderr=True)
@@ -53,11 +53,12 @@ SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "build": builds.template_build,
     "websocket": ws.websocket_echo,
     "gateway": gateway.gateway_overhead,
+    "cluster": cluster.cluster_local,
 }
 GROUPS = {
     "core": ["create", "concurrent", "roundtrip", "files", "pause"],
     "snapshots": ["snapshot", "fork", "rollback", "released"],
-    "all": [s for s in SCENARIOS if s != "rl-groups"],  # its rows are part of rl
+    "all": [s for s in SCENARIOS if s not in ("rl-groups", "cluster")],  # rl-groups' rows are rl's; cluster needs Ray
 }
 
 

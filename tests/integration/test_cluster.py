@@ -167,3 +167,31 @@ def test_a_dead_node_is_fenced_named_and_skipped(cluster: Any, spread: list[Any]
         assert sbx.commands.run("echo still").stdout.strip() == "still"
     r = httpx.get(cluster.url + "/v2/sandboxes", headers=KEY, trust_env=False)
     assert r.status_code == 200 and r.headers["x-aenv-nodes-down"] == "n2"
+
+
+def test_the_command_prints_its_url_and_removes_everything_on_sigterm(cluster: Any) -> None:
+    """``aenv cluster local`` itself (one node, its own subnet), next to the module's cluster."""
+    import signal
+
+    port = free_port()
+    env = {**os.environ, "AENV_API_KEYS": API_KEY, "AENV_POOL_SIZE": "1"}
+    argv = [sys.executable, "-m", "aenv.cli.main", "cluster", "local", "--nodes", "1", "--port", str(port),
+            "--subnet", "10.213.8.0/24"]  # fmt: skip
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == f"http://127.0.0.1:{port}"  # printed once every node is up
+        nodes = httpx.get(f"http://127.0.0.1:{port}/nodes", headers=KEY, trust_env=False).json()
+        assert [(n["nodeID"], n["state"]) for n in nodes] == [("n1", "up")]
+        assert Path(f"/run/netns/aenv-{port}-n1").exists()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert not Path(f"/run/netns/aenv-{port}-n1").exists()
+    assert not Path(f"/tmp/aenvc{port}").exists()
+    assert subprocess.run(["ip", "link", "show", f"aenvbr{port}"], capture_output=True).returncode != 0
