@@ -11,6 +11,7 @@ The tests share one cluster and run in file order: the node kill comes last.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -169,8 +170,13 @@ def test_templates_are_read_from_a_node_and_not_built_through_the_gateway(cluste
     r = httpx.get(cluster.gw + "/templates", headers=KEY, trust_env=False)
     assert r.status_code == 200 and "base" in {t.get("templateID") for t in r.json()} | {
         a for t in r.json() for a in t.get("aliases", [])}
-    r = httpx.post(cluster.gw + "/aenv/templates/pull", json={"image": "busybox"}, headers=KEY, trust_env=False)
+    r = httpx.post(cluster.gw + "/v3/templates", json={"alias": "x"}, headers=KEY, trust_env=False)
     assert r.status_code == 501 and cluster.url(0) in r.json()["message"]
+    # a pull reaches every node; an image no node can fetch is an error naming each
+    r = httpx.post(cluster.gw + "/aenv/templates/pull", json={"image": "127.0.0.1:1/nothing:here"}, headers=KEY,
+                   trust_env=False, timeout=120)  # fmt: skip
+    last = json.loads(r.text.splitlines()[-1])
+    assert r.status_code == 200 and "node n1" in last["error"]["message"] and "node n2" in last["error"]["message"]
 
 
 def test_list_merges_the_nodes_and_nodes_show_load(cluster: Cluster, spread: list[Any]) -> None:

@@ -9,6 +9,7 @@ incarnation and kills what the directory no longer binds to it. Tests run in fil
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ from aenv.directory import keys
 from aenv.directory.node import mark_dead
 from aenv.testing.gateway import NodeCluster, sdk_env, start_gateway, wait_for
 from aenv.testing.server import API_KEY, stop_server
+from tests.fixtures.plugin import PushedImages
 from tests.fixtures.redis import redis_server  # noqa: F401
 
 pytestmark = pytest.mark.timeout(900)
@@ -45,10 +47,12 @@ class Cluster(NodeCluster):
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisProc) -> Iterator[Cluster]:  # noqa: F811
+def cluster(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisProc,  # noqa: F811
+            pushed_images: PushedImages) -> Iterator[Cluster]:  # fmt: skip
     if os.geteuid() != 0:
         pytest.skip("the ns runtime needs root")
     c = Cluster(tmp_path_factory.mktemp("gwdir"), redis_server.url)
+    c.node_env["AENV_REGISTRY_MIRRORS"] = f"docker.io={pushed_images.registry.url}"
     c.r.flushall()
     try:
         c.start_node(0)
@@ -110,6 +114,22 @@ def test_a_sandbox_made_on_a_node_is_routed_from_its_binding(cluster: Cluster) -
     httpx.delete(f"{cluster.url(1)}/sandboxes/{sid}", headers=KEY, trust_env=False)  # behind the gateway's back
     got = httpx.get(f"{cluster.gw}/sandboxes/{sid}", headers=KEY, trust_env=False)
     assert got.status_code == 404  # the unbind event dropped the gateway's cached binding
+
+
+def test_a_pull_through_the_gateway_reaches_every_node(cluster: Cluster, pushed_images: PushedImages) -> None:
+    from e2b import Sandbox
+
+    pushed_images.require("busybox:latest")
+    r = httpx.post(cluster.gw + "/aenv/templates/pull", json={"image": "busybox:latest", "name": "bb"}, headers=KEY,
+                   trust_env=False, timeout=600)  # fmt: skip
+    last = json.loads(r.text.splitlines()[-1])
+    assert r.status_code == 200 and sorted(last["nodes"]) == ["n1", "n2"], last
+    for i in (0, 1):  # every node has it: a create of it may land anywhere
+        made = httpx.post(cluster.url(i) + "/v2/sandboxes", json={"templateID": "bb"}, headers=KEY, trust_env=False)
+        assert made.status_code == 201, made.text
+        sbx = Sandbox.connect(made.json()["sandboxID"])
+        assert "BusyBox" in sbx.commands.run("busybox | head -1").stdout
+        sbx.kill()
 
 
 def test_a_node_declared_dead_gets_no_creates_and_its_sandboxes_name_it(cluster: Cluster, spread: list[Any]) -> None:
