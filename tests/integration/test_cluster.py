@@ -140,6 +140,33 @@ def test_killing_a_node_agent_leaves_its_server_and_sandboxes(cluster: Any, spre
             assert sbx.commands.run("echo alive").stdout.strip() == "alive"
 
 
+def test_a_head_restart_leaves_the_data_plane_and_the_agents(cluster: Any, spread: list[Any]) -> None:
+    """The head dies (GCS, its raylet, whatever ran there) and comes back on the same Redis: sandboxes
+    answer throughout, creates go on, and the GCS recovers the controller and agents from Redis."""
+    from e2b import Sandbox
+
+    pids = [cluster.serve_pid(i) for i in range(3)]
+    with cluster.head_down():
+        for sbx in spread:
+            assert sbx.commands.run("echo during").stdout.strip() == "during"
+        made = Sandbox.create("base", timeout=120)
+        made.kill()
+    status = _driver(cluster, "import time\n"
+                     "for _ in range(300):\n"
+                     "    try:\n"
+                     "        got = ray.get(ray.get_actor('aenv-controller').status.remote(), timeout=5)\n"
+                     "        if len(got['nodes']) == 3 and all(isinstance(n['agent'], dict) for n in got['nodes'].values()):\n"
+                     "            break\n"
+                     "    except Exception:\n"
+                     "        pass\n"
+                     "    time.sleep(0.5)\n"
+                     "print(json.dumps(got))\n")  # fmt: skip
+    assert sorted(status["nodes"]) == list(NODES)
+    assert [status["nodes"][n]["agent"]["pid"] for n in NODES] == pids  # the same servers, never restarted
+    assert [cluster.serve_pid(i) for i in range(3)] == pids
+    assert all(n["state"] == "up" for n in httpx.get(cluster.url + "/nodes", headers=KEY, trust_env=False).json())
+
+
 def test_a_dead_node_is_fenced_named_and_skipped(cluster: Any, spread: list[Any]) -> None:
     from e2b import Sandbox
 

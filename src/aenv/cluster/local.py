@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,7 @@ class LocalCluster:
         self.ray_procs: list[subprocess.Popen[bytes]] = []  # head first; None-free
         self.gateway: subprocess.Popen[bytes] | None = None
         self.gcs = ""
+        self._head: tuple[list[str], dict[str, str]] = ([], {})
         self.specs: list[ServeSpec] = []
         self._logs: list[Any] = []
 
@@ -119,7 +121,8 @@ class LocalCluster:
         common = ["--num-cpus=1", f"--object-store-memory={OBJECT_STORE}", "--disable-usage-stats", "--block"]
         head = [ray, "start", "--head", f"--node-ip-address={ctl}", f"--port={gcs_port}", "--include-dashboard=false",
                 f"--temp-dir={self.root / 'ray-head'}", "--labels=aenv-role=control", *common]  # fmt: skip
-        self.ray_procs.append(self._popen(head, "ray-head", {**HEALTH_ENV, "RAY_REDIS_ADDRESS": self.redis.address}))
+        self._head = (head, {**HEALTH_ENV, "RAY_REDIS_ADDRESS": self.redis.address})
+        self.ray_procs.append(self._popen(head, "ray-head", self._head[1]))
         self._wait_gcs(deadline)
         for i in range(self.nodes):
             argv = [ray, "start", f"--address={self.gcs}", f"--node-ip-address={self.topo.node_ip(i)}",
@@ -194,6 +197,24 @@ class LocalCluster:
     def ray_node_proc(self, i: int) -> subprocess.Popen[bytes]:
         return self.ray_procs[1 + i]
 
+    @contextlib.contextmanager
+    def head_down(self, timeout: float = 120.0) -> Iterator[None]:
+        """The head dies (its process group SIGKILLed: GCS, its raylet, what ran there) for the block's
+        duration, then starts again on the same address with the same Redis: the GCS recovers its tables
+        from Redis and the worker nodes reconnect (GCS fault tolerance)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.ray_procs[0].pid, signal.SIGKILL)
+        self.ray_procs[0].wait(timeout=30)
+        self._kill_leftovers(str(self.root / "ray-head"))
+        # On one machine ``ray start --head`` takes the worker raylets' --gcs-address for a head still
+        # running, unless the last head's address file is gone (on real machines the workers are elsewhere).
+        (self.root / "ray-head" / "ray_current_cluster").unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            self.ray_procs[0] = self._popen(self._head[0], "ray-head", self._head[1])
+            self._wait_gcs(time.monotonic() + timeout)
+
     # ---- stop ---------------------------------------------------------------------------------------
     def close(self) -> None:
         """Remove everything this cluster made; each step tolerates what is already gone."""
@@ -262,16 +283,27 @@ class LocalCluster:
             for s in httpx.get(url + "/v2/sandboxes", headers=key, timeout=5, trust_env=False).json():
                 httpx.delete(f"{url}/sandboxes/{s['sandboxID']}", headers=key, timeout=30, trust_env=False)
 
-    def _kill_leftovers(self) -> None:
+    def _kill_leftovers(self, marker: str = "") -> None:
         """Ray processes that outlived their ``ray start`` (their command lines name this cluster's temp
         dirs, which no other process does): killed by pid."""
-        marker = str(self.root)
-        for proc_dir in Path("/proc").iterdir():
-            if not proc_dir.name.isdigit() or int(proc_dir.name) == os.getpid():
-                continue
-            with contextlib.suppress(OSError):
-                cmd = (proc_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                if marker in cmd:
-                    os.kill(int(proc_dir.name), signal.SIGKILL)
-        time.sleep(0.2)
-        reap_children()
+        marker = marker or str(self.root)
+        deadline = time.monotonic() + 10
+        while (pids := _pids_naming(marker)) and time.monotonic() < deadline:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.1)
+            reap_children()
+
+
+def _pids_naming(marker: str) -> list[int]:
+    """Live processes (not zombies) whose command line contains ``marker``."""
+    out = []
+    for proc_dir in Path("/proc").iterdir():
+        if not proc_dir.name.isdigit() or int(proc_dir.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            cmd = (proc_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if marker in cmd and pid_alive(int(proc_dir.name)):
+                out.append(int(proc_dir.name))
+    return out
