@@ -79,7 +79,7 @@ def _driver(c: Any, code: str) -> Any:
               "log_to_driver=False)\n" + code)  # fmt: skip
     out = subprocess.run([sys.executable, "-c", script, c.gcs], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(next(ln for ln in reversed(out.stdout.splitlines()) if ln.startswith(("{", "["))))
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +167,25 @@ def test_a_head_restart_leaves_the_data_plane_and_the_agents(cluster: Any, sprea
     assert all(n["state"] == "up" for n in httpx.get(cluster.url + "/nodes", headers=KEY, trust_env=False).json())
 
 
+def test_a_gateway_restart_finds_every_binding_again(cluster: Any, spread: list[Any]) -> None:
+    from aenv.cluster.procs import stop_process
+
+    assert cluster.gateway is not None
+    stop_process(cluster.gateway)
+    cluster.start_gateway()
+    wait_for(lambda: _nodes_up(cluster) == set(NODES), 60)
+    for sbx in spread:  # no create went through this gateway: the bindings come from Redis
+        assert sbx.commands.run("hostname").stdout.strip() == sbx.sandbox_id
+
+
+def _nodes_up(c: Any) -> set[str]:
+    try:
+        got = httpx.get(c.url + "/nodes", headers=KEY, trust_env=False).json()
+    except httpx.HTTPError:
+        return set()
+    return {n["nodeID"] for n in got if n["state"] == "up"}
+
+
 def test_a_dead_node_is_fenced_named_and_skipped(cluster: Any, spread: list[Any]) -> None:
     from e2b import Sandbox
 
@@ -194,6 +213,38 @@ def test_a_dead_node_is_fenced_named_and_skipped(cluster: Any, spread: list[Any]
         assert sbx.commands.run("echo still").stdout.strip() == "still"
     r = httpx.get(cluster.url + "/v2/sandboxes", headers=KEY, trust_env=False)
     assert r.status_code == 200 and r.headers["x-aenv-nodes-down"] == "n2"
+
+
+def test_a_partitioned_node_is_fenced_and_on_rejoining_kills_what_it_lost(cluster: Any, spread: list[Any]) -> None:
+    """n3 cut off (its veth down) → declared dead, fenced; healed and its Ray node started again → a new
+    agent, which restarts the fenced server: a new incarnation that kills the sandboxes it lost."""
+    from e2b import Sandbox
+
+    mine = [s for s in spread if _node_of(cluster, s.sandbox_id) == "n3"]
+    assert mine
+    inc = int(cluster.r.hget(keys.node_key("n3"), "incarnation"))
+    pid = cluster.serve_pid(2)
+    cluster.topo.cut(2)
+    try:
+        wait_for(lambda: cluster.r.hget(keys.node_key("n3"), "status") == "dead", 120)
+    finally:
+        cluster.topo.heal(2)
+    assert all(cluster.r.hget(keys.sandbox_key(s.sandbox_id), "state") == "lost" for s in mine)
+    cluster.rejoin_node(2)
+    wait_for(lambda: cluster.r.hget(keys.node_key("n3"), "status") == "alive", 300)
+    assert int(cluster.r.hget(keys.node_key("n3"), "incarnation")) == inc + 2  # the fence, then the new start
+    assert cluster.serve_pid(2) != pid  # the fenced server was restarted, not adopted
+    wait_for(lambda: "n3" in _nodes_up(cluster), 60)
+    assert not {s.sandbox_id for s in mine} & {x["sandboxID"] for x in httpx.get(
+        cluster.node_url(2) + "/v2/sandboxes", headers=KEY, trust_env=False).json()}  # killed on rejoining
+    got = httpx.get(f"{cluster.url}/sandboxes/{mine[0].sandbox_id}", headers=KEY, trust_env=False)
+    assert got.status_code == 404
+    landed = set()
+    for _ in range(6):
+        sbx = Sandbox.create("base", timeout=120)
+        landed.add(_node_of(cluster, sbx.sandbox_id))
+        sbx.kill()
+    assert "n3" in landed and "n2" not in landed
 
 
 def test_the_command_prints_its_url_and_removes_everything_on_sigterm(cluster: Any) -> None:

@@ -125,15 +125,34 @@ class LocalCluster:
         self.ray_procs.append(self._popen(head, "ray-head", self._head[1]))
         self._wait_gcs(deadline)
         for i in range(self.nodes):
-            argv = [ray, "start", f"--address={self.gcs}", f"--node-ip-address={self.topo.node_ip(i)}",
-                    f"--temp-dir={self.root / ('ray-' + self.topo.name(i))}", "--include-log-monitor=false",
-                    f"--labels=aenv-node={self.topo.name(i)},aenv-role=node", *common]  # fmt: skip
-            self.ray_procs.append(self._popen(self.topo.exec_argv(i, argv), f"ray-{self.topo.name(i)}"))
+            self.ray_procs.append(self._popen(self._node_argv(i), f"ray-{self.topo.name(i)}"))
         self._run_driver("start", deadline)
+        self.start_gateway()
+        self._wait_nodes_up(deadline)
+
+    def _node_argv(self, i: int) -> list[str]:
+        ray = str(Path(sys.executable).with_name("ray"))
+        argv = [ray, "start", f"--address={self.gcs}", f"--node-ip-address={self.topo.node_ip(i)}",
+                f"--temp-dir={self.root / ('ray-' + self.topo.name(i))}", "--include-log-monitor=false",
+                f"--labels=aenv-node={self.topo.name(i)},aenv-role=node", "--num-cpus=1",
+                f"--object-store-memory={OBJECT_STORE}", "--disable-usage-stats", "--block"]  # fmt: skip
+        return self.topo.exec_argv(i, argv)
+
+    def start_gateway(self) -> None:
+        assert self.redis is not None
         gw = [sys.executable, "-m", "aenv.cli.main", "gateway", "--host", "127.0.0.1", "--port", str(self.port),
               "--redis", self.redis.url, "--probe-interval", "0.5"]  # fmt: skip
         self.gateway = self._popen(gw, "gateway", self.env)
-        self._wait_nodes_up(deadline)
+
+    def rejoin_node(self, i: int) -> None:
+        """Node ``i``'s Ray node is started again (what a host's supervisor does after its raylet exited or
+        was killed): a new Ray node, so the controller places a new agent there."""
+        old = self.ray_node_proc(i)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(old.pid, signal.SIGKILL)
+        old.wait(timeout=30)
+        self._kill_leftovers(str(self.root / ("ray-" + self.topo.name(i))))
+        self.ray_procs[1 + i] = self._popen(self._node_argv(i), f"ray-{self.topo.name(i)}")
 
     def serve_spec(self) -> dict[str, Any]:
         """The controller's template: ``{node}`` and ``{ip}`` are filled per node."""
