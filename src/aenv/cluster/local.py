@@ -86,6 +86,7 @@ class LocalCluster:
         self._head: tuple[list[str], dict[str, str]] = ([], {})
         self.specs: list[ServeSpec] = []
         self._logs: list[Any] = []
+        self._owns_root = False
 
     # ---- start ------------------------------------------------------------------------------------
     @property
@@ -110,7 +111,10 @@ class LocalCluster:
             raise
 
     def _start(self, deadline: float) -> None:
+        if self.root.exists() and any(self.root.iterdir()):
+            raise RuntimeError(f"{self.root} exists and is not empty: remove it or give another state directory")
         self.root.mkdir(parents=True, exist_ok=True)
+        self._owns_root = True  # from here on close() removes it
         become_subreaper()
         self.topo.create()
         ctl = self.topo.control_ip
@@ -242,14 +246,16 @@ class LocalCluster:
         for i in range(self.nodes):
             self._stop_node_server(i)
         self._stop_ray()
-        self._kill_leftovers()
+        if self._owns_root:
+            self._kill_leftovers()
         if self.redis is not None:
             self.redis.stop()
         self.topo.close()
         for f in self._logs:
             f.close()
         reap_children()
-        shutil.rmtree(self.root, ignore_errors=True)
+        if self._owns_root:
+            shutil.rmtree(self.root, ignore_errors=True)
 
     def node_spec(self, i: int) -> ServeSpec:
         return ServeSpec(**fill(self.serve_spec(), node=self.topo.name(i), ip=self.topo.node_ip(i)))
@@ -268,7 +274,7 @@ class LocalCluster:
     def _stop_node_server(self, i: int) -> None:
         """Kill the node's sandboxes through its server (started again, outside Ray, if it is gone:
         it adopts them first), then stop it."""
-        if self.redis is None or not (self.root / self.topo.name(i)).is_dir():
+        if self.redis is None or not self._owns_root or not (self.root / self.topo.name(i)).is_dir():
             return
         spec = self.node_spec(i)
         pid = self.serve_pid(i)
@@ -305,7 +311,7 @@ class LocalCluster:
     def _kill_leftovers(self, marker: str = "") -> None:
         """Ray processes that outlived their ``ray start`` (their command lines name this cluster's temp
         dirs, which no other process does): killed by pid."""
-        marker = marker or str(self.root)
+        marker = (marker or str(self.root)).rstrip("/") + "/"  # /tmp/aenvc4090/ must not match /tmp/aenvc40901/
         deadline = time.monotonic() + 10
         while (pids := _pids_naming(marker)) and time.monotonic() < deadline:
             for pid in pids:
