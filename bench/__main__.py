@@ -32,7 +32,7 @@ from typing import Any
 from rich.console import Console
 
 from aenv.testing.server import API_KEY, discard_vm_state, start_server, stop_server
-from bench import builds, core, density, forks, gateway, lazy, report, rl, ws
+from bench import builds, cluster, core, density, forks, gateway, lazy, report, rl, ws
 from bench.context import Ctx
 
 console = Console(stderr=True)
@@ -54,12 +54,14 @@ SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "websocket": ws.websocket_echo,
     "gateway": gateway.gateway_overhead,
     "lazy": lazy.lazy_start,
+    "cluster": cluster.cluster_local,
 }
 GROUPS = {
     "core": ["create", "concurrent", "roundtrip", "files", "pause"],
     "snapshots": ["snapshot", "fork", "rollback", "released"],
-    # rl-groups' rows are part of rl; lazy brings its own registry and servers (minutes): run it by name
-    "all": [s for s in SCENARIOS if s not in ("rl-groups", "lazy")],
+    # rl-groups' rows are part of rl; lazy brings its own registry and servers (minutes), cluster needs
+    # Ray and root: run those by name
+    "all": [s for s in SCENARIOS if s not in ("rl-groups", "lazy", "cluster")],
 }
 
 

@@ -30,6 +30,8 @@ APT_PACKAGES=(
   linux-source-6.1 build-essential bc bison flex libelf-dev libssl-dev
   # the benchmark's baselines (docker run/exec/commit/build, runc run), run on a private engine
   docker.io runc
+  # the cluster: its directory and Ray's GCS fault-tolerance store (started by hand, never the system unit)
+  redis-server
 )
 
 missing=()
@@ -72,7 +74,7 @@ want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   say "installing aenv and its dependencies into .venv"
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-  .venv/bin/python -m pip install -q -e '.[test]'
+  .venv/bin/python -m pip install -q -e '.[test,cluster]'  # cluster: Ray, ~250 MB
   echo "$want" > "$stamp"
 fi
 

@@ -141,6 +141,14 @@ class Settings(BaseModel):
     ws_max_message: int = Field(
         16 * 1024 * 1024, gt=0, description="largest WebSocket message relayed into or out of a sandbox, bytes"
     )
+    cluster_redis: str | None = Field(
+        None, description="cluster mode: the cluster directory's Redis (redis://HOST:PORT or unix:///path): "
+        "each sandbox is bound there, fenced by this node's incarnation; unset = a single machine"
+    )
+    cluster_node_id: str | None = Field(None, description="cluster mode: this node's name in the directory [default: the hostname]")
+    cluster_url: str | None = Field(
+        None, description="cluster mode: the URL gateways reach this node at [default: http://<host>:<port>]"
+    )
 
     @field_validator("state_dir", "cache_dir", mode="after")
     @classmethod

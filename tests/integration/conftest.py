@@ -56,6 +56,9 @@ def server(tmp_path_factory: pytest.TempPathFactory, runtime_name: str) -> Itera
     if os.environ.get("AENV_TEST_GATEWAY"):  # AENV_TEST_GATEWAY=N: the SDK tests through a gateway, N nodes
         yield from _gateway_in_front(tmp_path_factory, runtime_name, int(os.environ["AENV_TEST_GATEWAY"]))
         return
+    if os.environ.get("AENV_TEST_CLUSTER"):  # AENV_TEST_CLUSTER=N: through `aenv cluster local --nodes N`
+        yield from _cluster_in_front(runtime_name, int(os.environ["AENV_TEST_CLUSTER"]))
+        return
     srv = start_server(tmp_path_factory.mktemp("aenv-server"), runtime_name)
     yield srv
     # Kill what the session left, then stop the server so it cleans up its runtime.
@@ -86,6 +89,22 @@ def _gateway_in_front(tmp_path_factory: pytest.TempPathFactory, runtime_name: st
                 httpx.delete(f"{node.url}/sandboxes/{s['sandboxID']}", trust_env=False)
             stop_server(node)
             discard_vm_state(node.state_dir)
+
+
+def _cluster_in_front(runtime_name: str, n: int) -> Iterator[Server]:
+    """A whole local cluster (Redis, Ray, n nodes in network namespaces): the server is its gateway."""
+    from aenv.cluster.local import LocalCluster
+    from aenv.testing.server import free_port
+
+    port = free_port()
+    c = LocalCluster(n, port, Path(f"/tmp/aenvc{port}"), "10.213.12.0/24", {}, runtime_name)
+    try:
+        c.start()
+        assert c.gateway is not None
+        print(f"\nSDK tests through aenv cluster local ({n} nodes): {c.url}", flush=True)
+        yield Server(c.url, c.root, c.gateway, c.root / "gateway.log", dict(os.environ))
+    finally:
+        c.close()
 
 
 @pytest.fixture(scope="module")

@@ -11,20 +11,20 @@ The tests share one cluster and run in file order: the node kill comes last.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import socket
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from aenv.testing.gateway import start_gateway, stop_gateway
-from aenv.testing.server import API_KEY, Server, free_port, start_server, stop_server
+from aenv.testing.gateway import NodeCluster, sdk_env, start_gateway, stop_gateway, wait_for
+from aenv.testing.server import API_KEY, free_port
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -32,43 +32,12 @@ KEY = {"X-API-KEY": API_KEY}
 NODE_ENV = {"AENV_API_KEYS": API_KEY, "AENV_POOL_SIZE": "1"}
 
 
-class Cluster:
+class Cluster(NodeCluster):
     def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.ports = [free_port(), free_port()]
-        self.nodes: list[Server | None] = [None, None]
-        self.gateway: Server | None = None
-
-    def start_node(self, i: int) -> Server:
-        d = self.tmp / f"n{i + 1}"
-        d.mkdir(exist_ok=True)
-        node = start_server(d, "ns", NODE_ENV, port=self.ports[i])
-        self.nodes[i] = node
-        return node
-
-    @property
-    def gw(self) -> str:
-        assert self.gateway is not None
-        return self.gateway.url
-
-    def url(self, i: int) -> str:
-        return f"http://127.0.0.1:{self.ports[i]}"
-
-    def ids_on(self, i: int) -> set[str]:
-        """The sandboxes node ``i`` itself lists."""
-        return {s["sandboxID"] for s in httpx.get(self.url(i) + "/v2/sandboxes", headers=KEY, trust_env=False).json()}
+        super().__init__(tmp, 2, NODE_ENV)
 
     def node_of(self, sandbox_id: str) -> int:
         return next(i for i in (0, 1) if sandbox_id in self.ids_on(i))
-
-
-def _wait_for(cond: Callable[[], bool], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.1)
-    raise AssertionError("condition not met in time")
 
 
 @pytest.fixture(scope="module")
@@ -76,30 +45,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     if os.geteuid() != 0:
         pytest.skip("the ns runtime needs root")
     c = Cluster(tmp_path_factory.mktemp("gateway"))
-    env = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "NO_PROXY")}
     try:
         c.start_node(0)
         c.start_node(1)
         c.gateway = start_gateway(c.tmp, [c.url(0), c.url(1)], {"AENV_API_KEYS": API_KEY})
-        os.environ.update(E2B_API_URL=c.gw, E2B_SANDBOX_URL=c.gw, E2B_API_KEY=API_KEY, NO_PROXY="127.0.0.1,localhost")
-        yield c
+        with sdk_env(c.gw):
+            yield c
     finally:
-        for k, v in env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        if c.gateway is not None:
-            stop_gateway(c.gateway)
-        for i, node in enumerate(c.nodes):
-            if node is None:
-                continue
-            if node.proc.poll() is not None:  # killed by a test that failed before restarting it
-                stop_server(node)
-                node = c.start_node(i)  # it adopts what it left running, so that it can kill it
-            for sid in c.ids_on(i):
-                httpx.delete(f"{c.url(i)}/sandboxes/{sid}", headers=KEY, trust_env=False)
-            stop_server(node)
+        c.close()
 
 
 @pytest.fixture(scope="module")
@@ -217,8 +170,13 @@ def test_templates_are_read_from_a_node_and_not_built_through_the_gateway(cluste
     r = httpx.get(cluster.gw + "/templates", headers=KEY, trust_env=False)
     assert r.status_code == 200 and "base" in {t.get("templateID") for t in r.json()} | {
         a for t in r.json() for a in t.get("aliases", [])}
-    r = httpx.post(cluster.gw + "/aenv/templates/pull", json={"image": "busybox"}, headers=KEY, trust_env=False)
+    r = httpx.post(cluster.gw + "/v3/templates", json={"alias": "x"}, headers=KEY, trust_env=False)
     assert r.status_code == 501 and cluster.url(0) in r.json()["message"]
+    # a pull reaches every node; an image no node can fetch is an error naming each
+    r = httpx.post(cluster.gw + "/aenv/templates/pull", json={"image": "127.0.0.1:1/nothing:here"}, headers=KEY,
+                   trust_env=False, timeout=120)  # fmt: skip
+    last = json.loads(r.text.splitlines()[-1])
+    assert r.status_code == 200 and "node n1" in last["error"]["message"] and "node n2" in last["error"]["message"]
 
 
 def test_list_merges_the_nodes_and_nodes_show_load(cluster: Cluster, spread: list[Any]) -> None:
@@ -235,7 +193,7 @@ def test_list_merges_the_nodes_and_nodes_show_load(cluster: Cluster, spread: lis
     assert sorted(paged) == sorted(cluster.ids_on(0) | cluster.ids_on(1))
     nodes = httpx.get(cluster.gw + "/nodes", headers=KEY, trust_env=False).json()
     assert [(n["nodeID"], n["url"], n["state"]) for n in nodes] == [("n1", cluster.url(0), "up"), ("n2", cluster.url(1), "up")]
-    _wait_for(lambda: httpx.get(cluster.gw + "/nodes/n1", headers=KEY, trust_env=False).json()["sandboxes"].get("running", 0) >= 1)
+    wait_for(lambda: httpx.get(cluster.gw + "/nodes/n1", headers=KEY, trust_env=False).json()["sandboxes"].get("running", 0) >= 1)
     assert httpx.get(cluster.gw + "/nodes/n9", headers=KEY, trust_env=False).status_code == 404
 
 
@@ -311,5 +269,5 @@ def test_a_dead_node_is_skipped_and_named(cluster: Cluster, spread: list[Any]) -
         sbx.kill()
 
     cluster.start_node(1)  # back on its port and state: it answers health again and adopts its sandbox
-    _wait_for(lambda: httpx.get(cluster.gw + "/nodes/n2", headers=KEY, trust_env=False).json()["state"] == "up")
+    wait_for(lambda: httpx.get(cluster.gw + "/nodes/n2", headers=KEY, trust_env=False).json()["state"] == "up")
     assert lost.commands.run("hostname").stdout.strip() == lost.sandbox_id

@@ -40,6 +40,21 @@ from aenv.store.sqlite import Store
 log = logging.getLogger("aenv.api")
 
 
+def _cluster_directory(settings: Settings) -> Any:
+    """Cluster mode (``cluster_redis``): this node registered under a new incarnation, else None."""
+    if not settings.cluster_redis:
+        return None
+    import socket
+
+    from aenv.directory.node import NodeDirectory, connect
+
+    node_id = settings.cluster_node_id or socket.gethostname()
+    url = settings.cluster_url or f"http://{settings.host}:{settings.port}"
+    directory = NodeDirectory(connect(settings.cluster_redis), node_id, url)
+    directory.register()
+    return directory
+
+
 def _snapshot_repository(settings: Settings) -> Any:
     """The snapshot repository from ``snapshot_store`` (keys from the environment), or None if off."""
     from aenv.snapshots.repository import describe_store, repository_from_settings
@@ -63,7 +78,8 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
         from aenv.runtime.select import make_runtime
 
         settings.state_dir.mkdir(parents=True, exist_ok=True)
-        store = Store(settings.db_path)
+        directory = _cluster_directory(settings)
+        store = Store(settings.db_path, binder=directory)
         catalog = TemplateCatalog(settings, store)
         rt = runtime or make_runtime(settings)
         orch = Orchestrator(settings, store, rt, catalog)
@@ -84,6 +100,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
         await webhooks.start()  # first what a killed server left pending
         await leases.start()
         holder["orch"] = orch
+        holder["directory"] = directory
         holder["runs"] = runs
         app.state.webhooks = webhooks
         app.state.leases = leases
@@ -103,6 +120,8 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
             await orch.close()
             await webhooks.close()
             store.close()
+            if directory is not None:
+                directory.close()
 
     api = FastAPI(title="aenv", version=__version__, lifespan=lifespan)
     errors.install(api)
@@ -138,7 +157,10 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
     @api.get("/aenv/info", dependencies=[Depends(require_api_key)])
     async def info() -> JSONResponse:
         orch = holder["orch"]
-        return JSONResponse({"version": __version__, **orch.stats(), "capabilities": orch.capabilities()})
+        out = {"version": __version__, **orch.stats(), "capabilities": orch.capabilities()}
+        if (directory := holder.get("directory")) is not None:
+            out["cluster"] = {"nodeID": directory.node_id, "incarnation": directory.incarnation}
+        return JSONResponse(out)
 
     api.add_middleware(_SandboxDomain, configured=settings.sandbox_domain)
     # FastAPI's ASGI types are wider

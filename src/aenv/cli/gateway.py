@@ -21,6 +21,9 @@ def gateway(
     node_key: Optional[str] = typer.Option(
         None, help="API key the gateway itself sends to nodes (AENV_GATEWAY_NODE_KEY) [default: the first of "
                    "api_keys]"),
+    redis: Optional[str] = typer.Option(
+        None, help="the cluster directory, redis://HOST:PORT (AENV_GATEWAY_REDIS): nodes and sandbox bindings come "
+                   "from it (each node runs aenv serve --cluster-redis); --node then optional"),
     log_level: str = typer.Option("info", help="debug | info | warning"),
 ) -> None:  # fmt: skip
     """Serve one E2B endpoint (control plane and sandbox proxy, one port) for several aenv serve nodes.
@@ -28,7 +31,8 @@ def gateway(
     Creates go to the least loaded of 3 sampled live nodes (creates in flight counted), fork to the
     source's node, everything about a sandbox to the node that owns it; lists merge every live node, and
     a node that is down is skipped, named in X-Aenv-Nodes-Down. GET /nodes shows each node's state and
-    load. The nodes must share their templates (build or pull on each). API keys are the server's
+    load. With --redis the nodes come from the cluster directory: a node it declares dead takes no creates
+    and its sandboxes answer 404 naming it. The nodes must share their templates (build or pull on each). API keys are the server's
     setting (AENV_API_KEYS or api_keys in AENV_CONFIG): the gateway checks them and passes them on, so
     give the nodes the same keys. Example:
 
@@ -43,8 +47,10 @@ def gateway(
 
     printer = Printer()
     specs = list(node or []) or [s for s in os.environ.get("AENV_GATEWAY_NODES", "").split(",") if s.strip()]
-    if not specs:
-        printer.fail("no nodes", hint="give each node with --node http://HOST:PORT", status=ExitStatus.USAGE)
+    redis = redis or os.environ.get("AENV_GATEWAY_REDIS") or None
+    if not specs and not redis:
+        printer.fail("no nodes", hint="give each node with --node http://HOST:PORT, or the cluster directory with "
+                                      "--redis redis://HOST:PORT", status=ExitStatus.USAGE)  # fmt: skip
     try:
         nodes = [parse_node(s.strip(), i) for i, s in enumerate(specs)]
         keys = load_settings().api_keys
@@ -58,6 +64,6 @@ def gateway(
         printer.err.print(
             f"[bold yellow]WARNING:[/] binding to {host} with no API keys: anyone who can reach this port can run code "
             "on every node. Set AENV_API_KEYS.", markup=True)  # fmt: skip
-    settings = GatewaySettings(nodes, keys, node_key or os.environ.get("AENV_GATEWAY_NODE_KEY"), probe_interval)
+    settings = GatewaySettings(nodes, keys, node_key or os.environ.get("AENV_GATEWAY_NODE_KEY"), probe_interval, redis)
     uvicorn.run(create_gateway_app(settings), host=host, port=port, log_level=log_level.lower(), access_log=False,
                 timeout_keep_alive=75, server_header=False, ws_max_size=settings.ws_max_message)  # fmt: skip

@@ -37,6 +37,12 @@ def serve(
     sandbox_domain: Optional[str] = typer.Option(
         None, help="domain in sandbox responses: get_host(port) = <port>-<id>.<domain> (AENV_SANDBOX_DOMAIN) "
                    "[default: X for clients calling api.X, else localhost:<port>]"),
+    cluster_redis: Optional[str] = typer.Option(
+        None, help="cluster mode: the directory's Redis, redis://HOST:PORT (AENV_CLUSTER_REDIS)"),
+    cluster_node_id: Optional[str] = typer.Option(
+        None, help="cluster mode: this node's name (AENV_CLUSTER_NODE_ID) [default: the hostname]"),
+    cluster_url: Optional[str] = typer.Option(
+        None, help="cluster mode: the URL gateways reach this node at (AENV_CLUSTER_URL) [default: http://HOST:PORT]"),
 ) -> None:
     """Run the server: E2B control plane and sandbox proxy on one port.
 
@@ -65,7 +71,8 @@ def serve(
     try:
         settings = load_settings(
             {"host": host, "port": port, "runtime": runtime, "state_dir": state_dir, "pool_size": pool_size, "log_level": log_level,
-             "tls_cert": tls_cert, "tls_key": tls_key, "sandbox_domain": sandbox_domain}
+             "tls_cert": tls_cert, "tls_key": tls_key, "sandbox_domain": sandbox_domain, "cluster_redis": cluster_redis,
+             "cluster_node_id": cluster_node_id, "cluster_url": cluster_url}
         )
     except Exception as exc:  # pydantic ValidationError, TOML errors
         printer.fail("invalid configuration", causes=[str(exc)], status=ExitStatus.USAGE)

@@ -233,8 +233,8 @@ class Orchestrator:
                 row.depends_on = [snapshot.id]
             spec = self.ctx.spec_for(row, template)  # the row just resolved: no second lookup
             sbx = LiveSandbox(row=row, spec=spec)
+            self.store.put_sandbox(row)  # first: in cluster mode a fenced node refuses here, holding nothing
             self.table.add(sbx)
-            self.store.put_sandbox(row)
             try:
                 fault_point("create.stored")
                 await net.enforce(self.runtime, row)  # before the sandbox has a network namespace

@@ -3,7 +3,9 @@
 The store is the truth across a ``kill -9``: a sandbox that was running or paused is adopted again
 (with its network policy, or not at all); one caught mid-pause or mid-resume is settled towards the
 safe side, paused; anything in between (starting, killing) is removed, files and all. Then the
-runtime drops what no row names (``reconcile``).
+runtime drops what no row names (``reconcile``). In cluster mode a node first claims its sandboxes in
+the cluster directory under its new incarnation; those the directory no longer binds to it (it was
+declared dead meanwhile, or the id lives elsewhere now) are killed: declared dead means dead.
 """
 
 from __future__ import annotations
@@ -26,8 +28,14 @@ log = logging.getLogger("aenv.core")
 async def recover(ctx: Context) -> None:
     """Re-adopt what survived a restart; clean up what did not. Nothing is left half-made."""
     rows = ctx.store.list_sandboxes()
+    binder = ctx.store.binder
+    disowned = binder.claim([r.id for r in rows]) if binder is not None else {}
     for row in rows:
         ctx.table.saw_seq(row.created_seq)
+        if row.id in disowned:
+            log.warning("sandbox=%s recovery: %s; killing it", row.id, disowned[row.id])
+            await ctx.forget(row, LOST, disowned[row.id])
+            continue
         state = SandboxState(row.state)
         try:
             spec = ctx.spec_for(row)

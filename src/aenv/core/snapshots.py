@@ -352,8 +352,8 @@ class SnapshotFlows:
             volumes=tuple(replace(v, read_only=True) for v in src.spec.volumes),
         )
         child = LiveSandbox(row=row, spec=spec)
+        self.store.put_sandbox(row)  # first: in cluster mode a fenced node refuses here, holding nothing
         self.ctx.table.add(child)
-        self.store.put_sandbox(row)
         return child
 
     # ---- rollback -------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """The gateway's ASGI app: its control plane (FastAPI) behind the sandbox proxy, on one port, as a node's.
 
 The lifespan owns the long-lived objects: the node connections (relayed requests: ``Forwarder``; probes
-and lookups: an httpx client), the node probes, the binding cache. Nothing is stored: a restarted gateway
-learns bindings again by asking the nodes.
+and lookups: an httpx client), the node probes, the binding cache, and with ``redis`` the directory's
+follower. Nothing is stored: a restarted gateway learns bindings again from the directory or the nodes.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class GatewaySettings:
     api_keys: list[str] = field(default_factory=list)
     node_key: str | None = None  # sent on the gateway's own calls (probes, lookups); default: a plain api key
     probe_interval: float = 1.0
+    redis: str | None = None  # the cluster directory: nodes and bindings from it (cluster.py)
     ws_max_message: int = WS_MAX_MESSAGE
 
     def probe_key(self) -> str | None:
@@ -56,7 +57,17 @@ def create_gateway_app(settings: GatewaySettings) -> Any:
     client = httpx.AsyncClient(trust_env=False, limits=limits, timeout=timeout)
     key = settings.probe_key()
     nodes = NodeSet(settings.nodes, client, key, settings.probe_interval)
-    locator = Locator(nodes, AskNodes(nodes, client, key))
+    ask = AskNodes(nodes, client, key)
+    follower: Any = None
+    if settings.redis:
+        from aenv.directory.reader import DirectoryReader
+        from aenv.gateway.cluster import Follower, RedisDirectory
+
+        reader = DirectoryReader(settings.redis)
+        locator = Locator(nodes, RedisDirectory(reader, ask))
+        follower = Follower(reader, nodes, locator, settings.probe_interval)
+    else:
+        locator = Locator(nodes, ask)
     forwarder = Forwarder(nodes)
     gateway = Gateway(nodes, locator, forwarder)
 
@@ -64,6 +75,8 @@ def create_gateway_app(settings: GatewaySettings) -> Any:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.gateway = gateway
         app.state.api_key_digests = key_digests(settings.api_keys)
+        if follower is not None:
+            await follower.start()  # the node list first: the probes then reach every node
         await nodes.start()
         up = ", ".join(f"{n.id}={n.url} ({'up' if n.up else 'down: ' + n.reason})" for n in nodes.nodes.values())
         log.info("aenv %s gateway in front of %d nodes: %s", __version__, len(nodes.nodes), up)
@@ -72,6 +85,8 @@ def create_gateway_app(settings: GatewaySettings) -> Any:
         finally:
             await proxy.aclose()
             await nodes.aclose()
+            if follower is not None:
+                await follower.aclose()
             await forwarder.aclose()
             await client.aclose()
 

@@ -8,7 +8,8 @@
 - lists fan out to every live node and are merged, page by page (``listing.py``); a node that is down
   is skipped and named in ``X-Aenv-Nodes-Down``, never a failure of the whole list;
 - templates: the nodes must share them (the same ``base``, the same builds). Reads are served by one live
-  node; builds, pulls, deletes and tags are refused with a 501 that says to run them on each node;
+  node; a pull (``/aenv/templates/pull``) reaches every live node; builds, deletes and tags are refused
+  with a 501 that says to run them on each node;
 - what a gateway cannot relay correctly yet (leases, webhooks, the layer cache) is a 501 that says so.
 """
 
@@ -335,10 +336,48 @@ async def template_delete(request: Request, template_id: str) -> Response:
     return (await gw.forwarder.send(request, node)).response()
 
 
+@router.post("/aenv/templates/pull")
+async def template_pull(request: Request) -> Response:
+    """A pull reaches every live node at once (each fetches the image; layers come from the registry or
+    its mirror). The answer is one node's progress and, last, one line: the template when every node
+    has it (``nodes`` lists them), else an error naming each node that failed. Nodes that are down are
+    named in ``X-Aenv-Nodes-Down``: pull again there once they are back."""
+    gw = gateway(request)
+    body = await request.body()
+    up, skipped = gw.nodes.up(), gw.nodes.down()
+    if not up:
+        return gw.none_up(set())
+    results = await asyncio.gather(*(gw.forwarder.send(request, n, body) for n in up), return_exceptions=True)
+    events: list[bytes] = []
+    done: list[tuple[Node, Any]] = []
+    failed: list[str] = []
+    for node, res in zip(up, results, strict=True):
+        if not isinstance(res, Relayed):
+            failed.append(f"node {node.id}: {res}")
+            continue
+        if res.status != 200:
+            failed.append(f"node {node.id}: {res.status} {_field(res.body, 'message') or res.body[:200]!r}")
+            continue
+        lines = [ln for ln in res.body.splitlines() if ln.strip()]
+        last = _parsed(lines[-1]) if lines else None
+        if isinstance(last, dict) and "template" in last:
+            done.append((node, last))
+            events = events or lines[:-1]
+        else:
+            err = last.get("error") if isinstance(last, dict) else None
+            failed.append(f"node {node.id}: {err.get('message') if isinstance(err, dict) else 'no answer'}")
+    if failed:
+        final: dict[str, Any] = {"error": {"code": 502, "message": "the pull failed on " + "; ".join(failed)
+                                           + (f" (it succeeded on {', '.join(n.id for n, _ in done)})" if done else "")}}
+    else:
+        final = {**done[0][1], "nodes": [n.id for n, _ in done]}
+    out = b"\n".join([*events, json.dumps(final).encode()]) + b"\n"
+    return Response(out, media_type="application/x-ndjson", headers=_down_headers(skipped))
+
+
 @router.post("/v3/templates")
 @router.post("/v2/templates/{rest:path}")
 @router.api_route("/templates/{rest:path}", methods=["POST", "DELETE", "PUT", "PATCH"])
-@router.post("/aenv/templates/pull")
 async def template_write(request: Request) -> Response:
     return _template_refusal(request)
 
@@ -346,8 +385,8 @@ async def template_write(request: Request) -> Response:
 def _template_refusal(request: Request) -> Response:
     urls = " ".join(n.url for n in gateway(request).nodes.nodes.values())
     return error_response(
-        501, "the gateway does not build, pull or delete templates yet: its nodes must share them. Run the "
-             f"build or pull against each node (aenv --server URL ...; nodes: {urls})", None, reason="gateway")
+        501, "the gateway does not build or delete templates yet (pulls reach every node): its nodes must share "
+             f"them. Run the build against each node (aenv --server URL ...; nodes: {urls})", None, reason="gateway")
 
 
 # ---- routes: the gateway itself -------------------------------------------------------------------

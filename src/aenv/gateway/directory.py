@@ -1,9 +1,9 @@
 """Which node owns a sandbox (or a snapshot): an in-memory cache in front of a ``Directory``.
 
 The cache is filled from the answers the gateway relays (create, fork, snapshot) and, on a miss, from
-the directory. Today's directory, ``AskNodes``, has no state of its own: it asks every live node for the
-ID and takes the one that knows it. The Redis directory of the next step (bindings the owning node writes
-itself) implements the same two methods, so the cache and everything above it stay as they are.
+the directory. ``AskNodes`` (a static node list) has no state of its own: it asks every live node for the
+ID and takes the one that knows it. ``cluster.RedisDirectory`` reads the bindings the owning nodes wrote
+themselves, and its follower keeps this cache in line with the directory's events.
 
 Errors (``OwnerUnknown``, ``OwnerDown``) are the gateway's own: the sandbox is on no live node, or on
 one that is down. Both reach clients as 404s (control plane) or E2B's 502 (proxy) naming the node.
@@ -101,6 +101,12 @@ class Locator:
 
     def remember(self, sandbox_id: str, node_id: str) -> None:
         _put(self._sandboxes, sandbox_id, node_id, self._max)
+
+    def forget(self, sandbox_id: str) -> None:
+        self._sandboxes.pop(sandbox_id, None)
+
+    def forget_all(self) -> None:
+        self._sandboxes.clear()
 
     def remember_token(self, sandbox_id: str, token: str) -> None:
         _put(self._tokens, sandbox_id, token, self._max)

@@ -3,8 +3,8 @@
 A node is ``up`` while it answers ``/health``; its load comes from ``/aenv/info`` (sandbox counts by
 state, creates starting). A refused connection marks it down at once (``mark_down``, called by whoever
 saw it), so creates stop going there before the next probe; only a probe that gets an answer brings it
-back. The list itself is fixed at start: a Ray- or Redis-backed membership replaces ``NodeSet.nodes``
-in the next step, not the rest of the gateway.
+back. The list is fixed at start, or, with a cluster directory (``cluster.py``), follows its node
+records: a node it declares dead is ``fenced`` (down whatever its probes say) until a new incarnation.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ class Node:
     reported_at: float | None = None  # when /aenv/info last answered
     inflight: int = 0  # creates the gateway is relaying to it right now
     placed: int = 0  # creates that succeeded since its last report (not in ``counts`` yet)
+    fenced: str | None = None  # the cluster directory declared it dead (why): down whatever probes say
+    incarnation: int = 0  # the directory's, in cluster mode
 
     @property
     def load(self) -> float:
@@ -54,7 +56,8 @@ class Node:
         return {
             "nodeID": self.id,
             "url": self.url,
-            "state": "up" if self.up else "down",
+            "state": "up" if self.up else ("dead" if self.fenced else "down"),
+            **({"incarnation": self.incarnation} if self.incarnation else {}),
             "since": self.since,
             **({} if self.up else {"reason": self.reason}),
             "runtime": self.runtime,
@@ -106,10 +109,15 @@ class NodeSet:
         if node.up:
             log.warning("node=%s %s down: %s", node.id, node.url, reason)
             node.up, node.since = False, time.time()
-        node.reason = reason
+        node.reason = node.fenced or reason
+
+    def fence(self, node: Node, reason: str) -> None:
+        """The cluster declared the node dead: down until it registers a new incarnation."""
+        node.fenced = reason
+        self.mark_down(node, reason)
 
     def _mark_up(self, node: Node) -> None:
-        if not node.up:
+        if node.fenced is None and not node.up:
             log.info("node=%s %s up", node.id, node.url)
             node.up, node.since, node.reason = True, time.time(), ""
 
@@ -136,7 +144,7 @@ class NodeSet:
         self._mark_up(node)
 
     async def probe_all(self) -> None:
-        await asyncio.gather(*(self.probe(n) for n in self.nodes.values()))
+        await asyncio.gather(*(self.probe(n) for n in list(self.nodes.values())))
 
     async def start(self) -> None:
         """Probe every node once (so the first create has loads to compare), then keep probing."""

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from aenv.errors import StoreError
 from aenv.kinds import SandboxState, SnapshotMode, TemplateKind
@@ -280,11 +280,23 @@ def _from_db(cls: type[Any], rec: sqlite3.Row) -> Any:
     return cls(**data)
 
 
-class Store:
-    """The metadata database. One instance per server process; thread-safe via a lock."""
+class Binder(Protocol):
+    """The cluster directory as the store sees it (``aenv.directory.node.NodeDirectory``): a sandbox row
+    is bound there before it is written, and unbound after it is deleted. ``bind`` may refuse (the node
+    is fenced off): then nothing is written."""
 
-    def __init__(self, path: Path) -> None:
+    def bind(self, sandbox_id: str) -> None: ...
+    def unbind(self, sandbox_id: str) -> None: ...
+    def claim(self, sandbox_ids: list[str]) -> dict[str, str]: ...  # at start: those no longer this node's
+
+
+class Store:
+    """The metadata database. One instance per server process; thread-safe via a lock. With a
+    ``binder`` (cluster mode) each new sandbox row is bound in the cluster directory in the same step."""
+
+    def __init__(self, path: Path, binder: Binder | None = None) -> None:
         self.path = path
+        self.binder = binder
         path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self._templates: dict[str, TemplateRow] = {}  # get_template's answers, see there
@@ -340,6 +352,8 @@ class Store:
 
     # ---- sandboxes ------------------------------------------------------------------------------
     def put_sandbox(self, row: SandboxRow) -> None:
+        if self.binder is not None:
+            self.binder.bind(row.id)  # first: a fenced node writes nothing
         _put(self, "sandboxes", row)
 
     def update_sandbox(self, sandbox_id: str, **changes: Any) -> None:
@@ -359,6 +373,8 @@ class Store:
     def delete_sandbox(self, sandbox_id: str) -> None:
         with self._tx() as db:
             db.execute("DELETE FROM sandboxes WHERE id=?", (sandbox_id,))
+        if self.binder is not None:
+            self.binder.unbind(sandbox_id)
 
     def get_sandbox(self, sandbox_id: str) -> SandboxRow | None:
         rows = self._query("SELECT * FROM sandboxes WHERE id=?", (sandbox_id,))

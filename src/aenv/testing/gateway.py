@@ -1,13 +1,96 @@
-"""Start and stop a real ``aenv gateway`` process in front of test nodes (tests and bench/)."""
+"""Start and stop a real ``aenv gateway`` process in front of test nodes (tests and bench/), and the\nnodes themselves (``NodeCluster``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from aenv.testing.server import Server, free_port, wait_healthy
+import httpx
+
+from aenv.cluster.procs import stop_process
+from aenv.testing.server import API_KEY, Server, free_port, start_server, stop_server, wait_healthy
+
+KEY = {"X-API-KEY": API_KEY}
+
+
+class NodeCluster:
+    """``count`` ns nodes on free ports of 127.0.0.1, each with its own state dir under ``tmp``, and the
+    gateway a test starts in front of them (``gateway``)."""
+
+    def __init__(self, tmp: Path, count: int, node_env: dict[str, str]) -> None:
+        self.tmp = tmp
+        self.node_env = node_env
+        self.ports = [free_port() for _ in range(count)]
+        self.nodes: list[Server | None] = [None] * count
+        self.gateway: Server | None = None
+
+    def env_of(self, i: int) -> dict[str, str]:
+        return self.node_env
+
+    def start_node(self, i: int) -> Server:
+        d = self.tmp / f"n{i + 1}"
+        d.mkdir(exist_ok=True)
+        node = start_server(d, "ns", self.env_of(i), port=self.ports[i])
+        self.nodes[i] = node
+        return node
+
+    @property
+    def gw(self) -> str:
+        assert self.gateway is not None
+        return self.gateway.url
+
+    def url(self, i: int) -> str:
+        return f"http://127.0.0.1:{self.ports[i]}"
+
+    def ids_on(self, i: int) -> set[str]:
+        """The sandboxes node ``i`` itself lists."""
+        return {s["sandboxID"] for s in httpx.get(self.url(i) + "/v2/sandboxes", headers=KEY, trust_env=False).json()}
+
+    def close(self) -> None:
+        """The gateway, then each node with its sandboxes killed first (a node a test killed is started
+        again: it adopts what it left running, so that it can kill it)."""
+        if self.gateway is not None:
+            stop_gateway(self.gateway)
+        for i, node in enumerate(self.nodes):
+            if node is None:
+                continue
+            if node.proc.poll() is not None:
+                stop_server(node)
+                node = self.start_node(i)
+            for sid in self.ids_on(i):
+                httpx.delete(f"{self.url(i)}/sandboxes/{sid}", headers=KEY, trust_env=False)
+            stop_server(node)
+
+
+@contextlib.contextmanager
+def sdk_env(url: str) -> Iterator[None]:
+    """The E2B SDKs pointed at ``url`` alone (API and sandbox traffic) for the block's duration."""
+    names = ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "NO_PROXY")
+    saved = {k: os.environ.get(k) for k in names}
+    os.environ.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=API_KEY, NO_PROXY="127.0.0.1,localhost")
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 60.0) -> None:
+    """Poll ``cond`` every 0.1 s until it holds; AssertionError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.1)
+    raise AssertionError("condition not met in time")
 
 
 def start_gateway(tmp: Path, node_urls: list[str], extra_env: dict[str, str] | None = None) -> Server:
@@ -29,10 +112,5 @@ def start_gateway(tmp: Path, node_urls: list[str], extra_env: dict[str, str] | N
 
 
 def stop_gateway(gw: Server) -> None:
-    if gw.proc.poll() is None:
-        gw.proc.terminate()
-        try:
-            gw.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            gw.proc.kill()
-            gw.proc.wait(timeout=10)
+    stop_process(gw.proc)
+

@@ -44,6 +44,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import secrets
 import shlex
 import shutil
 import subprocess
@@ -332,7 +333,7 @@ def ro_remount_action(masked: Sequence[str], base: Path = KDAT_BASE, volumes: Se
         directory.mkdir(mode=0o700, exist_ok=True)
         if directory.stat().st_uid != os.geteuid() or directory.stat().st_mode & 0o077:
             raise RuntimeError(f"{directory} is not this user's private directory")
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.{secrets.token_hex(4)}.tmp")  # restores in parallel threads
         tmp.write_text(body)
         tmp.chmod(0o700)
         os.replace(tmp, path)

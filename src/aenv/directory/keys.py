@@ -1,0 +1,103 @@
+"""The cluster directory's shape in Redis: key names, the event channel, and the Lua scripts that change it.
+
+Keys (one Redis, soft state: nodes re-publish what they hold when they start):
+
+- ``aenv:nodes``: set of node ids ever registered;
+- ``aenv:node:<id>``: hash ``url``, ``incarnation`` (bumped by every start and by every death),
+  ``status`` (``alive`` | ``dead``), ``since``, ``reason``;
+- ``aenv:node:<id>:sbx``: set of the sandbox ids bound to the node;
+- ``aenv:sbx:<id>``: hash ``node``, ``incarnation`` (the node's when it bound it), ``state`` (``live`` |
+  ``lost``), ``reason``.
+
+Every write a node makes runs as one script that first checks the node's record: the incarnation it
+holds must be the current one and the node ``alive``, else the write is refused (``FENCED``). A node
+declared dead, or one replaced by a newer start, therefore cannot bind anything; the controller's
+``MARK_DEAD`` bumps the incarnation and marks the node's sandboxes lost in the same script. Each script
+publishes on ``aenv:events`` what it changed (``bind <sbx> <node>``, ``unbind <sbx>``, ``lost <sbx>
+<node>``, ``node <id>``), so gateways drop or fill their caches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+EVENTS = "aenv:events"
+NODES = "aenv:nodes"
+FENCED = "FENCED"
+LOST_TTL = 86400  # seconds a lost binding stays to say where its sandbox was lost
+
+
+def strs(reply: Any) -> dict[str, str]:
+    """A hash reply (decoded) as the str mapping it is; redis-py types it as bytes-or-str."""
+    return {str(k): str(v) for k, v in dict(reply).items()}
+
+
+def node_key(node_id: str) -> str:
+    return f"aenv:node:{node_id}"
+
+
+def node_sandboxes_key(node_id: str) -> str:
+    return f"aenv:node:{node_id}:sbx"
+
+
+def sandbox_key(sandbox_id: str) -> str:
+    return f"aenv:sbx:{sandbox_id}"
+
+
+# KEYS: node hash, nodes set. ARGV: node id, url, now. Returns the new incarnation.
+REGISTER = """
+local inc = redis.call('HINCRBY', KEYS[1], 'incarnation', 1)
+redis.call('HSET', KEYS[1], 'url', ARGV[2], 'status', 'alive', 'since', ARGV[3], 'reason', '')
+redis.call('SADD', KEYS[2], ARGV[1])
+redis.call('PUBLISH', 'aenv:events', 'node ' .. ARGV[1])
+return inc
+"""
+
+_FENCE = """
+local rec = redis.call('HMGET', KEYS[1], 'incarnation', 'status')
+if rec[1] ~= ARGV[2] or rec[2] ~= 'alive' then
+  return redis.error_reply('FENCED node ' .. ARGV[1] .. ' incarnation ' .. ARGV[2] .. ' is not current (now '
+    .. tostring(rec[1]) .. ', ' .. tostring(rec[2]) .. ')')
+end
+"""
+
+# KEYS: node hash, node's sandbox set, sandbox hash. ARGV: node id, incarnation, sandbox id.
+BIND = _FENCE + """
+redis.call('DEL', KEYS[3])
+redis.call('HSET', KEYS[3], 'node', ARGV[1], 'incarnation', ARGV[2], 'state', 'live')
+redis.call('SADD', KEYS[2], ARGV[3])
+redis.call('PUBLISH', 'aenv:events', 'bind ' .. ARGV[3] .. ' ' .. ARGV[1])
+return 1
+"""
+
+# Same keys and arguments. Only a live binding to this node is removed (another node may own the id now;
+# a lost one stays, so that the gateway can still say where it was lost, until LOST_TTL).
+UNBIND = _FENCE + """
+redis.call('SREM', KEYS[2], ARGV[3])
+local b = redis.call('HMGET', KEYS[3], 'node', 'state')
+if b[1] == ARGV[1] and b[2] == 'live' then
+  redis.call('DEL', KEYS[3])
+  redis.call('PUBLISH', 'aenv:events', 'unbind ' .. ARGV[3])
+  return 1
+end
+return 0
+"""
+
+# KEYS: node hash, node's sandbox set. ARGV: node id, reason, now. Idempotent; returns the sandboxes lost.
+MARK_DEAD = """
+if redis.call('HGET', KEYS[1], 'status') == 'dead' then return 0 end
+redis.call('HINCRBY', KEYS[1], 'incarnation', 1)
+redis.call('HSET', KEYS[1], 'status', 'dead', 'since', ARGV[3], 'reason', ARGV[2])
+local lost = 0
+for _, sid in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+  local k = 'aenv:sbx:' .. sid
+  if redis.call('HGET', k, 'node') == ARGV[1] and redis.call('HGET', k, 'state') == 'live' then
+    redis.call('HSET', k, 'state', 'lost', 'reason', ARGV[2])
+    redis.call('EXPIRE', k, 86400)
+    redis.call('PUBLISH', 'aenv:events', 'lost ' .. sid .. ' ' .. ARGV[1])
+    lost = lost + 1
+  end
+end
+redis.call('PUBLISH', 'aenv:events', 'node ' .. ARGV[1])
+return lost
+"""

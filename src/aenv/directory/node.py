@@ -1,0 +1,123 @@
+"""A node's side of the cluster directory: it registers a new incarnation at start, binds each sandbox in
+the same step as its SQLite row (``Store`` calls ``bind`` before it writes the row, ``unbind`` after it
+deletes it), and at start keeps only what the directory still binds to it (``claim``).
+
+Synchronous on purpose: the store is, and a bind is one round trip to a local Redis (a script), so the
+row and the binding are written in one step, before the create answers. A refused bind (``Fenced``)
+fails the create: this node was declared dead or replaced, and must not take sandboxes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import redis
+
+from aenv.directory import keys
+from aenv.errors import StoreError
+
+log = logging.getLogger("aenv.directory")
+
+
+class DirectoryError(StoreError):
+    """The directory could not be reached or refused a write."""
+
+
+class Fenced(DirectoryError):
+    """This node's incarnation is no longer current (declared dead, or started again elsewhere)."""
+
+
+def connect(url: str) -> redis.Redis:
+    """A client for ``redis://HOST:PORT[/DB]`` or ``unix:///path/to.sock``; short timeouts (soft state)."""
+    client: redis.Redis = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0,
+                                               decode_responses=True)  # fmt: skip
+    return client
+
+
+def _translate(exc: redis.RedisError) -> DirectoryError:
+    if isinstance(exc, redis.ResponseError) and str(exc).startswith(keys.FENCED):
+        return Fenced(str(exc))
+    return DirectoryError(f"cluster directory unreachable: {type(exc).__name__}: {exc}")
+
+
+class NodeDirectory:
+    """One node's bindings. ``register`` first; then ``bind``/``unbind`` per sandbox."""
+
+    def __init__(self, client: redis.Redis, node_id: str, url: str) -> None:
+        self.client = client
+        self.node_id = node_id
+        self.url = url
+        self.incarnation = 0
+        self._register = client.register_script(keys.REGISTER)
+        self._bind = client.register_script(keys.BIND)
+        self._unbind = client.register_script(keys.UNBIND)
+
+    def _keys(self, sandbox_id: str) -> list[str]:
+        return [keys.node_key(self.node_id), keys.node_sandboxes_key(self.node_id), keys.sandbox_key(sandbox_id)]
+
+    def _run(self, script: Any, ks: list[str], args: list[Any]) -> Any:
+        try:
+            return script(keys=ks, args=args)
+        except redis.RedisError as exc:
+            raise _translate(exc) from exc
+
+    def register(self) -> int:
+        """A new incarnation of this node, alive; every earlier one is fenced off from now on."""
+        inc = self._run(self._register, [keys.node_key(self.node_id), keys.NODES], [self.node_id, self.url, time.time()])
+        self.incarnation = int(inc)
+        log.info("cluster node %s (%s): incarnation %d", self.node_id, self.url, self.incarnation)
+        return self.incarnation
+
+    def bind(self, sandbox_id: str) -> None:
+        """Bind ``sandbox_id`` to this node. Raises Fenced (declared dead or replaced) or DirectoryError."""
+        self._run(self._bind, self._keys(sandbox_id), [self.node_id, self.incarnation, sandbox_id])
+
+    def unbind(self, sandbox_id: str) -> None:
+        """Drop this node's binding of ``sandbox_id``. Never raises: the sandbox is gone here either way,
+        and a binding left behind names a node that answers 404 for it."""
+        try:
+            self._run(self._unbind, self._keys(sandbox_id), [self.node_id, self.incarnation, sandbox_id])
+        except DirectoryError as exc:
+            log.warning("sandbox=%s: binding not removed: %s", sandbox_id, exc)
+
+    def claim(self, sandbox_ids: list[str]) -> dict[str, str]:
+        """At start, after ``register``: bind to this incarnation the local sandboxes the directory still
+        binds to this node; return the others, each with why it is no longer this node's."""
+        refused: dict[str, str] = {}
+        for sid in sandbox_ids:
+            try:
+                rec = keys.strs(self.client.hgetall(keys.sandbox_key(sid)))
+            except redis.RedisError as exc:
+                raise _translate(exc) from exc
+            if rec.get("node") == self.node_id and rec.get("state") == "live":
+                self.bind(sid)
+            elif not rec:
+                refused[sid] = f"the cluster directory does not bind it to node {self.node_id}"
+            elif rec.get("node") != self.node_id:
+                refused[sid] = f"the cluster directory binds it to node {rec.get('node')}"
+            else:
+                refused[sid] = f"node {self.node_id} was declared dead: {rec.get('reason') or 'lost'}"
+        try:
+            members = self.client.smembers(keys.node_sandboxes_key(self.node_id))
+            stale = {str(m) for m in members} - set(sandbox_ids)
+        except redis.RedisError as exc:
+            raise _translate(exc) from exc
+        for sid in stale:  # bound here, gone from this node's store (it crashed between the two)
+            self.unbind(sid)
+        return refused
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def mark_dead(client: redis.Redis, node_id: str, reason: str) -> int:
+    """The controller's fence: ``node_id`` is dead from now on, its live sandboxes lost (their bindings
+    say why). Idempotent; returns how many sandboxes it marked lost."""
+    script = client.register_script(keys.MARK_DEAD)
+    try:
+        return int(script(keys=[keys.node_key(node_id), keys.node_sandboxes_key(node_id)],
+                          args=[node_id, reason, time.time()]))  # fmt: skip
+    except redis.RedisError as exc:
+        raise _translate(exc) from exc

@@ -1,0 +1,173 @@
+"""The gateway on the cluster directory (Redis), in front of two real ``aenv serve`` nodes (ns) in cluster
+mode, with the unmodified E2B SDK: still no Ray (the controller's fence is called directly).
+
+Each node binds its sandboxes in Redis in the same step as its own row; the gateway finds nodes and
+bindings there and follows the event stream. A node the directory declares dead gets no creates and its
+sandboxes answer 404 naming it, even though it still answers probes; restarted, it registers a new
+incarnation and kills what the directory no longer binds to it. Tests run in file order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from aenv.cluster.redis_proc import RedisProc
+from aenv.directory import keys
+from aenv.directory.node import mark_dead
+from aenv.testing.gateway import NodeCluster, sdk_env, start_gateway, wait_for
+from aenv.testing.server import API_KEY, stop_server
+from tests.fixtures.plugin import PushedImages
+from tests.fixtures.redis import redis_server  # noqa: F401
+
+pytestmark = pytest.mark.timeout(900)
+
+KEY = {"X-API-KEY": API_KEY}
+
+
+class Cluster(NodeCluster):
+    """Two cluster-mode nodes, n1 and n2, binding in ``redis_url``."""
+
+    def __init__(self, tmp: Path, redis_url: str) -> None:
+        super().__init__(tmp, 2, {"AENV_API_KEYS": API_KEY, "AENV_POOL_SIZE": "1", "AENV_CLUSTER_REDIS": redis_url})
+        self.r = redis.Redis.from_url(redis_url, decode_responses=True)
+
+    def env_of(self, i: int) -> dict[str, str]:
+        return {**self.node_env, "AENV_CLUSTER_NODE_ID": f"n{i + 1}"}
+
+    def node_state(self, node_id: str) -> str:
+        return str(httpx.get(f"{self.gw}/nodes/{node_id}", headers=KEY, trust_env=False).json()["state"])
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisProc,  # noqa: F811
+            pushed_images: PushedImages) -> Iterator[Cluster]:  # fmt: skip
+    if os.geteuid() != 0:
+        pytest.skip("the ns runtime needs root")
+    c = Cluster(tmp_path_factory.mktemp("gwdir"), redis_server.url)
+    c.node_env["AENV_REGISTRY_MIRRORS"] = f"docker.io={pushed_images.registry.url}"
+    c.r.flushall()
+    try:
+        c.start_node(0)
+        c.start_node(1)
+        c.gateway = start_gateway(c.tmp, [], {"AENV_API_KEYS": API_KEY, "AENV_GATEWAY_REDIS": redis_server.url})
+        wait_for(lambda: c.node_state("n1") == "up" and c.node_state("n2") == "up")
+        with sdk_env(c.gw):
+            yield c
+    finally:
+        c.close()
+        c.r.close()
+
+
+@pytest.fixture(scope="module")
+def spread(cluster: Cluster) -> list[Any]:
+    from e2b import Sandbox
+
+    return [Sandbox.create("base", timeout=600) for _ in range(2)]
+
+
+def test_nodes_come_from_the_directory(cluster: Cluster) -> None:
+    nodes = httpx.get(cluster.gw + "/nodes", headers=KEY, trust_env=False).json()
+    assert [(n["nodeID"], n["url"], n["state"], n["incarnation"]) for n in nodes] == [
+        ("n1", cluster.url(0), "up", 1), ("n2", cluster.url(1), "up", 1)]
+    info = httpx.get(cluster.url(0) + "/aenv/info", headers=KEY, trust_env=False).json()
+    assert info["cluster"] == {"nodeID": "n1", "incarnation": 1}
+
+
+def test_each_node_binds_its_sandboxes(cluster: Cluster, spread: list[Any]) -> None:
+    homes = set()
+    for sbx in spread:
+        b = cluster.r.hgetall(keys.sandbox_key(sbx.sandbox_id))
+        assert b["state"] == "live" and b["incarnation"] == "1"
+        assert sbx.sandbox_id in cluster.ids_on(int(b["node"][1:]) - 1)
+        homes.add(b["node"])
+        assert sbx.commands.run("hostname").stdout.strip() == sbx.sandbox_id
+    assert homes == {"n1", "n2"}
+
+
+def test_fork_children_are_bound_by_the_source_node(cluster: Cluster, spread: list[Any]) -> None:
+    src = spread[0]
+    home = cluster.r.hget(keys.sandbox_key(src.sandbox_id), "node")
+    kids = src.fork(count=2, timeout=300)
+    assert all(not isinstance(k, Exception) for k in kids), kids
+    for kid in kids:
+        assert cluster.r.hget(keys.sandbox_key(kid.sandbox_id), "node") == home
+        kid.kill()
+        assert not cluster.r.exists(keys.sandbox_key(kid.sandbox_id))  # unbound with its row
+
+
+def test_a_sandbox_made_on_a_node_is_routed_from_its_binding(cluster: Cluster) -> None:
+    from e2b import Sandbox
+
+    made = httpx.post(cluster.url(1) + "/v2/sandboxes", json={"templateID": "base"}, headers=KEY, trust_env=False)
+    assert made.status_code == 201, made.text
+    sid = made.json()["sandboxID"]
+    sbx = Sandbox.connect(sid)
+    assert sbx.commands.run("hostname").stdout.strip() == sid
+    httpx.delete(f"{cluster.url(1)}/sandboxes/{sid}", headers=KEY, trust_env=False)  # behind the gateway's back
+    got = httpx.get(f"{cluster.gw}/sandboxes/{sid}", headers=KEY, trust_env=False)
+    assert got.status_code == 404  # the unbind event dropped the gateway's cached binding
+
+
+def test_a_pull_through_the_gateway_reaches_every_node(cluster: Cluster, pushed_images: PushedImages) -> None:
+    from e2b import Sandbox
+
+    pushed_images.require("busybox:latest")
+    r = httpx.post(cluster.gw + "/aenv/templates/pull", json={"image": "busybox:latest", "name": "bb"}, headers=KEY,
+                   trust_env=False, timeout=600)  # fmt: skip
+    last = json.loads(r.text.splitlines()[-1])
+    assert r.status_code == 200 and sorted(last["nodes"]) == ["n1", "n2"], last
+    for i in (0, 1):  # every node has it: a create of it may land anywhere
+        made = httpx.post(cluster.url(i) + "/v2/sandboxes", json={"templateID": "bb"}, headers=KEY, trust_env=False)
+        assert made.status_code == 201, made.text
+        sbx = Sandbox.connect(made.json()["sandboxID"])
+        assert "BusyBox" in sbx.commands.run("busybox | head -1").stdout
+        sbx.kill()
+
+
+def test_a_node_declared_dead_gets_no_creates_and_its_sandboxes_name_it(cluster: Cluster, spread: list[Any]) -> None:
+    from e2b import Sandbox
+
+    lost = next(s for s in spread if cluster.r.hget(keys.sandbox_key(s.sandbox_id), "node") == "n2")
+    alive = next(s for s in spread if s is not lost)
+    assert mark_dead(cluster.r, "n2", "test: raylet gone") >= 1  # what the controller does
+    wait_for(lambda: cluster.node_state("n2") == "dead", 10)
+    got = httpx.get(f"{cluster.gw}/sandboxes/{lost.sandbox_id}", headers=KEY, trust_env=False)
+    body = got.json()
+    assert (got.status_code, body["reason"], body["node"]) == (404, "node_down", "n2")
+    assert "declared dead by the cluster" in body["message"] and "raylet gone" in body["message"]
+    with pytest.raises(Exception, match="n2"):
+        lost.commands.run("true")
+    assert alive.commands.run("echo still").stdout.strip() == "still"
+    fresh = [Sandbox.create("base", timeout=300) for _ in range(3)]
+    assert {s.sandbox_id for s in fresh} <= cluster.ids_on(0)
+    for sbx in fresh:
+        sbx.kill()
+    # the node itself is alive but fenced: a create sent straight to it is refused, nothing is kept
+    before = cluster.ids_on(1)
+    direct = httpx.post(cluster.url(1) + "/v2/sandboxes", json={"templateID": "base"}, headers=KEY, trust_env=False)
+    assert direct.status_code >= 500 and "FENCED" in direct.text
+    assert cluster.ids_on(1) == before
+
+
+def test_a_node_that_comes_back_kills_what_it_no_longer_owns(cluster: Cluster, spread: list[Any]) -> None:
+    lost = next(s for s in spread if cluster.r.hget(keys.sandbox_key(s.sandbox_id), "node") == "n2")
+    assert lost.sandbox_id in cluster.ids_on(1)
+    node = cluster.nodes[1]
+    assert node is not None
+    stop_server(node)  # sandboxes outlive their server; the new one adopts only what is still its own
+    cluster.start_node(1)
+    assert lost.sandbox_id not in cluster.ids_on(1)
+    gone = httpx.get(f"{cluster.url(1)}/sandboxes/{lost.sandbox_id}", headers=KEY, trust_env=False)
+    assert gone.status_code == 404 and "declared dead" in gone.text
+    assert cluster.r.hget(keys.node_key("n2"), "incarnation") == "3"  # 1, the fence, this start
+    wait_for(lambda: cluster.node_state("n2") == "up", 30)
+    got = httpx.get(f"{cluster.gw}/sandboxes/{lost.sandbox_id}", headers=KEY, trust_env=False)
+    assert got.status_code == 404

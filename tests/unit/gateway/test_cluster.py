@@ -1,0 +1,59 @@
+"""The gateway following the cluster directory: node records join, fence and readmit nodes; the
+node set never brings a fenced node back on a probe alone."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from aenv.directory.reader import NodeRecord
+from aenv.gateway.cluster import apply_records
+from aenv.gateway.directory import Locator, OwnerDown
+from aenv.gateway.nodes import NodeSet
+
+
+class NoDirectory:
+    async def find_sandbox(self, sandbox_id: str) -> str | None:
+        return None
+
+    async def find_snapshot(self, snapshot_id: str) -> str | None:
+        return None
+
+
+def _rec(node_id: str, status: str = "alive", inc: int = 1, reason: str = "") -> NodeRecord:
+    return NodeRecord(node_id, f"http://10.213.0.1{node_id[-1]}:8000", inc, status, 0.0, reason)
+
+
+@pytest.fixture
+def nodes() -> NodeSet:
+    return NodeSet([], httpx.AsyncClient(), None)
+
+
+def test_records_add_nodes(nodes: NodeSet) -> None:
+    apply_records(nodes, [_rec("n1"), _rec("n2")])
+    assert sorted(nodes.nodes) == ["n1", "n2"]
+    assert nodes.nodes["n2"].host == "10.213.0.12" and nodes.nodes["n2"].port == 8000
+    assert not nodes.nodes["n1"].up  # up only once a probe answers
+
+
+async def test_a_dead_record_fences_the_node_until_a_new_incarnation(nodes: NodeSet) -> None:
+    apply_records(nodes, [_rec("n1"), _rec("n2")])
+    for n in nodes.nodes.values():
+        nodes._mark_up(n)
+    loc = Locator(nodes, NoDirectory())
+    loc.remember("sbx", "n2")
+    apply_records(nodes, [_rec("n1"), _rec("n2", "dead", 2, "raylet died")])
+    n2 = nodes.nodes["n2"]
+    assert [n.id for n in nodes.up()] == ["n1"]
+    nodes._mark_up(n2)  # a probe answered: still fenced
+    assert not n2.up and n2.describe()["state"] == "dead"
+    with pytest.raises(OwnerDown) as err:
+        await loc.owner("sbx")
+    assert "node n2" in err.value.message and "declared dead by the cluster" in err.value.message
+    assert "raylet died" in err.value.message
+    apply_records(nodes, [_rec("n2", "dead", 2)])  # the same incarnation: still fenced
+    assert n2.fenced is not None
+    apply_records(nodes, [_rec("n2", "alive", 3)])  # registered again
+    assert n2.fenced is None
+    nodes._mark_up(n2)
+    assert n2.up
