@@ -59,7 +59,7 @@ def ns_pids(state_dir: Path, sandbox_id: str) -> list[int]:
             comm = Path(f"/proc/{parent}/comm").read_text().strip()
             if parent in members or parent == 1 or comm not in REAPERS:
                 continue
-            if comm != "python3.11" or "launch.py" in Path(f"/proc/{parent}/cmdline").read_text():
+            if comm != "python3.11" or "import launch" in Path(f"/proc/{parent}/cmdline").read_text():
                 outside.add(parent)  # an interpreter only if it is the launcher, never the server
     return [*members, *sorted(outside)]
 

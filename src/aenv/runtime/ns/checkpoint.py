@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import os
 import re
 import subprocess
@@ -334,7 +333,7 @@ def restore_in_userns(exe: str, images: Path, userns: SharedUserns, *, lowers: l
            "stage_dir": str(stage), "stage": {"tools": str(tools), "run": str(run_dir), "boot_id": str(boot_id)},
            "stage_idmapped": {n: str(v.source) for n, v in staged.items()},
            "read_only": criu.read_only_sources(stage / "tools", stage / "boot_id", masked)}
-    helper = [sys.executable, "-I", "-S", launch.__file__, json.dumps(cfg)]
+    helper = launch.host_argv(sys.executable, cfg)
     try:
         run_criu(criu.in_cgroups_argv(procs_files, criu.in_kdat_cache_argv(kdat_cache(exe), helper)), log,
                  "restore", pass_fds=(fd,))

@@ -72,7 +72,6 @@ STATE_FILE = "ns.json"
 BOOT_ID_FILE = "boot_id"
 RUN_MOUNT = "/.aenv-run"
 SOCKET_NAME = "mux.sock"
-LAUNCHER = str(Path(launcher_mod.__file__).resolve())
 
 
 class LaunchError(RuntimeError):
@@ -186,10 +185,10 @@ def _spawn_launcher(cfg: dict[str, Any], userns: SharedUserns | None, fd: int | 
     a user namespace the launcher makes the namespaces itself and reaps (``launch.run_in_userns``)."""
     if userns is None or fd is None:
         argv = ["unshare", "--fork", "--pid", "--mount", "--uts", "--ipc", "--net", "--propagation", "private",
-                "--", sys.executable, "-I", "-S", LAUNCHER, json.dumps(cfg)]
+                "--", *launcher_mod.host_argv(sys.executable, cfg)]
         return Reaped.spawn(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     cfg = {**cfg, "userns": {"fd": fd, "uid": userns.host_uid}}
-    return Reaped.spawn([sys.executable, "-I", "-S", LAUNCHER, json.dumps(cfg)], pass_fds=(fd,),
+    return Reaped.spawn(launcher_mod.host_argv(sys.executable, cfg), pass_fds=(fd,),
                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
 
 
