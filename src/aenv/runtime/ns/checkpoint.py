@@ -327,7 +327,7 @@ def restore_in_userns(exe: str, images: Path, userns: SharedUserns, *, lowers: l
     argv = criu.restore_argv(exe, images, root=merged, pidfile=pidfile, tools=stage / "tools", run_dir=stage / "run",
                              log=str(log), boot_id=stage / "boot_id", masked=masked, net_external=False,
                              dev=stage / "dev", volumes=[(v.path, str(stage / n)) for n, v in staged.items()],
-                             read_only_volumes=[v.path for v in volumes if v.read_only])
+                             read_only_volumes=[v.path for v in volumes if v.read_only], empty_net=True)
     cfg = {"restore_root": True, "userns": {"fd": fd, "uid": userns.host_uid}, "lowers": lowers,
            "upper": str(upper), "work": str(work), "merged": str(merged), "argv": argv,
            "stage_dir": str(stage), "stage": {"tools": str(tools), "run": str(run_dir), "boot_id": str(boot_id)},

@@ -256,3 +256,22 @@ def test_no_network_lock() -> None:
                  criu.restore_argv("/c", Path("/i"), root=Path("/r"), pidfile=Path("/p"), tools=Path("/t"),
                                    run_dir=Path("/run"))):
         assert argv[argv.index("--network-lock") + 1] == "skip"
+
+
+def test_an_empty_network_namespace_gets_its_loopback_from_the_action_script(tmp_path: Path) -> None:
+    """``--empty-ns net`` leaves the restored namespace bare: the script brings lo up at
+    setup-namespaces (before sockets bound to 127.0.0.1 are restored) and does nothing else then."""
+    import subprocess
+
+    plain = Path(criu.ro_remount_action((), base=tmp_path)).read_text()
+    lo = Path(criu.ro_remount_action((), base=tmp_path, lo_up=True)).read_text()
+    assert criu.SETUP_NAMESPACES not in plain and lo.splitlines()[1].startswith(f'[ "$CRTOOLS_SCRIPT_ACTION" = {criu.SETUP_NAMESPACES} ]')
+    script = tmp_path / "probe.sh"
+    script.write_text(lo.replace("exec nsenter", "echo nsenter"))
+    env = {"PATH": "/usr/bin:/bin", "CRTOOLS_INIT_PID": "77"}
+    out = subprocess.run(["sh", str(script)], env={**env, "CRTOOLS_SCRIPT_ACTION": criu.SETUP_NAMESPACES},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "nsenter -t 77 -n ip link set lo up"
+    out = subprocess.run(["sh", str(script)], env={**env, "CRTOOLS_SCRIPT_ACTION": "post-restore"},
+                         capture_output=True, text=True, check=True).stdout
+    assert out == ""

@@ -114,7 +114,7 @@ def test_restore_in_a_user_namespace_binds_the_sources_read_only_and_has_no_netn
     monkeypatch.setattr(checkpoint, "run_criu", run_criu)
     monkeypatch.setattr(checkpoint, "kdat_cache", lambda exe: None)
     monkeypatch.setattr(criu, "KDAT_BASE", tmp_path)
-    monkeypatch.setattr(criu, "ro_remount_action", lambda masked, base=tmp_path, volumes=(): "/action.sh")
+    monkeypatch.setattr(criu, "ro_remount_action", lambda masked, base=tmp_path, volumes=(), lo_up=False: "/action.sh")
     monkeypatch.setattr(os, "chown", lambda *a: None)
     (tmp_path / "run").mkdir()
     (tmp_path / "i").mkdir()
@@ -132,6 +132,7 @@ def test_restore_in_a_user_namespace_binds_the_sources_read_only_and_has_no_netn
     assert read_only[str(stage / "boot_id")] == criu.MS_NOSUID | criu.MS_NODEV | criu.MS_NOEXEC
     assert read_only["/dev/null"] == 0 and str(stage / "run") not in read_only
     assert seen["fds"] == (9,) and "--inherit-fd" not in cfg["argv"] and not stage.exists()
+    assert cfg["argv"][cfg["argv"].index("--empty-ns") + 1] == "net"  # bare but for loopback (criu.LO_UP)
 
 
 async def test_filter_of_a_user_namespaced_restore_goes_in_after_criu_into_the_sandboxs_init(
