@@ -174,7 +174,7 @@ class Settings(BaseModel):
     def volumes_dir(self) -> Path:
         """E2B volumes, one directory each: on the sandboxes volume, so their bytes count where the
         sandboxes' do (ns: each a quota subvolume). A dot name: reconciliation never takes it for a sandbox."""
-        return self.sandboxes_dir / ".volumes"
+        return self.sandboxes_dir / VOLUMES_NAME
 
     @property
     def templates_dir(self) -> Path:
@@ -191,6 +191,8 @@ class Settings(BaseModel):
             return f"file://{self.state_dir / 'snapshot-store'}"
         return self.snapshot_store.strip() or None
 
+
+VOLUMES_NAME = ".volumes"  # under the sandboxes dir (``Settings.volumes_dir``)
 
 _LIST_FIELDS = {"api_keys", "insecure_registries", "webhook_urls"}
 _DICT_FIELDS = {"registry_mirrors", "key_quotas"}

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 
+from aenv.config import VOLUMES_NAME
 from aenv.runtime.ns.disk import IMAGE_NAME, POOL_NAME, loop_device_for
 from aenv.testing.server import (
     API_KEY,
@@ -30,6 +31,7 @@ from aenv.testing.server import (
 )
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+SERVER_DIRS = {POOL_NAME, VOLUMES_NAME}  # what a server keeps under sandboxes/ for itself, never a leak
 HEADERS = {"X-API-KEY": API_KEY}
 
 
@@ -225,7 +227,7 @@ def leaks(state_dir: Path, dead_ids: Iterable[str], live_ids: Iterable[str] = ()
             },
             cgroups=cgroups_of(state_dir, dead) - allowed,
             mounts=mounts_under(state_dir),
-            dirs={d.name for d in (state_dir / "sandboxes").glob("*") if d.name != POOL_NAME} - live
+            dirs={d.name for d in (state_dir / "sandboxes").glob("*") if d.name not in SERVER_DIRS} - live
             if (state_dir / "sandboxes").is_dir() else set(),
         )
         # live sandboxes' processes match by overlay or state path (their launcher): keep only the rest
@@ -283,7 +285,7 @@ class ServerFactory:
                 _kill_all_sandboxes(srv)
                 stop_server(srv)
         if loop_device_for(self.state_dir / IMAGE_NAME) is not None or any(
-                d.is_dir() and any(x for x in d.iterdir() if x.name != POOL_NAME or any(x.iterdir()))
+                d.is_dir() and any(x for x in d.iterdir() if x.name not in SERVER_DIRS or any(x.iterdir()))
                 for d in (self.state_dir / "sandboxes", *pool_dirs(self.state_dir))):
             # (an attached ns volume that is not mounted is held by sandboxes still running)
             # Something survived a crash the test did not clean up: a clean server reconciles it.
