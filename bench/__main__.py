@@ -102,7 +102,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--network", metavar="JSON",
                     help="create this checkout's sandboxes (create, concurrent, roundtrip) with this E2B network, "
                          'the SDK\'s form, e.g. \'{"deny_out": ["0.0.0.0/0"], "allow_out": ["1.1.1.1", "example.com"]}\': '
-                         "what a policy costs; --against's server gets none (older commits refuse it)")
+                         "what a policy costs; --against's server gets none (older commits refuse it). "
+                         '\'{"allow_internet_access": false}\' makes them offline: against --against HEAD, what '
+                         "internet access costs (vm: QEMU's network jail and slirp4netns)")
     ap.add_argument("--list", action="store_true", help="list scenarios and exit")
     return ap
 

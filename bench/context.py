@@ -29,6 +29,8 @@ class Ctx:
 
     @property
     def system(self) -> str:
+        if self.network == {"allow_internet_access": False}:
+            return f"aenv-{self.runtime} offline"
         return f"aenv-{self.runtime}" + ("+policy" if self.network else "")
 
     def heavy_docker(self) -> DockerBaseline | None:

@@ -27,7 +27,11 @@ def _sandbox(url: str | None = None, network: dict[str, Any] | None = None) -> A
     from e2b import Sandbox
 
     if url is None:
-        return Sandbox.create(TEMPLATE, timeout=600, network=network)  # type: ignore[arg-type]
+        rules = dict(network or {})
+        # ``{"allow_internet_access": false}``: an offline sandbox (vm: QEMU's restrict=on, no jail)
+        online = bool(rules.pop("allow_internet_access", True))
+        return Sandbox.create(TEMPLATE, timeout=600, network=rules or None,  # type: ignore[arg-type]
+                              allow_internet_access=online)
     return Sandbox.create(TEMPLATE, timeout=600, api_url=url, sandbox_url=url)
 
 
