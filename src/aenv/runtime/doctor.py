@@ -38,7 +38,7 @@ def _disk_quota(settings: Settings) -> str:
 
 def _userns(settings: Settings) -> str:
     """The same trial the ns runtime makes at start (``NsRuntime._check_userns``)."""
-    from aenv.runtime.ns.userns import SharedUserns
+    from aenv.runtime.ns.userns import SharedUserns, layer_dirs
 
     if not settings.ns_userns_uid:
         return "off (ns_userns_uid = 0): root in an ns sandbox is host root in namespaces"
@@ -46,8 +46,7 @@ def _userns(settings: Settings) -> str:
         return "needs root to check"
     userns = SharedUserns(settings.ns_userns_uid)
     try:
-        why = userns.unusable_on((settings.cache_dir, settings.templates_dir, settings.snapshots_dir,
-                                  settings.sandboxes_dir))
+        why = userns.unusable_on(layer_dirs(settings))
     finally:
         userns.close()
     if why is None:

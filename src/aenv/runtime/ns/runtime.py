@@ -50,7 +50,7 @@ from aenv.runtime.ns.reconcile import ReconcileReport, reconcile
 from aenv.runtime.ns.release import NsReleaser
 from aenv.runtime.ns.sandbox import LaunchOptions, NsSandbox, Paths
 from aenv.runtime.ns.snapshot import NsSnapshots
-from aenv.runtime.ns.userns import SharedUserns
+from aenv.runtime.ns.userns import SharedUserns, layer_dirs
 from aenv.runtime.ns.zygote import Zygote, socket_path_for, sweep_stale_sockets
 from aenv.runtime.streams import open_checked
 from aenv.runtime.tools import ensure_tools
@@ -143,7 +143,7 @@ class NsRuntime:
         if self.userns is None:
             return
         s = self.settings
-        why = self.userns.unusable_on((s.cache_dir, s.templates_dir, s.snapshots_dir, s.sandboxes_dir))
+        why = self.userns.unusable_on(layer_dirs(s))
         if why is None:
             return
         if "ns_userns_uid" in s.model_fields_set:

@@ -21,8 +21,14 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from aenv.agent import idmap
+from aenv.config import Settings
 
 RANGE = 65536  # uids/gids 0..65535 in the sandbox: what images use (nobody is 65534)
+
+
+def layer_dirs(settings: Settings) -> tuple[Path, ...]:
+    """Where an overlay lower or upper of an ns sandbox can live: what ``unusable_on`` must try."""
+    return (settings.cache_dir, settings.templates_dir, settings.snapshots_dir, settings.sandboxes_dir)
 
 
 class UsernsError(RuntimeError):
