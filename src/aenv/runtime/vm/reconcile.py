@@ -26,6 +26,7 @@ import signal
 from pathlib import Path
 
 from aenv.runtime.base import RuntimeState, SandboxSpec
+from aenv.runtime.process import ProcRef
 
 from . import frozen
 from .config import VmConfigError, config_from_json
@@ -37,6 +38,7 @@ from .table import Released, VmTable
 log = logging.getLogger("aenv.runtime.vm")
 
 OWNER_FILE = ".state-dir"  # in a template-RAM dir: the state dir it belongs to
+KILL_WAIT_S = 10.0  # how long reconcile waits for a killed QEMU to be gone
 
 
 async def reconcile(run_root: Path, shm_dir: Path, keep: set[str], running: set[str]) -> dict[str, list[str]]:
@@ -48,11 +50,14 @@ async def reconcile(run_root: Path, shm_dir: Path, keep: set[str], running: set[
         if entry.name in keep:
             continue
         marker = f"{entry}/".encode()
-        for pid, cmdline in procs.items():
-            if marker in cmdline:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-                report["killed"].append(f"{pid} ({entry.name})")
+        owners = [ref for pid, cmdline in procs.items() if marker in cmdline and (ref := ProcRef.of(pid))]
+        for ref in owners:
+            ref.kill(signal.SIGKILL)
+            report["killed"].append(f"{ref.pid} ({entry.name})")
+        # a big guest takes a while to unmap: its dir goes only once nothing has it open
+        for ref in owners:
+            if not await ref.wait_gone_async(KILL_WAIT_S):
+                log.error("vm reconcile: QEMU %d (%s) survived SIGKILL for %.0f s", ref.pid, entry.name, KILL_WAIT_S)
         await asyncio.to_thread(shutil.rmtree, entry, True)
         report["removed"].append(entry.name)
     for mem in shm_dir.glob("sbx-*.mem") if shm_dir.is_dir() else []:  # sandbox.own_ram_file
