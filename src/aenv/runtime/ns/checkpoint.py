@@ -23,7 +23,6 @@ import ctypes
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -333,7 +332,7 @@ def restore_in_userns(exe: str, images: Path, userns: SharedUserns, *, lowers: l
            "stage_dir": str(stage), "stage": {"tools": str(tools), "run": str(run_dir), "boot_id": str(boot_id)},
            "stage_idmapped": {n: str(v.source) for n, v in staged.items()},
            "read_only": criu.read_only_sources(stage / "tools", stage / "boot_id", masked)}
-    helper = launch.host_argv(sys.executable, cfg)
+    helper = launch.host_argv(cfg)
     try:
         run_criu(criu.in_cgroups_argv(procs_files, criu.in_kdat_cache_argv(kdat_cache(exe), helper)), log,
                  "restore", pass_fds=(fd,))

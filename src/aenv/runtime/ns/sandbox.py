@@ -33,7 +33,6 @@ import os
 import shutil
 import stat
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -185,10 +184,10 @@ def _spawn_launcher(cfg: dict[str, Any], userns: SharedUserns | None, fd: int | 
     a user namespace the launcher makes the namespaces itself and reaps (``launch.run_in_userns``)."""
     if userns is None or fd is None:
         argv = ["unshare", "--fork", "--pid", "--mount", "--uts", "--ipc", "--net", "--propagation", "private",
-                "--", *launcher_mod.host_argv(sys.executable, cfg)]
+                "--", *launcher_mod.host_argv(cfg)]
         return Reaped.spawn(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     cfg = {**cfg, "userns": {"fd": fd, "uid": userns.host_uid}}
-    return Reaped.spawn(launcher_mod.host_argv(sys.executable, cfg), pass_fds=(fd,),
+    return Reaped.spawn(launcher_mod.host_argv(cfg), pass_fds=(fd,),
                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
 
 
