@@ -93,7 +93,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
         if repository is not None:
             orch.attach_repository(repository)
         handover = None
-        if directory is not None and repository is not None:  # pauses published, lost ones adopted
+        if directory is not None and repository is not None and settings.snapshot_store:  # a store shared by nodes
             from aenv.core.handover import PauseHandover
 
             handover = PauseHandover(orch, directory)

@@ -8,7 +8,8 @@ the same id once its own node is declared dead.
   sandbox again: its template, sizes, settings, metadata, env vars and its envd and traffic tokens). The
   pause answers as fast as without a cluster; until the upload finished the pause is not published.
   The snapshot is internal (not listed, never a template here), kept while it is the sandbox's lineage
-  head.
+  head; a kill of the sandbox takes the snapshots it published out of the store (those this server
+  process published: a restart forgets them, and the store keeps them).
 * **Withdraw.** A resume here (connect, autoResume) withdraws the published pause: the state it names is
   stale from then on. A publish that finishes after a resume, or after a later pause, records nothing.
 * **Adopt.** ``adopt`` (the gateway's ``connect``/``resume`` of a sandbox lost with its node) fetches the
@@ -29,7 +30,7 @@ from aenv.core import network as net
 from aenv.core.snapshots import result_of
 from aenv.core.table import LiveSandbox
 from aenv.directory.node import NodeDirectory, NotAdoptable, PublishedPause
-from aenv.errors import AenvError, Conflict, SandboxNotFound, StateError
+from aenv.errors import Conflict, SandboxNotFound, StateError
 from aenv.kinds import SandboxState, SnapshotMode
 from aenv.store.sqlite import SandboxRow, now
 
@@ -57,6 +58,8 @@ class PauseHandover:
         self.directory = directory
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._adopting: dict[str, asyncio.Lock] = {}
+        self._uploaded: dict[str, list[str]] = {}  # sandbox id -> its pause snapshots in the store
+        self._cleanups: set[asyncio.Task[None]] = set()
 
     # ---- publish --------------------------------------------------------------------------------
     def on_event(self, event: str, row: SandboxRow, extra: dict[str, str]) -> None:
@@ -68,6 +71,16 @@ class PauseHandover:
             task.add_done_callback(lambda t: self._tasks.pop(row.id, None) if self._tasks.get(row.id) is t else None)
         elif event == "resumed":
             self.directory.unpublish_pause(row.id)
+        elif event == "killed" and (uploaded := self._uploaded.pop(row.id, None)):
+            sync = self.orch.sync
+
+            async def delete() -> None:
+                for snapshot_id in uploaded:
+                    await sync.delete(snapshot_id)
+
+            cleanup = asyncio.get_running_loop().create_task(delete(), name=f"aenv-pause-unpublish-{row.id}")
+            self._cleanups.add(cleanup)
+            cleanup.add_done_callback(self._cleanups.discard)
 
     def _still_paused(self, sbx: LiveSandbox, paused_at: float) -> bool:
         return sbx.id in self.orch.table and sbx.state is SandboxState.PAUSED and sbx.row.paused_at == paused_at
@@ -85,12 +98,13 @@ class PauseHandover:
                 snap = await snapshots._snapshot_locked(rt, sbx, None, mode, internal=True)
             await snapshots._settled(snap.id)  # vm: its files are written after the snapshot answered
             await self.orch.sync.publish_now(snap)
+            self._uploaded.setdefault(sandbox_id, []).append(snap.id)
             async with sbx.lock:
                 if not self._still_paused(sbx, paused_at):
                     log.info("sandbox=%s resumed while its pause was published: not recorded", sandbox_id)
                     return
                 published = await asyncio.to_thread(self.directory.publish_pause, sandbox_id, snap.id, carried(sbx.row))
-        except (AenvError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - the pause stands; only its copy elsewhere is missing
             log.warning("sandbox=%s: its pause is not published (another node cannot resume it): %s", sandbox_id, exc)
             return
         if published:
