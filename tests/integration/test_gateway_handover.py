@@ -96,6 +96,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisProc,  
         c.r.close()
 
 
+def test_the_adopt_route_is_authenticated_and_refuses_what_is_not_lost(cluster: Cluster) -> None:
+    url = cluster.url(0) + "/aenv/sandboxes/nosuchsandbox0000000/adopt"
+    assert httpx.post(url, json={}, trust_env=False).status_code == 401
+    got = httpx.post(url, json={}, headers=KEY, trust_env=False)
+    assert got.status_code == 404 and "nosuchsandbox0000000" in got.text
+
+
 @pytest.fixture(scope="module")
 def moved(cluster: Cluster) -> dict[str, Any]:
     """A sandbox with a file and an in-memory process, paused (published), its node killed, then
@@ -111,13 +118,17 @@ def moved(cluster: Cluster) -> dict[str, Any]:
     sbx.commands.run("python3 /tmp/worker.py", background=True)
     wait_for(lambda: sbx.files.exists("/tmp/worker.up"), 30)
     secret = sbx.commands.run(ASK).stdout.strip()
+    t_pause = time.monotonic()
     sbx.pause()
     wait_for(lambda: bool(cluster.r.hget(keys.sandbox_key(sbx.sandbox_id), "paused")), 120)  # the upload finished
     t0 = time.monotonic()
     cluster.kill_node(home)
+    t1 = time.monotonic()
     back = Sandbox.connect(sbx.sandbox_id, timeout=600)
+    t2 = time.monotonic()
     return {"sbx": sbx, "back": back, "home": home, "secret": secret, "running": made.json()["sandboxID"],
-            "resume_s": time.monotonic() - t0}  # fmt: skip
+            "timings": f"pause -> published {t0 - t_pause:.2f}s; node killed -> fenced {t1 - t0:.2f}s; "
+                       f"connect (adopted elsewhere) {t2 - t1:.2f}s; death -> resumed elsewhere {t2 - t0:.2f}s"}
 
 
 def test_a_published_pause_resumes_on_another_node_under_its_id(cluster: Cluster, moved: dict[str, Any]) -> None:
@@ -152,4 +163,4 @@ def test_the_dead_node_back_kills_its_stale_copy(cluster: Cluster, moved: dict[s
     wait_for(lambda: cluster.node_state(f"n{home + 1}") == "up", 30)
     assert cluster.r.hget(keys.sandbox_key(sid), "node") == f"n{2 - home}"
     assert moved["back"].commands.run("cat /home/user/kept.txt").stdout == "the files came along"
-    print(f"death -> resumed elsewhere: {moved['resume_s']:.2f}s")
+    print(moved["timings"])
