@@ -170,8 +170,20 @@ class Gateway:
                 log.info("sandbox=%s lost on node %s: resumed on node %s from its published pause", sandbox_id,
                          down.node.id if down.node else "?", node.id)  # fmt: skip
                 self.created(sandbox_id)
+            elif got.status == 409 and (owner := await self._new_owner(sandbox_id, node)) is not None:
+                return (await self.forwarder.send(request, owner, body)).response()  # adopted there first
             return got.response()
         return _located_error(down, reason)
+
+    async def _new_owner(self, sandbox_id: str, refused: Node) -> Node | None:
+        """After a refused adoption: the live node another connect (through another gateway, say) had it
+        adopted by first, if the directory now binds it to one."""
+        self.locator.forget(sandbox_id)
+        try:
+            owner = await self.locator.owner(sandbox_id)
+        except GatewayError:
+            return None
+        return owner if owner is not refused else None
 
     # ---- every node ---------------------------------------------------------------------------
     async def fan_out(self, request: Request) -> tuple[list[Relayed], list[Node]]:

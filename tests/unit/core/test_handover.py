@@ -53,3 +53,76 @@ async def test_a_resume_withdraws_and_a_files_only_pause_publishes_nothing() -> 
     assert h._tasks == {} and directory.withdrawn == []
     h.on_event("resumed", _row(state=SandboxState.RUNNING), {})
     assert directory.withdrawn == ["sbx1"]
+
+
+class Published(Directory):
+    def __init__(self) -> None:
+        super().__init__()
+        self.published: list[tuple[str, str, dict[str, Any]]] = []
+
+    def publish_pause(self, sandbox_id: str, snapshot_id: str, row: dict[str, Any]) -> bool:
+        self.published.append((sandbox_id, snapshot_id, row))
+        return True
+
+
+def _orch(sbx: Any, upload: Any) -> Any:
+    import asyncio
+
+    class Table:
+        def get(self, sandbox_id: str) -> Any:
+            return sbx
+
+        def __contains__(self, sandbox_id: str) -> bool:
+            return sandbox_id == sbx.id
+
+    async def fork_mode(sandbox_id: str) -> SnapshotMode:
+        return SnapshotMode.FULL
+
+    async def snapshot_locked(rt: Any, s: Any, name: Any, mode: SnapshotMode, *, internal: bool) -> Any:
+        assert internal and s.lock.locked()
+        return SimpleNamespace(id="snap1", mode=mode)
+
+    async def settled(snapshot_id: str) -> None:
+        return None
+
+    snapshots = SimpleNamespace(runtime=SimpleNamespace(fork_mode=fork_mode), _snapshot_locked=snapshot_locked,
+                                _settled=settled)  # fmt: skip
+    sbx.lock = asyncio.Lock()
+    return SimpleNamespace(table=Table(), snapshots=snapshots, sync=SimpleNamespace(publish_now=upload))
+
+
+def _paused_sandbox() -> Any:
+    row = _row(pause_mode=SnapshotMode.FULL, paused_at=5.0, access_token="tok")
+    return SimpleNamespace(id=row.id, row=row, state=SandboxState.PAUSED)
+
+
+async def test_the_binding_says_published_only_after_the_upload() -> None:
+    sbx, directory = _paused_sandbox(), Published()
+
+    async def upload(snap: Any) -> None:
+        assert directory.published == []  # not before the snapshot is in the store
+
+    h = PauseHandover(_orch(sbx, upload), directory)  # type: ignore[arg-type]
+    await h._publish(sbx.id, 5.0)
+    assert [(s, snap, row["access_token"]) for s, snap, row in directory.published] == [("sbx1", "snap1", "tok")]
+    assert h._uploaded == {"sbx1": ["snap1"]}
+
+
+async def test_a_resume_during_the_upload_records_nothing() -> None:
+    sbx, directory = _paused_sandbox(), Published()
+
+    async def upload(snap: Any) -> None:
+        sbx.state, sbx.row.paused_at = SandboxState.RUNNING, None  # resumed meanwhile
+
+    await PauseHandover(_orch(sbx, upload), directory)._publish(sbx.id, 5.0)  # type: ignore[arg-type]
+    assert directory.published == []
+
+
+async def test_a_failed_upload_records_nothing_and_the_pause_stands() -> None:
+    sbx, directory = _paused_sandbox(), Published()
+
+    async def upload(snap: Any) -> None:
+        raise OSError("store unreachable")
+
+    await PauseHandover(_orch(sbx, upload), directory)._publish(sbx.id, 5.0)  # type: ignore[arg-type]
+    assert directory.published == [] and sbx.state is SandboxState.PAUSED

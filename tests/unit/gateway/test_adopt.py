@@ -30,6 +30,8 @@ class Forwarder:
         key = (node.id, path or request.url.path)
         self.sent.append(key)
         answer = self.answers[key]
+        if callable(answer):
+            answer = answer()
         if isinstance(answer, Exception):
             self.nodes.mark_down(node, "refused")
             raise NodeUnreachable(node, answer)
@@ -92,3 +94,17 @@ async def test_a_live_owner_gets_the_connect() -> None:
     gw, fwd = _gateway({("n2", "/sandboxes/sbx1/connect"): (200, ANSWER)}, {"sbx1": "n2", "published:sbx1": "yes"})
     got = await gw.connect(_request("sbx1"), "sbx1")
     assert got.status_code == 200 and fwd.sent == [("n2", "/sandboxes/sbx1/connect")]
+
+
+async def test_an_adoption_another_node_won_is_connected_there() -> None:
+    bindings = {"sbx1": "n1", "published:sbx1": "yes"}
+
+    def lost_the_race() -> tuple[int, Any]:
+        bindings["sbx1"] = "n3"  # another gateway's connect had n3 adopt it a moment earlier
+        return 409, {"message": "sandbox sbx1 cannot be adopted: it is live on node n3"}
+
+    gw, fwd = _gateway({("n2", ADOPT): lost_the_race, ("n3", ADOPT): lost_the_race,
+                        ("n3", "/sandboxes/sbx1/connect"): (200, ANSWER)}, bindings)  # fmt: skip
+    gw.nodes.nodes["n3"].counts = {"running": 10}  # n2 is tried first
+    got = await gw.connect(_request("sbx1"), "sbx1")
+    assert got.status_code == 200 and fwd.sent == [("n2", ADOPT), ("n3", "/sandboxes/sbx1/connect")]
