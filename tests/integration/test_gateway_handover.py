@@ -164,3 +164,15 @@ def test_the_dead_node_back_kills_its_stale_copy(cluster: Cluster, moved: dict[s
     assert cluster.r.hget(keys.sandbox_key(sid), "node") == f"n{2 - home}"
     assert moved["back"].commands.run("cat /home/user/kept.txt").stdout == "the files came along"
     print(moved["timings"])
+
+
+def test_a_kill_of_the_moved_sandbox_takes_its_pause_out_of_the_store(cluster: Cluster, moved: dict[str, Any]) -> None:
+    manifests = cluster.tmp / "store" / "manifests"
+    assert [p.name for p in manifests.iterdir()]  # the published pause
+    other = 1 - moved["home"]
+    listed = httpx.get(cluster.url(other) + "/snapshots", headers=KEY, trust_env=False).json()
+    assert any(s.get("sandboxID") == moved["sbx"].sandbox_id for s in listed), listed
+    moved["back"].kill()
+    wait_for(lambda: not list(manifests.iterdir()), 30)
+    listed = httpx.get(cluster.url(other) + "/snapshots", headers=KEY, trust_env=False).json()
+    assert not any(s.get("sandboxID") == moved["sbx"].sandbox_id for s in listed), listed

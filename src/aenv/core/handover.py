@@ -9,7 +9,8 @@ the same id once its own node is declared dead.
   pause answers as fast as without a cluster; until the upload finished the pause is not published.
   The snapshot is internal (not listed, never a template here), kept while it is the sandbox's lineage
   head; a kill of the sandbox takes the snapshots it published out of the store (those this server
-  process published: a restart forgets them, and the store keeps them).
+  process published: a restart forgets them, and the store keeps them); on an adopting node, also the
+  snapshot it was adopted from (listed there as a snapshot until then).
 * **Withdraw.** A resume here (connect, autoResume) withdraws the published pause: the state it names is
   stale from then on. A publish that finishes after a resume, or after a later pause, records nothing.
 * **Adopt.** ``adopt`` (the gateway's ``connect``/``resume`` of a sandbox lost with its node) fetches the
@@ -22,6 +23,7 @@ the same id once its own node is declared dead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,7 +32,7 @@ from aenv.core import network as net
 from aenv.core.snapshots import result_of
 from aenv.core.table import LiveSandbox
 from aenv.directory.node import NodeDirectory, NotAdoptable, PublishedPause
-from aenv.errors import Conflict, SandboxNotFound, StateError
+from aenv.errors import AenvError, Conflict, SandboxNotFound, StateError
 from aenv.kinds import SandboxState, SnapshotMode
 from aenv.store.sqlite import SandboxRow, now
 
@@ -59,6 +61,7 @@ class PauseHandover:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._adopting: dict[str, asyncio.Lock] = {}
         self._uploaded: dict[str, list[str]] = {}  # sandbox id -> its pause snapshots in the store
+        self._adopted_from: dict[str, str] = {}  # sandbox id -> the fetched snapshot it was adopted from
         self._cleanups: set[asyncio.Task[None]] = set()
 
     # ---- publish --------------------------------------------------------------------------------
@@ -71,12 +74,16 @@ class PauseHandover:
             task.add_done_callback(lambda t: self._tasks.pop(row.id, None) if self._tasks.get(row.id) is t else None)
         elif event == "resumed":
             self.directory.unpublish_pause(row.id)
-        elif event == "killed" and (uploaded := self._uploaded.pop(row.id, None)):
-            sync = self.orch.sync
+        elif event == "killed" and (row.id in self._uploaded or row.id in self._adopted_from):
+            uploaded, adopted_from = self._uploaded.pop(row.id, []), self._adopted_from.pop(row.id, None)
+            orch = self.orch
 
             async def delete() -> None:
+                if adopted_from is not None:  # here, its template and the store's copy: nothing needs them now
+                    with contextlib.suppress(AenvError):
+                        await orch.snapshots.delete(adopted_from)
                 for snapshot_id in uploaded:
-                    await sync.delete(snapshot_id)
+                    await orch.sync.delete(snapshot_id)
 
             cleanup = asyncio.get_running_loop().create_task(delete(), name=f"aenv-pause-unpublish-{row.id}")
             self._cleanups.add(cleanup)
@@ -169,6 +176,7 @@ class PauseHandover:
                                   runtime_state=state.data)  # fmt: skip
         log.info("sandbox=%s adopted from node %s (lost: %s), snapshot=%s mode=%s", sandbox_id, pause.node,
                  pause.reason, snap.id, snap.mode)  # fmt: skip
+        self._adopted_from[sandbox_id] = snap.id
         orch._notify_running(sandbox_id)
         orch._emit("resumed", row)
         return sbx
