@@ -64,10 +64,13 @@ if rec[1] ~= ARGV[2] or rec[2] ~= 'alive' then
 end
 """
 
-# KEYS: node hash, node's sandbox set, sandbox hash. ARGV: node id, incarnation, sandbox id.
+# KEYS: node hash, node's sandbox set, sandbox hash. ARGV: node id, incarnation, sandbox id. A node's own
+# binding bound again (its claim at start) keeps its published pause: the sandbox is still paused here.
 BIND = _FENCE + """
+local b = redis.call('HMGET', KEYS[3], 'node', 'state', 'paused')
 redis.call('DEL', KEYS[3])
 redis.call('HSET', KEYS[3], 'node', ARGV[1], 'incarnation', ARGV[2], 'state', 'live')
+if b[1] == ARGV[1] and b[2] == 'live' and b[3] then redis.call('HSET', KEYS[3], 'paused', b[3]) end
 redis.call('SADD', KEYS[2], ARGV[3])
 redis.call('PUBLISH', 'aenv:events', 'bind ' .. ARGV[3] .. ' ' .. ARGV[1])
 return 1

@@ -222,3 +222,15 @@ def test_the_old_node_back_disowns_what_was_adopted(client: redis.Redis) -> None
     assert back.claim(["sbx1"]) == {"sbx1": "the cluster directory binds it to node n2"}
     back.unbind("sbx1")  # its copy killed: the new binding stays
     assert client.hget(keys.sandbox_key("sbx1"), "node") == "n2"
+
+
+def test_a_restarted_node_keeps_its_published_pauses(client: redis.Redis) -> None:
+    n1 = _node(client, "n1")
+    n1.bind("sbx1")
+    n1.publish_pause("sbx1", "snap1", {})
+    again = _node(client, "n1")  # the server restarted: its claim binds sbx1 again
+    assert again.claim(["sbx1"]) == {}
+    assert client.hget(keys.sandbox_key("sbx1"), "incarnation") == "2"
+    mark_dead(client, "n1", "gone")
+    pause = _node(client, "n2").published_pause("sbx1")
+    assert pause is not None and pause.snapshot_id == "snap1"
