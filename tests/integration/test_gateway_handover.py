@@ -118,15 +118,19 @@ def moved(cluster: Cluster) -> dict[str, Any]:
     sbx.commands.run("python3 /tmp/worker.py", background=True)
     wait_for(lambda: sbx.files.exists("/tmp/worker.up"), 30)
     secret = sbx.commands.run(ASK).stdout.strip()
+    second = httpx.post(cluster.url(home) + "/v2/sandboxes", json={"templateID": "base"}, headers=KEY,
+                        trust_env=False).json()["sandboxID"]  # fmt: skip
+    assert httpx.post(f"{cluster.gw}/sandboxes/{second}/pause", headers=KEY, trust_env=False).status_code == 204
     t_pause = time.monotonic()
     sbx.pause()
-    wait_for(lambda: bool(cluster.r.hget(keys.sandbox_key(sbx.sandbox_id), "paused")), 120)  # the upload finished
+    for sid in (sbx.sandbox_id, second):
+        wait_for(lambda sid=sid: bool(cluster.r.hget(keys.sandbox_key(sid), "paused")), 120)  # the upload finished
     t0 = time.monotonic()
     cluster.kill_node(home)
     t1 = time.monotonic()
     back = Sandbox.connect(sbx.sandbox_id, timeout=600)
     t2 = time.monotonic()
-    return {"sbx": sbx, "back": back, "home": home, "secret": secret, "running": made.json()["sandboxID"],
+    return {"sbx": sbx, "back": back, "home": home, "secret": secret, "running": made.json()["sandboxID"], "second": second,
             "timings": f"pause -> published {t0 - t_pause:.2f}s; node killed -> fenced {t1 - t0:.2f}s; "
                        f"connect (adopted elsewhere) {t2 - t1:.2f}s; death -> resumed elsewhere {t2 - t0:.2f}s"}
 
@@ -146,6 +150,18 @@ def test_a_published_pause_resumes_on_another_node_under_its_id(cluster: Cluster
 @pytest.mark.skipif(not CRIU.usable, reason=f"process snapshots need CRIU >= 4.2 ({CRIU.reason})")
 def test_its_processes_and_their_memory_came_along(moved: dict[str, Any]) -> None:
     assert moved["back"].commands.run(ASK).stdout.strip() == moved["secret"]
+
+
+def test_the_old_resume_route_adopts_too(cluster: Cluster, moved: dict[str, Any]) -> None:
+    got = httpx.post(f"{cluster.gw}/sandboxes/{moved['second']}/resume", json={"timeout": 300}, headers=KEY,
+                     trust_env=False, timeout=120)  # fmt: skip
+    assert got.status_code == 201, got.text
+    assert got.json()["sandboxID"] == moved["second"]
+    assert cluster.r.hget(keys.sandbox_key(moved["second"]), "node") == f"n{2 - moved['home']}"
+    again = httpx.post(f"{cluster.gw}/sandboxes/{moved['second']}/connect", json={"timeout": 300}, headers=KEY,
+                       trust_env=False)  # fmt: skip
+    assert again.status_code == 200  # running on its new node: a plain connect
+    httpx.delete(f"{cluster.gw}/sandboxes/{moved['second']}", headers=KEY, trust_env=False)
 
 
 def test_without_a_published_pause_the_404_names_the_lost_node(cluster: Cluster, moved: dict[str, Any]) -> None:
