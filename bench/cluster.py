@@ -1,5 +1,5 @@
 """``aenv cluster local`` measured: creates/s through the gateway with 1 and with 3 nodes, the time from a
-node's death to its sandboxes reported lost, and what Redis, Ray, the gateway and each node's server
+node's death to its sandboxes reported lost and to its published pause resumed on another node, and what Redis, Ray, the gateway and each node's server
 cost in memory (PSS: shared pages split between the processes that map them, so the sum is honest).
 
 On one 2-core machine every node shares the same CPUs: creates/s with 3 nodes against 1 measures the
@@ -83,7 +83,8 @@ def _creates_per_s(url: str, total: int, workers: int) -> tuple[float, list[floa
 
 
 def cluster_local(ctx: Ctx) -> dict[str, Any]:
-    """1 node, then 3: start, creates/s, footprint; on 3, one node killed and the time to 'lost'."""
+    """1 node, then 3: start, creates/s, footprint; on 3, a node killed (time to "lost"), then another (time
+    until its published pause runs elsewhere)."""
     from aenv.cluster.local import LocalCluster
 
     missing = _missing()
@@ -107,6 +108,8 @@ def cluster_local(ctx: Ctx) -> dict[str, Any]:
                 for role, mb in _footprint(c).items():
                     rows.append(value_row(f"memory (PSS): {role}", f"{ctx.system} cluster", mb, 1, "MB"))
                 rows.append(value_row("node killed → its sandboxes reported lost", system, _death(c), 1, "ms"))
+                rows.append(value_row("node killed → its published pause resumed on another node", system,
+                                      _pause_moves(c), 1, "ms"))  # fmt: skip
         finally:
             c.close()
     notes.append("one 2-core machine: the nodes share its CPUs, so 3 nodes against 1 is routing overhead, not capacity")
@@ -136,6 +139,52 @@ def _death(c: Any) -> float:
             return ms_since(t0)
         time.sleep(0.05)
     raise RuntimeError("the dead node's sandbox was never reported lost")
+
+
+def _on_node(c: Any, node_id: str) -> Any:
+    from e2b import Sandbox
+
+    for _ in range(12):
+        cand = Sandbox.create("base", timeout=300, api_url=c.url, sandbox_url=c.url)
+        node = httpx.get(f"{c.url}/sandboxes/{cand.sandbox_id}", headers=KEY, trust_env=False).headers["x-aenv-node"]
+        if node == node_id:
+            return cand
+        cand.kill()
+    raise RuntimeError(f"no create landed on {node_id}")
+
+
+def _pause_moves(c: Any) -> float:
+    """A sandbox on n2 paused (its pause published), n2 killed: until ``connect`` through the gateway
+    answers from another node (Ray notices the death, the controller fences n2, a live node adopts)."""
+    import redis
+    from e2b import Sandbox
+
+    from aenv.directory import keys
+
+    sbx = _on_node(c, "n2")
+    sbx.pause()
+    r = redis.Redis.from_url(c.redis.url, decode_responses=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not r.hget(keys.sandbox_key(sbx.sandbox_id), "paused"):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the pause was never published")
+            time.sleep(0.05)
+    finally:
+        r.close()
+    t0 = time.perf_counter()
+    c.kill_node(1)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            back = Sandbox.connect(sbx.sandbox_id, api_url=c.url, sandbox_url=c.url)
+        except Exception:  # noqa: BLE001 - 404 node_down until the controller fences the node
+            time.sleep(0.05)
+            continue
+        took = ms_since(t0)
+        back.kill()
+        return took
+    raise RuntimeError("the published pause never resumed on another node")
 
 
 def _missing() -> str | None:

@@ -192,6 +192,10 @@ def test_a_dead_node_is_fenced_named_and_skipped(cluster: Any, spread: list[Any]
     lost = [s for s in spread if _node_of(cluster, s.sandbox_id) == "n2"]
     alive = [s for s in spread if _node_of(cluster, s.sandbox_id) != "n2"]
     assert lost and alive
+    paused = lost[0]  # paused with its pause published (the nodes share a store): it resumes elsewhere
+    paused.files.write("/home/user/kept.txt", "moved")
+    paused.pause()
+    wait_for(lambda: bool(cluster.r.hget(keys.sandbox_key(paused.sandbox_id), "paused")), 120)
     t0 = time.monotonic()
     cluster.kill_node(1)  # n2's Ray processes and its server, SIGKILLed
     wait_for(lambda: cluster.r.hget(keys.node_key("n2"), "status") == "dead", 120)
@@ -213,6 +217,10 @@ def test_a_dead_node_is_fenced_named_and_skipped(cluster: Any, spread: list[Any]
         assert sbx.commands.run("echo still").stdout.strip() == "still"
     r = httpx.get(cluster.url + "/v2/sandboxes", headers=KEY, trust_env=False)
     assert r.status_code == 200 and r.headers["x-aenv-nodes-down"] == "n2"
+    back = Sandbox.connect(paused.sandbox_id, timeout=900)  # adopted by a live node under the same id
+    assert _node_of(cluster, paused.sandbox_id) in {"n1", "n3"}
+    assert back.files.read("/home/user/kept.txt") == "moved"
+    assert back.commands.run("hostname").stdout.strip() == paused.sandbox_id
 
 
 def test_a_partitioned_node_is_fenced_and_on_rejoining_kills_what_it_lost(cluster: Any, spread: list[Any]) -> None:

@@ -20,6 +20,7 @@ from aenv.api.auth import key_digests, require_api_key
 from aenv.api.proxy import SandboxProxy
 from aenv.api.routes_builds import router as builds_router
 from aenv.api.routes_builds import uploads as build_uploads_router
+from aenv.api.routes_cluster import router as cluster_router
 from aenv.api.routes_fleet import router as fleet_router
 from aenv.api.routes_leases import router as leases_router
 from aenv.api.routes_sandboxes import router as sandboxes_router
@@ -91,6 +92,12 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
         repository = _snapshot_repository(settings)
         if repository is not None:
             orch.attach_repository(repository)
+        handover = None
+        if directory is not None and repository is not None and settings.snapshot_store:  # a store shared by nodes
+            from aenv.core.handover import PauseHandover
+
+            handover = PauseHandover(orch, directory)
+            orch.on_event.append(handover.on_event)
         leases = Leases(settings, store, orch.kill_matching)
         orch.on_event.append(leases.on_event)
         runs = RunMetrics(settings.admission_group_key)
@@ -105,6 +112,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
         app.state.webhooks = webhooks
         app.state.leases = leases
         app.state.orchestrator = orch
+        app.state.handover = handover
         app.state.catalog = catalog
         app.state.settings = settings
         app.state.background = set()
@@ -117,6 +125,8 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
                 task.cancel()
             await proxy.aclose()
             await leases.close()
+            if handover is not None:
+                await handover.aclose()
             await orch.close()
             await webhooks.close()
             store.close()
@@ -130,6 +140,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
     api.include_router(build_uploads_router)
     api.include_router(sandboxes_router)
     api.include_router(fleet_router)
+    api.include_router(cluster_router)
     api.include_router(leases_router)
     api.include_router(templates_router)
     api.include_router(snapshots_router)

@@ -164,7 +164,9 @@ class LocalCluster:
         node_dir = str(self.root / "{node}")
         env = {"AENV_RUNTIME": self.runtime, "AENV_STATE_DIR": node_dir + "/state", "AENV_HOST": "{ip}",
                "AENV_PORT": "8000", "AENV_CLUSTER_REDIS": self.redis.url, "AENV_CLUSTER_NODE_ID": "{node}",
-               "AENV_CLUSTER_URL": "http://{ip}:8000", **self.env}  # fmt: skip
+               "AENV_CLUSTER_URL": "http://{ip}:8000",
+               # one store for every node: a snapshot or a published pause runs again on any of them
+               "AENV_SNAPSHOT_STORE": f"file://{self.root / 'snapshot-store'}", **self.env}  # fmt: skip
         env.update({k: v for k, v in os.environ.items() if k in ("PYTHONPATH", "AENV_CACHE_DIR")})
         spec = ServeSpec(node="{node}", argv=[sys.executable, "-m", "aenv.cli.main", "serve"], url="http://{ip}:8000",
                          pidfile=node_dir + "/serve.pid", log=node_dir + "/serve.log", env=env,

@@ -108,6 +108,19 @@ class SnapshotSync:
         self._publish_tasks.add(task)
         task.add_done_callback(self._publish_tasks.discard)
 
+    async def publish_now(self, row: SnapshotRow) -> None:
+        """Upload ``row`` and wait until it is in the repository (a published pause is recorded only
+        then: ``handover.py``). Raises what the upload raised; no retries."""
+        if self.publisher is None:
+            raise StateError("no snapshot repository is configured (snapshot_store)")
+        if self._publish_slots is None:
+            self._publish_slots = asyncio.Semaphore(PUBLISH_CONCURRENCY)
+        async with self._publish_slots:
+            t0 = time.perf_counter()
+            await self.publisher(row)
+        self.ctx.store.update_snapshot(row.id, published=True)
+        log.info("snapshot=%s published in %.2fs", row.id, time.perf_counter() - t0)
+
     # ---- the repository: publish, resume after a crash, fetch back ------------------------------
     def attach_repository(self, repository: Any) -> None:
         """Publish every user snapshot to ``repository`` (an ``aenv.snapshots.SnapshotRepository``)

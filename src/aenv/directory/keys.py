@@ -7,14 +7,17 @@ Keys (one Redis, soft state: nodes re-publish what they hold when they start):
   ``status`` (``alive`` | ``dead``), ``since``, ``reason``;
 - ``aenv:node:<id>:sbx``: set of the sandbox ids bound to the node;
 - ``aenv:sbx:<id>``: hash ``node``, ``incarnation`` (the node's when it bound it), ``state`` (``live`` |
-  ``lost``), ``reason``.
+  ``lost``), ``reason``, and while the sandbox is paused with its state in the snapshot store,
+  ``paused``: JSON (``snapshot``: the published snapshot's id, ``row``: what a node needs to run it
+  again under the same id, its envd token included; ``core/handover.py``).
 
 Every write a node makes runs as one script that first checks the node's record: the incarnation it
 holds must be the current one and the node ``alive``, else the write is refused (``FENCED``). A node
 declared dead, or one replaced by a newer start, therefore cannot bind anything; the controller's
 ``MARK_DEAD`` bumps the incarnation and marks the node's sandboxes lost in the same script. Each script
 publishes on ``aenv:events`` what it changed (``bind <sbx> <node>``, ``unbind <sbx>``, ``lost <sbx>
-<node>``, ``node <id>``), so gateways drop or fill their caches.
+<node>``, ``node <id>``), so gateways drop or fill their caches. ``ADOPT`` moves a lost binding whose
+pause is published to the adopting node, once: it checks the binding is still lost with that snapshot.
 """
 
 from __future__ import annotations
@@ -61,10 +64,13 @@ if rec[1] ~= ARGV[2] or rec[2] ~= 'alive' then
 end
 """
 
-# KEYS: node hash, node's sandbox set, sandbox hash. ARGV: node id, incarnation, sandbox id.
+# KEYS: node hash, node's sandbox set, sandbox hash. ARGV: node id, incarnation, sandbox id. A node's own
+# binding bound again (its claim at start) keeps its published pause: the sandbox is still paused here.
 BIND = _FENCE + """
+local b = redis.call('HMGET', KEYS[3], 'node', 'state', 'paused')
 redis.call('DEL', KEYS[3])
 redis.call('HSET', KEYS[3], 'node', ARGV[1], 'incarnation', ARGV[2], 'state', 'live')
+if b[1] == ARGV[1] and b[2] == 'live' and b[3] then redis.call('HSET', KEYS[3], 'paused', b[3]) end
 redis.call('SADD', KEYS[2], ARGV[3])
 redis.call('PUBLISH', 'aenv:events', 'bind ' .. ARGV[3] .. ' ' .. ARGV[1])
 return 1
@@ -100,4 +106,47 @@ for _, sid in ipairs(redis.call('SMEMBERS', KEYS[2])) do
 end
 redis.call('PUBLISH', 'aenv:events', 'node ' .. ARGV[1])
 return lost
+"""
+
+# Same keys; ARGV: node id, incarnation, sandbox id, the ``paused`` JSON. Only on a live binding to this node.
+PUBLISH_PAUSE = _FENCE + """
+local b = redis.call('HMGET', KEYS[3], 'node', 'state')
+if b[1] ~= ARGV[1] or b[2] ~= 'live' then return 0 end
+redis.call('HSET', KEYS[3], 'paused', ARGV[4])
+return 1
+"""
+
+# Same keys; ARGV: node id, incarnation, sandbox id. The sandbox runs again here: its published pause is stale.
+UNPUBLISH_PAUSE = _FENCE + """
+if redis.call('HGET', KEYS[3], 'node') ~= ARGV[1] then return 0 end
+return redis.call('HDEL', KEYS[3], 'paused')
+"""
+
+# KEYS: the adopting node's hash and sandbox set, the sandbox hash. ARGV: node id, incarnation, sandbox id,
+# the snapshot id the adopter fetched. Returns the ``paused`` JSON it took over (to give back on failure).
+ADOPT = _FENCE + """
+local b = redis.call('HMGET', KEYS[3], 'node', 'state', 'paused')
+if b[2] ~= 'lost' or not b[3] then
+  return redis.error_reply('NOTADOPTABLE sandbox ' .. ARGV[3] .. ' is ' .. tostring(b[2]) .. ' on node '
+    .. tostring(b[1]) .. (b[3] and '' or ', without a published pause'))
+end
+if cjson.decode(b[3])['snapshot'] ~= ARGV[4] then
+  return redis.error_reply('NOTADOPTABLE sandbox ' .. ARGV[3] .. ': its published pause changed')
+end
+redis.call('DEL', KEYS[3])
+redis.call('HSET', KEYS[3], 'node', ARGV[1], 'incarnation', ARGV[2], 'state', 'live', 'reason',
+  'adopted from node ' .. b[1])
+redis.call('SADD', KEYS[2], ARGV[3])
+redis.call('PUBLISH', 'aenv:events', 'bind ' .. ARGV[3] .. ' ' .. ARGV[1])
+return b[3]
+"""
+
+# KEYS: the sandbox hash. ARGV: sandbox id, the node it was lost on, the reason, the ``paused`` JSON. An
+# adoption that failed (its node unbound the id again) puts the lost, published binding back, if none is there.
+GIVE_BACK = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'node', ARGV[2], 'state', 'lost', 'reason', ARGV[3], 'paused', ARGV[4])
+redis.call('EXPIRE', KEYS[1], 86400)
+redis.call('PUBLISH', 'aenv:events', 'lost ' .. ARGV[1] .. ' ' .. ARGV[2])
+return 1
 """

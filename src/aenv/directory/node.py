@@ -9,8 +9,10 @@ fails the create: this node was declared dead or replaced, and must not take san
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -29,6 +31,22 @@ class Fenced(DirectoryError):
     """This node's incarnation is no longer current (declared dead, or started again elsewhere)."""
 
 
+class NotAdoptable(DirectoryError):
+    """The sandbox is not lost with a published pause (any more): another node adopted it, or it never was."""
+
+
+@dataclass(frozen=True)
+class PublishedPause:
+    """A lost sandbox's published pause, as its binding holds it (``keys.PUBLISH_PAUSE``)."""
+
+    sandbox_id: str
+    node: str  # where it was lost
+    reason: str
+    snapshot_id: str
+    row: dict[str, Any]
+    raw: str
+
+
 def connect(url: str) -> redis.Redis:
     """A client for ``redis://HOST:PORT[/DB]`` or ``unix:///path/to.sock``; short timeouts (soft state)."""
     client: redis.Redis = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0,
@@ -39,6 +57,8 @@ def connect(url: str) -> redis.Redis:
 def _translate(exc: redis.RedisError) -> DirectoryError:
     if isinstance(exc, redis.ResponseError) and str(exc).startswith(keys.FENCED):
         return Fenced(str(exc))
+    if isinstance(exc, redis.ResponseError) and str(exc).startswith("NOTADOPTABLE"):
+        return NotAdoptable(str(exc).removeprefix("NOTADOPTABLE "))
     return DirectoryError(f"cluster directory unreachable: {type(exc).__name__}: {exc}")
 
 
@@ -53,6 +73,10 @@ class NodeDirectory:
         self._register = client.register_script(keys.REGISTER)
         self._bind = client.register_script(keys.BIND)
         self._unbind = client.register_script(keys.UNBIND)
+        self._publish = client.register_script(keys.PUBLISH_PAUSE)
+        self._unpublish = client.register_script(keys.UNPUBLISH_PAUSE)
+        self._adopt = client.register_script(keys.ADOPT)
+        self._give_back = client.register_script(keys.GIVE_BACK)
 
     def _keys(self, sandbox_id: str) -> list[str]:
         return [keys.node_key(self.node_id), keys.node_sandboxes_key(self.node_id), keys.sandbox_key(sandbox_id)]
@@ -81,6 +105,47 @@ class NodeDirectory:
             self._run(self._unbind, self._keys(sandbox_id), [self.node_id, self.incarnation, sandbox_id])
         except DirectoryError as exc:
             log.warning("sandbox=%s: binding not removed: %s", sandbox_id, exc)
+
+    def publish_pause(self, sandbox_id: str, snapshot_id: str, row: dict[str, Any]) -> bool:
+        """Record that ``sandbox_id`` is paused with its state in the snapshot store as ``snapshot_id``:
+        another node may run it again under the same id once this one is declared dead. False when the
+        binding is no longer this node's live one."""
+        blob = json.dumps({"snapshot": snapshot_id, "row": row}, separators=(",", ":"))
+        return bool(self._run(self._publish, self._keys(sandbox_id), [self.node_id, self.incarnation, sandbox_id, blob]))
+
+    def unpublish_pause(self, sandbox_id: str) -> None:
+        """The sandbox runs again here: its published pause is stale. Never raises (a fenced node's
+        bindings are lost anyway; an unreachable directory is logged)."""
+        try:
+            self._run(self._unpublish, self._keys(sandbox_id), [self.node_id, self.incarnation, sandbox_id])
+        except DirectoryError as exc:
+            log.warning("sandbox=%s: published pause not withdrawn: %s", sandbox_id, exc)
+
+    def published_pause(self, sandbox_id: str) -> PublishedPause | None:
+        """The published pause of a sandbox lost on a dead node; None if it is not lost or has none."""
+        try:
+            rec = keys.strs(self.client.hgetall(keys.sandbox_key(sandbox_id)))
+        except redis.RedisError as exc:
+            raise _translate(exc) from exc
+        if rec.get("state") != "lost" or not rec.get("paused"):
+            return None
+        paused = json.loads(rec["paused"])
+        return PublishedPause(sandbox_id, rec.get("node", ""), rec.get("reason", ""), str(paused["snapshot"]),
+                              dict(paused.get("row") or {}), rec["paused"])  # fmt: skip
+
+    def adopt(self, pause: PublishedPause) -> None:
+        """Bind the lost sandbox to this node, once (NotAdoptable: another node was first, or it changed)."""
+        self._run(self._adopt, self._keys(pause.sandbox_id),
+                  [self.node_id, self.incarnation, pause.sandbox_id, pause.snapshot_id])  # fmt: skip
+
+    def give_back(self, pause: PublishedPause) -> None:
+        """An adoption failed after ``adopt`` (and the id was unbound again): the binding says lost and
+        published as before, so that another node may try."""
+        try:
+            self._run(self._give_back, [keys.sandbox_key(pause.sandbox_id)],
+                      [pause.sandbox_id, pause.node, pause.reason, pause.raw])  # fmt: skip
+        except DirectoryError as exc:
+            log.warning("sandbox=%s: published pause not given back after a failed adoption: %s", pause.sandbox_id, exc)
 
     def claim(self, sandbox_ids: list[str]) -> dict[str, str]:
         """At start, after ``register``: bind to this incarnation the local sandboxes the directory still

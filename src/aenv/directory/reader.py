@@ -33,6 +33,7 @@ class Binding:
     node: str
     state: str  # live | lost
     reason: str
+    published: bool = False  # paused with its state in the snapshot store: another node may adopt it once lost
 
 
 class DirectoryReader:
@@ -54,7 +55,7 @@ class DirectoryReader:
         rec = keys.strs(await self.client.hgetall(keys.sandbox_key(sandbox_id)))
         if not rec.get("node"):
             return None
-        return Binding(rec["node"], rec.get("state", "live"), rec.get("reason", ""))
+        return Binding(rec["node"], rec.get("state", "live"), rec.get("reason", ""), bool(rec.get("paused")))
 
     async def follow(self, on_event: Callable[[str], Awaitable[None]], on_reconnect: Callable[[], Awaitable[None]]) -> None:
         """Call ``on_event`` with each event line until cancelled; after a lost connection (events may

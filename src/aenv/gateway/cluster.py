@@ -44,6 +44,14 @@ class RedisDirectory:
     async def find_snapshot(self, snapshot_id: str) -> str | None:
         return await self._fallback.find_snapshot(snapshot_id)  # snapshots are not in the directory yet
 
+    async def published(self, sandbox_id: str) -> bool:
+        try:
+            binding = await self._reader.binding(sandbox_id)
+        except (RedisError, OSError) as exc:
+            log.warning("cluster directory unreachable for sandbox=%s (%s): not adopted elsewhere", sandbox_id, exc)
+            return False
+        return binding is not None and binding.state == "lost" and binding.published
+
 
 def apply_records(nodes: NodeSet, records: list[NodeRecord]) -> None:
     """Bring the node set in line with the directory: new nodes added, dead ones fenced, a new

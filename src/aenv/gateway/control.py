@@ -4,7 +4,8 @@
   for capacity (429 ``reason: capacity``: nothing was created), is skipped and the next one tried;
 - every route about one sandbox (``/sandboxes/{id}/…``, ``/v2/sandboxes/{id}/…``: connect, pause, resume,
   timeout, snapshots, fork, rollback, network, metrics, kill) goes to its owner; fork children and
-  snapshots are bound to the node that made them, as the answer names them;
+  snapshots are bound to the node that made them, as the answer names them; a connect or resume of a
+  sandbox lost with its node whose pause was published goes to a live node, which adopts it (same id);
 - lists fan out to every live node and are merged, page by page (``listing.py``); a node that is down
   is skipped and named in ``X-Aenv-Nodes-Down``, never a failure of the whole list;
 - templates: the nodes must share them (the same ``base``, the same builds). Reads are served by one live
@@ -131,6 +132,58 @@ class Gateway:
             return _located_error(exc)
         except NodeUnreachable as exc:
             return _located_error(GatewayError(str(exc), exc.node), reason="node_down")
+
+    async def connect(self, request: Request, sandbox_id: str) -> Response:
+        """connect/resume: to the owner; when it is down and the sandbox's pause is published (its
+        binding says lost and published), on a live node instead, under the same id (``adopt``)."""
+        try:
+            node = await self.locator.owner(sandbox_id)
+            got = await self.forwarder.send(request, node)
+        except OwnerDown as exc:
+            return await self.adopt(request, sandbox_id, exc)
+        except GatewayError as exc:
+            return _located_error(exc)
+        except NodeUnreachable as exc:
+            return await self.adopt(request, sandbox_id, GatewayError(str(exc), exc.node), "node_down")
+        if got.status in (200, 201):
+            self.learn(_parsed(got.body), got.node)  # a connect answer carries the envd token
+        return got.response()
+
+    async def adopt(self, request: Request, sandbox_id: str, down: GatewayError, reason: str | None = None) -> Response:
+        """A sandbox lost with its node, resumed on another from its published pause (the node's
+        ``POST /aenv/sandboxes/{id}/adopt``, which takes the binding over, fenced); else the 404."""
+        if not await self.locator.published(sandbox_id):
+            return _located_error(down, reason)
+        body = await request.body()
+        tried = {down.node.id} if down.node is not None else set()
+        while (node := self.place(tried, None, None)) is not None:
+            node.inflight += 1
+            try:
+                got = await self.forwarder.send(request, node, body, path=f"/aenv/sandboxes/{sandbox_id}/adopt")
+            except NodeUnreachable:
+                tried.add(node.id)
+                continue
+            finally:
+                node.inflight -= 1
+            if got.status in (200, 201):
+                self.learn(_parsed(got.body), node)
+                log.info("sandbox=%s lost on node %s: resumed on node %s from its published pause", sandbox_id,
+                         down.node.id if down.node else "?", node.id)  # fmt: skip
+                self.created(sandbox_id)
+            elif got.status == 409 and (owner := await self._new_owner(sandbox_id, node)) is not None:
+                return (await self.forwarder.send(request, owner, body)).response()  # adopted there first
+            return got.response()
+        return _located_error(down, reason)
+
+    async def _new_owner(self, sandbox_id: str, refused: Node) -> Node | None:
+        """After a refused adoption: the live node another connect (through another gateway, say) had it
+        adopted by first, if the directory now binds it to one."""
+        self.locator.forget(sandbox_id)
+        try:
+            owner = await self.locator.owner(sandbox_id)
+        except GatewayError:
+            return None
+        return owner if owner is not refused else None
 
     # ---- every node ---------------------------------------------------------------------------
     async def fan_out(self, request: Request) -> tuple[list[Relayed], list[Node]]:
@@ -266,10 +319,9 @@ async def snapshot(request: Request, sandbox_id: str) -> Response:
 @router.api_route("/v2/sandboxes/{sandbox_id}/{rest:path}", methods=ALL)
 async def sandbox_scoped(request: Request, sandbox_id: str, rest: str = "") -> Response:
     gw = gateway(request)
-    got = await gw.to_owner(request, sandbox_id)
-    if rest in ("connect", "resume") and isinstance(got, Relayed) and got.status in (200, 201):
-        gw.learn(_parsed(got.body), got.node)  # a connect answer carries the envd token
-    return _relay(got)
+    if rest in ("connect", "resume") and request.method == "POST":
+        return await gw.connect(request, sandbox_id)
+    return _relay(await gw.to_owner(request, sandbox_id))
 
 
 @router.api_route("/snapshots/{snapshot_id}", methods=ALL)

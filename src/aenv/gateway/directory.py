@@ -53,6 +53,7 @@ class Directory(Protocol):
 
     async def find_sandbox(self, sandbox_id: str) -> str | None: ...
     async def find_snapshot(self, snapshot_id: str) -> str | None: ...
+    async def published(self, sandbox_id: str) -> bool: ...
 
 
 class AskNodes:
@@ -86,6 +87,9 @@ class AskNodes:
 
     async def find_snapshot(self, snapshot_id: str) -> str | None:
         return await self._ask(f"/snapshots/{snapshot_id}")
+
+    async def published(self, sandbox_id: str) -> bool:
+        return False  # published pauses live in the cluster directory only
 
 
 class Locator:
@@ -146,6 +150,10 @@ class Locator:
         if not node.up:
             raise OwnerDown(down_message(f"sandbox '{sandbox_id}'", node), node)
         return node
+
+    async def published(self, sandbox_id: str) -> bool:
+        """The sandbox was lost with its node and its pause is published: another node may adopt it."""
+        return await self._directory.published(sandbox_id)
 
     async def snapshot_owner(self, snapshot_id: str) -> Node:
         node_id = self._snapshots.get(snapshot_id) or await self._directory.find_snapshot(snapshot_id)

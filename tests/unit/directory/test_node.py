@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from aenv.directory import keys
-from aenv.directory.node import DirectoryError, Fenced, NodeDirectory, connect, mark_dead
+from aenv.directory.node import DirectoryError, Fenced, NodeDirectory, NotAdoptable, connect, mark_dead
 from aenv.directory.reader import DirectoryReader
 from aenv.kinds import SandboxState
 from aenv.store.sqlite import SandboxRow, Store
@@ -144,3 +144,93 @@ async def test_the_reader_sees_nodes_bindings_and_events(client: redis.Redis, re
         with pytest.raises(asyncio.CancelledError):
             await task
         await reader.aclose()
+
+
+# ---- published pauses (core/handover.py) ---------------------------------------------------------
+def _published(client: redis.Redis) -> tuple[NodeDirectory, NodeDirectory]:
+    """n1 binds sbx1 and publishes its pause; n2 is alive; n1 is declared dead."""
+    n1, n2 = _node(client, "n1"), _node(client, "n2")
+    n1.bind("sbx1")
+    assert n1.publish_pause("sbx1", "snap1", {"access_token": "tok", "cpu_count": 1})
+    mark_dead(client, "n1", "raylet gone")
+    return n1, n2
+
+
+def test_a_published_pause_is_adopted_once_by_a_live_node(client: redis.Redis) -> None:
+    _, n2 = _published(client)
+    pause = n2.published_pause("sbx1")
+    assert pause is not None
+    assert (pause.node, pause.snapshot_id, pause.row, pause.reason) == ("n1", "snap1", {"access_token": "tok",
+                                                                                         "cpu_count": 1}, "raylet gone")
+    n2.adopt(pause)
+    rec = keys.strs(client.hgetall(keys.sandbox_key("sbx1")))
+    assert (rec["node"], rec["state"], rec["incarnation"]) == ("n2", "live", "1") and "paused" not in rec
+    assert client.ttl(keys.sandbox_key("sbx1")) == -1  # a live binding again: no expiry
+    assert client.smembers(keys.node_sandboxes_key("n2")) == {"sbx1"}
+    assert n2.published_pause("sbx1") is None
+    n3 = _node(client, "n3")
+    with pytest.raises(NotAdoptable, match="live on node n2"):
+        n3.adopt(pause)  # a second adopter loses
+
+
+def test_a_live_or_unpublished_binding_is_not_adoptable(client: redis.Redis) -> None:
+    n1, n2 = _node(client, "n1"), _node(client, "n2")
+    n1.bind("sbx1")
+    n1.publish_pause("sbx1", "snap1", {})
+    assert n2.published_pause("sbx1") is None  # its node is alive
+    n1.bind("sbx2")
+    mark_dead(client, "n1", "gone")
+    assert n2.published_pause("sbx2") is None  # lost, nothing published
+
+
+def test_a_resume_withdraws_the_published_pause(client: redis.Redis) -> None:
+    n1, n2 = _node(client, "n1"), _node(client, "n2")
+    n1.bind("sbx1")
+    n1.publish_pause("sbx1", "snap1", {})
+    n1.unpublish_pause("sbx1")
+    mark_dead(client, "n1", "gone")
+    assert n2.published_pause("sbx1") is None
+
+
+def test_only_the_owner_publishes_and_a_fenced_node_cannot(client: redis.Redis) -> None:
+    n1, n2 = _node(client, "n1"), _node(client, "n2")
+    n1.bind("sbx1")
+    assert not n2.publish_pause("sbx1", "snap1", {})  # not n2's binding
+    mark_dead(client, "n1", "gone")
+    with pytest.raises(Fenced):
+        n1.publish_pause("sbx1", "snap1", {})
+
+
+def test_a_failed_adoption_gives_the_binding_back(client: redis.Redis) -> None:
+    _, n2 = _published(client)
+    pause = n2.published_pause("sbx1")
+    assert pause is not None
+    n2.adopt(pause)
+    n2.unbind("sbx1")  # the start failed: the store forgot the row
+    n2.give_back(pause)
+    again = n2.published_pause("sbx1")
+    assert again is not None and again.node == "n1" and again.snapshot_id == "snap1"
+    assert 0 < client.ttl(keys.sandbox_key("sbx1")) <= keys.LOST_TTL
+
+
+def test_the_old_node_back_disowns_what_was_adopted(client: redis.Redis) -> None:
+    _, n2 = _published(client)
+    pause = n2.published_pause("sbx1")
+    assert pause is not None
+    n2.adopt(pause)
+    back = _node(client, "n1")
+    assert back.claim(["sbx1"]) == {"sbx1": "the cluster directory binds it to node n2"}
+    back.unbind("sbx1")  # its copy killed: the new binding stays
+    assert client.hget(keys.sandbox_key("sbx1"), "node") == "n2"
+
+
+def test_a_restarted_node_keeps_its_published_pauses(client: redis.Redis) -> None:
+    n1 = _node(client, "n1")
+    n1.bind("sbx1")
+    n1.publish_pause("sbx1", "snap1", {})
+    again = _node(client, "n1")  # the server restarted: its claim binds sbx1 again
+    assert again.claim(["sbx1"]) == {}
+    assert client.hget(keys.sandbox_key("sbx1"), "incarnation") == "2"
+    mark_dead(client, "n1", "gone")
+    pause = _node(client, "n2").published_pause("sbx1")
+    assert pause is not None and pause.snapshot_id == "snap1"

@@ -19,6 +19,9 @@ class NoDirectory:
     async def find_snapshot(self, snapshot_id: str) -> str | None:
         return None
 
+    async def published(self, sandbox_id: str) -> bool:
+        return False
+
 
 def _rec(node_id: str, status: str = "alive", inc: int = 1, reason: str = "") -> NodeRecord:
     return NodeRecord(node_id, f"http://10.213.0.1{node_id[-1]}:8000", inc, status, 0.0, reason)

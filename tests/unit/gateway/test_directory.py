@@ -26,6 +26,9 @@ class FakeDirectory:
         self.asked.append(snapshot_id)
         return self.bindings.get(snapshot_id)
 
+    async def published(self, sandbox_id: str) -> bool:
+        return self.bindings.get(f"published:{sandbox_id}") == "yes"
+
 
 @pytest.fixture
 def nodes() -> NodeSet:
