@@ -27,6 +27,8 @@ from aenv.gateway.directory import AskNodes, Locator
 from aenv.gateway.forward import Forwarder, NodeBrokeOff
 from aenv.gateway.nodes import Node, NodeSet
 from aenv.gateway.proxy import GatewayProxy
+from aenv.gateway.volumes import content as volume_content_router
+from aenv.gateway.volumes import control as volumes_router
 
 log = logging.getLogger("aenv.gateway")
 
@@ -103,6 +105,8 @@ def create_gateway_app(settings: GatewaySettings) -> Any:
         return JSONResponse({"status": "ok", "version": __version__, "role": "gateway", "nodesUp": len(nodes.up()),
                              "nodes": len(nodes.nodes)})  # fmt: skip
 
+    api.include_router(volumes_router)  # before router: its last route answers 501 for what it does not relay
+    api.include_router(volume_content_router)
     api.include_router(router)
     proxy = GatewayProxy(api, locator, nodes, settings.ws_max_message)  # type: ignore[arg-type]
     gateway.on_created.append(lambda sandbox_id: proxy.pool.prewarm(sandbox_id, ENVD_PORT))

@@ -7,6 +7,8 @@
   snapshots are bound to the node that made them, as the answer names them;
 - lists fan out to every live node and are merged, page by page (``listing.py``); a node that is down
   is skipped and named in ``X-Aenv-Nodes-Down``, never a failure of the whole list;
+- volumes (``volumes.py``): each lives on one node, where its routes go; a create with ``volumeMounts``
+  is placed on the node that holds them;
 - templates: the nodes must share them (the same ``base``, the same builds). Reads are served by one live
   node; a pull (``/aenv/templates/pull``) reaches every live node; builds, deletes and tags are refused
   with a 501 that says to run them on each node;
@@ -34,6 +36,7 @@ from aenv.gateway.directory import GatewayError, Locator, OwnerDown
 from aenv.gateway.forward import Forwarder, NodeUnreachable, Relayed
 from aenv.gateway.listing import Positions, merge_page
 from aenv.gateway.nodes import Node, NodeSet
+from aenv.gateway.volumes import mount_home
 
 log = logging.getLogger("aenv.gateway")
 
@@ -55,7 +58,9 @@ class Gateway:
         self.on_created: list[Callable[[str], None]] = []  # a sandbox made through this gateway (create, fork)
 
     # ---- creates ----------------------------------------------------------------------------
-    def place(self, exclude: set[str], template: str | None, key: str | None) -> Node | None:
+    def place(self, exclude: set[str], template: str | None, key: str | None, pinned: Node | None = None) -> Node | None:
+        if pinned is not None:  # where the create's volumes are: that node or none
+            return pinned if pinned.up and pinned.id not in exclude else None
         candidates = [n for n in self.nodes.up() if n.id not in exclude]
         if not candidates:
             return None
@@ -70,8 +75,11 @@ class Gateway:
         body = await request.body()
         template = _field(body, "templateID")
         key = request.headers.get("idempotency-key")
+        pinned = await mount_home(self, request, body)
+        if isinstance(pinned, Response):
+            return pinned
         tried: set[str] = set()
-        while (node := self.place(tried, template, key)) is not None:
+        while (node := self.place(tried, template, key, pinned)) is not None:
             node.inflight += 1
             try:
                 got = await self.forwarder.send(request, node, body)
@@ -80,11 +88,12 @@ class Gateway:
                 continue
             finally:
                 node.inflight -= 1
-            if got.status == 429 and _field(got.body, "reason") == "capacity" and self.place(tried | {node.id}, None, None):
+            if got.status == 429 and _field(got.body, "reason") == "capacity" and self.place(tried | {node.id}, None, None,
+                                                                                          pinned):
                 log.info("node=%s refused a create for capacity; trying another node", node.id)
                 tried.add(node.id)
                 continue
-            if got.status == 404 and template and self.locator.snapshot_home(template) is None:
+            if got.status == 404 and template and pinned is None and self.locator.snapshot_home(template) is None:
                 # Not a template this node has: a snapshot taken on another node, made before this gateway
                 # relayed it (or before it restarted)? Its node is asked; placement then follows it.
                 home = await self._snapshot_home(template)
