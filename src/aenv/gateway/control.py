@@ -10,8 +10,8 @@
 - volumes (``volumes.py``): each lives on one node, where its routes go; a create with ``volumeMounts``
   is placed on the node that holds them;
 - templates: the nodes must share them (the same ``base``, the same builds). Reads are served by one live
-  node; a pull (``/aenv/templates/pull``) reaches every live node; builds, deletes and tags are refused
-  with a 501 that says to run them on each node;
+  node; a pull (``/aenv/templates/pull``) and a build (``builds.py``: replayed under the same IDs) reach
+  every live node; deletes of shared templates are refused with a 501 that says to run them on each node;
 - what a gateway cannot relay correctly yet (leases, webhooks, the layer cache) is a 501 that says so.
 """
 
@@ -394,8 +394,8 @@ async def template_write(request: Request) -> Response:
 def _template_refusal(request: Request) -> Response:
     urls = " ".join(n.url for n in gateway(request).nodes.nodes.values())
     return error_response(
-        501, "the gateway does not build or delete templates yet (pulls reach every node): its nodes must share "
-             f"them. Run the build against each node (aenv --server URL ...; nodes: {urls})", None, reason="gateway")
+        501, "the gateway does not delete or change templates this way yet (pulls and builds reach every node): "
+             f"run it against each node (aenv --server URL ...; nodes: {urls})", None, reason="gateway")
 
 
 # ---- routes: the gateway itself -------------------------------------------------------------------

@@ -100,13 +100,15 @@ class Forwarder:
 
     async def send(
         self, request: Request, node: Node, body: bytes | None = None, path: str | None = None,
-        query: str | None = None,
+        query: str | None = None, extra: dict[str, str] | None = None,
     ) -> Relayed:  # fmt: skip
-        """``request`` as it came (or with ``body``/``path``/``query`` replaced) to ``node``."""
+        """``request`` as it came (or with ``body``/``path``/``query`` replaced, ``extra`` headers set) to
+        ``node``."""
         content = await request.body() if body is None else body
         scope: dict[str, Any] = dict(request.scope)
-        scope["headers"] = [(k, v) for k, v in scope["headers"] if k not in _FRAMING]
-        scope["headers"].append((b"content-length", b"%d" % len(content)))
+        added = {k.lower().encode(): v.encode() for k, v in (extra or {}).items()}
+        scope["headers"] = [(k, v) for k, v in scope["headers"] if k not in _FRAMING and k not in added]
+        scope["headers"] += [*added.items(), (b"content-length", b"%d" % len(content))]
         if path is not None:
             scope["path"], scope["raw_path"] = path, None
         if query is not None:
