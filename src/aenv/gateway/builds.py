@@ -77,8 +77,9 @@ async def _every_node(request: Request, body: bytes | None = None, **kw: Any) ->
 def _first_refusal(answers: list[Relayed]) -> Response | None:
     for got in answers:
         if got.status >= 300:
-            message = (_json(got) or {}).get("message") if isinstance(_json(got), dict) else None
-            return error_response(got.status, f"node {got.node.id}: {message or got.body[:200]!r}", None,
+            parsed = _json(got)
+            message = parsed.get("message") if isinstance(parsed, dict) else None
+            return error_response(got.status, f"node {got.node.id}: {message or repr(got.body[:200])}", None,
                                   node=got.node.id)  # fmt: skip
     return None
 
