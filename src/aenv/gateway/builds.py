@@ -1,9 +1,11 @@
 """Template builds through the gateway (``Template.build``): the build is replayed on every live node under
 the same template and build IDs, so a create of the template (by name or by ID) may land on any of them.
 
-Replaying is simpler and as correct as building once and copying: the nodes share no template store,
-each build is cached per step on each node, and the gateway keeps no state between the SDK's calls (any
-replica may take any of them):
+Replaying is simpler than building once and copying (the nodes share no template store, each build is
+cached per step on each node, and the gateway keeps no state between the SDK's calls: any replica may
+take any of them). What it gives up: each node runs the steps itself, so a step whose output is not
+deterministic (a timestamp, a download of "latest") may differ between nodes, as two ``docker build``
+runs do.
 
 - ``POST /v3/templates`` goes to one node (placement), then to every other live node with its IDs
   (``X-Aenv-Build-Ids``); nodes that are down are named in ``X-Aenv-Nodes-Down`` and do not get the
