@@ -1,9 +1,10 @@
 """Stage 2 of starting a sandbox: runs as PID 1 of the fresh namespaces, builds the root, execs the agent.
 
 Stage 1 is util-linux ``unshare --fork --pid --mount --uts --ipc --net --propagation private``: a tiny
-C parent that stays behind only to reap us, so the server never has to. This file is executed as a
-*script* by the host interpreter in isolated mode (``python -I -S launcher.py CONFIG_JSON``), so it
-must import nothing but the stdlib. Steps, in the order CRIU and isolation need them:
+C parent that stays behind only to reap us, so the server never has to. This file is imported as a
+module by the host interpreter in isolated mode (``host_argv``: ``python -I -S -c BOOT DIR CONFIG``),
+so it must import nothing but the stdlib, and little of it: every import is paid at every start.
+Steps, in the order CRIU and isolation need them:
 
 1. report our host PID and start time (read through the host's /proc before we mount our own);
 2. join the sandbox cgroups, so every descendant is accounted and limited from the first instant;

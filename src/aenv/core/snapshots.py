@@ -416,11 +416,15 @@ class SnapshotFlows:
 
     def collect_garbage(self) -> None:
         """Remove internal snapshots (fork points, build steps) that no live sandbox and no template
-        needs any more."""
+        needs any more. One still being written is not garbage: nothing points at it *yet* (another
+        build's collection removed a step snapshot mid-capture; a restart discards those that were
+        left half-written: ``discard_unfinished``)."""
         in_use = self.ctx.table.snapshots_in_use() | {
             snapshot_id_of(t) for t in self.store.list_templates() if t.kind is TemplateKind.SNAPSHOT
         }
         for row in self.store.list_snapshots():
+            if row.state == "creating":
+                continue
             if row.internal and row.id not in in_use and not self.children(row.id):
                 self.store.delete_snapshot(row.id)
                 shutil.rmtree(row.dir, ignore_errors=True)
