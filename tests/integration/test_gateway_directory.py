@@ -161,6 +161,9 @@ def test_volumes_through_the_gateway(cluster: Cluster, vols: dict[str, Any]) -> 
         assert Volume.get_info(vol.volume_id).token == vol.token
         got = httpx.get(f"{cluster.gw}/volumes/{vol.volume_id}", headers=KEY, trust_env=False)
         assert got.headers["x-aenv-node"] == node_id
+    big = os.urandom(8 << 20)  # streamed through the gateway both ways
+    vols["n1"].write_file("/big.bin", big)
+    assert vols["n1"].read_file("/big.bin", format="bytes") == big
     assert {v.volume_id for v in Volume.list()} >= {v.volume_id for v in vols.values()}
     for node_id, vol in vols.items():
         with pytest.raises(VolumeException):

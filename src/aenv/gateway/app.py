@@ -29,7 +29,6 @@ from aenv.gateway.directory import AskNodes, Locator
 from aenv.gateway.forward import Forwarder, NodeBrokeOff
 from aenv.gateway.nodes import Node, NodeSet
 from aenv.gateway.proxy import GatewayProxy
-from aenv.gateway.volumes import content as volume_content_router
 from aenv.gateway.volumes import control as volumes_router
 
 log = logging.getLogger("aenv.gateway")
@@ -108,9 +107,9 @@ def create_gateway_app(settings: GatewaySettings) -> Any:
                              "nodes": len(nodes.nodes)})  # fmt: skip
 
     # before router: its template routes are broader, and its last route answers 501 for what it does not relay
-    for extra in (volumes_router, volume_content_router, builds_router, build_uploads_router):
+    for extra in (volumes_router, builds_router, build_uploads_router):
         api.include_router(extra)
     api.include_router(router)
-    proxy = GatewayProxy(api, locator, nodes, settings.ws_max_message)  # type: ignore[arg-type]
+    proxy = GatewayProxy(api, locator, nodes, settings.ws_max_message, forwarder)  # type: ignore[arg-type]
     gateway.on_created.append(lambda sandbox_id: proxy.pool.prewarm(sandbox_id, ENVD_PORT))
     return proxy

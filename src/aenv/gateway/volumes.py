@@ -4,15 +4,15 @@ to that node:
 - ``POST /volumes`` goes to a node chosen by placement (a node that cannot be reached is skipped), or, when
   a node already holds a volume of that name, to that node, which answers the 409 itself; the node binds
   the new volume in the cluster directory (where a name is unique across the nodes, atomically);
-- ``GET``/``DELETE /volumes/{id}`` and the content API (``/volumecontent/{id}/…``, the volume's bearer
-  token, no API key) go to the volume's node; ``GET /volumes`` merges the live nodes' lists and names the
+- ``GET``/``DELETE /volumes/{id}`` and the content API (``/volumecontent/{id}/…``) go to the volume's node; ``GET /volumes`` merges the live nodes' lists and names the
   nodes skipped in ``X-Aenv-Nodes-Down``;
 - a create with ``volumeMounts`` is placed on the node that holds its volumes (``mount_home``): volumes on
   two nodes are a 400 naming them. A volume whose node is down is a 503 naming the node (the volume is
   not lost: its files come back with the node); one no node knows is a 404.
 
-The content API is relayed whole (request and answer in memory, as every control-plane relay): fine
-for the files a volume is used for (datasets, checkpoints of a few hundred MB at most per request).
+The content API (the volume's bearer token, no API key: the node checks it) is relayed as a stream both
+ways, ahead of the routes (``relay_content``, called by ``proxy.GatewayProxy``), so a large file is never
+held whole by the gateway.
 """
 
 from __future__ import annotations
@@ -25,15 +25,16 @@ from fastapi.responses import JSONResponse, Response
 
 from aenv.api.auth import presented_key, require_api_key
 from aenv.api.errors import error_response
-from aenv.gateway.directory import GatewayError, OwnerDown, down_message
-from aenv.gateway.forward import NodeUnreachable
+from aenv.api.proxy.codec import Receive, Scope, Send
+from aenv.api.proxy.routing import respond
+from aenv.gateway.directory import GatewayError, Locator, OwnerDown, down_message
+from aenv.gateway.forward import Forwarder, NodeUnreachable
 from aenv.gateway.nodes import Node
 
 if TYPE_CHECKING:
     from aenv.gateway.control import Gateway
 
 control = APIRouter(dependencies=[Depends(require_api_key)])
-content = APIRouter()  # the node checks each volume's bearer token
 READ_ONLY_SUFFIX = ":ro"  # core.volumes: a plain mount name with it is a read-only mount
 
 
@@ -150,6 +151,16 @@ async def volume_scoped(request: Request, volume_id: str) -> Response:
     return await _to_volume(request, volume_id, f"/volumes/{volume_id}")
 
 
-@content.api_route("/volumecontent/{volume_id}/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
-async def volume_content(request: Request, volume_id: str, rest: str) -> Response:
-    return await _to_volume(request, volume_id, f"/volumecontent/{volume_id}/path?path=/")
+async def relay_content(locator: Locator, forwarder: Forwarder, scope: Scope, receive: Receive, send: Send) -> None:
+    """The content API (``/volumecontent/{id}/…``, ASGI, ahead of the routes): to the volume's node,
+    streamed both ways (files may be large)."""
+    parts = scope["path"].split("/")
+    volume_id = parts[2] if len(parts) > 3 else ""
+    auth = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k in (b"authorization", b"x-api-key")}
+    try:
+        node = await locator.volume_owner(volume_id, f"/volumecontent/{volume_id}/path?path=/", auth)
+    except GatewayError as exc:
+        refused = _error(exc)
+        await respond(send, refused.status_code, bytes(refused.body))
+        return
+    await forwarder.stream(scope, receive, send, node)

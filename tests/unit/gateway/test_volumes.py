@@ -54,6 +54,13 @@ class Recorder:
         data = json.dumps(payload).encode() if payload is not None else b""
         return Relayed(status, [("content-type", "application/json")], data, node)
 
+    async def stream(self, scope: Any, receive: Any, send: Any, node: Node) -> None:
+        self.sent.append((node.id, scope["path"]))
+
+
+async def _no_send(message: Any) -> None:
+    raise AssertionError("the fake stream answers nothing")
+
 
 def _setup(names: dict[str, str], ids: dict[str, str] | None = None,
            answer: tuple[int, Any] = (201, {"sandboxID": "s1"})) -> tuple[Gateway, Recorder]:  # fmt: skip
@@ -117,9 +124,16 @@ async def test_a_new_volume_is_bound_to_its_node_and_its_routes_follow() -> None
     r = await volumes.create_volume(_request(gw, "POST", "/volumes", {"name": "data"}))
     assert r.status_code == 201 and fwd.sent == [("n1", "/volumes")]
     gw.nodes.nodes["n1"].counts = {"running": 9}  # placement would pick another node now: the volume stays
-    fwd.answer = (200, {"type": "file"})
-    r = await volumes.volume_content(_request(gw, "GET", "/volumecontent/v1/path"), "v1", "path")
-    assert r.status_code == 200 and fwd.sent[-1] == ("n1", "/volumecontent/v1/path")
+    req = _request(gw, "GET", "/volumecontent/v1/path")
+    await volumes.relay_content(gw.locator, fwd, req.scope, req.receive, _no_send)  # type: ignore[arg-type]
+    assert fwd.sent[-1] == ("n1", "/volumecontent/v1/path")  # streamed there
+    sent: list[Any] = []
+
+    async def keep(message: Any) -> None:
+        sent.append(message)
+
+    await volumes.relay_content(gw.locator, fwd, {**req.scope, "path": "/volumecontent/v9/file"}, req.receive, keep)
+    assert sent[0]["status"] == 404 and b"volume 'v9' not found" in sent[1]["body"]
 
 
 async def test_a_volume_name_held_on_a_node_sends_its_create_there() -> None:
