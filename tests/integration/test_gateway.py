@@ -4,7 +4,8 @@ pointed at the gateway alone: the fast tier of the many-machines work (no Ray, a
 Creates spread over the nodes, commands, files, PTY and WebSocket go through the gateway, fork lands on
 the source's node, lists merge both nodes, and when a node is killed the list still answers, its
 sandboxes answer a 404/502 naming it, and creates go to the live node; restarted, it takes creates
-again. Which node holds a sandbox is asked of the nodes themselves, never of the gateway.
+again. Which node holds a sandbox is asked of the nodes themselves, never of the gateway; so is which
+node holds a volume (with the client's own key: volumes are scoped to it).
 
 The tests share one cluster and run in file order: the node kill comes last.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 from collections.abc import Iterator
@@ -166,12 +168,54 @@ def test_reaping_by_metadata_reaches_every_node(cluster: Cluster) -> None:
     assert set(r.json()["killed"]) == {s.sandbox_id for s in made} and r.json()["nodesDown"] == []
 
 
-def test_templates_are_read_from_a_node_and_not_built_through_the_gateway(cluster: Cluster) -> None:
+def test_volumes_are_found_on_their_node_without_a_directory(cluster: Cluster) -> None:
+    from e2b import Sandbox, Volume
+    from e2b.exceptions import VolumeException
+
+    made = httpx.post(cluster.url(1) + "/volumes", json={"name": f"st-{secrets.token_hex(3)}"}, headers=KEY,
+                      trust_env=False)  # fmt: skip
+    assert made.status_code == 201, made.text
+    vol = Volume.connect(made.json()["volumeID"])  # made behind the gateway's back: the nodes are asked
+    vol.write_file("/v.txt", "on n2")
+    assert httpx.get(f"{cluster.gw}/volumes/{vol.volume_id}", headers=KEY, trust_env=False).headers["x-aenv-node"] == "n2"
+    assert vol.volume_id in {v.volume_id for v in Volume.list()}
+    with pytest.raises(VolumeException):
+        Volume.create(vol.name)  # sent to the node that has the name: its 409
+    sbx = Sandbox.create("base", timeout=300, volume_mounts={"/v": vol.name})
+    try:
+        assert cluster.node_of(sbx.sandbox_id) == 1
+        assert sbx.commands.run("cat /v/v.txt").stdout == "on n2"
+    finally:
+        sbx.kill()
+    assert Volume.destroy(vol.volume_id) is True
+
+
+def test_a_build_through_the_gateway_reaches_every_node(cluster: Cluster, tmp_path: Path) -> None:
+    """Replayed on each node under the same IDs: a create of it by name or by ID works on either node."""
+    from e2b import Sandbox, Template
+
+    (tmp_path / "f.txt").write_text("copied through the gateway\n")
+    template = (Template(file_context_path=str(tmp_path)).from_template("base").copy("f.txt", "/srv/f.txt")
+                .run_cmd("echo built > /opt/b"))  # fmt: skip
+    name = f"gwb-{secrets.token_hex(3)}"
+    seen: list[str] = []
+    info = Template.build(template, name, cpu_count=1, memory_mb=512, on_build_logs=lambda e: seen.append(str(e)))
+    assert seen and Template.exists(name)
+    for i in (0, 1):
+        for ref in (name, info.template_id):
+            made = httpx.post(cluster.url(i) + "/v2/sandboxes", json={"templateID": ref}, headers=KEY, trust_env=False)
+            assert made.status_code == 201, made.text
+            sbx = Sandbox.connect(made.json()["sandboxID"])
+            try:
+                assert sbx.commands.run("cat /opt/b /srv/f.txt").stdout == "built\ncopied through the gateway\n"
+            finally:
+                sbx.kill()
+
+
+def test_templates_are_read_from_a_node_and_pulled_on_every_node(cluster: Cluster) -> None:
     r = httpx.get(cluster.gw + "/templates", headers=KEY, trust_env=False)
     assert r.status_code == 200 and "base" in {t.get("templateID") for t in r.json()} | {
         a for t in r.json() for a in t.get("aliases", [])}
-    r = httpx.post(cluster.gw + "/v3/templates", json={"alias": "x"}, headers=KEY, trust_env=False)
-    assert r.status_code == 501 and cluster.url(0) in r.json()["message"]
     # a pull reaches every node; an image no node can fetch is an error naming each
     r = httpx.post(cluster.gw + "/aenv/templates/pull", json={"image": "127.0.0.1:1/nothing:here"}, headers=KEY,
                    trust_env=False, timeout=120)  # fmt: skip

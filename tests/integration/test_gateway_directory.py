@@ -4,13 +4,16 @@ mode, with the unmodified E2B SDK: still no Ray (the controller's fence is calle
 Each node binds its sandboxes in Redis in the same step as its own row; the gateway finds nodes and
 bindings there and follows the event stream. A node the directory declares dead gets no creates and its
 sandboxes answer 404 naming it, even though it still answers probes; restarted, it registers a new
-incarnation and kills what the directory no longer binds to it. Tests run in file order.
+incarnation and kills what the directory no longer binds to it. Volumes are bound to their node the same
+way: the SDK's Volume API works through the gateway, a create that mounts volumes lands on their node,
+and a volume on a dead node answers naming it until the node is back. Tests run in file order.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -132,6 +135,59 @@ def test_a_pull_through_the_gateway_reaches_every_node(cluster: Cluster, pushed_
         sbx.kill()
 
 
+@pytest.fixture(scope="module")
+def vols(cluster: Cluster) -> dict[str, Any]:
+    """A volume made through the gateway (wherever placement put it) and one made straight on the other
+    node (the gateway finds it from the node's own binding): node id -> Volume."""
+    from e2b import Volume
+
+    made = Volume.create(f"gw-{secrets.token_hex(3)}")
+    home = cluster.r.hget(keys.volume_key(made.volume_id), "node")
+    other = "n2" if home == "n1" else "n1"
+    direct = httpx.post(cluster.url(int(other[1:]) - 1) + "/volumes", json={"name": f"nd-{secrets.token_hex(3)}"},
+                        headers=KEY, trust_env=False)  # fmt: skip
+    assert direct.status_code == 201, direct.text
+    assert cluster.r.hget(keys.volume_key(direct.json()["volumeID"]), "node") == other
+    return {home: made, other: Volume.connect(direct.json()["volumeID"])}
+
+
+def test_volumes_through_the_gateway(cluster: Cluster, vols: dict[str, Any]) -> None:
+    from e2b import Volume
+    from e2b.exceptions import VolumeException
+
+    for node_id, vol in vols.items():
+        vol.write_file("/hello.txt", f"from {node_id}")
+        assert vol.read_file("/hello.txt") == f"from {node_id}"
+        assert Volume.get_info(vol.volume_id).token == vol.token
+        got = httpx.get(f"{cluster.gw}/volumes/{vol.volume_id}", headers=KEY, trust_env=False)
+        assert got.headers["x-aenv-node"] == node_id
+    big = os.urandom(8 << 20)  # streamed through the gateway both ways
+    vols["n1"].write_file("/big.bin", big)
+    assert vols["n1"].read_file("/big.bin", format="bytes") == big
+    assert {v.volume_id for v in Volume.list()} >= {v.volume_id for v in vols.values()}
+    for node_id, vol in vols.items():
+        with pytest.raises(VolumeException):
+            Volume.create(vol.name)  # a name is unique across the nodes
+        elsewhere = cluster.url(1 if node_id == "n1" else 0)
+        r = httpx.post(elsewhere + "/volumes", json={"name": vol.name}, headers=KEY, trust_env=False)
+        assert r.status_code == 409 and node_id in r.text, r.text  # even sent straight to another node
+
+
+def test_a_create_that_mounts_volumes_lands_on_their_node(cluster: Cluster, vols: dict[str, Any]) -> None:
+    from e2b import Sandbox
+
+    for node_id, vol in vols.items():
+        sbx = Sandbox.create("base", timeout=300, volume_mounts={"/data": vol})
+        try:
+            assert cluster.r.hget(keys.sandbox_key(sbx.sandbox_id), "node") == node_id
+            assert sbx.commands.run("cat /data/hello.txt").stdout == f"from {node_id}"
+        finally:
+            sbx.kill()
+    with pytest.raises(Exception, match="a sandbox mounts volumes of one node") as err:
+        Sandbox.create("base", timeout=300, volume_mounts={"/a": vols["n1"], "/b": vols["n2"]})
+    assert "node n1" in str(err.value) and "node n2" in str(err.value)
+
+
 def test_a_node_declared_dead_gets_no_creates_and_its_sandboxes_name_it(cluster: Cluster, spread: list[Any]) -> None:
     from e2b import Sandbox
 
@@ -157,6 +213,21 @@ def test_a_node_declared_dead_gets_no_creates_and_its_sandboxes_name_it(cluster:
     assert cluster.ids_on(1) == before
 
 
+def test_a_volume_on_a_dead_node_names_it(cluster: Cluster, vols: dict[str, Any]) -> None:
+    from e2b import Sandbox
+
+    vol = vols["n2"]
+    got = httpx.get(f"{cluster.gw}/volumes/{vol.volume_id}", headers=KEY, trust_env=False)
+    assert (got.status_code, got.json()["node"]) == (503, "n2") and "declared dead" in got.json()["message"]
+    with pytest.raises(Exception, match="n2"):
+        vol.read_file("/hello.txt")
+    with pytest.raises(Exception, match="node n2"):
+        Sandbox.create("base", timeout=300, volume_mounts={"/data": vol})
+    listed = httpx.get(f"{cluster.gw}/volumes", headers=KEY, trust_env=False)
+    assert listed.headers["x-aenv-nodes-down"] == "n2"
+    assert vols["n1"].read_file("/hello.txt") == "from n1"
+
+
 def test_a_node_that_comes_back_kills_what_it_no_longer_owns(cluster: Cluster, spread: list[Any]) -> None:
     lost = next(s for s in spread if cluster.r.hget(keys.sandbox_key(s.sandbox_id), "node") == "n2")
     assert lost.sandbox_id in cluster.ids_on(1)
@@ -171,3 +242,9 @@ def test_a_node_that_comes_back_kills_what_it_no_longer_owns(cluster: Cluster, s
     wait_for(lambda: cluster.node_state("n2") == "up", 30)
     got = httpx.get(f"{cluster.gw}/sandboxes/{lost.sandbox_id}", headers=KEY, trust_env=False)
     assert got.status_code == 404
+
+
+def test_a_volume_comes_back_with_its_node(cluster: Cluster, vols: dict[str, Any]) -> None:
+    vol = vols["n2"]
+    assert cluster.r.hget(keys.volume_key(vol.volume_id), "incarnation") == "3"  # claimed by the new start
+    assert vol.read_file("/hello.txt") == "from n2"

@@ -5,6 +5,7 @@ none there): it carries an HMAC of the files hash, signed with a secret of this 
 from __future__ import annotations
 
 import hmac
+import re
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response
@@ -22,6 +23,8 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 uploads = APIRouter()  # signed links, no API key
 
 MAX_UPLOAD_BYTES = 8 << 30
+BUILD_IDS_HEADER = "X-Aenv-Build-Ids"  # "<templateID> <buildID>": a gateway replays one build on each node
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,63}$")
 STATUS_PAGE = 100  # log entries per status call (the SDK keeps polling until none come)
 
 
@@ -54,13 +57,20 @@ class BuildStartBody(_Body):
 
 
 @router.post("/v3/templates", status_code=202)
-async def request_build(body: BuildRequestBody, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
+async def request_build(body: BuildRequestBody, request: Request,
+                        orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:  # fmt: skip
     name = body.name or body.alias
     if not name:
         raise InvalidRequest("name is required")
     if body.minFreeDiskMb is not None:
         raise InvalidRequest("minFreeDiskMb is not supported: a build sandbox gets the server's default disk")
-    rec = orch.request_build(name, list(body.tags or []), body.cpuCount, body.memoryMB)
+    ids = None
+    if raw := request.headers.get(BUILD_IDS_HEADER):
+        parts = raw.split()
+        if len(parts) != 2 or not all(_ID.match(p) for p in parts):
+            raise InvalidRequest(f"{BUILD_IDS_HEADER}: give '<templateID> <buildID>' (letters, digits, '-')")
+        ids = (parts[0], parts[1])
+    rec = orch.request_build(name, list(body.tags or []), body.cpuCount, body.memoryMB, ids)
     return JSONResponse({"templateID": rec.template_id, "buildID": rec.build_id, "public": False,
                          "names": [rec.alias], "aliases": [rec.alias], "tags": rec.tags}, status_code=202)
 

@@ -149,32 +149,42 @@ class TemplateBuilds:
                 await task
 
     # ---- the E2B calls --------------------------------------------------------------------------
-    def request(self, name: str, tags: list[str], cpu_count: int | None, memory_mb: int | None) -> BuildRecord:
+    def request(self, name: str, tags: list[str], cpu_count: int | None, memory_mb: int | None,
+                ids: tuple[str, str] | None = None) -> BuildRecord:  # fmt: skip
         """``POST /v3/templates``: a build of ``name`` (``name:tag``; or the one in progress, shared), for
-        the template of that name: every tag of one name has one template ID, as on E2B."""
+        the template of that name: every tag of one name has one template ID, as on E2B. ``ids``: the
+        template and build IDs to use (a gateway replays one build on every node under the same IDs);
+        a name whose template has another ID here is a Conflict."""
         plain, tag = split_tag(name)
         alias = alias_for(plain, tag)
         active = self._active.get(alias)
         if active is not None:
+            if ids is not None and ids != (active.template_id, active.build_id):
+                raise Conflict(f"another build of '{alias}' is in progress on this node", template=alias)
             return active
         for taken in dict.fromkeys((alias, plain)):
             existing = self.ctx.store.get_template(taken)
             if existing is not None and existing.alias == taken and not existing.config.get("built"):
                 raise Conflict(f"template name '{taken}' belongs to a {existing.kind.value} template; pick another "
                                "name", template=taken)  # fmt: skip
-        rec = BuildRecord(self._template_id_for(plain), str(uuid.uuid4()), alias, list(tags), cpu_count, memory_mb)
+        template_id = self._template_id_for(plain, ids[0] if ids else None)
+        if ids is not None and template_id != ids[0]:
+            raise Conflict(f"template '{plain}' has the ID {template_id} on this node, not {ids[0]}", template=plain)
+        build_id = ids[1] if ids else str(uuid.uuid4())
+        rec = BuildRecord(template_id, build_id, alias, list(tags), cpu_count, memory_mb)
         self._records[rec.build_id] = rec
         self._active[alias] = rec
         self._save(rec)
         return rec
 
-    def _template_id_for(self, plain: str) -> str:
-        """The ID of template ``plain``: its rows', else a build of another of its tags in progress, else new."""
+    def _template_id_for(self, plain: str, new: str | None = None) -> str:
+        """The ID of template ``plain``: its rows', else a build of another of its tags in progress, else
+        ``new`` or a new one."""
         rows = self._rows_named(plain)
         if rows:
             return family_of(rows[0])
         building = (r.template_id for r in self._active.values() if split_tag(r.alias)[0] == plain)
-        return next(building, None) or new_id()
+        return next(building, None) or new or new_id()
 
     def _rows_named(self, name: str) -> list[TemplateRow]:
         """The built rows (one per tag) of the template ``name`` (its name or its ID; ``name:tag`` for the

@@ -570,8 +570,9 @@ class Orchestrator:
         return await self.template_flows.pin_lazy(self.templates.resolve(template), pinned)
 
     # ---- template builds: builds.py -------------------------------------------------------------
-    def request_build(self, name: str, tags: list[str], cpu_count: int | None, memory_mb: int | None) -> BuildRecord:
-        return self.builds.request(name, tags, cpu_count, memory_mb)
+    def request_build(self, name: str, tags: list[str], cpu_count: int | None, memory_mb: int | None,
+                      ids: tuple[str, str] | None = None) -> BuildRecord:  # fmt: skip
+        return self.builds.request(name, tags, cpu_count, memory_mb, ids)
 
     def build_upload_token(self, files_hash: str) -> str:
         """What an upload link for these files carries instead of an API key (an HMAC, per server run)."""

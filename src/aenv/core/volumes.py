@@ -108,7 +108,8 @@ class Volumes:
     # ---- recovery -------------------------------------------------------------------------------
     async def start(self) -> None:
         """After the runtime started (ns: the sandboxes volume is mounted): finish what a crash cut
-        short - a volume still ``creating`` or ``destroying`` is removed, its row last."""
+        short - a volume still ``creating`` or ``destroying`` is removed, its row last; in cluster mode
+        the ready ones are bound to this node's new incarnation."""
         await asyncio.to_thread(self.root.mkdir, parents=True, exist_ok=True)
         for row in self.log.all():
             if row.state != READY:
@@ -118,6 +119,12 @@ class Volumes:
             elif not self.path(row.id).is_dir():
                 log.warning("volume=%s (%s): its directory is missing; made again empty", row.id, row.name)
                 await asyncio.to_thread(self._make_dir, row.id)
+        binder = self.log.store.binder
+        if binder is not None:  # cluster mode: this incarnation holds them (the files are here)
+            ready = [(r.id, r.owner, r.name) for r in self.log.all() if r.state == READY]
+            for vid, why in (await asyncio.to_thread(binder.claim_volumes, ready)).items():
+                log.warning("volume=%s is not bound to this node in the cluster directory (%s): reachable only "
+                            "on this node itself", vid, why)
 
     def _make_dir(self, volume_id: str) -> None:
         self.root.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,13 @@ Keys (one Redis, soft state: nodes re-publish what they hold when they start):
   ``paused``: JSON (``snapshot``: the published snapshot's id, ``row``: what a node needs to run it
   again under the same id, its envd token included; ``core/handover.py``).
 
+  ``lost``), ``reason``;
+- volumes (E2B ``/volumes``: their files are on one node's disk): ``aenv:vol:<id>`` hash ``node``,
+  ``incarnation``, ``owner``, ``name``; ``aenv:node:<id>:vol`` the node's volume ids; ``aenv:volname:<owner>:<name>``
+  the volume id that holds the name (names are unique per owner across the cluster, as on one node).
+  A dead node's volumes stay bound to it (the files are still there, and come back with it): the
+  gateway answers for them naming the node, and the name stays taken.
+
 Every write a node makes runs as one script that first checks the node's record: the incarnation it
 holds must be the current one and the node ``alive``, else the write is refused (``FENCED``). A node
 declared dead, or one replaced by a newer start, therefore cannot bind anything; the controller's
@@ -18,6 +25,8 @@ declared dead, or one replaced by a newer start, therefore cannot bind anything;
 publishes on ``aenv:events`` what it changed (``bind <sbx> <node>``, ``unbind <sbx>``, ``lost <sbx>
 <node>``, ``node <id>``), so gateways drop or fill their caches. ``ADOPT`` moves a lost binding whose
 pause is published to the adopting node, once: it checks the binding is still lost with that snapshot.
+
+<node>``, ``node <id>``, ``vbind <vol> <node>``, ``vunbind <vol>``), so gateways drop or fill their caches.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from typing import Any
 EVENTS = "aenv:events"
 NODES = "aenv:nodes"
 FENCED = "FENCED"
+TAKEN = "TAKEN"  # a volume name held by another volume
 LOST_TTL = 86400  # seconds a lost binding stays to say where its sandbox was lost
 
 
@@ -45,6 +55,18 @@ def node_sandboxes_key(node_id: str) -> str:
 
 def sandbox_key(sandbox_id: str) -> str:
     return f"aenv:sbx:{sandbox_id}"
+
+
+def node_volumes_key(node_id: str) -> str:
+    return f"aenv:node:{node_id}:vol"
+
+
+def volume_key(volume_id: str) -> str:
+    return f"aenv:vol:{volume_id}"
+
+
+def volume_name_key(owner: str, name: str) -> str:
+    return f"aenv:volname:{owner}:{name}"
 
 
 # KEYS: node hash, nodes set. ARGV: node id, url, now. Returns the new incarnation.
@@ -149,4 +171,35 @@ redis.call('HSET', KEYS[1], 'node', ARGV[2], 'state', 'lost', 'reason', ARGV[3],
 redis.call('EXPIRE', KEYS[1], 86400)
 redis.call('PUBLISH', 'aenv:events', 'lost ' .. ARGV[1] .. ' ' .. ARGV[2])
 return 1
+"""
+
+# KEYS: node hash, node's volume set, volume hash, name key. ARGV: node id, incarnation, volume id, owner,
+# name. A name another volume holds is refused (TAKEN), whichever node that volume is on.
+BIND_VOLUME = _FENCE + """
+local held = redis.call('GET', KEYS[4])
+if held and held ~= ARGV[3] then
+  local where = redis.call('HGET', 'aenv:vol:' .. held, 'node')
+  if where then
+    return redis.error_reply('TAKEN a volume named ' .. ARGV[5] .. ' already exists (volume ' .. held
+      .. ' on node ' .. where .. ')')
+  end
+end
+redis.call('DEL', KEYS[3])
+redis.call('HSET', KEYS[3], 'node', ARGV[1], 'incarnation', ARGV[2], 'owner', ARGV[4], 'name', ARGV[5])
+redis.call('SADD', KEYS[2], ARGV[3])
+redis.call('SET', KEYS[4], ARGV[3])
+redis.call('PUBLISH', 'aenv:events', 'vbind ' .. ARGV[3] .. ' ' .. ARGV[1])
+return 1
+"""
+
+# Same keys and arguments: only this node's binding (and the name, if it still names this volume) goes.
+UNBIND_VOLUME = _FENCE + """
+redis.call('SREM', KEYS[2], ARGV[3])
+if redis.call('HGET', KEYS[3], 'node') == ARGV[1] then
+  redis.call('DEL', KEYS[3])
+  if redis.call('GET', KEYS[4]) == ARGV[3] then redis.call('DEL', KEYS[4]) end
+  redis.call('PUBLISH', 'aenv:events', 'vunbind ' .. ARGV[3])
+  return 1
+end
+return 0
 """

@@ -18,7 +18,7 @@ from typing import Any
 import redis
 
 from aenv.directory import keys
-from aenv.errors import StoreError
+from aenv.errors import Conflict, StoreError
 
 log = logging.getLogger("aenv.directory")
 
@@ -54,7 +54,9 @@ def connect(url: str) -> redis.Redis:
     return client
 
 
-def _translate(exc: redis.RedisError) -> DirectoryError:
+def _translate(exc: redis.RedisError) -> DirectoryError | Conflict:
+    if isinstance(exc, redis.ResponseError) and str(exc).startswith(keys.TAKEN):
+        return Conflict(str(exc)[len(keys.TAKEN) + 1:])
     if isinstance(exc, redis.ResponseError) and str(exc).startswith(keys.FENCED):
         return Fenced(str(exc))
     if isinstance(exc, redis.ResponseError) and str(exc).startswith("NOTADOPTABLE"):
@@ -77,6 +79,8 @@ class NodeDirectory:
         self._unpublish = client.register_script(keys.UNPUBLISH_PAUSE)
         self._adopt = client.register_script(keys.ADOPT)
         self._give_back = client.register_script(keys.GIVE_BACK)
+        self._bind_volume = client.register_script(keys.BIND_VOLUME)
+        self._unbind_volume = client.register_script(keys.UNBIND_VOLUME)
 
     def _keys(self, sandbox_id: str) -> list[str]:
         return [keys.node_key(self.node_id), keys.node_sandboxes_key(self.node_id), keys.sandbox_key(sandbox_id)]
@@ -171,6 +175,52 @@ class NodeDirectory:
             raise _translate(exc) from exc
         for sid in stale:  # bound here, gone from this node's store (it crashed between the two)
             self.unbind(sid)
+        return refused
+
+    # ---- volumes: bound like sandboxes, but kept by a node declared dead (their files are its) ------
+    def _volume_keys(self, volume_id: str, owner: str, name: str) -> list[str]:
+        return [keys.node_key(self.node_id), keys.node_volumes_key(self.node_id), keys.volume_key(volume_id),
+                keys.volume_name_key(owner, name)]  # fmt: skip
+
+    def bind_volume(self, volume_id: str, owner: str, name: str) -> None:
+        """Bind a volume to this node, its name to it. Raises Conflict (another volume of ``owner`` holds
+        ``name``, on any node), Fenced or DirectoryError."""
+        self._run(self._bind_volume, self._volume_keys(volume_id, owner, name),
+                  [self.node_id, self.incarnation, volume_id, owner, name])  # fmt: skip
+
+    def unbind_volume(self, volume_id: str, owner: str, name: str) -> None:
+        """Drop this node's binding of a volume it destroyed. Never raises (as ``unbind``)."""
+        try:
+            self._run(self._unbind_volume, self._volume_keys(volume_id, owner, name),
+                      [self.node_id, self.incarnation, volume_id, owner, name])  # fmt: skip
+        except DirectoryError as exc:
+            log.warning("volume=%s: binding not removed: %s", volume_id, exc)
+
+    def claim_volumes(self, volumes: list[tuple[str, str, str]]) -> dict[str, str]:
+        """At start: bind to this incarnation every local volume (``(id, owner, name)``) the directory
+        binds here or not at all (it is soft state: the node publishes what its disk holds); return the
+        others with why. Unlike sandboxes nothing is removed for it: a volume is data, not a process."""
+        refused: dict[str, str] = {}
+        for vid, owner, name in volumes:
+            try:
+                got = self.client.hget(keys.volume_key(vid), "node")
+                where = str(got) if got is not None else None
+            except redis.RedisError as exc:
+                raise _translate(exc) from exc
+            if where not in (None, self.node_id):
+                refused[vid] = f"the cluster directory binds it to node {where}"
+                continue
+            try:
+                self.bind_volume(vid, owner, name)
+            except Conflict as exc:
+                refused[vid] = exc.message
+        try:
+            stale = {str(m) for m in self.client.smembers(keys.node_volumes_key(self.node_id))} - {v[0] for v in volumes}
+            for vid in stale:  # bound here, gone from this node's store
+                rec = keys.strs(self.client.hgetall(keys.volume_key(vid)))
+                self.unbind_volume(vid, rec.get("owner", ""), rec.get("name", ""))
+        except redis.RedisError as exc:
+            raise _translate(exc) from exc
         return refused
 
     def close(self) -> None:

@@ -1,5 +1,5 @@
-"""A gateway's side of the cluster directory (asyncio): the node records, one sandbox's binding, and the
-event stream the gateway's caches follow.
+"""A gateway's side of the cluster directory (asyncio): the node records, one sandbox's (or volume's)
+binding, and the event stream the gateway's caches follow.
 """
 
 from __future__ import annotations
@@ -56,6 +56,17 @@ class DirectoryReader:
         if not rec.get("node"):
             return None
         return Binding(rec["node"], rec.get("state", "live"), rec.get("reason", ""), bool(rec.get("paused")))
+
+    async def volume_node(self, volume_id: str) -> str | None:
+        """The node a volume is bound to (whatever that node's state), or None."""
+        node = await self.client.hget(keys.volume_key(volume_id), "node")
+        return str(node) if node else None
+
+    async def volume_named(self, owner: str, name: str) -> tuple[str, str] | None:
+        """``(volume id, node)`` of the volume of ``owner`` that holds ``name``, or None."""
+        vid = await self.client.get(keys.volume_name_key(owner, name))
+        node = await self.volume_node(str(vid)) if vid else None
+        return (str(vid), node) if node else None
 
     async def follow(self, on_event: Callable[[str], Awaitable[None]], on_reconnect: Callable[[], Awaitable[None]]) -> None:
         """Call ``on_event`` with each event line until cancelled; after a lost connection (events may

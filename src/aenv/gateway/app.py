@@ -22,11 +22,14 @@ from aenv.api import errors
 from aenv.api.auth import key_digests
 from aenv.api.errors import error_response
 from aenv.api.proxy.routing import ENVD_PORT
+from aenv.gateway.builds import router as builds_router
+from aenv.gateway.builds import uploads as build_uploads_router
 from aenv.gateway.control import Gateway, router
 from aenv.gateway.directory import AskNodes, Locator
 from aenv.gateway.forward import Forwarder, NodeBrokeOff
 from aenv.gateway.nodes import Node, NodeSet
 from aenv.gateway.proxy import GatewayProxy
+from aenv.gateway.volumes import control as volumes_router
 
 log = logging.getLogger("aenv.gateway")
 
@@ -103,7 +106,10 @@ def create_gateway_app(settings: GatewaySettings) -> Any:
         return JSONResponse({"status": "ok", "version": __version__, "role": "gateway", "nodesUp": len(nodes.up()),
                              "nodes": len(nodes.nodes)})  # fmt: skip
 
+    # before router: its template routes are broader, and its last route answers 501 for what it does not relay
+    for extra in (volumes_router, builds_router, build_uploads_router):
+        api.include_router(extra)
     api.include_router(router)
-    proxy = GatewayProxy(api, locator, nodes, settings.ws_max_message)  # type: ignore[arg-type]
+    proxy = GatewayProxy(api, locator, nodes, settings.ws_max_message, forwarder)  # type: ignore[arg-type]
     gateway.on_created.append(lambda sandbox_id: proxy.pool.prewarm(sandbox_id, ENVD_PORT))
     return proxy

@@ -6,7 +6,10 @@
   incarnation (the node registered again) does;
 - bindings: a lookup the cache misses reads ``aenv:sbx:<id>`` (the owning node wrote it before it
   answered the create); when Redis cannot be reached the gateway asks the live nodes, as without one;
-- the cache follows the event stream: ``unbind``/``lost`` drop an entry, ``bind`` fills it; after a
+- volumes: ``aenv:vol:<id>`` and, for a create's ``volumeMounts``, ``aenv:volname:<owner>:<name>`` (the
+  owner is the sha256 of the API key, as a node computes it); a volume stays bound to a dead node;
+- the cache follows the event stream: ``unbind``/``lost`` drop an entry, ``bind`` fills it (``vunbind``,
+  ``vbind`` for volumes); after a
   lost connection to Redis the whole cache is dropped (events may have been missed).
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 
@@ -51,6 +55,22 @@ class RedisDirectory:
             log.warning("cluster directory unreachable for sandbox=%s (%s): not adopted elsewhere", sandbox_id, exc)
             return False
         return binding is not None and binding.state == "lost" and binding.published
+
+    async def find_volume(self, volume_id: str, path: str, headers: dict[str, str]) -> str | None:
+        try:
+            return await self._reader.volume_node(volume_id)
+        except (RedisError, OSError) as exc:
+            log.warning("cluster directory unreachable for volume=%s (%s): asking the nodes", volume_id, exc)
+            return await self._fallback.find_volume(volume_id, path, headers)
+
+    async def find_volume_named(self, name: str, api_key: str | None, headers: dict[str, str]) -> str | None:
+        owner = hashlib.sha256(api_key.encode()).hexdigest() if api_key else ""  # core.admission.owner_of
+        try:
+            found = await self._reader.volume_named(owner, name)
+        except (RedisError, OSError) as exc:
+            log.warning("cluster directory unreachable for volume name %s (%s): asking the nodes", name, exc)
+            return await self._fallback.find_volume_named(name, api_key, headers)
+        return found[1] if found else None
 
 
 def apply_records(nodes: NodeSet, records: list[NodeRecord]) -> None:
@@ -101,6 +121,10 @@ class Follower:
             self._locator.forget(args[0])
         elif kind == "bind" and len(args) == 2:
             self._locator.remember(args[0], args[1])
+        elif kind == "vunbind" and args:
+            self._locator.forget_volume(args[0])
+        elif kind == "vbind" and len(args) == 2:
+            self._locator.remember_volume(args[0], args[1])
         elif kind == "node":
             await self.refresh()
 

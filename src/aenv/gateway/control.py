@@ -8,9 +8,11 @@
   sandbox lost with its node whose pause was published goes to a live node, which adopts it (same id);
 - lists fan out to every live node and are merged, page by page (``listing.py``); a node that is down
   is skipped and named in ``X-Aenv-Nodes-Down``, never a failure of the whole list;
+- volumes (``volumes.py``): each lives on one node, where its routes go; a create with ``volumeMounts``
+  is placed on the node that holds them;
 - templates: the nodes must share them (the same ``base``, the same builds). Reads are served by one live
-  node; a pull (``/aenv/templates/pull``) reaches every live node; builds, deletes and tags are refused
-  with a 501 that says to run them on each node;
+  node; a pull (``/aenv/templates/pull``) and a build (``builds.py``: replayed under the same IDs) reach
+  every live node; deletes of shared templates are refused with a 501 that says to run them on each node;
 - what a gateway cannot relay correctly yet (leases, webhooks, the layer cache) is a 501 that says so.
 """
 
@@ -35,6 +37,7 @@ from aenv.gateway.directory import GatewayError, Locator, OwnerDown
 from aenv.gateway.forward import Forwarder, NodeUnreachable, Relayed
 from aenv.gateway.listing import Positions, merge_page
 from aenv.gateway.nodes import Node, NodeSet
+from aenv.gateway.volumes import mount_home
 
 log = logging.getLogger("aenv.gateway")
 
@@ -56,7 +59,9 @@ class Gateway:
         self.on_created: list[Callable[[str], None]] = []  # a sandbox made through this gateway (create, fork)
 
     # ---- creates ----------------------------------------------------------------------------
-    def place(self, exclude: set[str], template: str | None, key: str | None) -> Node | None:
+    def place(self, exclude: set[str], template: str | None, key: str | None, pinned: Node | None = None) -> Node | None:
+        if pinned is not None:  # where the create's volumes are: that node or none
+            return pinned if pinned.up and pinned.id not in exclude else None
         candidates = [n for n in self.nodes.up() if n.id not in exclude]
         if not candidates:
             return None
@@ -71,8 +76,11 @@ class Gateway:
         body = await request.body()
         template = _field(body, "templateID")
         key = request.headers.get("idempotency-key")
+        pinned = await mount_home(self, request, body)
+        if isinstance(pinned, Response):
+            return pinned
         tried: set[str] = set()
-        while (node := self.place(tried, template, key)) is not None:
+        while (node := self.place(tried, template, key, pinned)) is not None:
             node.inflight += 1
             try:
                 got = await self.forwarder.send(request, node, body)
@@ -81,11 +89,12 @@ class Gateway:
                 continue
             finally:
                 node.inflight -= 1
-            if got.status == 429 and _field(got.body, "reason") == "capacity" and self.place(tried | {node.id}, None, None):
+            if got.status == 429 and _field(got.body, "reason") == "capacity" and self.place(tried | {node.id}, None, None,
+                                                                                          pinned):
                 log.info("node=%s refused a create for capacity; trying another node", node.id)
                 tried.add(node.id)
                 continue
-            if got.status == 404 and template and self.locator.snapshot_home(template) is None:
+            if got.status == 404 and template and pinned is None and self.locator.snapshot_home(template) is None:
                 # Not a template this node has: a snapshot taken on another node, made before this gateway
                 # relayed it (or before it restarted)? Its node is asked; placement then follows it.
                 home = await self._snapshot_home(template)
@@ -437,8 +446,8 @@ async def template_write(request: Request) -> Response:
 def _template_refusal(request: Request) -> Response:
     urls = " ".join(n.url for n in gateway(request).nodes.nodes.values())
     return error_response(
-        501, "the gateway does not build or delete templates yet (pulls reach every node): its nodes must share "
-             f"them. Run the build against each node (aenv --server URL ...; nodes: {urls})", None, reason="gateway")
+        501, "the gateway does not delete or change templates this way yet (pulls and builds reach every node): "
+             f"run it against each node (aenv --server URL ...; nodes: {urls})", None, reason="gateway")
 
 
 # ---- routes: the gateway itself -------------------------------------------------------------------

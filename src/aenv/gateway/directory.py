@@ -1,9 +1,12 @@
-"""Which node owns a sandbox (or a snapshot): an in-memory cache in front of a ``Directory``.
+"""Which node owns a sandbox (or a snapshot, or a volume): an in-memory cache in front of a ``Directory``.
 
 The cache is filled from the answers the gateway relays (create, fork, snapshot) and, on a miss, from
 the directory. ``AskNodes`` (a static node list) has no state of its own: it asks every live node for the
 ID and takes the one that knows it. ``cluster.RedisDirectory`` reads the bindings the owning nodes wrote
 themselves, and its follower keeps this cache in line with the directory's events.
+
+Volumes are scoped to the API key that made them (and their content API to each volume's token), so
+``AskNodes`` asks the nodes about a volume with the client's own credentials.
 
 Errors (``OwnerUnknown``, ``OwnerDown``) are the gateway's own: the sandbox is on no live node, or on
 one that is down. Both reach clients as 404s (control plane) or E2B's 502 (proxy) naming the node.
@@ -54,6 +57,10 @@ class Directory(Protocol):
     async def find_sandbox(self, sandbox_id: str) -> str | None: ...
     async def find_snapshot(self, snapshot_id: str) -> str | None: ...
     async def published(self, sandbox_id: str) -> bool: ...
+    # ``path``: what a node answers 200 to when it holds the volume, asked with the client's ``headers``
+    async def find_volume(self, volume_id: str, path: str, headers: dict[str, str]) -> str | None: ...
+    # the node of the volume ``api_key``'s owner named ``name``
+    async def find_volume_named(self, name: str, api_key: str | None, headers: dict[str, str]) -> str | None: ...
 
 
 class AskNodes:
@@ -66,10 +73,10 @@ class AskNodes:
         self._client = client
         self._headers = {"X-API-KEY": key} if key else {}
 
-    async def _ask(self, path: str) -> str | None:
+    async def _ask(self, path: str, headers: dict[str, str] | None = None) -> str | None:
         async def one(node: Node) -> tuple[int, str] | None:
             try:
-                r = await self._client.get(node.url + path, headers=self._headers, timeout=5.0)
+                r = await self._client.get(node.url + path, headers=headers or self._headers, timeout=5.0)
             except httpx.TransportError as exc:
                 self._nodes.mark_down(node, f"{type(exc).__name__}: {exc}")
                 return None
@@ -91,6 +98,22 @@ class AskNodes:
     async def published(self, sandbox_id: str) -> bool:
         return False  # published pauses live in the cluster directory only
 
+    async def find_volume(self, volume_id: str, path: str, headers: dict[str, str]) -> str | None:
+        return await self._ask(path, headers)
+
+    async def find_volume_named(self, name: str, api_key: str | None, headers: dict[str, str]) -> str | None:
+        async def one(node: Node) -> str | None:
+            try:
+                r = await self._client.get(node.url + "/volumes", headers=headers, timeout=5.0)
+            except httpx.TransportError as exc:
+                self._nodes.mark_down(node, f"{type(exc).__name__}: {exc}")
+                return None
+            listed = r.json() if r.status_code == 200 else []
+            return node.id if any(isinstance(v, dict) and v.get("name") == name for v in listed) else None
+
+        found = [f for f in await asyncio.gather(*(one(n) for n in self._nodes.up())) if f is not None]
+        return found[0] if found else None
+
 
 class Locator:
     """The binding cache and the answers built on it."""
@@ -101,6 +124,7 @@ class Locator:
         self._sandboxes: OrderedDict[str, str] = OrderedDict()
         self._snapshots: OrderedDict[str, str] = OrderedDict()
         self._tokens: OrderedDict[str, str] = OrderedDict()  # envd access tokens the relayed answers carried
+        self._volumes: OrderedDict[str, str] = OrderedDict()
         self._max = max_cached
 
     def remember(self, sandbox_id: str, node_id: str) -> None:
@@ -111,6 +135,25 @@ class Locator:
 
     def forget_all(self) -> None:
         self._sandboxes.clear()
+        self._volumes.clear()
+
+    def remember_volume(self, volume_id: str, node_id: str) -> None:
+        _put(self._volumes, volume_id, node_id, self._max)
+
+    def forget_volume(self, volume_id: str) -> None:
+        self._volumes.pop(volume_id, None)
+
+    async def volume_owner(self, volume_id: str, path: str, headers: dict[str, str]) -> Node:
+        """The live node that holds ``volume_id`` (``path``/``headers``: see ``Directory.find_volume``).
+        Raises OwnerDown or OwnerUnknown."""
+        node_id = self._volumes.get(volume_id) or await self._directory.find_volume(volume_id, path, headers)
+        return self._bound(self._volumes, "volume", volume_id, node_id)
+
+    async def volume_home(self, name: str, api_key: str | None, headers: dict[str, str]) -> Node | None:
+        """The node that holds the volume named ``name`` (of ``api_key``'s owner), up or down; None when
+        no node is known to."""
+        node_id = await self._directory.find_volume_named(name, api_key, headers)
+        return self.nodes.get(node_id) if node_id is not None else None
 
     def remember_token(self, sandbox_id: str, token: str) -> None:
         _put(self._tokens, sandbox_id, token, self._max)
@@ -157,12 +200,16 @@ class Locator:
 
     async def snapshot_owner(self, snapshot_id: str) -> Node:
         node_id = self._snapshots.get(snapshot_id) or await self._directory.find_snapshot(snapshot_id)
+        return self._bound(self._snapshots, "snapshot", snapshot_id, node_id)
+
+    def _bound(self, cache: OrderedDict[str, str], what: str, key: str, node_id: str | None) -> Node:
+        """The node ``key`` is bound to, remembered in ``cache``. Raises OwnerDown or OwnerUnknown."""
         node = self.nodes.get(node_id) if node_id is not None else None
         if node is None:
-            raise OwnerUnknown(f"snapshot '{snapshot_id}' not found on any live node{self._down_note()}")
-        self.remember_snapshot(snapshot_id, node.id)
+            raise OwnerUnknown(f"{what} '{key}' not found on any live node{self._down_note()}")
+        _put(cache, key, node.id, self._max)
         if not node.up:
-            raise OwnerDown(down_message(f"snapshot '{snapshot_id}'", node), node)
+            raise OwnerDown(down_message(f"{what} '{key}'", node), node)
         return node
 
     def _down_note(self) -> str:

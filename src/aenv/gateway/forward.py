@@ -9,7 +9,8 @@ gateway reads create and fork answers anyway, to learn the IDs. Headers pass unc
 A node that cannot be connected to is marked down here (``NodeUnreachable``); the caller decides whether
 another node may take the request instead (a create may; a request about a sandbox may not). A kept-alive
 connection that the node closed while idle is replaced and the request sent again, since nothing of it
-reached the node.
+reached the node. ``stream`` relays a request whose bodies may be large (the volume content API) as the
+proxy does, both ways as they come, on a fresh connection.
 """
 
 from __future__ import annotations
@@ -20,8 +21,17 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from aenv.api.proxy.codec import Message, request_head
-from aenv.api.proxy.relay import _Exchange, _NoResponse, read_response_head, relay_body
+from aenv.api.proxy.codec import Message, Receive, Send, request_head
+from aenv.api.proxy.relay import (
+    _Exchange,
+    _NoResponse,
+    _pump_and_watch,
+    _relay_response,
+    read_response_head,
+    relay_body,
+    start_request,
+)
+from aenv.api.proxy.routing import json_error, respond
 from aenv.gateway.nodes import Node, NodeSet
 from aenv.mux import ByteStream, MuxError
 from aenv.mux.direct import open_tcp
@@ -100,13 +110,15 @@ class Forwarder:
 
     async def send(
         self, request: Request, node: Node, body: bytes | None = None, path: str | None = None,
-        query: str | None = None,
+        query: str | None = None, extra: dict[str, str] | None = None,
     ) -> Relayed:  # fmt: skip
-        """``request`` as it came (or with ``body``/``path``/``query`` replaced) to ``node``."""
+        """``request`` as it came (or with ``body``/``path``/``query`` replaced, ``extra`` headers set) to
+        ``node``."""
         content = await request.body() if body is None else body
         scope: dict[str, Any] = dict(request.scope)
-        scope["headers"] = [(k, v) for k, v in scope["headers"] if k not in _FRAMING]
-        scope["headers"].append((b"content-length", b"%d" % len(content)))
+        added = {k.lower().encode(): v.encode() for k, v in (extra or {}).items()}
+        scope["headers"] = [(k, v) for k, v in scope["headers"] if k not in _FRAMING and k not in added]
+        scope["headers"] += [*added.items(), (b"content-length", b"%d" % len(content))]
         if path is not None:
             scope["path"], scope["raw_path"] = path, None
         if query is not None:
@@ -129,6 +141,38 @@ class Forwarder:
         except Exception as exc:  # noqa: BLE001 - whatever broke the answer, the client hears which node
             self.nodes.mark_down(node, f"broke off an answer: {type(exc).__name__}: {exc}")
             raise NodeBrokeOff(node, exc) from exc
+
+    async def stream(self, scope: dict[str, Any], receive: Receive, send: Send, node: Node) -> None:
+        """``scope``'s request to ``node``, its body pumped up and the answer relayed down as they come
+        (never held whole). A node that cannot be reached is a 503 naming it; one that breaks off before
+        its answer began, a 502."""
+        started = await start_request(scope, receive)
+        if started is None:
+            return
+        head, framing, more_body = started
+        try:
+            stream, _ = await self._acquire(node, fresh=True)
+        except NodeUnreachable as exc:
+            await respond(send, *json_error(503, {"code": 503, "message": str(exc), "reason": "node_down",
+                                                  "node": node.id}))  # fmt: skip
+            return
+        ex = _Exchange(stream, body_sent=not more_body)
+        helper: asyncio.Task[None] | None = None
+        try:
+            await stream.write(head)
+            helper = asyncio.create_task(_pump_and_watch(receive, framing == "chunked", more_body, ex))
+            await _relay_response(scope["method"], send, stream, ex)
+        except Exception as exc:  # noqa: BLE001 - the client hears which node, or its connection drops mid-answer
+            ex.finished = True
+            if not (ex.gone or ex.started):
+                self.nodes.mark_down(node, f"broke off an answer: {type(exc).__name__}: {exc}")
+                await respond(send, *json_error(502, {"code": 502, "message": str(NodeBrokeOff(node, exc)),
+                                                      "reason": "node_failed", "node": node.id}))  # fmt: skip
+        finally:
+            if helper is not None:
+                helper.cancel()
+            ex.finished = True
+            await stream.aclose()
 
     async def _exchange(self, method: str, node: Node, stream: ByteStream, data: bytes) -> Relayed:
         ex = _Exchange(stream, body_sent=True)

@@ -18,7 +18,9 @@ from aenv.api.proxy.pool import UpstreamPool
 from aenv.api.proxy.routing import json_error, respond, route, route_signed_files_url, sandbox_error
 from aenv.api.proxy.websocket import deny
 from aenv.gateway.directory import GatewayError, Locator
+from aenv.gateway.forward import Forwarder
 from aenv.gateway.nodes import NodeSet
+from aenv.gateway.volumes import relay_content
 from aenv.mux import ByteStream
 from aenv.mux.direct import open_tcp
 
@@ -70,12 +72,14 @@ class _NodePool(UpstreamPool):
 class GatewayProxy(SandboxProxy):
     """ASGI middleware in front of the gateway's control plane."""
 
-    def __init__(self, app: ASGIApp, locator: Locator, nodes: NodeSet, ws_max_message: int) -> None:
+    def __init__(self, app: ASGIApp, locator: Locator, nodes: NodeSet, ws_max_message: int,
+                 forwarder: Forwarder | None = None) -> None:  # fmt: skip
         opener = _ToNode(locator, nodes)
         # The base class asks its getter only for open_stream once __call__ and _ingress are replaced.
         super().__init__(app, lambda: opener, ws_max_message)  # type: ignore[arg-type,return-value]
         self.pool = _NodePool(opener, locator)
         self._locator = locator
+        self._forwarder = forwarder  # for the volume content API, streamed to the volume's node
 
     def prewarm(self, sandbox_id: str) -> None:  # the node prewarms its own stream into the sandbox
         return None
@@ -86,6 +90,9 @@ class GatewayProxy(SandboxProxy):
         if target is None and kind == "http":
             target = route_signed_files_url(scope, lambda: self._locator)
         if target is None:
+            if kind == "http" and self._forwarder is not None and scope["path"].startswith("/volumecontent/"):
+                await relay_content(self._locator, self._forwarder, scope, receive, send)
+                return
             if kind == "http" and scope["path"] == "/files":
                 message = ("invalid or missing file URL signature (through the gateway, a URL that names no sandbox "
                            "is known only for sandboxes whose create or connect went through this gateway)")

@@ -288,6 +288,9 @@ class Binder(Protocol):
     def bind(self, sandbox_id: str) -> None: ...
     def unbind(self, sandbox_id: str) -> None: ...
     def claim(self, sandbox_ids: list[str]) -> dict[str, str]: ...  # at start: those no longer this node's
+    def bind_volume(self, volume_id: str, owner: str, name: str) -> None: ...  # may refuse: Conflict, fenced
+    def unbind_volume(self, volume_id: str, owner: str, name: str) -> None: ...
+    def claim_volumes(self, volumes: list[tuple[str, str, str]]) -> dict[str, str]: ...  # (id, owner, name)
 
 
 class Store:

@@ -2,7 +2,9 @@
 the volume's directory is made and marked ``destroying`` before it is removed, so a restart (even
 after kill -9) finishes what was cut short: ``ready`` rows are the volumes, the others are cleaned up.
 Names are unique per owner (the API key's owner), as E2B's are per team. The table is in
-``sqlite.py``'s schema."""
+``sqlite.py``'s schema. In cluster mode (the store's ``binder``) a volume is bound in the cluster
+directory before its row is written (there a name is unique across the nodes) and unbound after its row
+is deleted, as sandboxes are."""
 
 from __future__ import annotations
 
@@ -31,15 +33,22 @@ class VolumeLog:
         self.store = store
 
     def put(self, row: VolumeRow) -> None:
-        """Insert a new volume; a name the owner already uses is a Conflict."""
+        """Insert a new volume; a name the owner already uses (here, or on another node: the binder) is
+        a Conflict."""
+        binder, bound = self.store.binder, False
         try:
             with self.store._tx() as db:
                 taken = db.execute("SELECT 1 FROM volumes WHERE owner = ? AND name = ?", (row.owner, row.name)).fetchone()
                 if taken:
                     raise Conflict(f"a volume named '{row.name}' already exists", volume=row.name)
+                if binder is not None:  # first: a fenced node, or a name taken elsewhere, writes nothing
+                    binder.bind_volume(row.id, row.owner, row.name)
+                    bound = True
                 db.execute(f"INSERT INTO volumes ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})",
                            tuple(getattr(row, c) for c in _COLUMNS))  # fmt: skip
         except StoreError as exc:
+            if bound and binder is not None:
+                binder.unbind_volume(row.id, row.owner, row.name)
             raise StoreError(f"cannot record volume '{row.name}': {exc}") from exc
 
     def set_state(self, volume_id: str, state: str) -> None:
@@ -47,8 +56,11 @@ class VolumeLog:
             db.execute("UPDATE volumes SET state = ? WHERE id = ?", (state, volume_id))
 
     def delete(self, volume_id: str) -> None:
+        row = self.get(volume_id)
         with self.store._tx() as db:
             db.execute("DELETE FROM volumes WHERE id = ?", (volume_id,))
+        if self.store.binder is not None and row is not None:
+            self.store.binder.unbind_volume(row.id, row.owner, row.name)
 
     def get(self, volume_id: str) -> VolumeRow | None:
         rows = self.store._query("SELECT * FROM volumes WHERE id = ?", (volume_id,))

@@ -69,10 +69,11 @@ class NodeCluster:
 
 @contextlib.contextmanager
 def sdk_env(url: str) -> Iterator[None]:
-    """The E2B SDKs pointed at ``url`` alone (API and sandbox traffic) for the block's duration."""
-    names = ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "NO_PROXY")
+    """The E2B SDKs pointed at ``url`` alone (API, sandbox and volume content traffic) for the block's duration."""
+    names = ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_VOLUME_API_URL", "E2B_API_KEY", "NO_PROXY")
     saved = {k: os.environ.get(k) for k in names}
-    os.environ.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=API_KEY, NO_PROXY="127.0.0.1,localhost")
+    os.environ.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_VOLUME_API_URL=url, E2B_API_KEY=API_KEY,
+                      NO_PROXY="127.0.0.1,localhost")
     try:
         yield
     finally:

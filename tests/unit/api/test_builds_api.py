@@ -30,6 +30,15 @@ def test_request_shares_a_build_in_progress_and_refuses_taken_names(client: Test
     _error(client.get(f"/templates/{body['templateID']}/builds/nope/status"), 404, "nope")
 
 
+def test_a_gateway_may_give_the_ids(client: TestClient) -> None:
+    ids = {"X-Aenv-Build-Ids": "tplgw1 0b7c-build"}
+    got = client.post("/v3/templates", json={"name": "tpl-gw"}, headers=ids).json()
+    assert (got["templateID"], got["buildID"]) == ("tplgw1", "0b7c-build")
+    for bad in ("one", "a b c", "a/b c"):
+        _error(client.post("/v3/templates", json={"name": "tpl-gw2"}, headers={"X-Aenv-Build-Ids": bad}), 400,
+               "X-Aenv-Build-Ids")  # fmt: skip
+
+
 def test_start_refuses_what_it_cannot_do(client: TestClient) -> None:
     b = client.post("/v3/templates", json={"name": "tpl-b"}).json()
     url = f"/v2/templates/{b['templateID']}/builds/{b['buildID']}"

@@ -4,7 +4,6 @@ incarnation, the controller's mark_dead, and claim at a node's start."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,13 +14,6 @@ from aenv.directory.node import DirectoryError, Fenced, NodeDirectory, NotAdopta
 from aenv.directory.reader import DirectoryReader
 from aenv.kinds import SandboxState
 from aenv.store.sqlite import SandboxRow, Store
-
-
-@pytest.fixture
-def client(redis_url: str) -> Iterator[redis.Redis]:
-    c = connect(redis_url)
-    yield c
-    c.close()
 
 
 def _node(client: redis.Redis, name: str = "n1") -> NodeDirectory:

@@ -38,7 +38,7 @@ from .codec import (
 )
 from .connect_end import ConnectStreamEnd
 from .pool import IDLE_EXPIRY, MAX_IDLE_PER_TARGET, UpstreamPool
-from .relay import _Exchange, _NoResponse, _pump_and_watch, _relay_response
+from .relay import _Exchange, _NoResponse, _pump_and_watch, _relay_response, start_request
 from .routing import (
     ENVD_PORT,
     ingress,
@@ -144,16 +144,11 @@ class SandboxProxy:
             return
         ender = ConnectStreamEnd(send) if ConnectStreamEnd.applies_to(scope) else None
         send = ender or send
-        head, framing = request_head(scope)
-        more_body = framing == "chunked"  # a chunked body may stay open (StreamInput): head first, at once
-        if framing == "length":
-            # The first piece of a sized body goes out with the head: one mux frame for most requests.
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            head += msg.get("body", b"")
-            more_body = bool(msg.get("more_body", False))
-        elif framing is None and scope.get("http_version") == "2":
+        started = await start_request(scope, receive)
+        if started is None:
+            return
+        head, framing, more_body = started
+        if framing is None and scope.get("http_version") == "2":
             # An h2 request may carry a body with no Content-Length (its DATA frames frame it): its first
             # piece says which HTTP/1.1 framing it gets upstream (e.g. the SDK's Connect calls).
             msg = await receive()

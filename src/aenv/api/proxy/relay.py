@@ -20,11 +20,13 @@ from .codec import (
     ChunkedDecoder,
     Headers,
     Receive,
+    Scope,
     Send,
     UpstreamError,
     encode_chunk,
     keeps_alive,
     parse_response_head,
+    request_head,
     response_framing,
     take_head,
 )
@@ -84,6 +86,21 @@ async def _pump_and_watch(receive: Receive, chunked: bool, more_body: bool, ex: 
     except Exception as exc:  # noqa: BLE001 - a broken client read ends the exchange like a disconnect
         log.debug("proxy: client read failed: %r", exc)
         await ex.client_left()
+
+
+async def start_request(scope: Scope, receive: Receive) -> tuple[bytes, str | None, bool] | None:
+    """The request head for upstream, its body framing, and whether more body follows the head. The
+    first piece of a sized body goes out with the head: one mux frame for most requests. None: the
+    client left first."""
+    head, framing = request_head(scope)
+    more_body = framing == "chunked"  # a chunked body may stay open (StreamInput): head first, at once
+    if framing == "length":
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return None
+        head += msg.get("body", b"")
+        more_body = bool(msg.get("more_body", False))
+    return head, framing, more_body
 
 
 async def read_response_head(stream: ByteStream, buf: bytearray, upgrade: bool = False) -> ResponseHead:

@@ -1,0 +1,99 @@
+"""Template builds through the gateway: the request reaches every node under the first node's IDs, the
+upload link carries each node's token and its PUT reaches each, and the status is merged."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from starlette.requests import Request
+
+from aenv.gateway import builds
+from aenv.gateway.control import Gateway
+from aenv.gateway.forward import Relayed
+from aenv.gateway.nodes import Node
+from tests.unit.gateway.test_volumes import _request, _setup
+
+
+class PerNode:
+    """A forwarder answering per node (status, body); records (node, path, query, extra headers)."""
+
+    def __init__(self, answers: dict[str, tuple[int, Any]]) -> None:
+        self.answers = answers
+        self.sent: list[tuple[str, str, str | None, dict[str, str] | None]] = []
+
+    async def send(self, request: Request, node: Node, body: bytes | None = None, path: str | None = None,
+                   query: str | None = None, extra: dict[str, str] | None = None) -> Relayed:  # fmt: skip
+        self.sent.append((node.id, request.url.path, query, extra))
+        status, payload = self.answers[node.id]
+        return Relayed(status, [("content-type", "application/json")], json.dumps(payload).encode(), node)
+
+
+def _gw(answers: dict[str, tuple[int, Any]]) -> tuple[Gateway, PerNode]:
+    gw, _ = _setup({})
+    fwd = PerNode(answers)
+    gw.forwarder = fwd  # type: ignore[assignment]
+    return gw, fwd
+
+
+async def test_the_request_reaches_every_node_under_the_first_ones_ids() -> None:
+    made = (202, {"templateID": "t1", "buildID": "b1"})
+    gw, fwd = _gw({"n1": made, "n2": made, "n3": made})
+    r = await builds.request_build(_request(gw, "POST", "/v3/templates", {"name": "x"}))
+    assert r.status_code == 202 and json.loads(bytes(r.body))["templateID"] == "t1"
+    assert fwd.sent[0][0] == "n1" and fwd.sent[0][3] is None  # placed: the emptiest
+    assert sorted((n, e) for n, _, _, e in fwd.sent[1:]) == [("n2", {"X-Aenv-Build-Ids": "t1 b1"}),
+                                                            ("n3", {"X-Aenv-Build-Ids": "t1 b1"})]  # fmt: skip
+
+
+async def test_a_node_that_refuses_the_request_is_named() -> None:
+    gw, _ = _gw({"n1": (202, {"templateID": "t1", "buildID": "b1"}), "n2": (409, {"message": "has the ID t9"}),
+                 "n3": (202, {})})  # fmt: skip
+    r = await builds.request_build(_request(gw, "POST", "/v3/templates", {"name": "x"}))
+    assert r.status_code == 409 and json.loads(bytes(r.body))["message"] == "node n2: has the ID t9"
+
+
+async def test_the_upload_link_carries_each_nodes_token_and_reaches_each() -> None:
+    link = "http://gw:1/aenv/build-files/" + "a" * 64
+    gw, fwd = _gw({"n1": (201, {"present": False, "url": link + "?token=tok1"}), "n2": (201, {"present": True}),
+                   "n3": (201, {"present": False, "url": link + "?token=tok3"})})  # fmt: skip
+    r = await builds.file_link(_request(gw, "GET", "/templates/t1/files/" + "a" * 64), "t1", "a" * 64)
+    url = json.loads(bytes(r.body))["url"]
+    assert url.startswith(link + "?token=gw1.")
+    token = parse_qs(urlsplit(url).query)["token"][0]
+    fwd.answers = {n: (201, {}) for n in ("n1", "n2", "n3")}
+    fwd.sent.clear()
+    req = _request(gw, "PUT", "/aenv/build-files/" + "a" * 64)
+    req.scope["query_string"] = f"token={token}".encode()
+    r = await builds.upload(req, "a" * 64)
+    assert r.status_code == 201
+    assert [(n, q) for n, _, q, _ in fwd.sent] == [("n1", "token=tok1"), ("n3", "token=tok3")]
+
+
+async def test_every_node_present_is_present() -> None:
+    gw, _ = _gw({n: (201, {"present": True}) for n in ("n1", "n2", "n3")})
+    r = await builds.file_link(_request(gw, "GET", "/templates/t1/files/x"), "t1", "x")
+    assert json.loads(bytes(r.body)) == {"present": True}
+
+
+def _status(s: str, logs: int = 0, **extra: Any) -> tuple[int, Any]:
+    return 200, {"templateID": "t1", "buildID": "b1", "status": s, "logEntries": [{"message": "m"}] * logs, **extra}
+
+
+async def test_the_status_is_ready_only_when_every_node_is() -> None:
+    gw, _ = _gw({"n1": _status("ready", 2), "n2": _status("building"), "n3": _status("ready")})
+    req = _request(gw, "GET", "/templates/t1/builds/b1/status")
+    r = await builds.build_status(req, "t1", "b1")
+    body = json.loads(bytes(r.body))
+    assert body["status"] == "building" and len(body["logEntries"]) == 2  # n1's logs
+    gw.forwarder.answers["n2"] = _status("ready")  # type: ignore[attr-defined]
+    body = json.loads(bytes((await builds.build_status(req, "t1", "b1")).body))
+    assert body["status"] == "ready"
+
+
+async def test_a_failed_node_fails_the_status_naming_it() -> None:
+    gw, _ = _gw({"n1": _status("building"), "n2": _status("error", reason={"message": "step 2 failed", "step": "2"}),
+                 "n3": (404, {"message": "no such build"})})  # fmt: skip
+    body = json.loads(bytes((await builds.build_status(_request(gw, "GET", "/s"), "t1", "b1")).body))
+    assert body["status"] == "error" and body["reason"] == {"message": "node n2: step 2 failed", "step": "2"}
