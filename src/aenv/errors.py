@@ -18,6 +18,7 @@ maps them to E2B-shaped HTTP errors, and nothing here knows about HTTP.
     │       └── GuestUnresponsive  a pause that needs envd's answer did not get it (the sandbox runs on)
     ├── ImageError               anything from the image pipeline (see aenv.images.errors)
     └── StoreError               metadata persistence failed
+        └── StoreUnavailable     a store the server needs is unreachable for now (the cluster directory): 503, retry
 """
 
 from __future__ import annotations
@@ -117,3 +118,11 @@ class ImageError(AenvError):
 
 class StoreError(AenvError):
     pass
+
+
+class StoreUnavailable(StoreError):
+    """Nothing was changed and nothing is wrong with the request: it may succeed once the store answers."""
+
+    def __init__(self, message: str, retry_after: float = 2.0, **context: Any) -> None:
+        super().__init__(message, **context)
+        self.retry_after = retry_after

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,35 @@ def test_a_sandbox_made_on_a_node_is_routed_from_its_binding(cluster: Cluster) -
     httpx.delete(f"{cluster.url(1)}/sandboxes/{sid}", headers=KEY, trust_env=False)  # behind the gateway's back
     got = httpx.get(f"{cluster.gw}/sandboxes/{sid}", headers=KEY, trust_env=False)
     assert got.status_code == 404  # the unbind event dropped the gateway's cached binding
+
+
+def test_while_redis_is_frozen_creates_are_a_503_and_running_sandboxes_work(
+    cluster: Cluster, spread: list[Any], redis_server: RedisProc,  # noqa: F811
+) -> None:
+    """Redis stops answering (SIGSTOP: connections hang, as in a partition): a create binds nothing and
+    starts nothing, and says why with a 503 the client may retry; the data plane never asks Redis."""
+    before = {i: set(cluster.ids_on(i)) for i in (0, 1)}
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        made = httpx.post(cluster.gw + "/v2/sandboxes", json={"templateID": "base"}, headers=KEY, trust_env=False,
+                          timeout=60)  # fmt: skip
+        assert made.status_code == 503, made.text
+        body = made.json()
+        assert body["code"] == 503 and "cluster directory unreachable" in body["message"]
+        assert body["reason"] == "store_unavailable" and int(made.headers["Retry-After"]) >= 1
+        for sbx in spread:
+            assert sbx.commands.run("echo still here").stdout == "still here\n"
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    assert {i: set(cluster.ids_on(i)) for i in (0, 1)} == before  # nothing was left half-made
+    from e2b import Sandbox
+
+    sbx = Sandbox.create("base", timeout=300)  # the directory answers again at once
+    try:
+        assert sbx.commands.run("hostname").stdout.strip() == sbx.sandbox_id
+        assert cluster.r.hget(keys.sandbox_key(sbx.sandbox_id), "state") == "live"
+    finally:
+        sbx.kill()
 
 
 def test_a_pull_through_the_gateway_reaches_every_node(cluster: Cluster, pushed_images: PushedImages) -> None:

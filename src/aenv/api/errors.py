@@ -29,6 +29,7 @@ STATUS: dict[type[BaseException], int] = {
     e.SandboxUnreachable: 502,
     e.RuntimeFailure: 500,
     e.ImageError: 400,
+    e.StoreUnavailable: 503,
     e.StoreError: 500,
     e.AenvError: 500,
 }
@@ -76,6 +77,9 @@ def install(app: FastAPI) -> None:
             headers = {"Retry-After": str(max(1, round(exc.retry_after)))}
             extra["reason"] = exc.reason  # machine-readable: capacity | quota | restoring
             status = 503 if exc.reason == "restoring" else status
+        elif isinstance(exc, e.StoreUnavailable):
+            headers = {"Retry-After": str(max(1, round(exc.retry_after)))}
+            extra["reason"] = "store_unavailable"
         elif isinstance(exc, e.GuestUnresponsive):
             headers = {"Should-Retry": "false"}  # the SDK would retry a 503; the guest decides, not load
         if status >= 500:

@@ -18,13 +18,18 @@ from typing import Any
 import redis
 
 from aenv.directory import keys
-from aenv.errors import Conflict, StoreError
+from aenv.errors import Conflict, StoreError, StoreUnavailable
 
 log = logging.getLogger("aenv.directory")
 
 
 class DirectoryError(StoreError):
     """The directory could not be reached or refused a write."""
+
+
+class DirectoryUnreachable(DirectoryError, StoreUnavailable):
+    """Redis did not answer (down, frozen, partitioned): a create is refused with a 503 and nothing is
+    written; running sandboxes are not affected (the data plane does not use the directory)."""
 
 
 class Fenced(DirectoryError):
@@ -61,7 +66,7 @@ def _translate(exc: redis.RedisError) -> DirectoryError | Conflict:
         return Fenced(str(exc))
     if isinstance(exc, redis.ResponseError) and str(exc).startswith("NOTADOPTABLE"):
         return NotAdoptable(str(exc).removeprefix("NOTADOPTABLE "))
-    return DirectoryError(f"cluster directory unreachable: {type(exc).__name__}: {exc}")
+    return DirectoryUnreachable(f"cluster directory unreachable: {type(exc).__name__}: {exc}")
 
 
 class NodeDirectory:
