@@ -500,8 +500,14 @@ def host_argv(cfg: dict) -> list[str]:  # type: ignore[type-arg]
     return [sys.executable, "-I", "-S", "-c", BOOT, os.path.dirname(os.path.abspath(__file__)), marshal.dumps(cfg).hex()]
 
 
+def config_of(argv: list[str]) -> dict:  # type: ignore[type-arg]
+    """The config a ``host_argv`` command line carries (its last word)."""
+    cfg: dict = marshal.loads(bytes.fromhex(argv[-1]))  # type: ignore[type-arg]
+    return cfg
+
+
 def main() -> None:
-    cfg = marshal.loads(bytes.fromhex(sys.argv[1]))
+    cfg = config_of(sys.argv)
     try:
         run(cfg)
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the host

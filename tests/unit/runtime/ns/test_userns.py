@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -12,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from aenv.agent import launch
 from aenv.runtime.ns.userns import RANGE, SharedUserns, mapped_base
 
 
@@ -106,7 +106,7 @@ def test_restore_in_a_user_namespace_binds_the_sources_read_only_and_has_no_netn
     seen: dict[str, Any] = {}
 
     def run_criu(argv: list[str], log: Path, what: str, on_ready: object = None, pass_fds: tuple[int, ...] = ()) -> None:
-        seen["cfg"], seen["fds"] = json.loads(argv[-1]), pass_fds
+        seen["cfg"], seen["fds"] = launch.config_of(argv), pass_fds
         (tmp_path / "run" / "criu-restore.pid").write_text("77\n")
 
     ns = SharedUserns(1_300_000_000)
