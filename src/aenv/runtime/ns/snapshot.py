@@ -62,6 +62,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("aenv.runtime.ns")
 
+STUCK_TASK_MARKS = ("Unseizable non-zombie", "Timeout reached")  # CRIU: a task it could not freeze or seize
+STUCK_TASK_PAUSE_S = 0.2  # thawed this long before the second try
+
 UPPER = "upper"
 CRIU_DIR = "criu"
 # Snapshot layers a sandbox may stack before its next snapshot is compacted. Overlay allows 500
@@ -314,12 +317,30 @@ class NsSnapshots:
             sbx.cgroup.freeze()
         try:
             if mode == "full":
-                self._criu_dump(sbx, into / CRIU_DIR)
+                self._dump_twice_if_stuck(sbx, into / CRIU_DIR, refreeze=not was_frozen)
             copy_tree(sbx.paths.upper, into / ".capture")
         finally:
             if not was_frozen:
                 sbx.cgroup.thaw()
         return time.perf_counter() - t0
+
+    def _dump_twice_if_stuck(self, sbx: NsSandbox, images: Path, refreeze: bool) -> None:
+        """A task in uninterruptible sleep (I/O under load) cannot be frozen or seized, and CRIU gives
+        up after its timeout ("Unseizable ... state D"). That is transient: thaw, let it finish, and
+        try once more; any other refusal, or a second one, is the request's answer."""
+        try:
+            self._criu_dump(sbx, images)
+            return
+        except CheckpointError as exc:
+            if not any(mark in str(exc) for mark in STUCK_TASK_MARKS):
+                raise
+            log.warning("sandbox=%s: CRIU could not seize a task in time (%s); trying once more", sbx.name, exc)
+        shutil.rmtree(images, ignore_errors=True)
+        if refreeze:
+            sbx.cgroup.thaw()
+            time.sleep(STUCK_TASK_PAUSE_S)
+            sbx.cgroup.freeze()
+        self._criu_dump(sbx, images)
 
     def _criu_dump(self, sbx: NsSandbox, images: Path, leave_running: bool = True) -> None:
         status = self.criu_status()

@@ -212,7 +212,7 @@ def _fake_runtime(tmp: Path, log: list[str], allow_internet: bool = False, from_
 
     paths = Paths(tmp / "sbx")
     paths.upper.mkdir(parents=True)
-    sbx = SimpleNamespace(cgroup=_FakeCgroup(log, tmp), init=ProcRef(4242, 1), paths=paths, quiesce=quiesce,
+    sbx = SimpleNamespace(name="sb1", cgroup=_FakeCgroup(log, tmp), init=ProcRef(4242, 1), paths=paths, quiesce=quiesce,
                           allow_internet=allow_internet, from_zygote=from_zygote, lowers=["/rootfs"],
                           snapshot_depth=0)
     return SimpleNamespace(_get=lambda sid: sbx, _specs={}, settings=None, userns=None, volume_points=lambda s: [])
@@ -277,6 +277,43 @@ async def test_full_snapshot_dump_failure_is_explicit(tmp_path: Path, monkeypatc
         await ns.snapshot("sb1", into, "full")
     assert log == ["quiesce", "freeze", "thaw", "streams open"]
     assert list(into.iterdir()) == []
+
+
+async def test_a_task_criu_could_not_seize_in_time_gets_one_more_try(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, usable_criu: None) -> None:
+    """A task in uninterruptible sleep under load: CRIU's "Unseizable ... state D" is transient, so the
+    sandbox is thawed a moment and dumped again; a second refusal is the answer."""
+    log: list[str] = []
+    failures = ["criu dump failed: Timeout reached. Try to interrupt: 0; Unseizable non-zombie 15993 found, "
+                "state D, err -1/4"]  # fmt: skip
+
+    def run(argv: list[str]) -> None:
+        if argv[0] == "cp":
+            Path(argv[-1]).mkdir()
+
+    def dump(exe: str, pid: int, images: Path, **kw: Any) -> None:
+        log.append("dump")
+        images.mkdir(parents=True, exist_ok=True)
+        (images / "partial.img").write_text("x")
+        if failures:
+            raise snap.CheckpointError(failures.pop())
+
+    monkeypatch.setattr(snap, "_run", run)
+    monkeypatch.setattr(snap.checkpoint, "dump", dump)
+    monkeypatch.setattr(snap, "STUCK_TASK_PAUSE_S", 0.0)
+    into = tmp_path / "snap"
+    into.mkdir()
+    ns = snap.NsSnapshots(_fake_runtime(tmp_path, log))
+    result = await ns.snapshot("sb1", into, "full")
+    assert result.mode == "full"
+    assert log == ["quiesce", "freeze", "dump", "thaw", "freeze", "dump", "thaw", "streams open"]
+    failures[:] = ["criu dump failed: Unseizable non-zombie 1 found, state D"] * 2
+    log.clear()
+    again = tmp_path / "snap2"
+    again.mkdir()
+    with pytest.raises(StateError, match="Unseizable"):
+        await ns.snapshot("sb1", again, "full")
+    assert log.count("dump") == 2 and log[-2:] == ["thaw", "streams open"]
 
 
 async def test_full_snapshot_refused_without_criu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
