@@ -27,7 +27,9 @@ socket.getaddrinfo = _loopback_getaddrinfo
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
-    """The runner's known failures (``AENV_SDK_XFAIL``: node ID or file -> reason) as strict xfails."""
+    """The runner's known failures (``AENV_SDK_XFAIL``: node ID or file -> reason) as strict xfails; a
+    reason that starts with ``timing`` (the test races a fixed wait that a slow host misses or makes) is
+    a non-strict one: it may pass or fail."""
     import json
     import os
 
@@ -38,4 +40,4 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
         path = item.nodeid.split("::", 1)[0]
         why = known.get(item.nodeid.split("[", 1)[0]) or known.get(path)
         if why:
-            item.add_marker(pytest.mark.xfail(reason=why, strict=True))
+            item.add_marker(pytest.mark.xfail(reason=why, strict=not why.startswith("timing")))
