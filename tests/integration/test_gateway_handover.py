@@ -19,20 +19,18 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 
 from aenv.cluster.redis_proc import RedisProc
 from aenv.directory import keys
 from aenv.directory.node import mark_dead
-from aenv.testing.gateway import NodeCluster, sdk_env, start_gateway, wait_for
-from aenv.testing.server import API_KEY
+from aenv.testing.gateway import wait_for
 from tests.fixtures.criu import CRIU
+from tests.fixtures.directory_cluster import KEY, DirectoryCluster, running
 from tests.fixtures.plugin import PushedImages
 from tests.fixtures.redis import redis_server  # noqa: F401
 
 pytestmark = pytest.mark.timeout(900)
 
-KEY = {"X-API-KEY": API_KEY}
 
 # A process whose state is only in memory: a random secret, served on 127.0.0.1:8080 inside the sandbox.
 WORKER = """\
@@ -51,17 +49,9 @@ while True:
 ASK = "python3 -c \"import socket; print(socket.create_connection(('127.0.0.1', 8080)).recv(64).decode().strip())\""
 
 
-class Cluster(NodeCluster):
+class Cluster(DirectoryCluster):
     def __init__(self, tmp: Path, redis_url: str) -> None:
-        super().__init__(tmp, 2, {"AENV_API_KEYS": API_KEY, "AENV_POOL_SIZE": "1", "AENV_CLUSTER_REDIS": redis_url,
-                                  "AENV_SNAPSHOT_STORE": f"file://{tmp / 'store'}"})  # fmt: skip
-        self.r = redis.Redis.from_url(redis_url, decode_responses=True)
-
-    def env_of(self, i: int) -> dict[str, str]:
-        return {**self.node_env, "AENV_CLUSTER_NODE_ID": f"n{i + 1}"}
-
-    def node_state(self, node_id: str) -> str:
-        return str(httpx.get(f"{self.gw}/nodes/{node_id}", headers=KEY, trust_env=False).json()["state"])
+        super().__init__(tmp, redis_url, {"AENV_SNAPSHOT_STORE": f"file://{tmp / 'store'}"})
 
     def home(self, sandbox_id: str) -> int:
         return int(self.r.hget(keys.sandbox_key(sandbox_id), "node")[1:]) - 1
@@ -79,21 +69,8 @@ class Cluster(NodeCluster):
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisProc,  # noqa: F811
             pushed_images: PushedImages) -> Iterator[Cluster]:  # fmt: skip
-    if os.geteuid() != 0:
-        pytest.skip("the ns runtime needs root")
-    c = Cluster(tmp_path_factory.mktemp("handover"), redis_server.url)
-    c.node_env["AENV_REGISTRY_MIRRORS"] = f"docker.io={pushed_images.registry.url}"
-    c.r.flushall()
-    try:
-        c.start_node(0)
-        c.start_node(1)
-        c.gateway = start_gateway(c.tmp, [], {"AENV_API_KEYS": API_KEY, "AENV_GATEWAY_REDIS": redis_server.url})
-        wait_for(lambda: c.node_state("n1") == "up" and c.node_state("n2") == "up")
-        with sdk_env(c.gw):
-            yield c
-    finally:
-        c.close()
-        c.r.close()
+    with running(Cluster(tmp_path_factory.mktemp("handover"), redis_server.url), redis_server, pushed_images) as c:
+        yield c
 
 
 def test_the_adopt_route_is_authenticated_and_refuses_what_is_not_lost(cluster: Cluster) -> None:
