@@ -76,6 +76,14 @@ async def _every_node(request: Request, body: bytes | None = None, **kw: Any) ->
     return answers, gw.nodes.down()
 
 
+async def _accepted_everywhere(request: Request) -> tuple[list[Relayed], list[Node]] | Response:
+    """``_every_node``, and the first node's refusal as the answer when one refused."""
+    got = await _every_node(request)
+    if isinstance(got, Response):
+        return got
+    return _first_refusal(got[0]) or got
+
+
 def _first_refusal(answers: list[Relayed]) -> Response | None:
     for got in answers:
         if got.status >= 300:
@@ -117,12 +125,10 @@ async def request_build(request: Request) -> Response:
 
 @router.get("/templates/{template_id}/files/{files_hash}")
 async def file_link(request: Request, template_id: str, files_hash: str) -> Response:
-    got = await _every_node(request)
+    got = await _accepted_everywhere(request)
     if isinstance(got, Response):
         return got
     answers, skipped = got
-    if refused := _first_refusal(answers):
-        return refused
     tokens: dict[str, str] = {}
     base = ""
     for a in answers:
@@ -167,12 +173,10 @@ async def upload(request: Request, files_hash: str) -> Response:
 @router.post("/templates/tags")
 @router.delete("/templates/tags")
 async def on_every_node(request: Request) -> Response:
-    got = await _every_node(request)
+    got = await _accepted_everywhere(request)
     if isinstance(got, Response):
         return got
     answers, skipped = got
-    if refused := _first_refusal(answers):
-        return refused
     out = answers[0].response()
     for k, v in _down(skipped).items():
         out.headers[k] = v
