@@ -131,7 +131,7 @@ def _sha_of(sbx: object, names: list[str], runtime: str) -> dict[str, str]:
     so there every file is read whole (``cat``: the chunks are fetched all the same) and every fourth
     is hashed."""
     paths = " ".join(f"/payload/{n}" for n in names)
-    hashed = names if runtime != "vm" else names[::4]
+    hashed = _hashed(names, runtime)
     cmd = f"sha256sum {' '.join(f'/payload/{n}' for n in hashed)}"
     if hashed != names:
         cmd = f"cat {paths} > /dev/null && {cmd}"
@@ -139,8 +139,12 @@ def _sha_of(sbx: object, names: list[str], runtime: str) -> dict[str, str]:
     return {line.split()[1].rsplit("/", 1)[1]: line.split()[0] for line in out.splitlines() if line.strip()}
 
 
+def _hashed(names: list[str], runtime: str) -> list[str]:
+    return names if runtime != "vm" else names[::4]
+
+
 def _want(images: Images, names: list[str], runtime: str) -> dict[str, str]:
-    return {n: images.hashes[n] for n in (names if runtime != "vm" else names[::4])}
+    return {n: images.hashes[n] for n in _hashed(names, runtime)}
 
 
 @pytest.mark.parametrize(("bits_per_s", "rtt", "k"), [(1e9, 0.001, 0), (1e8, 0.010, 3)], ids=["1Gbit", "100Mbit"])
