@@ -5,7 +5,8 @@
 
 It starts a local registry with aenv's fixture images under the names the SDK's template tests
 build FROM (no internet needed), starts ``aenv serve`` on the runtime with that registry as the
-docker.io mirror, and runs pytest in the SDK checkout with the exemptions below deselected. The
+docker.io mirror (or, with ``--cluster N``, a whole ``aenv cluster local`` whose gateway is the
+endpoint), and runs pytest in the SDK checkout with the exemptions below deselected. The
 SDK tests are not modified: the exemptions are node IDs, each with its reason. Exit status is
 pytest's.
 """
@@ -14,18 +15,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
 from aenv.images.registry import RegistryClient  # noqa: E402
-from aenv.testing.server import API_KEY, free_port, reap_vms, start_server, stop_server  # noqa: E402
+from aenv.testing.server import API_KEY, Tls, free_port, reap_vms, start_server, stop_server  # noqa: E402
 from tests.fixtures import images as fx  # noqa: E402
 from tests.fixtures.oci import image_config, push_image  # noqa: E402
 from tests.fixtures.registry import start_registry  # noqa: E402
@@ -78,16 +81,12 @@ async def push_images(registry_url: str) -> None:
             await push_image(client, name, image.layers, cfg)
 
 
-def run_suite(args: argparse.Namespace, tmp: Path) -> int:
+@contextlib.contextmanager
+def one_node(args: argparse.Namespace, tmp: Path, tls: Tls, port: int) -> Iterator[str]:
+    """``aenv serve`` on ``port`` (HTTPS), the registry on loopback as its docker.io mirror: its log."""
     reg = start_registry(tmp / "registry")
     try:
         asyncio.run(push_images(reg.url))
-        # As E2B's users run the suite: HTTPS and only E2B_DOMAIN, so sandbox hosts are
-        # <port>-<id>.aenv.localhost:PORT (resolved locally) and the SDK's own URL rules apply.
-        tls_dir = tmp / "tls"
-        tls_dir.mkdir(exist_ok=True)
-        tls = make_tls(tls_dir, ["aenv.localhost", "*.aenv.localhost", "localhost"])
-        port = free_port()
         server_env = {
             "AENV_REGISTRY_MIRRORS": f"docker.io={reg.url}",
             "AENV_INSECURE_REGISTRIES": reg.host,
@@ -95,27 +94,7 @@ def run_suite(args: argparse.Namespace, tmp: Path) -> int:
         }
         server = start_server(tmp, args.runtime, extra_env=server_env, port=port, tls=tls)
         try:
-            env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
-            env |= {
-                "E2B_DOMAIN": f"aenv.localhost:{port}",
-                "E2B_API_KEY": API_KEY,
-                "SSL_CERT_FILE": str(tls.ca),
-                "NO_PROXY": "127.0.0.1,localhost,.localhost",
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "scripts"), os.environ.get("PYTHONPATH")])),
-            }
-            deselect = [] if args.no_exempt else [f"--deselect={node}" for node in EXEMPT]
-            known = {node: why for node, (where, why) in KNOWN.items() if args.runtime in where}
-            env["AENV_SDK_XFAIL"] = json.dumps(known)
-            cmd = [args.python, "-m", "pytest", "-p", "no:cacheprovider", "-p", "e2b_sdk_localhost",
-                   *deselect, *args.pytest_args]
-            print(f"aenv {args.runtime} at {server.url}; log {server.log_path}", file=sys.stderr)
-            # One sandbox first: on vm the template's first boot under TCG outlasts the suite's 30 s
-            # pytest timeout, which would fail whichever test comes first.
-            warm = "from e2b import Sandbox; Sandbox.create('base', timeout=120).kill()"
-            subprocess.run([args.python, "-c", warm], cwd=args.sdk, env=env, check=True, timeout=600)
-            if args.exec:  # anything else against the same server and environment (a reproduction)
-                return subprocess.call(args.exec, shell=True, cwd=args.sdk, env=env)
-            return subprocess.call(cmd, cwd=args.sdk, env=env)
+            yield str(server.log_path)
         finally:
             stop_server(server)
             if args.runtime == "vm":
@@ -124,12 +103,73 @@ def run_suite(args: argparse.Namespace, tmp: Path) -> int:
         reg.stop()
 
 
+@contextlib.contextmanager
+def cluster(args: argparse.Namespace, tmp: Path, tls: Tls, port: int) -> Iterator[str]:
+    """``aenv cluster local --nodes N``: its gateway on ``port`` (HTTPS), the nodes in their network
+    namespaces, the registry on the cluster's bridge address (where the nodes reach it): the logs' dir."""
+    from aenv.cluster.local import LocalCluster
+
+    os.environ["PYTHONPATH"] = str(ROOT / "src")  # the nodes' servers: this checkout's
+    reg_port = free_port()
+    c = LocalCluster(args.cluster, port, Path(f"/tmp/aenvc{port}"), "10.213.14.0/24", {}, args.runtime,
+                     tls=(tls.cert, tls.key, tls.ca))  # fmt: skip
+    reg_host = f"{c.topo.control_ip}:{reg_port}"
+    c.env = {"AENV_API_KEYS": API_KEY, "AENV_REGISTRY_MIRRORS": f"docker.io=http://{reg_host}",
+             "AENV_INSECURE_REGISTRIES": reg_host}  # fmt: skip
+    reg = None
+    try:
+        c.start()
+        reg = start_registry(tmp / "registry", reg_port, c.topo.control_ip)
+        asyncio.run(push_images(reg.url))
+        yield str(c.root)
+    finally:
+        c.close()
+        if reg is not None:
+            reg.stop()
+
+
+def run_suite(args: argparse.Namespace, tmp: Path) -> int:
+    # As E2B's users run the suite: HTTPS and only E2B_DOMAIN, so sandbox hosts are
+    # <port>-<id>.aenv.localhost:PORT (resolved locally) and the SDK's own URL rules apply.
+    tls_dir = tmp / "tls"
+    tls_dir.mkdir(exist_ok=True)
+    tls = make_tls(tls_dir, ["aenv.localhost", "*.aenv.localhost", "localhost"])
+    port = free_port()
+    endpoint = cluster if args.cluster else one_node
+    with endpoint(args, tmp, tls, port) as logs:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
+        env |= {
+            "E2B_DOMAIN": f"aenv.localhost:{port}",
+            "E2B_API_KEY": API_KEY,
+            "SSL_CERT_FILE": str(tls.ca),
+            "NO_PROXY": "127.0.0.1,localhost,.localhost",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "scripts"), os.environ.get("PYTHONPATH")])),
+        }
+        deselect = [] if args.no_exempt else [f"--deselect={node}" for node in EXEMPT]
+        known = {node: why for node, (where, why) in KNOWN.items() if args.runtime in where}
+        env["AENV_SDK_XFAIL"] = json.dumps(known)
+        cmd = [args.python, "-m", "pytest", "-p", "no:cacheprovider", "-p", "e2b_sdk_localhost",
+               *deselect, *args.pytest_args]
+        where = f"a {args.cluster}-node cluster's gateway" if args.cluster else "aenv serve"
+        print(f"aenv {args.runtime}: {where} at https://127.0.0.1:{port}; logs {logs}", file=sys.stderr)
+        # One sandbox first: on vm the template's first boot under TCG outlasts the suite's 30 s
+        # pytest timeout, which would fail whichever test comes first.
+        warm = "from e2b import Sandbox; Sandbox.create('base', timeout=120).kill()"
+        subprocess.run([args.python, "-c", warm], cwd=args.sdk, env=env, check=True, timeout=600)
+        if args.exec:  # anything else against the same server and environment (a reproduction)
+            return subprocess.call(args.exec, shell=True, cwd=args.sdk, env=env)
+        return subprocess.call(cmd, cwd=args.sdk, env=env)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sdk", type=Path, required=True, help="checkout of packages/python-sdk")
     ap.add_argument("--python", required=True, help="a Python with that SDK and its test deps installed")
     ap.add_argument("--runtime", choices=("ns", "vm"), default="ns")
     ap.add_argument("--no-exempt", action="store_true", help="run the exempt tests too")
+    ap.add_argument("--cluster", type=int, default=0, metavar="N",
+                    help="through the gateway of `aenv cluster local --nodes N` (Redis, Ray, N nodes in network "
+                         "namespaces) instead of one aenv serve")
     ap.add_argument("--keep", type=Path, help="state directory to keep (default: a temp dir)")
     ap.add_argument("--exec", help="run this shell command (in the SDK checkout) instead of pytest")
     ap.add_argument("--list-exempt", action="store_true", help="print the exemptions and exit")

@@ -80,6 +80,7 @@ def _gateway_in_front(tmp_path_factory: pytest.TempPathFactory, runtime_name: st
         for _ in range(n):
             nodes.append(start_server(tmp_path_factory.mktemp("aenv-node"), runtime_name))
         gw = start_gateway(tmp_path_factory.mktemp("aenv-gateway"), [node.url for node in nodes])
+        gw.node_state_dirs = {f"n{i + 1}": node.state_dir for i, node in enumerate(nodes)}
         yield gw
     finally:
         if gw is not None:
@@ -102,7 +103,8 @@ def _cluster_in_front(runtime_name: str, n: int) -> Iterator[Server]:
         c.start()
         assert c.gateway is not None
         print(f"\nSDK tests through aenv cluster local ({n} nodes): {c.url}", flush=True)
-        yield Server(c.url, c.root, c.gateway, c.root / "gateway.log", dict(os.environ))
+        nodes = {c.topo.name(i): c.root / c.topo.name(i) / "state" for i in range(n)}
+        yield Server(c.url, c.root, c.gateway, c.root / "gateway.log", dict(os.environ), node_state_dirs=nodes)
     finally:
         c.close()
 

@@ -168,6 +168,28 @@ def test_reaping_by_metadata_reaches_every_node(cluster: Cluster) -> None:
     assert set(r.json()["killed"]) == {s.sandbox_id for s in made} and r.json()["nodesDown"] == []
 
 
+def test_a_lease_through_the_gateway_holds_and_ends_sandboxes_on_every_node(cluster: Cluster) -> None:
+    """One lease for the cluster: made on both nodes under one ID, its heartbeat counts the sandboxes of
+    both, and when the heartbeats stop each node kills its own."""
+    from e2b import Sandbox
+
+    made = httpx.post(cluster.gw + "/aenv/leases", json={"ttl": 8, "name": "gw"}, headers=KEY, trust_env=False)
+    assert made.status_code == 201 and sorted(made.json()["nodes"]) == ["n1", "n2"], made.text
+    lease_id = made.json()["leaseID"]
+    for i in (0, 1):  # the node's own view: the same lease
+        assert httpx.get(f"{cluster.url(i)}/aenv/leases/{lease_id}", headers=KEY, trust_env=False).status_code == 200
+    bound = []
+    for _ in range(4):
+        bound.append(Sandbox.create("base", timeout=600, metadata={"aenv.lease": lease_id}))
+        beat = httpx.post(f"{cluster.gw}/aenv/leases/{lease_id}/heartbeat", headers=KEY, trust_env=False)
+    assert beat.status_code == 200 and beat.json()["sandboxes"] == 4, beat.text
+    ids = {s.sandbox_id for s in bound}
+    assert {cluster.node_of(sid) for sid in ids} == {0, 1}, "four creates by load over two nodes all on one"
+    wait_for(lambda: not ids & (cluster.ids_on(0) | cluster.ids_on(1)), 30)  # no heartbeat: both nodes kill theirs
+    ended = httpx.get(f"{cluster.gw}/aenv/leases/{lease_id}", headers=KEY, trust_env=False).json()
+    assert ended["state"] == "ended" and ended["endReason"] == "expired" and ended["sandboxes"] == 0
+
+
 def test_volumes_are_found_on_their_node_without_a_directory(cluster: Cluster) -> None:
     from e2b import Sandbox, Volume
     from e2b.exceptions import VolumeException

@@ -34,6 +34,14 @@ def snapshot_row(server: Server, snapshot_id: str) -> dict[str, Any]:
     return dict(r.json())
 
 
+def snapshot_dir(server: Server, snapshot_id: str) -> Path:
+    """Where a snapshot's files are: in the server's state directory, or, behind a gateway, in that of
+    the node the gateway says holds it (``X-Aenv-Node``)."""
+    node = api(server, "GET", f"/snapshots/{snapshot_id}").headers.get("x-aenv-node")
+    root = server.node_state_dirs[node] if node else server.state_dir
+    return root / "snapshots" / snapshot_id
+
+
 def rand(sbx: Any) -> str:
     return str(sbx.commands.run("cat /proc/sys/kernel/random/uuid").stdout.strip())
 
@@ -152,7 +160,7 @@ def test_fork_reports_mode_via_rest(server: Server, sandboxes: list[Any]) -> Non
     # collected once neither the source nor any child needs it
     for entry in body:
         assert api(server, "DELETE", f"/sandboxes/{entry['sandbox']['sandboxID']}").status_code == 204
-    point_dir = server.state_dir / "snapshots" / body[0]["snapshotID"]
+    point_dir = snapshot_dir(server, body[0]["snapshotID"])
     assert point_dir.is_dir()
     src.kill()
     assert not point_dir.exists()
@@ -227,7 +235,7 @@ def test_delete_snapshot_in_use(server: Server, sandboxes: list[Any]) -> None:
     snap = src.create_snapshot(mode="filesystem").snapshot_id
     user = Sandbox.create(snap, timeout=300)
     sandboxes.append(user)
-    directory = server.state_dir / "snapshots" / snap
+    directory = snapshot_dir(server, snap)
     assert (directory / "upper").is_dir()
     r = api(server, "DELETE", f"/templates/{snap}")
     assert r.status_code == 409 and user.sandbox_id in r.json()["message"]

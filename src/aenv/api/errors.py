@@ -82,6 +82,8 @@ def install(app: FastAPI) -> None:
             extra["reason"] = "store_unavailable"
         elif isinstance(exc, e.GuestUnresponsive):
             headers = {"Should-Retry": "false"}  # the SDK would retry a 503; the guest decides, not load
+        if isinstance(why := getattr(exc, "reason", None), str):
+            extra.setdefault("reason", why)  # machine-readable, e.g. lease_unknown
         if status >= 500:
             log.error("error %s: %s %s", status, exc, exc.context)
         return error_response(status, exc.message, headers, **extra)

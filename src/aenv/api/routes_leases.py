@@ -24,6 +24,7 @@ from aenv.core.orchestrator import Orchestrator
 from aenv.store.leases import LeaseRow
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
+LEASE_ID_HEADER = "X-Aenv-Lease-Id"
 
 
 class NewLease(BaseModel):
@@ -49,7 +50,8 @@ def _answer(row: LeaseRow, orch: Orchestrator, status: int = 200) -> JSONRespons
 
 @router.post("/aenv/leases", status_code=201)
 async def create_lease(request: Request, body: NewLease, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
-    return _answer(leases_of(request).create(_owner(request), body.ttl, body.name), orch, 201)
+    lease_id = request.headers.get(LEASE_ID_HEADER)  # a gateway's: the same lease on every node
+    return _answer(leases_of(request).create(_owner(request), body.ttl, body.name, lease_id), orch, 201)
 
 
 @router.get("/aenv/leases")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -24,6 +25,10 @@ def gateway(
     redis: Optional[str] = typer.Option(
         None, help="the cluster directory, redis://HOST:PORT (AENV_GATEWAY_REDIS): nodes and sandbox bindings come "
                    "from it (each node runs aenv serve --cluster-redis); --node then optional"),
+    tls_cert: Optional[Path] = typer.Option(
+        None, help="serve HTTPS with this PEM certificate (AENV_TLS_CERT; HTTP/2 by ALPN, as aenv serve): give it "
+                   "the names the clients use, e.g. api.DOMAIN and *.DOMAIN for E2B_DOMAIN=DOMAIN"),
+    tls_key: Optional[Path] = typer.Option(None, help="the PEM private key of --tls-cert (AENV_TLS_KEY)"),
     log_level: str = typer.Option("info", help="debug | info | warning"),
 ) -> None:  # fmt: skip
     """Serve one E2B endpoint (control plane and sandbox proxy, one port) for several aenv serve nodes.
@@ -53,7 +58,9 @@ def gateway(
                                       "--redis redis://HOST:PORT", status=ExitStatus.USAGE)  # fmt: skip
     try:
         nodes = [parse_node(s.strip(), i) for i, s in enumerate(specs)]
-        keys = load_settings().api_keys
+        tls = {k: v for k, v in (("tls_cert", tls_cert), ("tls_key", tls_key)) if v is not None}
+        server = load_settings({**tls, "host": host, "port": port, "log_level": log_level})
+        keys = server.api_keys
     except Exception as exc:  # a bad URL, pydantic ValidationError, TOML errors
         printer.fail("invalid configuration", causes=[str(exc)], status=ExitStatus.USAGE)
     if len({n.id for n in nodes}) != len(nodes):
@@ -64,6 +71,14 @@ def gateway(
         printer.err.print(
             f"[bold yellow]WARNING:[/] binding to {host} with no API keys: anyone who can reach this port can run code "
             "on every node. Set AENV_API_KEYS.", markup=True)  # fmt: skip
+    for path in (server.tls_cert, server.tls_key):
+        if path is not None and not path.is_file():
+            printer.fail(f"no such file: {path}", hint="--tls-cert and --tls-key name PEM files", status=ExitStatus.USAGE)
     settings = GatewaySettings(nodes, keys, node_key or os.environ.get("AENV_GATEWAY_NODE_KEY"), probe_interval, redis)
+    if server.tls_cert is not None:
+        from aenv.cli.tls_serve import run_tls
+
+        run_tls(create_gateway_app(settings), server)  # hypercorn: HTTP/2 by ALPN, HTTP/1.1 fallback
+        return
     uvicorn.run(create_gateway_app(settings), host=host, port=port, log_level=log_level.lower(), access_log=False,
                 timeout_keep_alive=75, server_header=False, ws_max_size=settings.ws_max_message)  # fmt: skip

@@ -76,6 +76,7 @@ class LocalCluster:
     subnet: str = "10.213.0.0/24"
     env: dict[str, str] = field(default_factory=dict)  # extra AENV_* for the nodes (api keys, pool size)
     runtime: str = "ns"
+    tls: tuple[Path, Path, Path] | None = None  # the gateway's HTTPS: certificate, key, and the CA that signed it
 
     def __post_init__(self) -> None:
         self.topo = Topology(str(self.port), self.nodes, self.subnet)
@@ -91,7 +92,11 @@ class LocalCluster:
     # ---- start ------------------------------------------------------------------------------------
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+
+    @property
+    def _verify(self) -> str | bool:
+        return str(self.tls[2]) if self.tls else True
 
     def node_url(self, i: int) -> str:
         return f"http://{self.topo.node_ip(i)}:8000"
@@ -146,6 +151,8 @@ class LocalCluster:
         assert self.redis is not None
         gw = [sys.executable, "-m", "aenv.cli.main", "gateway", "--host", "127.0.0.1", "--port", str(self.port),
               "--redis", self.redis.url, "--probe-interval", "0.5"]  # fmt: skip
+        if self.tls:
+            gw += ["--tls-cert", str(self.tls[0]), "--tls-key", str(self.tls[1])]
         self.gateway = self._popen(gw, "gateway", self.env)
 
     def rejoin_node(self, i: int) -> None:
@@ -201,7 +208,8 @@ class LocalCluster:
             if self.gateway is not None and self.gateway.poll() is not None:
                 raise RuntimeError(f"the gateway exited:\n{self._tail('gateway')}")
             with contextlib.suppress(httpx.HTTPError, ValueError):
-                got = httpx.get(self.url + "/nodes", headers=self._key(), timeout=2, trust_env=False).json()
+                got = httpx.get(self.url + "/nodes", headers=self._key(), timeout=2, trust_env=False,
+                                verify=self._verify).json()  # fmt: skip
                 if {n["nodeID"] for n in got if n["state"] == "up"} >= want:
                     return
             time.sleep(0.5)

@@ -19,13 +19,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aenv.config import Settings
 from aenv.core.fleet import KillReport
 from aenv.core.ids import new_id
-from aenv.errors import Gone, InvalidRequest, NotFound
+from aenv.errors import Conflict, Gone, InvalidRequest, NotFound
 from aenv.store.gone_log import LEASE_ENDED, LEASE_EXPIRED
 from aenv.store.leases import LeaseLog, LeaseRow
 from aenv.store.sqlite import SandboxRow, Store, now
@@ -33,6 +34,7 @@ from aenv.store.sqlite import SandboxRow, Store, now
 log = logging.getLogger("aenv.core")
 
 LEASE_KEY = "aenv.lease"  # the metadata key that binds a sandbox to a lease
+LEASE_ID = re.compile(r"[a-z][a-z0-9]{7,39}")  # a lease id a gateway may choose
 MIN_TTL = 1.0
 LIST_LIMIT = 1000
 RETENTION = 86400.0  # s an ended lease is still listed (and answers 410 rather than 404)
@@ -44,6 +46,17 @@ KillMatching = Callable[[dict[str, str], str, str], Awaitable[KillReport]]
 class LeaseNotFound(NotFound):
     def __init__(self, lease_id: str) -> None:
         super().__init__(f"lease '{lease_id}' not found", lease_id=lease_id)
+
+
+class LeaseUnknown(InvalidRequest):
+    """A create names a lease this node does not hold: ``reason`` tells a gateway to try another node
+    (a node that was down when the lease was made does not hold it)."""
+
+    reason = "lease_unknown"
+
+    def __init__(self, lease_id: str) -> None:
+        super().__init__(f"metadata {LEASE_KEY}: no lease '{lease_id}' (create one: POST /aenv/leases)",
+                         lease_id=lease_id)  # fmt: skip
 
 
 class LeaseEnded(Gone):
@@ -78,11 +91,17 @@ class Leases:
                     await task
 
     # ---- the API's operations -------------------------------------------------------------------
-    def create(self, owner: str, ttl: float, name: str = "") -> LeaseRow:
+    def create(self, owner: str, ttl: float, name: str = "", lease_id: str | None = None) -> LeaseRow:
+        """A new lease; ``lease_id`` is given by a gateway, which makes the same lease on every node."""
         if not MIN_TTL <= ttl <= self.settings.max_timeout:
             raise InvalidRequest(f"ttl: between {MIN_TTL:g} and {self.settings.max_timeout} seconds")
+        if lease_id is not None:
+            if not LEASE_ID.fullmatch(lease_id):
+                raise InvalidRequest(f"lease id {lease_id!r}: 8-40 lowercase letters and digits, a letter first")
+            if self.log.get(lease_id) is not None:
+                raise Conflict(f"lease '{lease_id}' exists", lease_id=lease_id)
         t = now()
-        row = LeaseRow(id=new_id(), owner=owner, name=name, ttl=ttl, expires_at=t + ttl, created_at=t)
+        row = LeaseRow(id=lease_id or new_id(), owner=owner, name=name, ttl=ttl, expires_at=t + ttl, created_at=t)
         self.log.put(row)
         log.info("lease=%s created ttl=%gs name=%s", row.id, ttl, name or "-")
         return row
@@ -117,7 +136,7 @@ class Leases:
             return
         row = self.log.get(lease_id)
         if row is None or row.owner != owner:
-            raise InvalidRequest(f"metadata {LEASE_KEY}: no lease '{lease_id}' (create one: POST /aenv/leases)")
+            raise LeaseUnknown(lease_id)
         if not row.live:
             raise LeaseEnded(row)
 

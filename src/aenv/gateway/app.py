@@ -27,6 +27,7 @@ from aenv.gateway.builds import uploads as build_uploads_router
 from aenv.gateway.control import Gateway, router
 from aenv.gateway.directory import AskNodes, Locator
 from aenv.gateway.forward import Forwarder, NodeBrokeOff
+from aenv.gateway.leases import router as leases_router
 from aenv.gateway.nodes import Node, NodeSet
 from aenv.gateway.proxy import GatewayProxy
 from aenv.gateway.volumes import control as volumes_router
@@ -107,7 +108,7 @@ def create_gateway_app(settings: GatewaySettings) -> Any:
                              "nodes": len(nodes.nodes)})  # fmt: skip
 
     # before router: its template routes are broader, and its last route answers 501 for what it does not relay
-    for extra in (volumes_router, builds_router, build_uploads_router):
+    for extra in (volumes_router, builds_router, build_uploads_router, leases_router):
         api.include_router(extra)
     api.include_router(router)
     proxy = GatewayProxy(api, locator, nodes, settings.ws_max_message, forwarder)  # type: ignore[arg-type]

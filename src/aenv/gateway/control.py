@@ -13,7 +13,9 @@
 - templates: the nodes must share them (the same ``base``, the same builds). Reads are served by one live
   node; a pull (``/aenv/templates/pull``) and a build (``builds.py``: replayed under the same IDs) reach
   every live node; deletes of shared templates are refused with a 501 that says to run them on each node;
-- what a gateway cannot relay correctly yet (leases, webhooks, the layer cache) is a 501 that says so.
+- leases (``leases.py``) are made on every live node under one ID; a create bound to one that lands on a
+  node without it (down when it was made: 400 ``reason: lease_unknown``) is tried on another node;
+- what a gateway cannot relay correctly yet (webhooks, the layer cache) is a 501 that says so.
 """
 
 from __future__ import annotations
@@ -92,6 +94,11 @@ class Gateway:
             if got.status == 429 and _field(got.body, "reason") == "capacity" and self.place(tried | {node.id}, None, None,
                                                                                           pinned):
                 log.info("node=%s refused a create for capacity; trying another node", node.id)
+                tried.add(node.id)
+                continue
+            if got.status == 400 and _field(got.body, "reason") == "lease_unknown" and self.place(
+                    tried | {node.id}, None, None, pinned):
+                log.info("node=%s does not hold the create's lease (down when it was made); trying another", node.id)
                 tried.add(node.id)
                 continue
             if got.status == 404 and template and pinned is None and self.locator.snapshot_home(template) is None:
@@ -482,5 +489,5 @@ async def info(request: Request) -> JSONResponse:
 @router.api_route("/{rest:path}", methods=ALL)
 async def not_relayed(request: Request) -> JSONResponse:
     return error_response(
-        501, f"the gateway does not relay {request.method} {request.url.path} yet (leases, webhooks and the layer "
-             "cache are per node: call the node itself)", None, reason="gateway")  # fmt: skip
+        501, f"the gateway does not relay {request.method} {request.url.path} yet (webhooks and the layer cache are "
+             "per node: call the node itself)", None, reason="gateway")  # fmt: skip

@@ -110,10 +110,10 @@ class Forwarder:
 
     async def send(
         self, request: Request, node: Node, body: bytes | None = None, path: str | None = None,
-        query: str | None = None, extra: dict[str, str] | None = None,
+        query: str | None = None, extra: dict[str, str] | None = None, method: str | None = None,
     ) -> Relayed:  # fmt: skip
-        """``request`` as it came (or with ``body``/``path``/``query`` replaced, ``extra`` headers set) to
-        ``node``."""
+        """``request`` as it came (or with ``body``/``path``/``query``/``method`` replaced, ``extra`` headers
+        set) to ``node``."""
         content = await request.body() if body is None else body
         scope: dict[str, Any] = dict(request.scope)
         added = {k.lower().encode(): v.encode() for k, v in (extra or {}).items()}
@@ -123,19 +123,22 @@ class Forwarder:
             scope["path"], scope["raw_path"] = path, None
         if query is not None:
             scope["query_string"] = query.encode()
+        if method is not None:
+            scope["method"] = method
+        verb: str = scope["method"]
         head, _ = request_head(scope)
         data = head + content
         stream, reused = await self._acquire(node)
         try:
             async with asyncio.timeout(ANSWER_TIMEOUT):
                 try:
-                    return await self._exchange(request.method, node, stream, data)
+                    return await self._exchange(verb, node, stream, data)
                 except (MuxError, _NoResponse):
                     if not reused:
                         raise
                     # The node closed this idle connection: the request never reached it; a fresh one takes it.
                     stream, _ = await self._acquire(node, fresh=True)
-                    return await self._exchange(request.method, node, stream, data)
+                    return await self._exchange(verb, node, stream, data)
         except NodeUnreachable:
             raise
         except Exception as exc:  # noqa: BLE001 - whatever broke the answer, the client hears which node

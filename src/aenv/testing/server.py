@@ -9,7 +9,7 @@ import ssl
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -40,6 +40,7 @@ class Server:
     log_path: Path
     env: dict[str, str]
     ca: Path | None = None  # the CA of an HTTPS server's certificate
+    node_state_dirs: dict[str, Path] = field(default_factory=dict)  # a gateway's: each node's, by node ID
 
     def log_tail(self, n: int = 60) -> str:
         try:

@@ -144,6 +144,7 @@ def test_lease_bad_input_names_the_field(client: TestClient, body: dict[str, obj
 def test_unknown_lease_is_refused_at_create(client: TestClient) -> None:
     resp = client.post("/v2/sandboxes", json={"templateID": "base", "metadata": {LEASE_KEY: "nosuchlease"}})
     assert resp.status_code == 400 and LEASE_KEY in resp.json()["message"], resp.text
+    assert resp.json()["reason"] == "lease_unknown"  # a gateway tries another node on it
     assert client.get("/aenv/leases/nosuchlease").status_code == 404
     assert client.post("/aenv/leases/nosuchlease/heartbeat").status_code == 404
 
@@ -184,3 +185,15 @@ def test_metrics_count_events_and_refusals_by_run(client: TestClient, settings: 
     assert 'aenv_run_sandboxes{run="r8",state="running"} 1' in text
     assert 'aenv_run_creates_refused_total{run="r9",reason="capacity"} 1' in text
     assert 'aenv_run_sandboxes{run="r\\"7"' not in text
+
+
+def test_a_gateway_names_the_lease_it_makes_on_every_node(client: TestClient) -> None:
+    """``X-Aenv-Lease-Id``: the same lease ID on each node; taken twice is a 409, a bad one a 400."""
+    made = client.post("/aenv/leases", json={"ttl": 30}, headers={"X-Aenv-Lease-Id": "gwlease0000000000001"})
+    assert made.status_code == 201 and made.json()["leaseID"] == "gwlease0000000000001", made.text
+    sid = _create(client, metadata={LEASE_KEY: "gwlease0000000000001"})
+    assert client.get("/aenv/leases/gwlease0000000000001").json()["sandboxes"] == 1 and sid
+    again = client.post("/aenv/leases", json={"ttl": 30}, headers={"X-Aenv-Lease-Id": "gwlease0000000000001"})
+    assert again.status_code == 409, again.text
+    bad = client.post("/aenv/leases", json={"ttl": 30}, headers={"X-Aenv-Lease-Id": "../x"})
+    assert bad.status_code == 400 and "lease id" in bad.json()["message"], bad.text

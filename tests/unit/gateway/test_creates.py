@@ -117,3 +117,14 @@ async def test_an_unknown_template_is_the_nodes_404() -> None:
     gw, fwd = _gateway({n: (404, {"code": 404, "message": "template 'nope' not found"}) for n in ("n1", "n2", "n3")})
     r = await gw.create(_request({"templateID": "nope"}))
     assert r.status_code == 404 and fwd.sent == ["n1"]
+
+
+async def test_a_node_without_the_creates_lease_is_skipped() -> None:
+    """A node that was down when the lease was made does not hold it: the create goes to one that does."""
+    unknown = (400, {"code": 400, "message": "no lease", "reason": "lease_unknown"})
+    gw, fwd = _gateway({"n1": unknown, "n2": (201, {"sandboxID": "sbx2"}), "n3": (201, {})})
+    r = await gw.create(_request({"templateID": "base", "metadata": {"aenv.lease": "l1"}}))
+    assert r.status_code == 201 and fwd.sent == ["n1", "n2"]
+    gw, fwd = _gateway({"n1": unknown, "n2": unknown, "n3": unknown})
+    r = await gw.create(_request({"templateID": "base"}))
+    assert r.status_code == 400 and json.loads(r.body)["reason"] == "lease_unknown" and len(fwd.sent) == 3
