@@ -11,6 +11,8 @@ the same id once its own node is declared dead.
   head; a kill of the sandbox takes the snapshots it published out of the store (those this server
   process published: a restart forgets them, and the store keeps them); on an adopting node, also the
   snapshot it was adopted from (listed there as a snapshot until then).
+  A sandbox that mounts volumes is not published: the volumes stay on its node, and a copy elsewhere
+  would run without them; lost with its node, it answers the 404 naming that node.
 * **Withdraw.** A resume here (connect, autoResume) withdraws the published pause: the state it names is
   stale from then on. A publish that finishes after a resume, or after a later pause, records nothing.
 * **Adopt.** ``adopt`` (the gateway's ``connect``/``resume`` of a sandbox lost with its node) fetches the
@@ -68,6 +70,9 @@ class PauseHandover:
     def on_event(self, event: str, row: SandboxRow, extra: dict[str, str]) -> None:
         """An orchestrator hook (must not block): a pause keeping memory is published, a resume withdraws."""
         if event == "paused" and row.pause_mode is SnapshotMode.FULL and row.paused_at is not None:
+            if row.volume_mounts:  # its volumes live on this node: elsewhere it would run without them
+                log.info("sandbox=%s: its pause is not published (it mounts volumes, which stay on this node)", row.id)
+                return
             task = asyncio.get_running_loop().create_task(self._publish(row.id, row.paused_at),
                                                           name=f"aenv-pause-publish-{row.id}")  # fmt: skip
             self._tasks[row.id] = task

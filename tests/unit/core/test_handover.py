@@ -55,6 +55,16 @@ async def test_a_resume_withdraws_and_a_files_only_pause_publishes_nothing() -> 
     assert directory.withdrawn == ["sbx1"]
 
 
+async def test_a_pause_of_a_sandbox_with_volumes_is_not_published() -> None:
+    """Its volumes stay on its node: a copy adopted elsewhere would run without them."""
+    h = _handover(Directory())
+    h.on_event("paused", _row(pause_mode=SnapshotMode.FULL, paused_at=1.0, volume_mounts=[{"name": "v", "path": "/d"}]), {})
+    assert h._tasks == {}
+    h.on_event("paused", _row(pause_mode=SnapshotMode.FULL, paused_at=1.0), {})
+    assert list(h._tasks) == ["sbx1"]
+    h._tasks["sbx1"].cancel()
+
+
 class Published(Directory):
     def __init__(self) -> None:
         super().__init__()
