@@ -116,8 +116,30 @@ def tls_server(tmp_path_factory: pytest.TempPathFactory, runtime_name: str) -> I
         discard_vm_state(srv.state_dir)
 
 
-def test_the_sdk_with_only_e2b_domain_over_https(tls_server: tuple[Server, str]) -> None:
-    srv, domain = tls_server
+@pytest.fixture(scope="module")
+def tls_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, str]]:
+    """``aenv gateway --tls-cert --tls-key`` in front of one plain-HTTP node: the same E2B_DOMAIN client."""
+    from aenv.testing.gateway import start_gateway, stop_gateway
+
+    if os.geteuid() != 0 or shutil.which("openssl") is None:
+        pytest.skip("needs root (the ns runtime) and the openssl command (the test's CA)")
+    tmp = tmp_path_factory.mktemp("aenv-tls-gateway")
+    tls = make_tls(tmp, ["aenv.localhost", "*.aenv.localhost", "localhost"])
+    node = start_server(tmp_path_factory.mktemp("aenv-tls-node"), "ns")
+    try:
+        port = free_port()
+        gw = start_gateway(tmp, [node.url], port=port, tls=tls)
+        try:
+            yield gw, f"aenv.localhost:{port}"
+        finally:
+            stop_gateway(gw)
+    finally:
+        stop_server(node)
+
+
+@pytest.mark.parametrize("endpoint", ["tls_server", "tls_gateway"])
+def test_the_sdk_with_only_e2b_domain_over_https(endpoint: str, request: pytest.FixtureRequest) -> None:
+    srv, domain = request.getfixturevalue(endpoint)
     assert srv.ca is not None
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root"),

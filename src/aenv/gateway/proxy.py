@@ -14,6 +14,7 @@ import logging
 
 from aenv.api.proxy import SandboxProxy
 from aenv.api.proxy.codec import ASGIApp, Receive, Scope, Send
+from aenv.api.proxy.connect_end import CLIENT_H2_HEADER
 from aenv.api.proxy.pool import UpstreamPool
 from aenv.api.proxy.routing import json_error, respond, route, route_signed_files_url, sandbox_error
 from aenv.api.proxy.websocket import deny
@@ -116,6 +117,12 @@ class GatewayProxy(SandboxProxy):
             await self._proxy_http(scope, receive, send, sandbox_id, port)
         else:
             await self._proxy_websocket(scope, receive, send, sandbox_id, port)
+
+    def _client_h2(self, scope: Scope) -> tuple[Scope, bool]:
+        """The node is told the client speaks HTTP/2: it then cuts a broken stream, which this side resets."""
+        if scope.get("http_version") != "2":
+            return scope, False
+        return {**scope, "headers": [*scope["headers"], (CLIENT_H2_HEADER, b"1")]}, True
 
     def _ingress(self, scope: Scope, sandbox_id: str, port: int) -> tuple[Scope, tuple[int, bytes] | None]:
         """Nothing to check here: the node applies the sandbox's inbound rules to what it is relayed."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import ssl
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 import httpx
 
 from aenv.cluster.procs import stop_process
-from aenv.testing.server import API_KEY, Server, free_port, start_server, stop_server, wait_healthy
+from aenv.testing.server import API_KEY, Server, Tls, free_port, start_server, stop_server, wait_healthy
 
 KEY = {"X-API-KEY": API_KEY}
 
@@ -94,19 +95,25 @@ def wait_for(cond: Callable[[], bool], timeout: float = 60.0) -> None:
     raise AssertionError("condition not met in time")
 
 
-def start_gateway(tmp: Path, node_urls: list[str], extra_env: dict[str, str] | None = None) -> Server:
-    """A gateway on a free port of 127.0.0.1, probing its nodes every 0.2 s; returns once it answers
-    ``/health`` (its nodes were probed once by then)."""
-    port = free_port()
+def start_gateway(
+    tmp: Path, node_urls: list[str], extra_env: dict[str, str] | None = None, port: int | None = None,
+    tls: Tls | None = None,
+) -> Server:  # fmt: skip
+    """A gateway on a free port of 127.0.0.1 (HTTPS with ``tls``), probing its nodes every 0.2 s; returns
+    once it answers ``/health`` (its nodes were probed once by then)."""
+    port = port or free_port()
     log_path = tmp / "gateway.log"
     env = {**os.environ, **(extra_env or {})}
     argv = [sys.executable, "-m", "aenv.cli.main", "gateway", "--port", str(port), "--probe-interval", "0.2"]
     for url in node_urls:
         argv += ["--node", url]
+    if tls is not None:
+        argv += ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key)]
     with log_path.open("ab") as log:
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    gw = Server(f"http://127.0.0.1:{port}", tmp, proc, log_path, env)
-    if wait_healthy(gw, 60, "aenv gateway"):
+    gw = Server(f"{'https' if tls else 'http'}://127.0.0.1:{port}", tmp, proc, log_path, env, tls.ca if tls else None)
+    verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(tls.ca)) if tls else True
+    if wait_healthy(gw, 60, "aenv gateway", verify):
         return gw
     stop_gateway(gw)
     raise RuntimeError(f"aenv gateway did not become healthy:\n{gw.log_tail()}")

@@ -36,7 +36,7 @@ from .codec import (
     parse_response_head,
     request_head,
 )
-from .connect_end import ConnectStreamEnd
+from .connect_end import ConnectStreamEnd, client_speaks_h2
 from .pool import IDLE_EXPIRY, MAX_IDLE_PER_TARGET, UpstreamPool
 from .relay import _Exchange, _NoResponse, _pump_and_watch, _relay_response, start_request
 from .routing import (
@@ -133,6 +133,10 @@ class SandboxProxy:
 
         await proxy_websocket(scope, receive, send, sandbox_id, open_stream, self.upgraded, self.ws_max_message)
 
+    def _client_h2(self, scope: Scope) -> tuple[Scope, bool]:
+        """Whether the client speaks HTTP/2 (a broken stream is then reset), and the scope to relay."""
+        return client_speaks_h2(scope)
+
     async def _proxy_http(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str, port: int) -> None:
         scope, refused = self._ingress(scope, sandbox_id, port)
         if refused is not None:
@@ -142,6 +146,7 @@ class SandboxProxy:
         if tokens and tokens != [b"h2c"]:
             await respond(send, *upgrade_refusal(tokens), close=True)
             return
+        scope, client_h2 = self._client_h2(scope)
         ender = ConnectStreamEnd(send) if ConnectStreamEnd.applies_to(scope) else None
         send = ender or send
         started = await start_request(scope, receive)
@@ -189,7 +194,7 @@ class SandboxProxy:
                     log.info("sandbox=%s proxy port=%s failed mid-response: %r", sandbox_id, port, exc)
                     # A Connect stream ends as E2B's does (connect_end.py); over HTTP/2 returning now
                     # resets the stream (cli/tls_serve.py), the transport failure every SDK probes on.
-                    if ender is not None and scope.get("http_version") != "2":
+                    if ender is not None and not client_h2:
                         await ender.end_unavailable(f"the connection to sandbox {sandbox_id} ended before "
                                                     "the stream completed")
             else:

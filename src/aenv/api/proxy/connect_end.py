@@ -10,7 +10,9 @@ Connect streaming call, passes every message on, and follows the envelopes of th
 (1 flag byte, 4-byte big-endian length, payload), so it can tell whether the body stopped between two
 envelopes: only then can an end-of-stream envelope follow (mid-envelope, the connection is cut as
 before). Over HTTP/2 the proxy uses none of this: the stream is reset instead (``cli/tls_serve.py``), the
-transport failure on which every SDK version probes (2.45, for one, probes on nothing else).
+transport failure on which every SDK version probes (2.45, for one, probes on nothing else). Behind a
+gateway the client's HTTP/2 is the gateway's to see: it says so with ``X-Aenv-Client-H2`` (taken off the
+request here), so the node cuts its connection to the gateway and the gateway resets the client's stream.
 """
 
 from __future__ import annotations
@@ -23,6 +25,17 @@ from .codec import Message, Scope, Send
 CONNECT_STREAM = b"application/connect+json"
 _END_STREAM = 0x02
 _PREFIX = 5
+
+
+CLIENT_H2_HEADER = b"x-aenv-client-h2"  # set by a gateway whose client speaks HTTP/2
+
+
+def client_speaks_h2(scope: Scope) -> tuple[Scope, bool]:
+    """Whether the client is on HTTP/2 (here, or at the gateway that relays it), and the scope without
+    the gateway's header."""
+    if not any(k == CLIENT_H2_HEADER for k, _ in scope["headers"]):
+        return scope, scope.get("http_version") == "2"
+    return {**scope, "headers": [(k, v) for k, v in scope["headers"] if k != CLIENT_H2_HEADER]}, True
 
 
 def _is_connect_stream(headers: Any) -> bool:

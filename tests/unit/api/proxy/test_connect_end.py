@@ -102,3 +102,19 @@ async def test_envelopes_are_followed_across_any_split() -> None:
                 assert not await ender.end_unavailable("not between two envelopes")
         assert await ender.end_unavailable("gone")
         assert sent[-1]["more_body"] is False and not await ender.end_unavailable("twice")
+
+
+def test_a_gateways_h2_client_is_seen_and_its_header_taken_off() -> None:
+    """HTTP/2 at the node itself, or at the gateway that says so: a broken stream is then reset, not ended
+    with ``unavailable``; the gateway's header does not reach the sandbox."""
+    from aenv.api.proxy.connect_end import CLIENT_H2_HEADER, client_speaks_h2
+    from aenv.gateway.proxy import GatewayProxy
+
+    plain = {"type": "http", "http_version": "1.1", "headers": [(b"host", b"x")]}
+    assert client_speaks_h2(plain) == (plain, False)
+    assert client_speaks_h2({**plain, "http_version": "2"})[1] is True
+    relayed, h2 = client_speaks_h2({**plain, "headers": [(b"host", b"x"), (CLIENT_H2_HEADER, b"1")]})
+    assert h2 and relayed["headers"] == [(b"host", b"x")]
+    told, h2 = GatewayProxy._client_h2(None, {**plain, "http_version": "2"})  # type: ignore[arg-type]
+    assert h2 and (CLIENT_H2_HEADER, b"1") in told["headers"]
+    assert GatewayProxy._client_h2(None, plain) == (plain, False)  # type: ignore[arg-type]
