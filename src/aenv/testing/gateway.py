@@ -14,16 +14,27 @@ from pathlib import Path
 import httpx
 
 from aenv.cluster.procs import stop_process
-from aenv.testing.server import API_KEY, Server, Tls, free_port, start_server, stop_server, wait_healthy
+from aenv.testing.server import (
+    API_KEY,
+    Server,
+    Tls,
+    discard_vm_state,
+    free_port,
+    start_server,
+    stop_server,
+    wait_healthy,
+)
 
 KEY = {"X-API-KEY": API_KEY}
 
 
 class NodeCluster:
-    """``count`` ns nodes on free ports of 127.0.0.1, each with its own state dir under ``tmp``, and the
-    gateway a test starts in front of them (``gateway``)."""
+    """``count`` nodes on free ports of 127.0.0.1, each with its own state dir under ``tmp``, and the
+    gateway a test starts in front of them (``gateway``). The runtime is ``runtime``, else
+    ``AENV_TEST_RUNTIME`` (ns by default): a cluster test can be run on vm by hand."""
 
-    def __init__(self, tmp: Path, count: int, node_env: dict[str, str]) -> None:
+    def __init__(self, tmp: Path, count: int, node_env: dict[str, str], runtime: str | None = None) -> None:
+        self.runtime = runtime or os.environ.get("AENV_TEST_RUNTIME", "ns")
         self.tmp = tmp
         self.node_env = node_env
         self.ports = [free_port() for _ in range(count)]
@@ -36,7 +47,7 @@ class NodeCluster:
     def start_node(self, i: int) -> Server:
         d = self.tmp / f"n{i + 1}"
         d.mkdir(exist_ok=True)
-        node = start_server(d, "ns", self.env_of(i), port=self.ports[i])
+        node = start_server(d, self.runtime, self.env_of(i), port=self.ports[i])
         self.nodes[i] = node
         return node
 
@@ -66,6 +77,8 @@ class NodeCluster:
             for sid in self.ids_on(i):
                 httpx.delete(f"{self.url(i)}/sandboxes/{sid}", headers=KEY, trust_env=False)
             stop_server(node)
+            if self.runtime == "vm":
+                discard_vm_state(node.state_dir)  # QEMUs a killed node left, its template RAM in /dev/shm
 
 
 @contextlib.contextmanager
