@@ -118,18 +118,36 @@ def _sha256_file(path: Path) -> str:
     return "sha256:" + h.hexdigest()
 
 
+TAR_FILE_CHANGED = 1  # GNU tar --create: "file changed as we read it"
+PACK_ATTEMPTS = 3
+
+
 def pack_dir(src: Path, dest: Path) -> None:
-    """tar+zstd a directory (numeric owners, xattrs, sparse files) into ``dest``."""
-    with dest.open("wb") as out:
-        tar = subprocess.Popen(
-            [*_TAR_DETERMINISTIC, "-C", str(src), "-cf", "-", "."],
-            stdout=subprocess.PIPE,
-        )
+    """tar+zstd a directory (numeric owners, xattrs, sparse files) into ``dest``.
+
+    A file whose inode changed while tar read it makes tar exit 1 and the archive is not trusted. CRIU
+    page images do that without any byte changing: a later snapshot of the same sandbox hard-links them
+    (``runtime/ns/image_links.py``), which changes their ctime. So that exit is tried again (twice, the
+    linking takes milliseconds); any other failure, or a third one, is raised."""
+    for attempt in range(1, PACK_ATTEMPTS + 1):
+        tar_status, zstd_status, why = _pack_once(src, dest)
+        if tar_status == 0 and zstd_status == 0:
+            return
+        if tar_status != TAR_FILE_CHANGED or zstd_status != 0 or attempt == PACK_ATTEMPTS:
+            raise OSError(f"packing {src} failed (tar {tar_status}, zstd {zstd_status}){': ' + why if why else ''}")
+        time.sleep(0.1 * attempt)
+
+
+def _pack_once(src: Path, dest: Path) -> tuple[int, int, str]:
+    with dest.open("wb") as out, tempfile.TemporaryFile() as err:  # a file: a pipe could fill and block tar
+        tar = subprocess.Popen([*_TAR_DETERMINISTIC, "-C", str(src), "-cf", "-", "."], stdout=subprocess.PIPE,
+                               stderr=err)  # fmt: skip
         assert tar.stdout is not None
         zstd = subprocess.run(["zstd", "-q", "-T0", "-3", "-c"], stdin=tar.stdout, stdout=out, check=False)
         tar.stdout.close()
-        if tar.wait() != 0 or zstd.returncode != 0:
-            raise OSError(f"packing {src} failed (tar {tar.returncode}, zstd {zstd.returncode})")
+        status = tar.wait()
+        err.seek(0)
+        return status, zstd.returncode, err.read().decode(errors="replace").strip()[-300:]
 
 
 def unpack_dir(archive: Path, dest: Path) -> None:

@@ -96,3 +96,33 @@ async def test_a_file_and_its_hard_links_are_hashed_once(
     base.write_bytes(b"other")
     c = await repo.put_layer("base.ram", base)
     assert c.digest != a.digest and len(hashed) == 2
+
+
+def test_a_pack_whose_files_changed_inode_is_taken_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tar's exit 1 (a later snapshot hard-linked a page image mid-read: its ctime changed) packs again;
+    any other failure, or the third exit 1, is raised."""
+    from aenv.snapshots import repository
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "pages-1.img").write_bytes(b"p" * 4096)
+    real = repository._pack_once
+    results = iter([(1, 0, "file changed as we read it")])
+    calls: list[int] = []
+
+    def flaky(s: Path, d: Path) -> tuple[int, int, str]:
+        calls.append(1)
+        return next(results, None) or real(s, d)
+
+    monkeypatch.setattr(repository, "_pack_once", flaky)
+    repository.pack_dir(src, tmp_path / "a.tar.zst")
+    assert len(calls) == 2
+    repository.unpack_dir(tmp_path / "a.tar.zst", tmp_path / "out")
+    assert (tmp_path / "out" / "pages-1.img").read_bytes() == b"p" * 4096
+
+    monkeypatch.setattr(repository, "_pack_once", lambda s, d: (1, 0, "file changed as we read it"))
+    with pytest.raises(OSError, match="tar 1"):
+        repository.pack_dir(src, tmp_path / "b.tar.zst")
+    monkeypatch.setattr(repository, "_pack_once", lambda s, d: (2, 0, "Cannot open: Permission denied"))
+    with pytest.raises(OSError, match="Permission denied"):
+        repository.pack_dir(src, tmp_path / "c.tar.zst")
