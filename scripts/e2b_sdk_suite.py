@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -182,6 +183,8 @@ def main() -> int:
             print(f"xfail {','.join(where)}\t{node}\t{why}")
         return 0
     args.pytest_args = args.pytest_args or ["tests"]
+    # SIGTERM unwinds like Ctrl-C, so the server or cluster (namespaces, Ray, Redis) is taken down.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)
         return run_suite(args, args.keep)

@@ -62,8 +62,10 @@ def _down(skipped: list[Node]) -> dict[str, str]:
 
 
 async def _every_node(request: Request, body: bytes | None = None, **kw: Any) -> tuple[list[Relayed], list[Node]] | Response:
-    """The request on every live node, in node order; a node that cannot be reached is an error naming it."""
+    """The request on every live node, in node order; a node that cannot be reached is an error naming it.
+    The body is read once, before: concurrent reads of one HTTP/2 request's body wait forever."""
     gw = _gw(request)
+    body = await request.body() if body is None else body
     up = sorted(gw.nodes.up(), key=lambda n: n.id)
     if not up:
         return gw.none_up(set())

@@ -4,6 +4,7 @@ upload link carries each node's token and its PUT reaches each, and the status i
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -97,3 +98,32 @@ async def test_a_failed_node_fails_the_status_naming_it() -> None:
                  "n3": (404, {"message": "no such build"})})  # fmt: skip
     body = json.loads(bytes((await builds.build_status(_request(gw, "GET", "/s"), "t1", "b1")).body))
     assert body["status"] == "error" and body["reason"] == {"message": "node n2: step 2 failed", "step": "2"}
+
+
+async def test_every_node_gets_the_body_read_once() -> None:
+    """An HTTP/2 request's body read by several relays at once waits forever (seen: a build's start
+    through an HTTPS gateway hung): ``_every_node`` reads it first and hands each relay the bytes."""
+    import asyncio
+
+    reads: list[int] = []
+
+    async def receive() -> dict[str, Any]:
+        reads.append(1)
+        if len(reads) > 1:
+            await asyncio.sleep(3600)  # what a second read of an HTTP/2 body does
+        await asyncio.sleep(0.01)  # the body arrives a little later: other relays ask meanwhile
+        return {"type": "http.request", "body": b'{"steps": []}', "more_body": False}
+
+    sent: list[bytes | None] = []
+
+    class Forwarder:
+        async def send(self, request: Any, node: Any, body: bytes | None = None, **_: Any) -> Any:
+            sent.append(body if body is not None else await request.body())
+            return builds.Relayed(202, [], b"{}", node)
+
+    nodes = [SimpleNamespace(id=f"n{i}") for i in (1, 2, 3)]
+    gw = SimpleNamespace(nodes=SimpleNamespace(up=lambda: nodes, down=lambda: []), forwarder=Forwarder())
+    scope = {"type": "http", "method": "POST", "path": "/v2/templates/t/builds/b", "headers": [], "query_string": b"",
+             "app": SimpleNamespace(state=SimpleNamespace(gateway=gw))}  # fmt: skip
+    answers, _ = await asyncio.wait_for(builds._every_node(Request(scope, receive)), 5)  # type: ignore[misc]
+    assert sent == [b'{"steps": []}'] * 3 and len(answers) == 3
