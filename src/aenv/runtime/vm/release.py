@@ -196,6 +196,9 @@ class Releaser:
         """A new QEMU from a released sandbox's saved state, paused (``run=False``) or running.
         The state files are removed only once the VM is back; on failure it stays released."""
         rel = self.table.released[sandbox_id]
+        marker = json.loads(rel.marker.read_text()) if rel.marker.is_file() else None
+        if marker is not None:  # e.g. QEMU upgraded while it was released: refused before a QEMU starts
+            compat.check(marker, self.machine(), f"the paused state of sandbox '{sandbox_id}'", sandbox_id=sandbox_id)
         tpl = await self.templates.by_key(rel.template_key)
         top = run_paths(rel.run_dir)["root"]
         if rel.disk_generation:
@@ -204,11 +207,8 @@ class Releaser:
         base = replace(base, drives=tuple(replace(d, path=top) if d.serial == "root" else d for d in base.drives))
         t0 = time.perf_counter()
         keep = [*rel.run_dir.glob("root*.qcow2"), *(p for p in rel.files() if p.exists())]
-        if rel.marker.is_file():
+        if marker is not None:
             devices, layer, base_image = (rel.run_dir / n for n in RELEASED_FILES)
-            marker = json.loads(rel.marker.read_text())
-            # e.g. QEMU was upgraded while it was released: refused before a QEMU starts; it stays released
-            compat.check(marker, self.machine(), f"the paused state of sandbox '{sandbox_id}'", sandbox_id=sandbox_id)
             ram = await self.templates.frozen_ram(str(marker["ram_id"]), base_image)
             machine = await spawn_on_frozen_ram(base, ram, rel.run_dir)
             try:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from aenv.errors import MachineMismatch
 from aenv.machine_key import compatible, describe, parse
 from aenv.runtime.vm import compat
+from aenv.runtime.vm.release import Releaser
+from aenv.runtime.vm.table import Released, VmTable
 
 CPUINFO = "processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu sse2 avx2\n\nprocessor\t: 1\nmodel name\t: AMD EPYC 7B13\n"
 
@@ -63,3 +67,29 @@ def test_check_refuses_another_machine_naming_both() -> None:
     assert info.value.recorded == other and info.value.here == here
     assert "snapshot 's1'" in info.value.message
     assert describe(other) in info.value.message and describe(here) in info.value.message
+
+
+class _Templates:
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    async def by_key(self, key: str) -> Any:
+        self.asked.append(key)
+        raise RuntimeError("reached the template: the check passed")
+
+
+async def test_a_released_pause_of_another_machine_stays_released(tmp_path: Path) -> None:
+    here = {"accel": "tcg", "cpu": "max", "qemu": "7.2"}
+    table, templates = VmTable(), _Templates()
+    releaser = Releaser(table, templates, tmp_path, 60.0, 0.0, machine=lambda: here)  # type: ignore[arg-type]
+    rel = Released("b", tmp_path / "b", "t-key", 0, False)
+    rel.run_dir.mkdir()
+    table.released["b"] = rel
+    rel.marker.write_text(json.dumps({"ram_id": "r", "mem_chain": [], "machine": {**here, "qemu": "8.0"}}))
+    with pytest.raises(MachineMismatch) as info:
+        await releaser.load_locked("b", run=True)
+    assert "sandbox 'b'" in info.value.message and templates.asked == [] and "b" in table.released
+    for marker in ({"ram_id": "r", "mem_chain": [], "machine": here}, {"ram_id": "r"}):  # its own, or none
+        rel.marker.write_text(json.dumps(marker))
+        with pytest.raises(RuntimeError, match="check passed"):
+            await releaser.load_locked("b", run=True)
