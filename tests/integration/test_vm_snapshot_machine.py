@@ -51,7 +51,7 @@ async def test_a_snapshot_of_another_machine_is_refused_before_anything_starts(
         await rt.rollback("src", _spec(tmp_path, "src", tpl), snap, other)
     assert "kid" not in rt.table.running and not (rt.run_root / "kid").exists()
     await asyncio.to_thread(_no_qemu_under, rt.run_root / "kid")
-    assert rt.sandbox("src") is src and await _health(rt, "src") == 200  # the rollback ended nothing
+    assert rt.sandbox("src") is src and await _health(rt, "src") in (200, 204)  # the rollback ended nothing
     # the record alone made the difference: the snapshot as taken restores
     await rt.create_from_snapshot(_spec(tmp_path, "kid", tpl), snap, result)
-    assert await _health(rt, "kid") == 200
+    assert await _health(rt, "kid") in (200, 204)
