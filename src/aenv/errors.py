@@ -11,6 +11,7 @@ maps them to E2B-shaped HTTP errors, and nothing here knows about HTTP.
     ├── InvalidRequest           input that passed schema validation but makes no sense
     ├── StateError               action not allowed in the current lifecycle state (e.g. pause a paused sandbox)
     ├── Conflict                 a concurrent transition owns the object (e.g. killing)
+    │   └── MachineMismatch      saved VM state taken on another machine (CPU model, QEMU): 409 reason machine
     ├── CapacityError            admission control refused: too many sandboxes or starts at once
     ├── RuntimeFailure           the runtime could not do what was asked (spawn, mount, QEMU, ...)
     │   └── SandboxUnreachable   the sandbox runs but its agent/envd did not answer
@@ -84,6 +85,17 @@ class StateError(AenvError):
 
 class Conflict(AenvError):
     pass
+
+
+class MachineMismatch(Conflict):
+    """A saved VM state (snapshot, pause) cannot be restored here: it was taken on another machine
+    (``aenv.machine_key``: accelerator, CPU model, QEMU). Raised before anything starts; both records
+    travel to the client, so a gateway can send it to a node that matches."""
+
+    def __init__(self, message: str, recorded: dict[str, str], here: dict[str, str] | None, **context: Any) -> None:
+        super().__init__(message, **context)
+        self.recorded = recorded
+        self.here = here
 
 
 class CapacityError(AenvError):

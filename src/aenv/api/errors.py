@@ -80,6 +80,8 @@ def install(app: FastAPI) -> None:
         elif isinstance(exc, e.StoreUnavailable):
             headers = {"Retry-After": str(max(1, round(exc.retry_after)))}
             extra["reason"] = "store_unavailable"
+        elif isinstance(exc, e.MachineMismatch):  # where it can go instead: a node whose machine is this one
+            extra.update(reason="machine", snapshotMachine=exc.recorded, nodeMachine=exc.here)
         elif isinstance(exc, e.GuestUnresponsive):
             headers = {"Should-Retry": "false"}  # the SDK would retry a 503; the guest decides, not load
         if isinstance(why := getattr(exc, "reason", None), str):

@@ -16,6 +16,7 @@ from aenv.api.models import _Body
 from aenv.api.serialize import iso
 from aenv.core.orchestrator import Orchestrator
 from aenv.errors import AenvError
+from aenv.machine_key import parse as machine_record
 from aenv.store.sqlite import SnapshotRow
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -50,6 +51,8 @@ def snapshot_json(row: SnapshotRow, orch: Orchestrator, detail: bool = False) ->
     result = orch.snapshot_result(row)
     if result.paused_ms is not None:
         out["pausedMs"] = result.paused_ms  # aenv: how long the sandbox was stopped to take it
+    if (machine := machine_record(result.data.get("machine"))) is not None:
+        out["machine"] = machine  # aenv (vm): where it restores; a gateway places its creates by it
     if "incremental" in result.data:
         out["incremental"] = result.data["incremental"]  # aenv: what it shares with the previous full snapshot
     # aenv: the runtime is still writing its files (usable already; sizeBytes is final once false)

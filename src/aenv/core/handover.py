@@ -158,6 +158,7 @@ class PauseHandover:
         if snap is None:
             raise StateError(f"sandbox '{sandbox_id}': its published pause (snapshot {pause.snapshot_id}) is not in "
                              "the snapshot store", sandbox_id=sandbox_id)  # fmt: skip
+        orch.snapshots.check_restorable(snap)  # another machine's: refused before the binding is taken
         template = ctx.templates.resolve(snap.id)
         try:
             await asyncio.to_thread(self.directory.adopt, pause)

@@ -35,6 +35,7 @@ from aenv.core.context import Context
 from aenv.core.fleet import KillReport, kill_matching
 from aenv.core.ids import new_id, new_token
 from aenv.core.models import CreateRequest, ListQuery, SandboxState, require_state
+from aenv.core.node_facts import placement_facts
 from aenv.core.recovery import recover
 from aenv.core.snapshots import SnapshotFlows, result_of
 from aenv.core.sync import SnapshotSync
@@ -485,8 +486,8 @@ class Orchestrator:
                     sbx.samples.append(await self.runtime.metrics(sbx.id))
 
     def stats(self) -> dict[str, Any]:
-        return {"sandboxes": self.table.counts_by_state(), "starting": self.admission.starting,
-                "waiting": self.admission.waiting, "runtime": self.runtime.name}
+        return {"sandboxes": self.table.counts_by_state(), "starting": self.admission.starting, "waiting":
+                self.admission.waiting, "runtime": self.runtime.name, **placement_facts(self.runtime, self.ctx.templates)}
 
     def capabilities(self) -> dict[str, Any]:
         return {**self.runtime.capabilities(), **self.template_flows.builder.lazy.describe()}

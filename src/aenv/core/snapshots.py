@@ -31,7 +31,7 @@ from aenv.core.volumes import as_read_only
 from aenv.errors import AenvError, CapacityError, Conflict, InvalidRequest, SnapshotNotFound, StateError
 from aenv.faults import fault_point
 from aenv.kinds import SandboxState, SnapshotMode, TemplateKind
-from aenv.runtime.base import UNFINISHED_MARKER, SnapshotCapable, SnapshotResult
+from aenv.runtime.base import UNFINISHED_MARKER, MachineBound, SnapshotCapable, SnapshotResult
 from aenv.store.sqlite import SnapshotRow, TemplateRow, now
 
 log = logging.getLogger("aenv.core")
@@ -268,10 +268,19 @@ class SnapshotFlows:
 
     # ---- start from snapshot --------------------------------------------------------------------
     def snapshot_for_template(self, template_id: str) -> SnapshotRow | None:
+        """The snapshot a create from this template restores, checked restorable here (see below)."""
         tpl = self.store.get_template(template_id)
         if tpl is None or tpl.kind is not TemplateKind.SNAPSHOT:
             return None
-        return self.get(snapshot_id_of(tpl))
+        return self.check_restorable(self.get(snapshot_id_of(tpl)))
+
+    def check_restorable(self, row: SnapshotRow) -> SnapshotRow:
+        """``row``, unless its saved state was taken on another machine than this node's (vm: CPU model,
+        QEMU): then ``MachineMismatch``, before anything is stored or started."""
+        rt = self.ctx.runtime
+        if isinstance(rt, MachineBound):
+            rt.check_restore(f"snapshot '{row.id}'", result_of(row))
+        return row
 
     # ---- fork -----------------------------------------------------------------------------------
     async def fork(self, sandbox_id: str, count: int, timeout: int | None) -> list[LiveSandbox | AenvError]:
@@ -360,7 +369,7 @@ class SnapshotFlows:
     async def rollback(self, sandbox_id: str, snapshot_id: str) -> LiveSandbox:
         rt = self.runtime
         sbx = self.ctx.table.get(sandbox_id)
-        target = self.get(snapshot_id)
+        target = self.check_restorable(self.get(snapshot_id))
         if not Path(target.dir).is_dir():  # files lost here: fetch them back from the repository
             target = await self.sync.fetch(target.id) or target
         async with sbx.lock:

@@ -1,7 +1,10 @@
 """The gateway's control plane: E2B's REST routes, each sent to the node it concerns.
 
 - creates go through placement (``placement.py``): a node that cannot be connected to, or that refuses
-  for capacity (429 ``reason: capacity``: nothing was created), is skipped and the next one tried;
+  for capacity (429 ``reason: capacity``: nothing was created), is skipped and the next one tried; a
+  node with a warm sandbox of the template is preferred; a vm snapshot goes only to nodes of the machine
+  it was taken on, once the gateway knows it (``machines.py``: from the answers it relayed, or from a
+  node's 409 ``reason: machine``, after which another node of that machine is tried);
 - every route about one sandbox (``/sandboxes/{id}/…``, ``/v2/sandboxes/{id}/…``: connect, pause, resume,
   timeout, snapshots, fork, rollback, network, metrics, kill) goes to its owner; fork children and
   snapshots are bound to the node that made them, as the answer names them; a connect or resume of a
@@ -34,12 +37,13 @@ from fastapi.responses import JSONResponse, Response
 from aenv import __version__
 from aenv.api.auth import require_api_key
 from aenv.api.errors import error_response
-from aenv.gateway import placement
+from aenv.gateway import machines, placement
 from aenv.gateway.directory import GatewayError, Locator, OwnerDown
 from aenv.gateway.forward import Forwarder, NodeUnreachable, Relayed
 from aenv.gateway.listing import Positions, merge_page
 from aenv.gateway.nodes import Node, NodeSet
 from aenv.gateway.volumes import mount_home
+from aenv.machine_key import MachineKey
 
 log = logging.getLogger("aenv.gateway")
 
@@ -59,20 +63,25 @@ class Gateway:
         self.forwarder = forwarder
         self.rng = rng or random.Random()
         self.on_created: list[Callable[[str], None]] = []  # a sandbox made through this gateway (create, fork)
+        self.machines = machines.SnapshotMachines()  # the machine a snapshot restores on, where known
 
     # ---- creates ----------------------------------------------------------------------------
-    def place(self, exclude: set[str], template: str | None, key: str | None, pinned: Node | None = None) -> Node | None:
+    def place(self, exclude: set[str], template: str | None, key: str | None, pinned: Node | None = None,
+              machine: MachineKey | None = None) -> Node | None:  # fmt: skip
+        """Where a create goes, among live nodes not in ``exclude`` and of ``machine`` (a vm snapshot's)."""
         if pinned is not None:  # where the create's volumes are: that node or none
-            return pinned if pinned.up and pinned.id not in exclude else None
-        candidates = [n for n in self.nodes.up() if n.id not in exclude]
+            return pinned if pinned.up and pinned.id not in exclude and machines.fits(machine, pinned) else None
+        candidates = [n for n in self.nodes.up() if n.id not in exclude and machines.fits(machine, n)]
         if not candidates:
             return None
         home = self.locator.snapshot_home(template) if template else None
         if home is not None and home in candidates:
             return home  # create-from-snapshot where the snapshot's files are
         pairs = [(n.id, n.load) for n in candidates]
-        chosen = placement.by_key(pairs, key) if key else placement.best_of_k(pairs, self.rng)
-        return self.nodes.nodes[chosen]
+        if key:
+            return self.nodes.nodes[placement.by_key(pairs, key)]
+        warm = {n.id for n in candidates if n.warm_for(template)}
+        return self.nodes.nodes[placement.best_of_k(pairs, self.rng, warm=warm)]
 
     async def create(self, request: Request) -> Response:
         body = await request.body()
@@ -82,7 +91,8 @@ class Gateway:
         if isinstance(pinned, Response):
             return pinned
         tried: set[str] = set()
-        while (node := self.place(tried, template, key, pinned)) is not None:
+        machine = self.machines.get(template)
+        while (node := self.place(tried, template, key, pinned, machine)) is not None:
             node.inflight += 1
             try:
                 got = await self.forwarder.send(request, node, body)
@@ -91,13 +101,19 @@ class Gateway:
                 continue
             finally:
                 node.inflight -= 1
+            if machines.is_refusal(got.status, refusal := _parsed(got.body)):
+                # a vm snapshot of another machine than this node's: nothing started; one of its machine
+                log.info("node=%s cannot restore %s (another machine); trying a node of its machine", node.id, template)
+                machine = self.machines.learn_refusal(template, refusal) or machine
+                tried.add(node.id)
+                continue
             if got.status == 429 and _field(got.body, "reason") == "capacity" and self.place(tried | {node.id}, None, None,
-                                                                                          pinned):
+                                                                                          pinned, machine):
                 log.info("node=%s refused a create for capacity; trying another node", node.id)
                 tried.add(node.id)
                 continue
             if got.status == 400 and _field(got.body, "reason") == "lease_unknown" and self.place(
-                    tried | {node.id}, None, None, pinned):
+                    tried | {node.id}, None, None, pinned, machine):
                 log.info("node=%s does not hold the create's lease (down when it was made); trying another", node.id)
                 tried.add(node.id)
                 continue
@@ -113,6 +129,8 @@ class Gateway:
                 node.placed += 1
                 self.created(sid)
             return got.response()
+        if machine is not None and (live := self.nodes.up()):
+            return machines.none_fits(f"snapshot '{template}'", machine, live)
         return self.none_up(tried)
 
     def learn(self, sandbox: Any, node: Node) -> None:
@@ -172,7 +190,8 @@ class Gateway:
             return _located_error(down, reason)
         body = await request.body()
         tried = {down.node.id} if down.node is not None else set()
-        while (node := self.place(tried, None, None)) is not None:
+        machine = self.machines.get(sandbox_id)  # its published pause's, once a node said
+        while (node := self.place(tried, None, None, machine=machine)) is not None:
             node.inflight += 1
             try:
                 got = await self.forwarder.send(request, node, body, path=f"/aenv/sandboxes/{sandbox_id}/adopt")
@@ -181,6 +200,10 @@ class Gateway:
                 continue
             finally:
                 node.inflight -= 1
+            if machines.is_refusal(got.status, refusal := _parsed(got.body)):
+                machine = self.machines.learn_refusal(sandbox_id, refusal) or machine
+                tried.add(node.id)
+                continue
             if got.status in (200, 201):
                 self.learn(_parsed(got.body), node)
                 log.info("sandbox=%s lost on node %s: resumed on node %s from its published pause", sandbox_id,
@@ -189,6 +212,8 @@ class Gateway:
             elif got.status == 409 and (owner := await self._new_owner(sandbox_id, node)) is not None:
                 return (await self.forwarder.send(request, owner, body)).response()  # adopted there first
             return got.response()
+        if machine is not None and (live := self.nodes.up()):
+            return machines.none_fits(f"the published pause of sandbox '{sandbox_id}'", machine, live)
         return _located_error(down, reason)
 
     async def _new_owner(self, sandbox_id: str, refused: Node) -> Node | None:
@@ -327,6 +352,7 @@ async def snapshot(request: Request, sandbox_id: str) -> Response:
     got = await gw.to_owner(request, sandbox_id)
     if isinstance(got, Relayed) and got.status in (200, 201) and (snap := _field(got.body, "snapshotID")):
         gw.locator.remember_snapshot(snap, got.node.id)
+        gw.machines.learn_snapshot(_parsed(got.body))
     return _relay(got)
 
 
@@ -345,7 +371,10 @@ async def snapshot_scoped(request: Request, snapshot_id: str) -> Response:
     gw = gateway(request)
     try:
         node = await gw.locator.snapshot_owner(snapshot_id)
-        return (await gw.forwarder.send(request, node)).response()
+        got = await gw.forwarder.send(request, node)
+        if request.method == "GET" and got.status == 200:
+            gw.machines.learn_snapshot(_parsed(got.body))
+        return got.response()
     except GatewayError as exc:
         return _located_error(exc)
     except NodeUnreachable as exc:

@@ -5,6 +5,8 @@ state, creates starting). A refused connection marks it down at once (``mark_dow
 saw it), so creates stop going there before the next probe; only a probe that gets an answer brings it
 back. The list is fixed at start, or, with a cluster directory (``cluster.py``), follows its node
 records: a node it declares dead is ``fenced`` (down whatever its probes say) until a new incarnation.
+The report also says what placement weighs besides load (``Node.report``): the node's machine (vm: where
+its snapshots restore, ``aenv.machine_key``) and the templates it has warm sandboxes of.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+
+from aenv.machine_key import MachineKey, parse
 
 log = logging.getLogger("aenv.gateway")
 
@@ -44,6 +48,23 @@ class Node:
     placed: int = 0  # creates that succeeded since its last report (not in ``counts`` yet)
     fenced: str | None = None  # the cluster directory declared it dead (why): down whatever probes say
     incarnation: int = 0  # the directory's, in cluster mode
+    machine: MachineKey | None = None  # vm: the machine its saved state restores on (None: ns, or unknown)
+    warm: dict[str, int] = field(default_factory=dict)  # ready pool entries per template ID and alias
+
+    def report(self, info: dict[str, Any]) -> None:
+        """Take in the node's ``/aenv/info`` answer (one that carries its load)."""
+        self.counts = {str(k): int(v) for k, v in info["sandboxes"].items()}
+        self.starting = int(info.get("starting", 0))
+        self.runtime = info.get("runtime")
+        self.machine = parse(info.get("machine"))
+        warm = info.get("warm")
+        self.warm = {str(k): v for k, v in warm.items() if isinstance(v, int) and v > 0} if isinstance(warm, dict) else {}
+        self.placed = 0  # the report now counts them
+        self.reported_at = time.time()
+
+    def warm_for(self, template: str | None) -> bool:
+        """It has a sandbox of ``template`` started ahead (its create is a hand-out, not a start)."""
+        return template is not None and self.warm.get(template, 0) > 0
 
     @property
     def load(self) -> float:
@@ -61,6 +82,8 @@ class Node:
             "since": self.since,
             **({} if self.up else {"reason": self.reason}),
             "runtime": self.runtime,
+            "machine": self.machine,
+            "warm": dict(self.warm),
             "version": self.version,
             "sandboxes": dict(self.counts),
             "starting": self.starting,
@@ -135,11 +158,7 @@ class NodeSet:
             return
         info = r.json()
         if "sandboxes" in info:
-            node.counts = {str(k): int(v) for k, v in info["sandboxes"].items()}
-            node.starting = int(info.get("starting", 0))
-            node.runtime = info.get("runtime")
-            node.placed = 0  # the report now counts them
-            node.reported_at = time.time()
+            node.report(info)
         node.version = info.get("version", node.version)
         self._mark_up(node)
 

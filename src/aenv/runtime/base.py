@@ -245,3 +245,25 @@ class SnapshotCapable(Protocol):
 
     async def rollback(self, sandbox_id: str, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
         """Put the same sandbox (same ID and token) back to the snapshot's state."""
+
+
+@runtime_checkable
+class MachineBound(Protocol):
+    """Optional runtime extension: its saved state restores only on the same machine (vm: accelerator,
+    CPU model, QEMU release; ``aenv.machine_key``). Without it, state restores anywhere."""
+
+    def machine(self) -> dict[str, str] | None:
+        """This host's machine record (None until known)."""
+
+    def check_restore(self, what: str, result: SnapshotResult) -> None:
+        """Raise ``MachineMismatch`` (naming ``what``) when ``result`` records another machine; a
+        result without a record passes."""
+
+
+@runtime_checkable
+class WarmReporting(Protocol):
+    """Optional runtime extension: how many pre-started sandboxes wait per template (a gateway prefers
+    a node where the template is warm)."""
+
+    def warm_counts(self) -> dict[str, int]:
+        """Ready pool entries per template ID (templates with none may be left out)."""

@@ -8,7 +8,8 @@ Keys, the same for every runtime::
     base_lowers  host paths of the image layers under the stack (ns); a fetching server puts its own
                  template's in their place
     paused_ms    how long the sandbox was stopped to take it, when the runtime measured it
-    data         the runtime's own facts; nobody else reads them
+    data         the runtime's own facts; nobody else reads them, but for ``data["machine"]`` (vm:
+                 the machine it restores on, ``aenv.machine_key``), shown in the snapshot's JSON
 
 Records written before these keys existed kept the ns stack in ``data`` (``lowers`` and
 ``snapshot_depth``) and ``paused_ms`` in ``data`` too; :func:`normalize` reads both forms.

@@ -7,8 +7,11 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from aenv.core.handover import CARRIED, PauseHandover, carried
 from aenv.directory.node import PublishedPause
+from aenv.errors import MachineMismatch
 from aenv.kinds import SandboxState, SnapshotMode
 from aenv.store.sqlite import SandboxRow
 
@@ -136,3 +139,28 @@ async def test_a_failed_upload_records_nothing_and_the_pause_stands() -> None:
 
     await PauseHandover(_orch(sbx, upload), directory)._publish(sbx.id, 5.0)  # type: ignore[arg-type]
     assert directory.published == [] and sbx.state is SandboxState.PAUSED
+
+
+async def test_another_machines_pause_is_refused_before_the_binding_is_taken() -> None:
+    tcg, kvm = {"accel": "tcg", "cpu": "max", "qemu": "7.2"}, {"accel": "kvm", "cpu": "EPYC #1", "qemu": "7.2"}
+    taken: list[Any] = []
+
+    class Adopting(Directory):
+        def published_pause(self, sandbox_id: str) -> PublishedPause:
+            return PublishedPause(sandbox_id, "n1", "gone", "snap1", carried(_row()), "")
+
+        def adopt(self, pause: PublishedPause) -> None:
+            taken.append(pause)
+
+    async def fetch(snapshot_id: str) -> Any:
+        return SimpleNamespace(id=snapshot_id, dir="/nonexistent")
+
+    def check_restorable(row: Any) -> Any:  # as SnapshotFlows.check_restorable on a node of another machine
+        raise MachineMismatch(f"snapshot '{row.id}' was taken on tcg", tcg, kvm)
+
+    orch = SimpleNamespace(table=set(), settings=SimpleNamespace(default_timeout=300),
+                           ctx=SimpleNamespace(check_timeout=lambda t: None), sync=SimpleNamespace(fetch=fetch),
+                           snapshots=SimpleNamespace(check_restorable=check_restorable))  # fmt: skip
+    with pytest.raises(MachineMismatch):
+        await PauseHandover(orch, Adopting()).adopt("sbx1", None)  # type: ignore[arg-type]
+    assert taken == []

@@ -108,3 +108,27 @@ async def test_an_adoption_another_node_won_is_connected_there() -> None:
     gw.nodes.nodes["n3"].counts = {"running": 10}  # n2 is tried first
     got = await gw.connect(_request("sbx1"), "sbx1")
     assert got.status_code == 200 and fwd.sent == [("n2", ADOPT), ("n3", "/sandboxes/sbx1/connect")]
+
+
+TCG = {"accel": "tcg", "cpu": "max", "qemu": "7.2"}
+KVM = {"accel": "kvm", "cpu": "AMD EPYC #0011aabb", "qemu": "7.2"}
+REFUSED = (409, {"code": 409, "message": "snapshot 'p1' was taken on tcg ...", "reason": "machine",
+                 "snapshotMachine": TCG, "nodeMachine": KVM})  # fmt: skip
+
+
+async def test_an_adopter_of_another_machine_passes_it_to_one_of_the_pauses_machine() -> None:
+    gw, fwd = _gateway({("n2", ADOPT): REFUSED, ("n3", ADOPT): (201, ANSWER)}, {"sbx1": "n1", "published:sbx1": "yes"})
+    n2, n3 = gw.nodes.nodes["n2"], gw.nodes.nodes["n3"]
+    n2.machine, n3.machine, n3.counts = KVM, TCG, {"running": 10}  # n2 is tried first
+    got = await gw.connect(_request("sbx1"), "sbx1")
+    assert got.status_code == 201 and fwd.sent == [("n2", ADOPT), ("n3", ADOPT)]
+    assert gw.locator.cached("sbx1") is n3
+
+
+async def test_no_adopter_of_the_pauses_machine_is_a_409() -> None:
+    gw, fwd = _gateway({("n2", ADOPT): REFUSED, ("n3", ADOPT): REFUSED}, {"sbx1": "n1", "published:sbx1": "yes"})
+    gw.nodes.nodes["n2"].machine = gw.nodes.nodes["n3"].machine = KVM
+    got = await gw.connect(_request("sbx1"), "sbx1")
+    body = json.loads(bytes(got.body))
+    assert (got.status_code, body["reason"], body["snapshotMachine"]) == (409, "machine", TCG)
+    assert "published pause of sandbox 'sbx1'" in body["message"] and len(fwd.sent) == 1

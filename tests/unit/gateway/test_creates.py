@@ -128,3 +128,55 @@ async def test_a_node_without_the_creates_lease_is_skipped() -> None:
     gw, fwd = _gateway({"n1": unknown, "n2": unknown, "n3": unknown})
     r = await gw.create(_request({"templateID": "base"}))
     assert r.status_code == 400 and json.loads(r.body)["reason"] == "lease_unknown" and len(fwd.sent) == 3
+
+
+TCG = {"accel": "tcg", "cpu": "max", "qemu": "7.2"}
+KVM = {"accel": "kvm", "cpu": "AMD EPYC #0011aabb", "qemu": "7.2"}
+
+
+def _machine_refusal(node_machine: dict[str, str]) -> tuple[int, dict[str, Any]]:
+    return 409, {"code": 409, "message": "snapshot 'snap1' was taken on tcg ...", "reason": "machine",
+                 "snapshotMachine": TCG, "nodeMachine": node_machine}  # fmt: skip
+
+
+async def test_a_warm_node_is_preferred() -> None:
+    gw, fwd = _gateway({n: (201, {}) for n in ("n1", "n2", "n3")})
+    n2 = gw.nodes.nodes["n2"]
+    n2.counts, n2.warm = {"paused": 2}, {"base": 1}  # busier than n1 (load 0.5 against 0), but base is warm
+    for _ in range(5):
+        await gw.create(_request({"templateID": "base"}))
+    assert set(fwd.sent) == {"n2"}
+    await gw.create(_request({"templateID": "other"}))
+    assert fwd.sent[-1] == "n1"  # not warm for another template
+
+
+async def test_a_machine_refusal_is_retried_on_a_node_of_the_snapshots_machine() -> None:
+    gw, fwd = _gateway({"n1": _machine_refusal(KVM), "n2": (201, {"sandboxID": "kid"}), "n3": (201, {})})
+    nodes = gw.nodes.nodes
+    nodes["n1"].machine, nodes["n2"].machine, nodes["n3"].machine = KVM, TCG, KVM
+    r = await gw.create(_request({"templateID": "snap1"}))
+    assert r.status_code == 201 and fwd.sent == ["n1", "n2"]  # n3 (KVM as well) never tried
+    assert gw.machines.get("snap1") == TCG
+    r = await gw.create(_request({"templateID": "snap1"}))
+    assert fwd.sent[-1] == "n2"  # learnt: straight to the one node of its machine
+
+
+async def test_a_known_snapshot_machine_skips_other_nodes_up_front() -> None:
+    gw, fwd = _gateway({n: (201, {}) for n in ("n1", "n2", "n3")})
+    nodes = gw.nodes.nodes
+    nodes["n1"].machine, nodes["n2"].machine, nodes["n3"].machine = KVM, KVM, TCG
+    gw.machines.learn_snapshot({"snapshotID": "snap1", "names": ["step-1"], "machine": TCG})
+    for template in ("snap1", "step-1"):
+        await gw.create(_request({"templateID": template}))
+    assert fwd.sent == ["n3", "n3"]
+
+
+async def test_no_node_of_the_snapshots_machine_is_a_409_naming_the_machines() -> None:
+    gw, fwd = _gateway({n: _machine_refusal(KVM) for n in ("n1", "n2", "n3")})
+    for n in gw.nodes.nodes.values():
+        n.machine = KVM
+    r = await gw.create(_request({"templateID": "snap1"}))
+    body = json.loads(bytes(r.body))
+    assert r.status_code == 409 and body["reason"] == "machine" and body["snapshotMachine"] == TCG
+    assert fwd.sent == ["n1"]  # the refusal named its machine: the other nodes are not of it either
+    assert "tcg, cpu max, QEMU 7.2" in body["message"] and "n2: kvm, cpu AMD EPYC" in body["message"]

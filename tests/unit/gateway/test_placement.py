@@ -68,3 +68,30 @@ def test_node_specs() -> None:
     for bad in ("127.0.0.1:8000", "https://h:1", "http://h:1/api"):
         with pytest.raises(ValueError):
             parse_node(bad, 0)
+
+
+def test_a_warm_template_is_worth_its_bonus_among_the_sampled() -> None:
+    rng = random.Random(5)
+    pairs = [("n1", 1.0), ("n2", 1.5), ("n3", 3.0)]
+    assert {placement.best_of_k(pairs, rng, k=3, warm={"n2"}) for _ in range(20)} == {"n2"}  # 0.5 < 1.0
+    # more than the bonus less busy still wins
+    assert {placement.best_of_k(pairs, rng, k=3, warm={"n3"}) for _ in range(20)} == {"n1"}  # 2.0 > 1.0
+    assert placement.WARM_BONUS == 1.0
+    # only among the sampled: with k=1 the warm node is not always the choice
+    assert {placement.best_of_k(pairs, rng, k=1, warm={"n2"}) for _ in range(200)} == {"n1", "n2", "n3"}
+
+
+def test_a_node_report_carries_machine_and_warm_templates() -> None:
+    n = Node("n1", "http://a:1", "a", 1)
+    n.placed = 3
+    machine = {"accel": "tcg", "cpu": "max", "qemu": "7.2"}
+    n.report({"sandboxes": {"running": 2}, "starting": 1, "runtime": "vm", "machine": machine,
+              "warm": {"base": 2, "base-id": 2, "empty": 0, "odd": "x"}})  # fmt: skip
+    assert (n.counts, n.starting, n.runtime, n.placed) == ({"running": 2}, 1, "vm", 0)
+    assert n.machine == machine and n.warm == {"base": 2, "base-id": 2}
+    assert n.warm_for("base") and not n.warm_for("empty") and not n.warm_for(None)
+    assert n.describe()["machine"] == machine and n.describe()["warm"] == {"base": 2, "base-id": 2}
+    n.report({"sandboxes": {}, "runtime": "ns", "machine": None})  # ns, or a node before these fields
+    assert n.machine is None and n.warm == {}
+    n.report({"sandboxes": {}, "machine": {"accel": "tcg"}, "warm": ["base"]})  # malformed: ignored
+    assert n.machine is None and n.warm == {}

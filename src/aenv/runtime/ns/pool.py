@@ -57,6 +57,14 @@ class WarmPool:
         slot = self._slots.get(pool_key(template, allow_internet))
         return len(slot.ready) if slot else 0
 
+    def ready_counts(self) -> dict[str, int]:
+        """Ready sandboxes per template ID (every key of it together)."""
+        out: dict[str, int] = {}
+        for slot in self._slots.values():
+            if slot.ready:
+                out[slot.template.template_id] = out.get(slot.template.template_id, 0) + len(slot.ready)
+        return out
+
     def take(self, template: SandboxImage, allow_internet: bool) -> NsSandbox | None:
         """A ready sandbox for this key, or None. Marks the key hot and triggers a refill either way."""
         if self.size <= 0 or self._closed:

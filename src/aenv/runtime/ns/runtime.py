@@ -194,6 +194,10 @@ class NsRuntime:
         """Drop pooled sandboxes of a template (call after rebuilding or deleting it)."""
         await self.pool.forget(template_id)
 
+    def warm_counts(self) -> dict[str, int]:
+        """Ready pooled sandboxes per template ID (WarmReporting)."""
+        return self.pool.ready_counts()
+
     async def wait_warm(self, template: SandboxImage, allow_internet: bool = True, n: int | None = None) -> None:
         self.pool.want(template, allow_internet)
         await self.pool.wait_ready(template, allow_internet, n)

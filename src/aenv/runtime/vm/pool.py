@@ -85,6 +85,13 @@ class RestorePool:
     def names(self) -> set[str]:
         return {s.name for entries in self._ready.values() for s in entries}
 
+    def ready_counts(self) -> dict[str, int]:
+        """Entries ready to hand out, per template key (both network modes)."""
+        out: dict[str, int] = {}
+        for (template_key, _), entries in self._ready.items():
+            out[template_key] = out.get(template_key, 0) + len(entries)
+        return out
+
     async def aclose(self) -> None:
         self._closed = True
         for t in self._fillers.values():

@@ -10,7 +10,9 @@ A VM on a frozen base RAM is saved *layered* (device state, the pages it changed
 base RAM image, then the ``released.json`` marker); one that owns its RAM (restored from a full
 save) is saved as one migration stream (``released.full``). The state file or marker appears last
 and is removed only once the VM is back, so its presence means "released" (:func:`is_released`)
-across a server restart too. Release and load run under the sandbox's lock (``table.py``).
+across a server restart too. Release and load run under the sandbox's lock (``table.py``). The
+layered marker records the machine (``compat.py``): a load on another one (QEMU upgraded meanwhile)
+is refused before a QEMU starts, and the sandbox stays released.
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from . import memlayer, pressure
+from aenv.machine_key import MachineKey
+
+from . import compat, memlayer, pressure
 from .errors import translated
 from .frozen import link_or_copy
 from .machine import MachineError
@@ -44,12 +49,13 @@ class Releaser:
     """Releases paused VMs of ``table`` to disk and loads them back."""
 
     def __init__(self, table: VmTable, templates: TemplateCache, shm_dir: Path, release_after: float,
-                 memory_low_mb: float) -> None:
+                 memory_low_mb: float, machine: Callable[[], MachineKey | None] = lambda: None) -> None:
         self.table = table
         self.templates = templates
         self.shm_dir = shm_dir  # where a VM restored from a full save gets its own RAM file
         self.release_after = release_after  # s paused in RAM before release; 0: at once
         self.memory_low_mb = memory_low_mb  # see pressure.py; 0: no watch
+        self.machine = machine  # this host's machine record: the layered marker keeps it (compat.py)
         self.pressure_interval = 1.0
         self._paused_since: dict[str, float] = {}  # paused and still in RAM: when it was paused
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -178,7 +184,8 @@ class Releaser:
             size = memlayer.save(layer, *memlayer.read_private(machine.pid, machine.ram_mapping()))
             link_or_copy(ram_image, base)
             tmp = rel.marker.with_name(f".{rel.marker.name}.tmp")
-            marker = {"ram_id": base_ram.name.removesuffix(".mem"), "mem_chain": [p.name for p in sbx.mem_chain]}
+            marker = {"ram_id": base_ram.name.removesuffix(".mem"), "mem_chain": [p.name for p in sbx.mem_chain],
+                      compat.RECORD: self.machine()}  # fmt: skip
             tmp.write_text(json.dumps(marker))
             os.rename(tmp, rel.marker)
             return size + devices.stat().st_size
@@ -189,6 +196,9 @@ class Releaser:
         """A new QEMU from a released sandbox's saved state, paused (``run=False``) or running.
         The state files are removed only once the VM is back; on failure it stays released."""
         rel = self.table.released[sandbox_id]
+        marker = json.loads(rel.marker.read_text()) if rel.marker.is_file() else None
+        if marker is not None:  # e.g. QEMU upgraded while it was released: refused before a QEMU starts
+            compat.check(marker, self.machine(), f"the paused state of sandbox '{sandbox_id}'", sandbox_id=sandbox_id)
         tpl = await self.templates.by_key(rel.template_key)
         top = run_paths(rel.run_dir)["root"]
         if rel.disk_generation:
@@ -197,9 +207,8 @@ class Releaser:
         base = replace(base, drives=tuple(replace(d, path=top) if d.serial == "root" else d for d in base.drives))
         t0 = time.perf_counter()
         keep = [*rel.run_dir.glob("root*.qcow2"), *(p for p in rel.files() if p.exists())]
-        if rel.marker.is_file():
+        if marker is not None:
             devices, layer, base_image = (rel.run_dir / n for n in RELEASED_FILES)
-            marker = json.loads(rel.marker.read_text())
             ram = await self.templates.frozen_ram(str(marker["ram_id"]), base_image)
             machine = await spawn_on_frozen_ram(base, ram, rel.run_dir)
             try:

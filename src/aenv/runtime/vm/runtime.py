@@ -43,13 +43,14 @@ from typing import Any
 from aenv.config import Settings
 from aenv.errors import RuntimeFailure, StateError
 from aenv.kinds import SnapshotMode
+from aenv.machine_key import MachineKey
 from aenv.mux import ByteStream
 from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec, SnapshotResult
 from aenv.runtime.egress import ENFORCER
 from aenv.runtime.netpolicy import EgressPolicy
 from aenv.runtime.streams import open_checked
 
-from . import coldboot, disk, frozen, netjail
+from . import coldboot, compat, disk, frozen, netjail
 from . import reconcile as reconciling
 from . import template as templates
 from .accel import AccelChoice, choose_accel, qemu_binary
@@ -117,16 +118,18 @@ class VmRuntime:
         self.templates_dir = self.vm_dir / "templates"
         self.run_root = run_root or _short_run_root(self.vm_dir / "run")
         self.accel: AccelChoice | None = None
+        self.machine_key: MachineKey | None = None  # what saved state restores on (compat.py), set by start()
+        self._template_ids: dict[str, str] = {}  # template key -> the template ID it was built from
         self.guest_append: tuple[str, ...] = ()  # accelerator-specific kernel words, set by start()
         self.table = VmTable()
         self.templates = templates.TemplateCache(self.templates_dir, self.frozen_dir, self.run_root, boot_timeout)
         self.pool = RestorePool(self.pool_size, self._spawn_warm)
         self.blank_pool = RestorePool(self.pool_size, self._spawn_blank)  # see VmSnapshots.blank_pool
         self.release = Releaser(self.table, self.templates, self.shm_dir, settings.vm_release_paused_after,
-                                settings.vm_memory_low_mb)
+                                settings.vm_memory_low_mb, machine=self.machine)
         self.snapshots = VmSnapshots(self.table, self.templates, self.release, self.blank_pool,
                                      run_root=self.run_root, shm_dir=self.shm_dir,
-                                     pids_limit=settings.pids_limit, start=self.start)
+                                     pids_limit=settings.pids_limit, start=self.start, machine=self.machine)
         self._start_lock = asyncio.Lock()
         self._started = False
 
@@ -137,9 +140,10 @@ class VmRuntime:
                 return
             self.accel = choose_accel(force=self.force_accel)
             self.guest_append = accel_append(self.accel.accel, self.settings.vm_guest_aslr)
+            self.machine_key = await asyncio.to_thread(compat.host_key, self.accel.accel)
             log.info(
-                "vm runtime: accelerator %s (%s); guest kernel words %s",
-                self.accel.accel, self.accel.reason, " ".join(self.guest_append) or "(defaults)",
+                "vm runtime: accelerator %s (%s); machine %s; guest kernel words %s", self.accel.accel,
+                self.accel.reason, self.machine_key, " ".join(self.guest_append) or "(defaults)",
             )  # fmt: skip
             if self.artifacts is None:
                 if self.tools_dir is None:
@@ -192,7 +196,9 @@ class VmRuntime:
         await self.start()
         assert self.accel is not None and self.artifacts is not None
         shape = templates.Shape(spec.cpu_count, spec.memory_mb, spec.disk_mb)
-        return await self.templates.for_image(spec.template, shape, self.accel, self.artifacts, self.guest_append)
+        tpl = await self.templates.for_image(spec.template, shape, self.accel, self.artifacts, self.guest_append)
+        self._template_ids[tpl.key] = spec.template.template_id  # the key keeps only 24 characters of it
+        return tpl
 
     async def _spawn_blank(self, name: str, template_key: str, allow_internet: bool) -> VmSandbox:
         """A QEMU process waiting for the device state of a layered snapshot of this template
@@ -400,6 +406,22 @@ class VmRuntime:
             disk_total=disk_total,
         )  # fmt: skip
 
+    # ---- MachineBound and WarmReporting (runtime/base.py) -----------------------------------------
+    def machine(self) -> MachineKey | None:
+        """The machine this host's saved state restores on (compat.py); None until started."""
+        return self.machine_key
+
+    def check_restore(self, what: str, result: SnapshotResult) -> None:
+        compat.check(result.data, self.machine_key, what)
+
+    def warm_counts(self) -> dict[str, int]:
+        """Ready pool entries per template ID (every shape and network mode of it together)."""
+        out: dict[str, int] = {}
+        for key, n in self.pool.ready_counts().items():
+            if n and (template_id := self._template_ids.get(key)) is not None:
+                out[template_id] = out.get(template_id, 0) + n
+        return out
+
     # ---- SnapshotCapable (see snapshot.py) -------------------------------------------------------
     def _refuse_stopped(self, sandbox_id: str, action: str) -> None:
         rel = self.table.released.get(sandbox_id)
@@ -454,6 +476,7 @@ class VmRuntime:
             "snapshot": "full (device state + RAM + disk)",
             "fork": "full snapshot + restore",
             "pool_size": self.pool_size,
+            "machine": self.machine_key,
         }
 
     # ---- helpers for tests and diagnostics ------------------------------------------------------

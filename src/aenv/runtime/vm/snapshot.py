@@ -20,6 +20,10 @@ and loads the device state, preferably into a QEMU the blank pool spawned ahead 
 (its disk re-pointed at the snapshot's); a stream snapshot is migrated into a fresh RAM file.
 **Rollback** keeps the sandbox's ID and token: the current VM ends, the snapshot is restored under
 the same ID (envd's identity is set again unless it is the sandbox's own snapshot).
+
+Every snapshot records the machine it restores on (``data["machine"]``, ``compat.py``); a restore or
+rollback of one recorded on another machine is refused (``MachineMismatch``) before anything starts
+or ends. Snapshots without a record restore as before.
 """
 
 from __future__ import annotations
@@ -35,10 +39,11 @@ from typing import Any
 
 from aenv.errors import RuntimeFailure, StateError
 from aenv.kinds import SnapshotMode
+from aenv.machine_key import MachineKey
 from aenv.runtime.base import UNFINISHED_MARKER, RuntimeState, SandboxSpec, SnapshotResult
 from aenv.runtime.egress import ENFORCER
 
-from . import disk, memlayer, netjail
+from . import compat, disk, memlayer, netjail
 from .errors import translated
 from .frozen import link_or_copy
 from .machine import Machine, MachineError
@@ -74,7 +79,8 @@ class VmSnapshots:
     """Snapshot/fork/rollback flows over a runtime's sandboxes (``VmRuntime`` delegates to them)."""
 
     def __init__(self, table: VmTable, templates: TemplateCache, release: Releaser, blank_pool: RestorePool,
-                 *, run_root: Path, shm_dir: Path, pids_limit: int, start: Callable[[], Awaitable[None]]) -> None:
+                 *, run_root: Path, shm_dir: Path, pids_limit: int, start: Callable[[], Awaitable[None]],
+                 machine: Callable[[], MachineKey | None] = lambda: None) -> None:
         self.table = table
         self.templates = templates
         self.release = release
@@ -85,6 +91,7 @@ class VmSnapshots:
         self.shm_dir = shm_dir
         self.pids_limit = pids_limit  # for /init (VmSandbox.init_envd)
         self._start = start  # the runtime's host-wide start (idempotent)
+        self._machine = machine  # this host's machine record (compat.py), known once started
         self._overlay_locks: dict[Path, asyncio.Lock] = {}  # per snapshot dir: its empty overlay
         # Snapshot files still being written after the call returned: per snapshot dir, the
         # sandbox whose disk chain the task reads (its kill or rollback must wait) and the task.
@@ -147,7 +154,7 @@ class VmSnapshots:
         base_ram, ram_image = sbx.base_ram, sbx.ram_image
         data: dict[str, Any] = {
             "template_key": tpl.key, "format": "layered", "ram_id": base_ram.name.removesuffix(".mem"),
-            "mem_layers": names, "sandbox_id": sandbox_id,
+            "mem_layers": names, "sandbox_id": sandbox_id, compat.RECORD: self._machine(),
         }  # fmt: skip
 
         def write_ram() -> None:
@@ -250,10 +257,14 @@ class VmSnapshots:
         log.info("sandbox %s: snapshot into %s (paused %.0f ms)", sandbox_id, into, paused_ms)
         return SnapshotResult(
             mode=SnapshotMode.FULL, layers=(SNAP_DISK, FULL_STATE), paused_ms=round(paused_ms),
-            data={"template_key": tpl.key},
+            data={"template_key": tpl.key, compat.RECORD: self._machine()},
         )
 
     # -- restore --
+    def check_machine(self, snapshot: Path, result: SnapshotResult) -> None:
+        """``MachineMismatch`` when the snapshot records another machine than this host's (compat.py)."""
+        compat.check(result.data, self._machine(), f"snapshot '{snapshot.name}'", snapshot_id=snapshot.name)
+
     async def create_from_snapshot(
         self, spec: SandboxSpec, snapshot: Path, result: SnapshotResult
     ) -> RuntimeState:
@@ -281,6 +292,7 @@ class VmSnapshots:
         a classic migration."""
         await self._start()
         sid = spec.sandbox_id
+        self.check_machine(snapshot, result)
         if sid in self.table.running:
             raise StateError(f"sandbox {sid} already exists", sandbox_id=sid)
         await self._files_ready(snapshot)
@@ -357,7 +369,9 @@ class VmSnapshots:
     async def rollback(
         self, sandbox_id: str, spec: SandboxSpec, snapshot: Path, result: SnapshotResult
     ) -> RuntimeState:
-        """Same ID and token, state of ``snapshot``: end the current VM, restore the snapshot."""
+        """Same ID and token, state of ``snapshot``: end the current VM, restore the snapshot (refused
+        first, the VM running on, when the snapshot is of another machine)."""
+        self.check_machine(snapshot, result)
         self.release.cancel(sandbox_id)
         await self.written(sandbox_id)
         old, rel, _ = self.table.remove(sandbox_id)

@@ -83,3 +83,14 @@ async def test_forget_kills_ready_and_stops_refilling() -> None:
     assert pool.ready_count(T, False) == 0 and pool.ready_count(other, False) == 2
     assert sum(s.closed for s in made) == 2
     await pool.aclose()
+
+
+async def test_ready_counts_are_per_template_over_network_modes() -> None:
+    pool, _ = make_pool(2)
+    assert pool.ready_counts() == {}
+    for net in (True, False):
+        pool.want(T, net)
+        await pool.wait_ready(T, net)
+    pool.take(T, True)  # one handed out: counted again only once refilled
+    assert pool.ready_counts() == {"t": 3}
+    await pool.aclose()

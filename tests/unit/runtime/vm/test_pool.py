@@ -152,3 +152,26 @@ async def test_forget_template_drops_both_pools_entries_of_that_template_only(tm
     assert sorted(s.name for s in made if s.closed) == sorted(keys[:2] * 2)
     await rt.pool.aclose()
     await rt.blank_pool.aclose()
+
+
+async def test_warm_counts_are_per_template_id_of_the_ready_entries(tmp_path: Any) -> None:
+    """``VmRuntime.warm_counts`` (``/aenv/info`` ``warm``): ready warm entries per template ID, every
+    shape and network mode of it together; blank entries and unknown keys are not counted."""
+    from aenv.config import Settings
+    from aenv.runtime.vm.runtime import VmRuntime
+
+    async def spawn(name: str, key: str, allow: bool) -> Any:
+        return FakeSandbox(key)
+
+    rt = VmRuntime(Settings(state_dir=tmp_path, cache_dir=tmp_path / "cache"), pool_size=1)
+    rt.pool, rt.blank_pool = RestorePool(1, spawn), RestorePool(1, spawn)
+    rt._template_ids.update({"base-0123456789ab": "base", "base-ba9876543210": "base"})
+    for key, allow in [("base-0123456789ab", True), ("base-0123456789ab", False), ("base-ba9876543210", True),
+                       ("never-asked-0123456789ab", True)]:  # fmt: skip
+        rt.pool.want(key, allow)
+    rt.blank_pool.want("base-0123456789ab", True)
+    for _ in range(50):
+        await asyncio.sleep(0)
+    assert rt.warm_counts() == {"base": 3}
+    await rt.pool.aclose()
+    await rt.blank_pool.aclose()
