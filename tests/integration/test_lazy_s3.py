@@ -106,6 +106,16 @@ def wait_key(sw: SeaweedFS, prefix: str, suffix: str, server: Server, timeout: f
         time.sleep(0.5)
 
 
+def recorded_prefetch(sw: SeaweedFS, prefix: str, wait: float = 20.0) -> list[int]:
+    (key,) = [k for k in sw.keys(prefix) if k.endswith("/index.json")]
+    deadline = time.monotonic() + wait
+    while True:
+        prefetch = list(json.loads(bytes(obstore.get(sw.store(prefix), key).bytes()))["prefetch"])
+        if prefetch or time.monotonic() > deadline:
+            return prefetch
+        time.sleep(0.2)
+
+
 def drop_local_copy(registry_url: str, image: str) -> None:
     """Remove the template dir of ``image`` (a digest only this test pushed) from the shared cache dir."""
 
@@ -178,6 +188,7 @@ def test_a_second_server_starts_lazily_from_what_the_first_published_to_s3(
             assert json.loads(reg)["source"]["kind"] == "s3" and seaweedfs.secret_access_key not in reg
             info = httpx.get(b.url + "/aenv/info", headers={"X-API-KEY": API_KEY}, trust_env=False).json()
             assert info["capabilities"]["lazy_images"] is True
+            assert recorded_prefetch(seaweedfs, prefix)  # the first start's chunks, in the index in S3
         finally:
             finish(b)
     finally:

@@ -126,3 +126,21 @@ def test_lazy_store_urls(tmp_path: Path) -> None:
     for bad in ("s3://", "s3://key:secret@bucket/p", "gs://bucket"):
         with pytest.raises(ValueError):
             Settings(state_dir=tmp_path, lazy_store=bad)
+
+
+def test_an_s3_lazy_store_takes_the_snapshot_stores_endpoint_and_region(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://env-endpoint:9000")
+    monkeypatch.setenv("AWS_REGION", "eu-west-3")
+    monkeypatch.setenv("AENV_S3_SECRET_ACCESS_KEY", "s3cr3t")
+    s = Settings(state_dir=tmp_path, lazy_store="s3://bkt/pre/fix")
+    store = store_of(s)
+    assert isinstance(store, pub.ObjectStore)
+    assert (store.url, store.endpoint, store.region) == ("s3://bkt/pre/fix", "http://env-endpoint:9000", "eu-west-3")
+    store = store_of(s.model_copy(update={"snapshot_store_endpoint": "http://mine:8333", "snapshot_store_region": "r1"}))
+    assert isinstance(store, pub.ObjectStore) and (store.endpoint, store.region) == ("http://mine:8333", "r1")
+    src = store.source(DIGEST)
+    assert src == {"kind": "s3", "url": "s3://bkt/pre/fix", "key": f"lazy/{DIGEST[7:]}/data",
+                   "endpoint": "http://mine:8333", "region": "r1"}  # fmt: skip
+    assert "s3cr3t" not in json.dumps(src)

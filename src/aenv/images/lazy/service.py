@@ -162,14 +162,17 @@ class LazyImages:
             new = index.with_prefetch(touched)
             if not new.prefetch:
                 return
-            if reg["source"].get("kind") == "registry":
-                where = parse_reference(str(reg["source"]["reference"]))
+            src = reg["source"]
+            if src.get("kind") == "registry":
+                where = parse_reference(str(src["reference"]))
                 resolved = await self.client.resolve(ref.with_digest(manifest_digest))
                 await pub.push_index(self.client, where, manifest_digest, len(resolved.manifest_bytes), new)
-            elif isinstance(self.store, pub.ObjectStore):
+            elif isinstance(self.store, pub.ObjectStore) and src == self.store.source(manifest_digest):
                 await pub.write_object_index(self.store, manifest_digest, new)
-            else:
+            elif isinstance(self.store, Path) and src.get("path") == str(pub.store_dir(self.store, manifest_digest) / "data"):
                 await asyncio.to_thread(pub.write_dir_index, self.store, manifest_digest, new)
+            else:  # found in a store this server no longer uses (lazy_store changed): leave it be
+                return
             log.info("lazy image %s: prefetch list of %d chunks published", ref, len(new.prefetch))
         except Exception as exc:
             log.warning("lazy prefetch list of %s not recorded: %s", ref, exc)
