@@ -144,3 +144,23 @@ def test_an_s3_lazy_store_takes_the_snapshot_stores_endpoint_and_region(
     assert src == {"kind": "s3", "url": "s3://bkt/pre/fix", "key": f"lazy/{DIGEST[7:]}/data",
                    "endpoint": "http://mine:8333", "region": "r1"}  # fmt: skip
     assert "s3cr3t" not in json.dumps(src)
+
+
+async def test_a_store_that_is_down_means_a_full_pull_not_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from aenv.images.lazy.service import LazyImages
+    from aenv.images.reference import parse_reference
+
+    async def no_artifact(*_a: object) -> None:
+        return None
+
+    monkeypatch.setattr(pub, "find_in_registry", no_artifact)
+    s = Settings(state_dir=tmp_path / "s", cache_dir=tmp_path / "c", lazy_store="s3://bkt/p",
+                 snapshot_store_endpoint="http://127.0.0.1:9")  # fmt: skip
+    async with RegistryClient() as client:
+        lazy = LazyImages(s, client)
+        assert lazy.store_name == "s3://bkt/p"
+        with caplog.at_level("WARNING", "aenv.lazy"):
+            assert await lazy.find(parse_reference("example.org/x:1"), DIGEST) is None
+    assert "lazy artifact lookup in s3://bkt/p failed" in caplog.text
