@@ -102,7 +102,12 @@ class Settings(BaseModel):
         False, description="start images on demand where a lazy artifact exists (FUSE reader aenv-lazyd; needs /dev/fuse and root); otherwise, and when off, images are pulled whole"
     )
     lazy_cache_bytes: int = Field(10 * 1024**3, gt=0, description="byte budget of the lazy images' chunk cache (one for all images; pinned ones apart)")
-    lazy_store: str | None = Field(None, description="directory store for lazy artifacts a registry will not take; unset = <state_dir>/lazy-store")
+    lazy_store: str | None = Field(
+        None,
+        description="store for lazy artifacts a registry will not take: a directory (a path or file:///dir) or an "
+        "object store s3://bucket[/prefix] (endpoint, region and keys as for an s3 snapshot_store: "
+        "snapshot_store_endpoint, snapshot_store_region, AENV_S3_* / AWS_* in the environment); unset = <state_dir>/lazy-store",
+    )
     lazy_publish: bool = Field(True, description="with lazy_images: convert an image pulled whole and publish its lazy artifact (registry, else store)")
     log_level: str = Field("info")
     vm_release_paused_after: float = Field(
@@ -154,6 +159,18 @@ class Settings(BaseModel):
     @classmethod
     def _absolute(cls, v: Path) -> Path:
         return v.expanduser().absolute()
+
+    @field_validator("lazy_store", mode="after")
+    @classmethod
+    def _lazy_store_url(cls, v: str | None) -> str | None:
+        if v is None or not v.strip():
+            return None
+        v = v.strip()
+        if "://" in v and not v.startswith(("file://", "s3://")):
+            raise ValueError("lazy_store is a path, file:///dir or s3://bucket[/prefix]")
+        if v.startswith("s3://") and (not v[5:].strip("/").partition("/")[0] or "@" in v):
+            raise ValueError("lazy_store s3://bucket[/prefix]: keys go in the environment, not the URL")
+        return v
 
     @model_validator(mode="after")
     def _tls_pair(self) -> Settings:

@@ -17,11 +17,14 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Mapping
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from aenv.faults import fault_point
+from aenv.object_store import describe_store as describe_store  # re-exported: the names callers know
+from aenv.object_store import make_store as make_store
+from aenv.object_store import s3_credentials as s3_credentials
+from aenv.object_store import store_from_url
 from aenv.snapshots.manifest import LayerRef, Manifest, ManifestError
 
 _CHUNK = 8 << 20
@@ -32,82 +35,13 @@ _TAR_DETERMINISTIC = (
 )
 
 
-def make_store(url: str, **options: Any) -> Any:
-    """An obstore store from ``file:///dir``, ``memory:///`` or ``s3://bucket[/prefix]``.
-
-    S3 options: ``endpoint``, ``access_key_id``, ``secret_access_key``, ``session_token``, ``region``.
-    Requests are retried a few times within ``retry_timeout`` seconds (default 30), not obstore's
-    3 minutes: a create that looks a snapshot up must fail in reasonable time when the store is down."""
-    from obstore.store import LocalStore, MemoryStore, S3Store
-
-    if url.startswith("file://"):
-        root = Path(url[len("file://") :])
-        root.mkdir(parents=True, exist_ok=True)
-        return LocalStore(str(root))
-    if url.startswith("memory://"):
-        return MemoryStore()
-    if url.startswith("s3://"):
-        bucket, _, prefix = url[len("s3://") :].strip("/").partition("/")
-        if not bucket or "@" in bucket:
-            raise ValueError("an s3 snapshot store is s3://bucket[/prefix] (keys go in the environment, not the URL)")
-        endpoint = options.get("endpoint")
-        client_options: Any = {"connect_timeout": timedelta(seconds=5)}
-        if str(endpoint or "").startswith("http://"):
-            client_options["allow_http"] = True
-        extra = {  # only what is set: obstore refuses None and reads AWS_* itself for what is missing
-            k: options[k] for k in ("endpoint", "access_key_id", "secret_access_key", "session_token") if options.get(k)
-        }
-        return S3Store(
-            bucket,
-            prefix=prefix or None,
-            region=options.get("region") or "us-east-1",
-            virtual_hosted_style_request=False,
-            client_options=client_options,
-            retry_config={
-                "max_retries": 3,
-                "retry_timeout": timedelta(seconds=float(options.get("retry_timeout", 30))),
-                "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5), "base": 2},
-            },
-            **extra,
-        )
-    raise ValueError(f"unsupported snapshot store URL {url!r} (use file://, memory:// or s3://)")
-
-
-def s3_credentials(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """S3 keys from the environment only (never from the config file, never logged):
-    ``AENV_S3_ACCESS_KEY_ID`` / ``AENV_S3_SECRET_ACCESS_KEY`` / ``AENV_S3_SESSION_TOKEN``, else the
-    standard ``AWS_*`` names. Empty when neither is set (obstore then tries its own sources)."""
-    env = os.environ if environ is None else environ
-    for prefix in ("AENV_S3_", "AWS_"):
-        key, secret = env.get(f"{prefix}ACCESS_KEY_ID"), env.get(f"{prefix}SECRET_ACCESS_KEY")
-        if key and secret:
-            out = {"access_key_id": key, "secret_access_key": secret}
-            if env.get(f"{prefix}SESSION_TOKEN"):
-                out["session_token"] = env[f"{prefix}SESSION_TOKEN"]
-            return out
-    return {}
-
-
-def describe_store(url: str) -> str:
-    """The store URL fit for a log line (no query, no user info)."""
-    scheme, _, rest = url.partition("://")
-    return f"{scheme}://{rest.split('?', 1)[0].rpartition('@')[2]}"
-
-
 def repository_from_settings(settings: Any, environ: Mapping[str, str] | None = None) -> SnapshotRepository | None:
     """The configured repository (``Settings.snapshot_store_url``), or None when publishing is off."""
     url = settings.snapshot_store_url
     if url is None:
         return None
-    env = os.environ if environ is None else environ
-    options: dict[str, Any] = {}
-    if url.startswith("s3://"):
-        options = {
-            "endpoint": settings.snapshot_store_endpoint or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL"),
-            "region": settings.snapshot_store_region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION"),
-            **s3_credentials(env),
-        }
-    return SnapshotRepository(make_store(url, **options), settings.state_dir / "snapshot-scratch", url=url)
+    store = store_from_url(url, settings.snapshot_store_endpoint, settings.snapshot_store_region, environ)
+    return SnapshotRepository(store, settings.state_dir / "snapshot-scratch", url=url)
 
 
 def _sha256_file(path: Path) -> str:

@@ -8,12 +8,14 @@ Registry (OCI 1.1 artifact)::
                        docker-registry 2.8), the spec's fallback tag ``sha256-<hex>``: an image index
                        listing the referrers, which the publisher updates (keeping other entries)
 
-Directory store (any node-shared path; an S3 store would take the same two keys)::
+Directory store (any node-shared path) or object store (``s3://bucket[/prefix]``), the same two keys::
 
-    <store>/lazy/<image hex>/index.json   <store>/lazy/<image hex>/data
+    <store>/lazy/<image hex>/data         written first
+    <store>/lazy/<image hex>/index.json   written last: the commit (a reader that finds it finds the data)
 
 A *source* is the JSON a reader needs to fetch ranges of the data blob: ``{"kind": "registry",
-"reference", "digest"}`` or ``{"kind": "dir", "path"}``.
+"reference", "digest"}``, ``{"kind": "dir", "path"}`` or ``{"kind": "s3", "url", "key", "endpoint",
+"region"}`` (no keys: the reader takes them from its environment, as the server does).
 """
 
 from __future__ import annotations
@@ -170,3 +172,67 @@ def find_in_dir(store: Path, subject_digest: str) -> LazyArtifact | None:
     except FileNotFoundError:
         return None
     return LazyArtifact(parse_index(raw), {"kind": "dir", "path": str(d / "data")}, f"store {d}")
+
+
+# -- the object store (s3://) ----------------------------------------------------------------------
+
+
+def data_key(subject_digest: str) -> str:
+    return f"lazy/{subject_digest.split(':', 1)[-1]}/data"
+
+
+def index_key(subject_digest: str) -> str:
+    return f"lazy/{subject_digest.split(':', 1)[-1]}/index.json"
+
+
+@dataclass(frozen=True)
+class ObjectStore:
+    """An obstore store and how a reader elsewhere builds it again (URL, endpoint, region; no keys)."""
+
+    store: Any
+    url: str
+    endpoint: str | None = None
+    region: str | None = None
+
+    def source(self, subject_digest: str) -> dict[str, Any]:
+        return {"kind": "s3", "url": self.url, "key": data_key(subject_digest),
+                "endpoint": self.endpoint, "region": self.region}  # fmt: skip
+
+    def where(self, subject_digest: str) -> str:
+        return f"store {self.url.rstrip('/')}/{index_key(subject_digest)}"
+
+
+async def publish_to_object_store(store: ObjectStore, subject_digest: str, image: Path, work: Path) -> LazyArtifact:
+    """Chunk ``image``, upload the data (multipart, streamed from the file: never whole in memory),
+    then the index, which commits it."""
+    import obstore
+
+    data_path = work / "lazy.data"
+    index = await asyncio.to_thread(chunkify, image, data_path)
+    try:
+        with data_path.open("rb") as fh:
+            await obstore.put_async(store.store, data_key(subject_digest), fh, chunk_size=8 << 20, max_concurrency=4)
+    finally:
+        data_path.unlink(missing_ok=True)
+    await write_object_index(store, subject_digest, index)
+    return LazyArtifact(index, store.source(subject_digest), store.where(subject_digest))
+
+
+async def write_object_index(store: ObjectStore, subject_digest: str, index: LazyIndex) -> None:
+    import obstore
+
+    await obstore.put_async(store.store, index_key(subject_digest), index.dumps())
+
+
+async def find_in_object_store(store: ObjectStore, subject_digest: str) -> LazyArtifact | None:
+    """The artifact committed under ``lazy/<hex>/``, None when there is none (other errors raise)."""
+    import obstore
+
+    try:
+        got = await obstore.get_async(store.store, index_key(subject_digest))
+        raw = bytes(await got.bytes_async())
+    except FileNotFoundError:  # obstore raises its NotFoundError as one
+        return None
+    if len(raw) > MAX_INDEX_BYTES:
+        raise LazyFormatError(f"lazy index {index_key(subject_digest)}: {len(raw)} bytes")
+    return LazyArtifact(parse_index(raw), store.source(subject_digest), store.where(subject_digest))

@@ -10,7 +10,8 @@ touches is taken from the ``ChunkCache`` or fetched from the image's source:
   ``ChunkError`` (the FUSE layer answers EIO and the log names the image and chunk), never data;
 - **prefetch**: ``prefetch(name)`` replays the index's list of chunks a first start touched.
 
-Sources are small: ``RegistrySource`` (HTTP Range on the data blob) and ``DirSource`` (pread).
+Sources are small: ``RegistrySource`` (HTTP Range on the data blob), ``DirSource`` (pread) and
+``S3Source`` (a ranged GET on an object store's data object).
 """
 
 from __future__ import annotations
@@ -69,9 +70,45 @@ class RegistrySource:
         return None
 
 
+class S3Source:
+    """Ranges of ``key`` in an object store; the store is built from the source's URL, endpoint and
+    region plus this process's environment (its keys: never in a registration file)."""
+
+    def __init__(self, store: Any, key: str) -> None:
+        self.store, self.key = store, key
+
+    async def fetch(self, start: int, end: int) -> bytes:
+        import obstore
+
+        got = await obstore.get_range_async(self.store, self.key, start=start, end=end)
+        if len(got) != end - start:  # a short object: the chunk check would refuse it anyway
+            raise ChunkError(f"{self.key}: {len(got)} bytes for range {start}-{end}")
+        return bytes(got)
+
+    async def aclose(self) -> None:
+        return None
+
+
+_stores: dict[tuple[str, str | None, str | None], Any] = {}
+
+
+def object_store(url: str, endpoint: str | None, region: str | None) -> Any:
+    """One store per (URL, endpoint, region) in this process: its connections are shared by images."""
+    from aenv.object_store import store_from_url
+
+    key = (url, endpoint, region)
+    if key not in _stores:
+        _stores[key] = store_from_url(url, endpoint, region, retry_timeout=2)  # a miss blocks a sandbox's read
+    return _stores[key]
+
+
 def source_of(desc: dict[str, Any], client: RegistryClient) -> Source:
     if desc.get("kind") == "dir":
         return DirSource(str(desc["path"]))
+    if desc.get("kind") == "s3":
+        endpoint, region = desc.get("endpoint"), desc.get("region")
+        store = object_store(str(desc["url"]), str(endpoint) if endpoint else None, str(region) if region else None)
+        return S3Source(store, str(desc["key"]))
     if desc.get("kind") == "registry":
         return RegistrySource(client, str(desc["reference"]), str(desc["digest"]))
     raise ValueError(f"unknown lazy source {desc.get('kind')!r}")

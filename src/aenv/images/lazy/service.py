@@ -4,10 +4,10 @@
 the lazy ext4 served by ``aenv-lazyd``, loop-mounted read-only (``root_of``: the ns overlay lower; its
 file, ``file_of``, is the vm disk's raw backing). A miss pulls the whole image as before and then
 ``convert`` flattens it, writes the ext4, and publishes it (to the image's registry when it accepts a
-push, else to the directory store), so the next node starts lazily.
+push, else to the store ``lazy_store``: a directory or s3://), so the next node starts lazily.
 
 Layout: ``<state_dir>/lazy/`` (the daemon's root: mnt/, images/, cache/), ``<state_dir>/lazy/roots/<hex>``
-(mounts), ``<lazy_store>/lazy/<hex>/`` (directory store), builds under ``<cache_dir>/lazy-build/``.
+(mounts), ``<lazy_store>/lazy/<hex>/`` (directory or s3:// store), builds under ``<cache_dir>/lazy-build/``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from aenv.images.lazy.format import parse_index
 from aenv.images.lazy.lazyd import LazyDaemon, LazyUnavailable, fuse_support
 from aenv.images.reference import Reference, parse_reference
 from aenv.images.registry import RegistryClient
+from aenv.object_store import s3_location, store_from_url
 
 if TYPE_CHECKING:
     from aenv.config import Settings
@@ -51,9 +52,7 @@ class LazyImages:
             insecure=tuple(settings.insecure_registries),
         )
         self.roots = root / "roots"
-        self.store = (
-            Path(settings.lazy_store) if settings.lazy_store else Path(settings.state_dir) / "lazy-store"
-        )
+        self.store = store_of(settings)
         self.build_dir = Path(settings.cache_dir) / "lazy-build"
         self.reason = None if settings.lazy_images else "off (lazy_images = false)"
         if self.reason is None:
@@ -63,6 +62,10 @@ class LazyImages:
             self._log_pos = (self.daemon.root / "daemon.log").stat().st_size
         except OSError:
             self._log_pos = 0
+
+    @property
+    def store_name(self) -> str:
+        return self.store.url if isinstance(self.store, pub.ObjectStore) else str(self.store)
 
     @property
     def available(self) -> bool:
@@ -81,9 +84,15 @@ class LazyImages:
         except AenvError as exc:  # a registry with no room for artifacts, or down: try the store
             log.info("lazy artifact lookup in %s failed: %s", ref.name, exc)
             art = None
-        if art is None:
-            art = await asyncio.to_thread(pub.find_in_dir, self.store, manifest_digest)
-        return art
+        if art is not None:
+            return art
+        if not isinstance(self.store, pub.ObjectStore):
+            return await asyncio.to_thread(pub.find_in_dir, self.store, manifest_digest)
+        try:
+            return await pub.find_in_object_store(self.store, manifest_digest)
+        except Exception as exc:  # the store down or refusing: the image is pulled whole
+            log.warning("lazy artifact lookup in %s failed: %s", self.store.url, exc)
+            return None
 
     def file_of(self, manifest_digest: str) -> Path:
         return self.daemon.path_of(lazy_name(manifest_digest))
@@ -123,8 +132,11 @@ class LazyImages:
                     self.client, ref, manifest_digest, manifest_size, img, work
                 )
             except AenvError as exc:
-                log.info("lazy publish to %s refused (%s): using the store %s", ref.name, exc, self.store)
-                art = await asyncio.to_thread(pub.publish_to_dir, self.store, manifest_digest, img)
+                log.info("lazy publish to %s refused (%s): using the store %s", ref.name, exc, self.store_name)
+                if isinstance(self.store, pub.ObjectStore):
+                    art = await pub.publish_to_object_store(self.store, manifest_digest, img, work)
+                else:
+                    art = await asyncio.to_thread(pub.publish_to_dir, self.store, manifest_digest, img)
             log.info("lazy image of %s published to %s (%d chunks, %d bytes)", ref, art.where,
                      len(art.index.chunks), art.index.stored_bytes)  # fmt: skip
         except Exception as exc:
@@ -150,12 +162,17 @@ class LazyImages:
             new = index.with_prefetch(touched)
             if not new.prefetch:
                 return
-            if reg["source"].get("kind") == "registry":
-                where = parse_reference(str(reg["source"]["reference"]))
+            src = reg["source"]
+            if src.get("kind") == "registry":
+                where = parse_reference(str(src["reference"]))
                 resolved = await self.client.resolve(ref.with_digest(manifest_digest))
                 await pub.push_index(self.client, where, manifest_digest, len(resolved.manifest_bytes), new)
-            else:
+            elif isinstance(self.store, pub.ObjectStore) and src == self.store.source(manifest_digest):
+                await pub.write_object_index(self.store, manifest_digest, new)
+            elif isinstance(self.store, Path) and src.get("path") == str(pub.store_dir(self.store, manifest_digest) / "data"):
                 await asyncio.to_thread(pub.write_dir_index, self.store, manifest_digest, new)
+            else:  # found in a store this server no longer uses (lazy_store changed): leave it be
+                return
             log.info("lazy image %s: prefetch list of %d chunks published", ref, len(new.prefetch))
         except Exception as exc:
             log.warning("lazy prefetch list of %s not recorded: %s", ref, exc)
@@ -235,6 +252,19 @@ class LazyImages:
         except OSError as exc:
             raise LazyUnavailable(f"pin {name}: {exc}") from exc
         return {"name": name, **self.daemon.stats(name)}
+
+
+def store_of(settings: Settings) -> Path | pub.ObjectStore:
+    """``lazy_store``: s3://bucket[/prefix] (the snapshot store's endpoint, region and key sources), else
+    a directory (``file:///dir`` or a path; unset = ``<state_dir>/lazy-store``)."""
+    url = settings.lazy_store
+    if not url:
+        return Path(settings.state_dir) / "lazy-store"
+    if url.startswith("s3://"):
+        where = s3_location(settings.snapshot_store_endpoint, settings.snapshot_store_region)
+        store = store_from_url(url, where["endpoint"], where["region"])
+        return pub.ObjectStore(store, url, where["endpoint"], where["region"])
+    return Path(url[len("file://") :] if url.startswith("file://") else url)
 
 
 def make_ro_ext4(tree: Path, out: Path, min_mb: int = 0) -> None:
