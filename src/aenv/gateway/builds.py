@@ -136,9 +136,9 @@ async def file_link(request: Request, template_id: str, files_hash: str) -> Resp
     for a in answers:
         link = _json(a)
         if isinstance(link, dict) and not link.get("present") and isinstance(url := link.get("url"), str):
-            parts = urlsplit(url)  # the node built it from the Host it was sent: the gateway's
-            tokens[a.node.id] = parse_qs(parts.query).get("token", [""])[0]
-            base = urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
+            parts = urlsplit(url)  # the node built it from the Host it was sent (the gateway's), with its own
+            tokens[a.node.id] = parse_qs(parts.query).get("token", [""])[0]  # scheme: the client's is ours
+            base = urlunsplit((request.scope.get("scheme", "http"), parts.netloc, parts.path, "", ""))
     if not tokens:
         return JSONResponse({"present": True}, status_code=201, headers=_down(skipped))
     token = TOKEN_PREFIX + base64.urlsafe_b64encode(json.dumps(tokens).encode()).decode().rstrip("=")

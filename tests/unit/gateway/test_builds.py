@@ -62,6 +62,10 @@ async def test_the_upload_link_carries_each_nodes_token_and_reaches_each() -> No
     r = await builds.file_link(_request(gw, "GET", "/templates/t1/files/" + "a" * 64), "t1", "a" * 64)
     url = json.loads(bytes(r.body))["url"]
     assert url.startswith(link + "?token=gw1.")
+    https = _request(gw, "GET", "/templates/t1/files/" + "a" * 64)
+    https.scope["scheme"] = "https"  # behind an HTTPS gateway the plain-HTTP nodes' links say http
+    secure = json.loads(bytes((await builds.file_link(https, "t1", "a" * 64)).body))["url"]
+    assert secure.startswith("https://gw:1/aenv/build-files/")
     token = parse_qs(urlsplit(url).query)["token"][0]
     fwd.answers = {n: (201, {}) for n in ("n1", "n2", "n3")}
     fwd.sent.clear()
