@@ -124,9 +124,19 @@ def cluster(args: argparse.Namespace, tmp: Path, tls: Tls, port: int) -> Iterato
         asyncio.run(push_images(reg.url))
         yield str(c.root)
     finally:
+        placed = {c.topo.name(i): _created_on(c.root / c.topo.name(i) / "serve.log") for i in range(args.cluster)}
+        print("sandboxes created per node: " + ", ".join(f"{n}={k}" for n, k in placed.items()), file=sys.stderr)
         c.close()
         if reg is not None:
             reg.stop()
+
+
+def _created_on(log: Path) -> int:
+    """How many sandboxes a node's log says it created (fork children and adoptions not counted)."""
+    try:
+        return sum(" created template=" in line for line in log.read_text(errors="replace").splitlines())
+    except OSError:
+        return 0
 
 
 def run_suite(args: argparse.Namespace, tmp: Path) -> int:
