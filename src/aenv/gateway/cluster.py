@@ -43,7 +43,11 @@ class RedisDirectory:
         except (RedisError, OSError) as exc:
             log.warning("cluster directory unreachable for sandbox=%s (%s): asking the nodes", sandbox_id, exc)
             return await self._fallback.find_sandbox(sandbox_id)
-        return binding.node if binding is not None else None
+        if binding is not None:
+            return binding.node
+        # No binding: an ended sandbox's is gone with it. The node whose tombstone names it answers the
+        # client as it would without a gateway (when and why: killed, expired, lease_expired...).
+        return await self._fallback.find_ended_sandbox(sandbox_id)
 
     async def find_snapshot(self, snapshot_id: str) -> str | None:
         return await self._fallback.find_snapshot(snapshot_id)  # snapshots are not in the directory yet

@@ -73,14 +73,14 @@ class AskNodes:
         self._client = client
         self._headers = {"X-API-KEY": key} if key else {}
 
-    async def _ask(self, path: str, headers: dict[str, str] | None = None) -> str | None:
+    async def _ask(self, path: str, headers: dict[str, str] | None = None, ended_only: bool = False) -> str | None:
         async def one(node: Node) -> tuple[int, str] | None:
             try:
                 r = await self._client.get(node.url + path, headers=headers or self._headers, timeout=5.0)
             except httpx.TransportError as exc:
                 self._nodes.mark_down(node, f"{type(exc).__name__}: {exc}")
                 return None
-            if r.status_code == 200:
+            if r.status_code == 200 and not ended_only:
                 return 0, node.id
             if r.status_code in (404, 410) and b'"endedAt"' in r.content:
                 return 1, node.id
@@ -91,6 +91,10 @@ class AskNodes:
 
     async def find_sandbox(self, sandbox_id: str) -> str | None:
         return await self._ask(f"/sandboxes/{sandbox_id}")
+
+    async def find_ended_sandbox(self, sandbox_id: str) -> str | None:
+        """The live node whose tombstone says the sandbox ended there (a sandbox it runs does not count)."""
+        return await self._ask(f"/sandboxes/{sandbox_id}", ended_only=True)
 
     async def find_snapshot(self, snapshot_id: str) -> str | None:
         return await self._ask(f"/snapshots/{snapshot_id}")

@@ -60,3 +60,33 @@ async def test_a_dead_record_fences_the_node_until_a_new_incarnation(nodes: Node
     assert n2.fenced is None
     nodes._mark_up(n2)
     assert n2.up
+
+
+async def test_an_ended_sandbox_without_a_binding_goes_to_the_node_of_its_tombstone() -> None:
+    """The binding of a killed sandbox is gone with it: the nodes are asked for a tombstone only (a node
+    that runs an unbound sandbox is not given it), so the client hears when and why, as from one node."""
+    from typing import Any
+
+    from aenv.gateway.cluster import RedisDirectory
+    from aenv.gateway.directory import AskNodes
+    from aenv.gateway.nodes import Node
+
+    answers = {"n1": httpx.Response(200, json={"sandboxID": "s"}),
+               "n2": httpx.Response(404, json={"code": 404, "reason": "lease_expired", "endedAt": "t"})}  # fmt: skip
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return answers["n1" if request.url.port == 1 else "n2"]
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    nodes = NodeSet([Node("n1", "http://h:1", "h", 1), Node("n2", "http://h:2", "h", 2)], client, None)
+    for n in nodes.nodes.values():
+        nodes._mark_up(n)
+
+    class Reader:
+        async def binding(self, sandbox_id: str) -> Any:
+            return None
+
+    directory = RedisDirectory(Reader(), AskNodes(nodes, client, None))  # type: ignore[arg-type]
+    assert await directory.find_sandbox("s") == "n2"
+    answers["n2"] = httpx.Response(404, json={"code": 404, "message": "not found"})
+    assert await directory.find_sandbox("s") is None
