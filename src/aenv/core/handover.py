@@ -12,7 +12,8 @@ the same id once its own node is declared dead.
   process published: a restart forgets them, and the store keeps them); on an adopting node, also the
   snapshot it was adopted from (listed there as a snapshot until then).
   A sandbox that mounts volumes is not published: the volumes stay on its node, and a copy elsewhere
-  would run without them; lost with its node, it answers the 404 naming that node.
+  would run without them; lost with its node, it answers the 404 naming that node. Neither is a vm
+  sandbox: a vm snapshot's disk is layered on its node's own template build, which no other node has.
 * **Withdraw.** A resume here (connect, autoResume) withdraws the published pause: the state it names is
   stale from then on. A publish that finishes after a resume, or after a later pause, records nothing.
 * **Adopt.** ``adopt`` (the gateway's ``connect``/``resume`` of a sandbox lost with its node) fetches the
@@ -72,6 +73,9 @@ class PauseHandover:
         if event == "paused" and row.pause_mode is SnapshotMode.FULL and row.paused_at is not None:
             if row.volume_mounts:  # its volumes live on this node: elsewhere it would run without them
                 log.info("sandbox=%s: its pause is not published (it mounts volumes, which stay on this node)", row.id)
+                return
+            if row.runtime == "vm":  # its disk is layered on this node's template build (runtime/vm/snapshot.py)
+                log.info("sandbox=%s: its pause is not published (a vm snapshot runs only on its node)", row.id)
                 return
             task = asyncio.get_running_loop().create_task(self._publish(row.id, row.paused_at),
                                                           name=f"aenv-pause-publish-{row.id}")  # fmt: skip

@@ -63,6 +63,8 @@ async def test_a_pause_of_a_sandbox_with_volumes_is_not_published() -> None:
     h = _handover(Directory())
     h.on_event("paused", _row(pause_mode=SnapshotMode.FULL, paused_at=1.0, volume_mounts=[{"name": "v", "path": "/d"}]), {})
     assert h._tasks == {}
+    h.on_event("paused", _row(pause_mode=SnapshotMode.FULL, paused_at=1.0, runtime="vm"), {})
+    assert h._tasks == {}  # nor is a vm sandbox's: its disk is layered on this node's template build
     h.on_event("paused", _row(pause_mode=SnapshotMode.FULL, paused_at=1.0), {})
     assert list(h._tasks) == ["sbx1"]
     h._tasks["sbx1"].cancel()

@@ -37,7 +37,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from aenv.errors import RuntimeFailure, StateError
+from aenv.errors import Conflict, RuntimeFailure, StateError
 from aenv.kinds import SnapshotMode
 from aenv.machine_key import MachineKey
 from aenv.runtime.base import UNFINISHED_MARKER, RuntimeState, SandboxSpec, SnapshotResult
@@ -73,6 +73,7 @@ BASE_RAM = "base.ram"  # that base RAM (hard link of the template's ram.img: sto
 # parent's layers (linked in as mem.0 ... mem.<n-1>). At this depth it stores all its pages in one
 # layer again (compaction): deeper chains cost every restore one more file to read and apply.
 MEM_CHAIN_MAX = 8
+TEMPLATE_BUILD = "template_build"  # in a snapshot's data: the template build (its RAM id) its disk is layered on
 
 
 class VmSnapshots:
@@ -154,7 +155,7 @@ class VmSnapshots:
         base_ram, ram_image = sbx.base_ram, sbx.ram_image
         data: dict[str, Any] = {
             "template_key": tpl.key, "format": "layered", "ram_id": base_ram.name.removesuffix(".mem"),
-            "mem_layers": names, "sandbox_id": sandbox_id, compat.RECORD: self._machine(),
+            "mem_layers": names, "sandbox_id": sandbox_id, compat.RECORD: self._machine(), TEMPLATE_BUILD: tpl.ram_id,
         }  # fmt: skip
 
         def write_ram() -> None:
@@ -257,13 +258,29 @@ class VmSnapshots:
         log.info("sandbox %s: snapshot into %s (paused %.0f ms)", sandbox_id, into, paused_ms)
         return SnapshotResult(
             mode=SnapshotMode.FULL, layers=(SNAP_DISK, FULL_STATE), paused_ms=round(paused_ms),
-            data={"template_key": tpl.key, compat.RECORD: self._machine()},
+            data={"template_key": tpl.key, TEMPLATE_BUILD: tpl.ram_id, compat.RECORD: self._machine()},
         )
 
     # -- restore --
     def check_machine(self, snapshot: Path, result: SnapshotResult) -> None:
         """``MachineMismatch`` when the snapshot records another machine than this host's (compat.py)."""
         compat.check(result.data, self._machine(), f"snapshot '{snapshot.name}'", snapshot_id=snapshot.name)
+
+    async def check_restorable(self, snapshot: Path, result: SnapshotResult) -> None:
+        """Refused before anything starts or ends: another machine (``check_machine``), or another build
+        of the template. A vm snapshot's disk is a qcow2 layered on its template build's disk, and its RAM
+        holds that disk's page cache; a template built again (on another node, or here after a rebuild)
+        is another ext4 (mkfs picks new UUIDs and layouts), so restoring onto it would corrupt the disk."""
+        self.check_machine(snapshot, result)
+        key = str(result.data.get("template_key", ""))
+        built = result.data.get(TEMPLATE_BUILD) or (result.data.get("ram_id") if result.data.get("format") == "layered"
+                                                   else None)  # fmt: skip
+        tpl = await self.templates.find(key)
+        if built is not None and (tpl is None or tpl.ram_id != built):
+            raise Conflict(
+                f"snapshot '{snapshot.name}' was taken on another build of template {key} (another node, or this one "
+                "before the template was built again): a vm snapshot runs only where its template build is "
+                "(vm snapshots and pauses do not move between nodes yet)", snapshot_id=snapshot.name)
 
     async def create_from_snapshot(
         self, spec: SandboxSpec, snapshot: Path, result: SnapshotResult
@@ -292,7 +309,7 @@ class VmSnapshots:
         a classic migration."""
         await self._start()
         sid = spec.sandbox_id
-        self.check_machine(snapshot, result)
+        await self.check_restorable(snapshot, result)
         if sid in self.table.running:
             raise StateError(f"sandbox {sid} already exists", sandbox_id=sid)
         await self._files_ready(snapshot)
@@ -370,8 +387,8 @@ class VmSnapshots:
         self, sandbox_id: str, spec: SandboxSpec, snapshot: Path, result: SnapshotResult
     ) -> RuntimeState:
         """Same ID and token, state of ``snapshot``: end the current VM, restore the snapshot (refused
-        first, the VM running on, when the snapshot is of another machine)."""
-        self.check_machine(snapshot, result)
+        first, the VM running on, when the snapshot is of another machine or template build)."""
+        await self.check_restorable(snapshot, result)
         self.release.cancel(sandbox_id)
         await self.written(sandbox_id)
         old, rel, _ = self.table.remove(sandbox_id)

@@ -382,12 +382,22 @@ class TemplateCache:
 
     async def by_key(self, key: str) -> FrozenTemplate:
         """The template a snapshot or a released sandbox names, loaded from disk if need be."""
+        tpl = await self.find(key)
+        if tpl is None:
+            raise RuntimeFailure(f"template snapshot {key} is gone (RAM file or disk missing)")
+        return tpl
+
+    async def find(self, key: str) -> FrozenTemplate | None:
+        """``by_key``, or None when this node has no such template. One it is booting right now (its
+        warm pool, on a node that just started) is waited for."""
         tpl = self._templates.get(key)
+        if tpl is None and (building := self._locks.get(key)) is not None and building.locked():
+            async with building:
+                tpl = self._templates.get(key)
         if tpl is None:
             tpl = await asyncio.to_thread(load, self.templates_dir, key)
-            if tpl is None:
-                raise RuntimeFailure(f"template snapshot {key} is gone (RAM file or disk missing)")
-            self._templates[key] = tpl
+            if tpl is not None:
+                self._templates[key] = tpl
         return tpl
 
     async def frozen_ram(self, ram_id: str, image: Path) -> Path:

@@ -93,3 +93,37 @@ async def test_a_released_pause_of_another_machine_stays_released(tmp_path: Path
         rel.marker.write_text(json.dumps(marker))
         with pytest.raises(RuntimeError, match="check passed"):
             await releaser.load_locked("b", run=True)
+
+
+async def test_a_snapshot_of_another_template_build_is_refused(tmp_path: Path) -> None:
+    """A vm snapshot's disk is layered on its template build's disk: another build (another node, or a
+    rebuild here) is refused before anything starts; the same build, or a snapshot without a record, is not."""
+    from types import SimpleNamespace
+
+    from aenv.errors import Conflict
+    from aenv.kinds import SnapshotMode
+    from aenv.runtime.base import SnapshotResult
+    from aenv.runtime.vm.snapshot import TEMPLATE_BUILD, VmSnapshots
+
+    here = {"accel": "tcg", "cpu": "max", "qemu": "7.2"}
+    local: dict[str, Any] = {"base-k": SimpleNamespace(ram_id="build-here")}
+
+    class Templates:
+        async def find(self, key: str) -> Any:
+            return local.get(key)
+
+    flows = VmSnapshots(None, Templates(), None, None, run_root=tmp_path, shm_dir=tmp_path, pids_limit=1,  # type: ignore[arg-type]
+                        start=lambda: None, machine=lambda: here)  # type: ignore[arg-type,return-value]
+
+    def result(**data: Any) -> SnapshotResult:
+        return SnapshotResult(mode=SnapshotMode.FULL, layers=(), data={"template_key": "base-k", "machine": here, **data})
+
+    await flows.check_restorable(tmp_path / "s1", result(**{TEMPLATE_BUILD: "build-here"}))
+    await flows.check_restorable(tmp_path / "s1", result(format="layered", ram_id="build-here"))
+    await flows.check_restorable(tmp_path / "s1", result())  # taken before builds were recorded
+    for other in (result(**{TEMPLATE_BUILD: "build-elsewhere"}), result(format="layered", ram_id="build-elsewhere")):
+        with pytest.raises(Conflict, match="another build of template base-k"):
+            await flows.check_restorable(tmp_path / "s1", other)
+    local.clear()  # the template was never built here
+    with pytest.raises(Conflict, match="do not move between nodes"):
+        await flows.check_restorable(tmp_path / "s1", result(**{TEMPLATE_BUILD: "build-here"}))
