@@ -1,6 +1,6 @@
 """What the gateway's hop costs: the same calls straight to a node and through ``aenv gateway`` in front
 of it, sampled alternately in one run. ``commands.run("true")`` in a running sandbox (back to back, blocks
-of 10 alternating) and create → first command (serial). One node is enough: the extra hop is the same
+of 10 alternating) and create → first command (serial, each a warm-pool hand-out). One node is enough: the extra hop is the same
 whatever the number of nodes; creates/s over several nodes on one machine would measure the shared CPU,
 not the routing."""
 
@@ -17,6 +17,10 @@ from bench.context import Ctx
 from bench.rows import alternate, ms_since, row, scenario, timed
 
 TEMPLATE = "base"
+# After each create: time for the node's warm pool to refill (a refill is ~0.1-0.2 s here). Without it a
+# create now and then finds the pool empty and cold-starts (~230 ms), and with 20 samples those decide
+# the medians' difference more than the gateway's hop does.
+REFILL_S = 0.5
 
 
 def _sandbox(url: str) -> Any:
@@ -57,11 +61,12 @@ def _measure(ctx: Ctx, gateway_url: str) -> dict[str, Any]:
             sbx.commands.run("true")
             took = ms_since(t0)
             sbx.kill()
+            time.sleep(REFILL_S)  # untimed: the node's warm pool refills, so each create is a hand-out
             return took
 
         return once
 
-    creates = alternate(ctx.n(3, 20), [(ctx.system, create_on(ctx.url)), (via, create_on(gateway_url))])
+    creates = alternate(ctx.n(3, 40), [(ctx.system, create_on(ctx.url)), (via, create_on(gateway_url))])
     rows = [row("commands.run(true) back to back", name, [x for b in blocks for x in b]) for name, blocks in bursts.items()]
     rows += [row("create → first command", name, samples) for name, samples in creates.items()]
     return scenario("through the gateway vs straight to the node", rows,

@@ -69,6 +69,14 @@ class _NodePool(UpstreamPool):
     async def release(self, sandbox_id: str, port: int, stream: ByteStream) -> None:
         await super().release(*self._key(sandbox_id), stream)
 
+    def prewarm(self, sandbox_id: str, port: int) -> None:
+        """A new sandbox's first request finds a connection to its node when one is idle: opening one
+        more per create (as a node does per sandbox) would only load gateway and node at that moment."""
+        key = self._key(sandbox_id)
+        if self._idle.get(key):
+            return
+        super().prewarm(sandbox_id, port)
+
 
 class GatewayProxy(SandboxProxy):
     """ASGI middleware in front of the gateway's control plane."""
