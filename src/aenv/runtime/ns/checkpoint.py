@@ -121,6 +121,9 @@ def reason(log: Path, limit: int = 3) -> str:
     return "; ".join(errors[-limit:]) if errors else (lines[-1].strip() if lines else "no reason logged")
 
 
+CRIU_TIMEOUT = 120.0  # s: a dump or restore still running then is stuck (a task it holds was killed), not slow
+
+
 def run_criu(argv: list[str], log: Path, what: str, on_ready: Callable[[int], None] | None = None,
              pass_fds: tuple[int, ...] = ()) -> None:
     """Run CRIU (``argv``: CRIU behind its wrappers). ``on_ready``: called with the wrapper's pid once
@@ -139,7 +142,10 @@ def run_criu(argv: list[str], log: Path, what: str, on_ready: Callable[[int], No
                 proc.stdin.write("go\n")
                 proc.stdin.close()
             proc.stdin = None  # communicate() must not touch it again
-        out, err = proc.communicate()
+        try:
+            out, err = proc.communicate(timeout=CRIU_TIMEOUT)
+        except subprocess.TimeoutExpired as exc:
+            raise CheckpointError(f"criu {what} did not finish in {CRIU_TIMEOUT:g} s (killed)") from exc
     except BaseException:
         proc.kill()
         proc.wait()  # not communicate(): a half-restored task may hold the pipes (its cgroup's teardown ends it)

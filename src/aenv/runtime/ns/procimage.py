@@ -31,6 +31,7 @@ import logging
 import os
 import secrets
 import shutil
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -161,7 +162,7 @@ class ProcImages:
                                          timeout=rt.launch_timeout)
             await sbx.warm_up()
             async with sbx.quiesce():
-                await asyncio.to_thread(self._dump, sbx, dest)
+                await _finish_even_if_cancelled(asyncio.to_thread(self._dump, sbx, dest))
             self._ready[key] = dest
             log.info("ns process image of template %s made (%s)", template.template_id, dest)
         except Exception as exc:  # noqa: BLE001 - without an image starts exec, as before
@@ -193,3 +194,17 @@ class ProcImages:
             task.cancel()
         if self._building:
             await asyncio.gather(*self._building.values(), return_exceptions=True)
+
+
+async def _finish_even_if_cancelled(work: Awaitable[None]) -> None:
+    """Await ``work`` (a thread's) to its end even when the caller is cancelled (the pool closing), then
+    re-raise the cancellation: the sandbox it dumps is closed only after CRIU let go of it. Killed under a
+    running dump (its cgroup frozen, its tasks seized), the dump never returned, and neither did the
+    shutdown that waited for its thread."""
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await task
+        raise
