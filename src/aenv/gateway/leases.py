@@ -18,20 +18,18 @@ the end to every live node, and merges the answers (the ``sandboxes`` count is t
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import string
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from aenv.api.auth import require_api_key
 from aenv.api.errors import error_response
+from aenv.gateway.control import _parsed
+from aenv.gateway.control import gateway as _gw
 from aenv.gateway.forward import Relayed
-
-if TYPE_CHECKING:
-    from aenv.gateway.control import Gateway
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 LEASE_ID_HEADER = "X-Aenv-Lease-Id"  # api.routes_leases
@@ -41,18 +39,6 @@ _ALPHABET = string.ascii_lowercase + string.digits
 def new_lease_id() -> str:
     """The ID the nodes accept (``core.leases.LEASE_ID``): a letter, then 19 letters or digits."""
     return secrets.choice(string.ascii_lowercase) + "".join(secrets.choice(_ALPHABET) for _ in range(19))
-
-
-def _gw(request: Request) -> Gateway:
-    gw: Gateway = request.app.state.gateway
-    return gw
-
-
-def _json(got: Relayed) -> Any:
-    try:
-        return json.loads(got.body) if got.body else None
-    except ValueError:
-        return None
 
 
 async def _on_every_node(request: Request, body: bytes, extra: dict[str, str] | None = None) -> list[Relayed] | Response:
@@ -81,7 +67,7 @@ def merge(answers: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _lease_answer(answers: list[Relayed], status: int = 200) -> Response:
     """The merged lease from the nodes that hold it; when none does, the first refusal (410 before 404)."""
-    held = [(got, body) for got in answers if got.status in (200, 201) and isinstance(body := _json(got), dict)]
+    held = [(got, body) for got in answers if got.status in (200, 201) and isinstance(body := _parsed(got.body), dict)]
     if not held:
         refusals = sorted(answers, key=lambda got: got.status != 410)
         return refusals[0].response()
@@ -106,7 +92,8 @@ async def create_lease(request: Request) -> Response:
         gw = _gw(request)
         await asyncio.gather(*(gw.forwarder.send(request, n, b"", path=f"/aenv/leases/{lease_id}", method="DELETE")
                                for n in made), return_exceptions=True)  # fmt: skip
-        message = _json(refused).get("message") if isinstance(_json(refused), dict) else None
+        said = _parsed(refused.body)
+        message = said.get("message") if isinstance(said, dict) else None
         return error_response(refused.status, f"node {refused.node.id}: {message or refused.body[:200]!r}", None,
                               node=refused.node.id)  # fmt: skip
     return _lease_answer(answers, 201)
@@ -121,7 +108,7 @@ async def list_leases(request: Request) -> Response:
     for got in answers:
         if got.status != 200:
             return got.response()
-        for lease in _json(got) or []:
+        for lease in _parsed(got.body) or []:
             by_id.setdefault(str(lease.get("leaseID")), []).append(lease)
     merged = [merge(same) for same in by_id.values()]
     merged.sort(key=lambda lease: float(lease.get("createdAt") or 0), reverse=True)
