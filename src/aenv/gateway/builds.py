@@ -33,11 +33,13 @@ from fastapi.responses import JSONResponse, Response
 
 from aenv.api.auth import require_api_key
 from aenv.api.errors import error_response
+from aenv.gateway.control import _parsed
+from aenv.gateway.control import gateway as _gw
 from aenv.gateway.forward import NodeUnreachable, Relayed
 from aenv.gateway.nodes import Node
 
 if TYPE_CHECKING:
-    from aenv.gateway.control import Gateway
+    pass
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 uploads = APIRouter()  # the link is signed by the nodes, no API key (the SDK sends none there)
@@ -45,16 +47,8 @@ BUILD_IDS_HEADER = "X-Aenv-Build-Ids"  # api.routes_builds
 TOKEN_PREFIX = "gw1."
 
 
-def _gw(request: Request) -> Gateway:
-    gw: Gateway = request.app.state.gateway
-    return gw
-
-
 def _json(got: Relayed) -> Any:
-    try:
-        return json.loads(got.body) if got.body else None
-    except ValueError:
-        return None
+    return _parsed(got.body)
 
 
 def _down(skipped: list[Node]) -> dict[str, str]:
