@@ -209,7 +209,8 @@ def _tries(sbx: Sandbox) -> int:
     return int(out) if out.isdigit() else 0
 
 
-def test_a_restored_process_tree_never_runs_without_the_policy(net_server: Server, hosts: PolicyHosts) -> None:
+def test_a_restored_process_tree_never_runs_without_the_policy(net_server: Server, hosts: PolicyHosts,
+                                                               runtime_name: str) -> None:
     """A fork child whose processes are restored (CRIU on ns, a new QEMU on vm) gets a fresh
     network namespace: the policy must be in its filter before slirp gives it a way out. A process
     that knocks on a denied host every few ms from its first instant never gets an answer."""
@@ -225,6 +226,7 @@ def test_a_restored_process_tree_never_runs_without_the_policy(net_server: Serve
         assert at_fork > 0 and not sbx.files.exists("/tmp/reached")
         child = httpx.post(f"{net_server.url}/sandboxes/{sbx.sandbox_id}/fork", json={"count": 1},
                            headers={"X-API-KEY": API_KEY}, trust_env=False, timeout=300).json()[0]
+        assert "sandbox" in child, child  # the fork's own error, not a KeyError
         kid = Sandbox.connect(child["sandbox"]["sandboxID"])
         try:
             moved = _tries(kid)
@@ -233,6 +235,9 @@ def test_a_restored_process_tree_never_runs_without_the_policy(net_server: Serve
                 if _tries(kid) <= moved:
                     pytest.skip("forks here keep files only (no CRIU): no process is restored")
             assert not kid.files.exists("/tmp/reached"), kid.files.read("/tmp/reached")
+            if runtime_name == "ns":  # binding to absent addresses, allowed while CRIU restored, is not any more
+                nonlocal_bind = kid.commands.run("cat /proc/sys/net/ipv4/ip_nonlocal_bind").stdout.strip()
+                assert nonlocal_bind == "0"
             assert "addr=" not in _get(kid, OTHER) and f"addr={ALLOWED}" in _get(kid, ALLOWED)
         finally:
             kid.kill()

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import ipaddress
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -33,6 +35,7 @@ from aenv.runtime.base import VolumeBind
 from aenv.runtime.network import SLIRP_GATEWAY
 from aenv.runtime.ns import criu
 from aenv.runtime.ns.userns import SharedUserns, mapped_base
+from aenv.runtime.nsthread import run_in_namespace
 
 DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
@@ -202,6 +205,8 @@ def dump(exe: str, init_pid: int, images: Path, *, freezer: Path | None, leave_r
     the sandbox's /tmp, which the idmapped upper refuses; a restore inside the user namespace could
     not mknod them either). ``volumes``: the mount points of its E2B volumes (external)."""
     images.mkdir(parents=True, exist_ok=True)
+    if has_outside_tcp(init_pid):
+        (images / criu.OUTSIDE_TCP_MARK).touch()
     base = mapped_base(init_pid)
     if base is not None:
         (images / USERNS_MARK).write_text(str(base))
@@ -250,6 +255,57 @@ def _tap_set_aside(init_pid: int, back: bool) -> Iterator[None]:
             _ip(init_pid, "route", "add", "default", "via", SLIRP_GATEWAY, "dev", TAP)
 
 
+_TCP_CLOSE, _TCP_LISTEN = "07", "0A"  # /proc/net/tcp states without a peer
+
+
+def _outside(hex_addr: str) -> bool:
+    """A /proc/net/tcp{,6} address (32-bit words in host order) that is not loopback nor unset."""
+    raw = bytes.fromhex(hex_addr)
+    if sys.byteorder == "little":
+        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    ip = ipaddress.ip_address(raw)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return not (ip.is_loopback or ip.is_unspecified)
+
+
+def has_outside_tcp(pid: int) -> bool:
+    """Whether the network namespace of ``pid`` holds a TCP socket with a peer outside loopback
+    (``criu.OUTSIDE_TCP_MARK``). Read while the tree is frozen: no socket gains a peer meanwhile."""
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except FileNotFoundError:  # no IPv6 here
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 3 and fields[3] not in (_TCP_CLOSE, _TCP_LISTEN) and _outside(fields[2].split(":")[0]):
+                return True
+    return False
+
+
+def end_restore_network(pid: int) -> None:
+    """What a restored tree's network namespace allowed only while CRIU restored its sockets, undone
+    before the tree gets a network: binding to absent addresses (``criu.NONLOCAL_BIND``: one short
+    thread in the namespace of ``pid``, the restored init) and the stand-in address and route
+    (``criu.OUTSIDE_TCP_MARK``, seen in the namespace's route table; removed only where they are)."""
+    def forbid(_: ctypes.CDLL) -> None:
+        try:  # opened in the thread's namespace: the sandbox's value
+            with open(criu.NONLOCAL_BIND, "w") as fh:
+                fh.write("0")
+        except OSError:  # a read-only /proc/sys (a container): then the wrapper could not allow it either
+            with open(criu.NONLOCAL_BIND) as fh:
+                if fh.read().strip() != "0":
+                    raise
+
+    run_in_namespace(pid, "net", forbid, thread_name=f"nonlocal-{pid}")
+    with open(f"/proc/{pid}/net/route") as fh:  # Iface Destination Gateway ...: the stand-in is "lo 00000000"
+        stand_in = any(line.split()[:2] == ["lo", "00000000"] for line in fh.read().splitlines()[1:])
+    if stand_in:
+        _ip(pid, "route", "del", "default", "dev", "lo")
+        _ip(pid, "addr", "del", criu.STAND_IN_ADDR, "dev", "lo")
+
+
 def restore(exe: str, images: Path, *, lowers: list[str], upper: Path, work: Path, merged: Path, run_dir: Path,
             tools: Path, boot_id: Path, procs_files: list[str], on_netns: Callable[[int], None] | None = None,
             userns: SharedUserns | None = None, volumes: Sequence[VolumeBind] = ()) -> int:
@@ -278,7 +334,8 @@ def restore(exe: str, images: Path, *, lowers: list[str], upper: Path, work: Pat
             exe, images, root=merged, pidfile=pidfile, tools=tools, run_dir=run_dir, log=str(log),
             boot_id=boot_id, masked=masked, volumes=[(v.path, str(v.source)) for v in volumes],
             read_only_volumes=[v.path for v in volumes if v.read_only]), kdat=kdat_cache(exe),
-            read_only=criu.read_only_sources(tools, boot_id, masked, read_only), ready=on_netns is not None)),
+            read_only=criu.read_only_sources(tools, boot_id, masked, read_only), ready=on_netns is not None,
+            stand_in_route=(images / criu.OUTSIDE_TCP_MARK).exists())),
             log, "restore", on_ready=on_netns)
     finally:
         _libc.umount2(os.fsencode(merged), _MNT_DETACH)  # the restored tree holds its own copy

@@ -75,6 +75,22 @@ KDAT_BASE = Path("/dev/shm")  # a tmpfs on any Linux host: CRIU keeps its kernel
 EXT_VOLUME = "aenv-vol-"  # + a digest of its mount point: an E2B volume's bind (agent/launch.py)
 READY = "aenv-netns-ready"  # what the restore wrapper prints once its namespaces are made
 PRE_RESUME = "pre-resume"  # the CRIU stage at which the restored tree exists and none of it runs yet
+# A socket dumped bound to the tap's address (a connect under way, or one just refused and not yet
+# closed) is bound to it again on restore, before the restored tree has a tap: its network namespace
+# allows binding to addresses it lacks while CRIU restores (``in_fresh_netns_argv``, ``LO_UP``), and
+# no longer once the tree is attached (``checkpoint.end_restore_network``). Without it such a restore
+# failed now and then with "Can't bind inet socket back: Cannot assign requested address".
+NONLOCAL_BIND = "/proc/sys/net/ipv4/ip_nonlocal_bind"
+# A TCP socket dumped connecting or connected to a peer outside the tree's loopback is connected again
+# on restore (in repair mode: nothing is sent, but the kernel needs a route to the peer), again before
+# the tree has a tap. A dump that holds one says so (``OUTSIDE_TCP_MARK``, ``checkpoint.dump``), and
+# its restore gets the tap's address on loopback (the kernel routes from a local source only) and a
+# stand-in default route through loopback until the tree is attached. Without them such a restore
+# failed with "Can't connect inet socket back: Network is unreachable". The connection itself is dead
+# in the restored tree, as in a restored VM: its peer knows only the parent.
+OUTSIDE_TCP_MARK = "aenv-outside-tcp"
+STAND_IN_ADDR = "10.0.2.100/32"  # the tap's (slirp4netns --configure), the only source such a socket has
+STAND_IN_ROUTE = f"ip addr add {STAND_IN_ADDR} dev lo && ip route add default dev lo"
 
 Runner = Callable[..., "subprocess.CompletedProcess[str]"]
 
@@ -317,8 +333,9 @@ def _check_script(masked: Sequence[str], volumes: Sequence[str] = ()) -> str:
 SETUP_NAMESPACES = "setup-namespaces"  # the stage at which the restored init's namespaces exist, nothing in them
 # With ``--empty-ns net`` CRIU makes the restored network namespace and leaves it bare: the action
 # script brings its loopback up before any socket is restored (each bound to 127.0.0.1 needs it).
-LO_UP = (f'[ "$CRTOOLS_SCRIPT_ACTION" = {SETUP_NAMESPACES} ] && '
-         'exec nsenter -t "$CRTOOLS_INIT_PID" -n ip link set lo up\n')
+LO_UP = (f'[ "$CRTOOLS_SCRIPT_ACTION" = {SETUP_NAMESPACES} ] && exec nsenter -t "$CRTOOLS_INIT_PID" -n '
+         f'sh -c \'{{ echo 1 > {NONLOCAL_BIND} || :; }} 2>/dev/null; ip link set lo up && '
+         f'{{ [ ! -e "$0" ] || {{ {STAND_IN_ROUTE}; }}; }}\' "$CRTOOLS_IMAGE_DIR/{OUTSIDE_TCP_MARK}"\n')
 
 
 def ro_remount_action(masked: Sequence[str], base: Path = KDAT_BASE, volumes: Sequence[str] = (),
@@ -398,9 +415,12 @@ def in_kdat_cache_argv(kdat: Path | None, argv: Sequence[str]) -> list[str]:
 
 
 def in_fresh_netns_argv(argv: Sequence[str], kdat: Path | None = None,
-                        read_only: Sequence[tuple[str, int]] = (), ready: bool = False) -> list[str]:
+                        read_only: Sequence[tuple[str, int]] = (), ready: bool = False,
+                        stand_in_route: bool = False) -> list[str]:
     """Run ``argv`` in a new network namespace with loopback up and that namespace open at ``NET_FD``
-    (what ``restore_argv(net_external=True)`` inherits). The namespace lives as long as the restored
+    (what ``restore_argv(net_external=True)`` inherits), binding to absent addresses allowed until
+    the tree is attached (``NONLOCAL_BIND``), and with ``stand_in_route`` a default route through
+    loopback (``OUTSIDE_TCP_MARK``). The namespace lives as long as the restored
     tree is in it; the runtime adds the filter and slirp4netns for internet access afterwards.
     ``kdat``: also a private mount namespace with CRIU's probe cache (``in_kdat_cache_argv``);
     ``read_only``: (path, MS_* flags) bound read-only over themselves in it (``read_only_sources``);
@@ -410,7 +430,9 @@ def in_fresh_netns_argv(argv: Sequence[str], kdat: Path | None = None,
     end, and its pid be reused, before the filter went in, which would then land in whatever
     namespace that pid's new owner has."""
     tell = f"echo {READY} && read -r _go && " if ready else ""
-    script = (f'{_kdat_prefix(kdat)}{_read_only_binds(read_only)}ip link set lo up && {tell}'
+    route = f"{STAND_IN_ROUTE} && " if stand_in_route else ""
+    script = (f'{_kdat_prefix(kdat)}{_read_only_binds(read_only)}ip link set lo up && {route}'
+              f'{{ echo 1 > {NONLOCAL_BIND} || :; }} 2>/dev/null && {tell}'
               f'exec "$@" {NET_FD}</proc/self/ns/net' + (" </dev/null" if ready else ""))
     mount = ["--mount", "--propagation", "private"] if kdat is not None or read_only else []
     return ["unshare", "--net", *mount, "--", "/bin/sh", "-c", script, "sh", *argv]

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -271,7 +272,81 @@ def test_an_empty_network_namespace_gets_its_loopback_from_the_action_script(tmp
     env = {"PATH": "/usr/bin:/bin", "CRTOOLS_INIT_PID": "77"}
     out = subprocess.run(["sh", str(script)], env={**env, "CRTOOLS_SCRIPT_ACTION": criu.SETUP_NAMESPACES},
                          capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "nsenter -t 77 -n ip link set lo up"
+    assert out.startswith("nsenter -t 77 -n sh -c ") and "ip link set lo up" in out
     out = subprocess.run(["sh", str(script)], env={**env, "CRTOOLS_SCRIPT_ACTION": "post-restore"},
                          capture_output=True, text=True, check=True).stdout
     assert out == ""
+
+
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: unshare --net")
+def test_a_restore_may_bind_and_connect_sockets_before_the_tree_has_a_network(tmp_path: Path) -> None:
+    """A socket dumped bound to the tap's address, or connecting to a peer outside, is bound and
+    connected again before the restored tree has a tap: its network namespace allows binding to absent
+    addresses while CRIU runs (the fresh one's wrapper; the action script's ``LO_UP`` in a
+    user-namespaced one) and, where the dump holds such a connection, routes through loopback; neither
+    once the tree is attached (``end_restore_network``). The host's own settings are never touched."""
+    from aenv.runtime.ns import checkpoint
+
+    host_nonlocal, host_routes = Path(criu.NONLOCAL_BIND).read_text(), Path("/proc/net/route").read_text()
+    wrapped = criu.in_fresh_netns_argv(["sh", "-c", f"cat {criu.NONLOCAL_BIND}; ip route"], stand_in_route=True)
+    out = subprocess.run(wrapped, capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[0] == "1" and out[1].startswith("default dev lo")
+    plain = criu.in_fresh_netns_argv(["ip", "route"])
+    assert subprocess.run(plain, capture_output=True, text=True, check=True).stdout == ""
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / criu.OUTSIDE_TCP_MARK).touch()
+    probe = tmp_path / "probe.sh"
+    probe.write_text(Path(criu.ro_remount_action((), base=tmp_path, lo_up=True)).read_text())
+    tree = subprocess.Popen(["unshare", "--net", "sleep", "30"])
+    try:
+        for _ in range(100):  # until sleep runs in its namespace
+            if os.readlink(f"/proc/{tree.pid}/ns/net") != os.readlink("/proc/self/ns/net"):
+                break
+            time.sleep(0.01)
+        env = {"PATH": os.environ["PATH"], "CRTOOLS_INIT_PID": str(tree.pid), "CRTOOLS_IMAGE_DIR": str(images),
+               "CRTOOLS_SCRIPT_ACTION": criu.SETUP_NAMESPACES}
+        subprocess.run(["sh", str(probe)], env=env, check=True)
+
+        def inside(*argv: str) -> str:
+            return subprocess.run(["nsenter", "-t", str(tree.pid), "-n", *argv], capture_output=True, text=True,
+                                  check=True).stdout.strip()
+
+        assert inside("cat", criu.NONLOCAL_BIND) == "1" and inside("ip", "route").startswith("default dev lo")
+        assert criu.STAND_IN_ADDR.split("/")[0] in inside("ip", "-4", "addr", "show", "dev", "lo")
+        assert not checkpoint.has_outside_tcp(tree.pid)
+        connecting = ("import socket, time; s = socket.socket(); s.setblocking(False); s.connect_ex(('203.0.113.9', 80)); "
+                      "l = socket.create_server(('127.0.0.1', 0)); c = socket.create_connection(l.getsockname()); "
+                      "print('ok', flush=True); time.sleep(30)")
+        with subprocess.Popen(["nsenter", "-t", str(tree.pid), "-n", sys.executable, "-c", connecting],
+                              stdout=subprocess.PIPE, text=True) as knocker:
+            assert knocker.stdout is not None and knocker.stdout.readline().strip() == "ok"
+            assert checkpoint.has_outside_tcp(tree.pid)  # the loopback pair alone would not be
+            knocker.kill()
+        checkpoint.end_restore_network(tree.pid)
+        assert inside("cat", criu.NONLOCAL_BIND) == "0" and inside("ip", "route") == ""
+        assert criu.STAND_IN_ADDR.split("/")[0] not in inside("ip", "-4", "addr", "show", "dev", "lo")
+        checkpoint.end_restore_network(tree.pid)  # nothing left to undo: no error
+        (images / criu.OUTSIDE_TCP_MARK).unlink()
+        subprocess.run(["sh", str(probe)], env=env, check=True)
+        assert inside("ip", "route") == ""
+    finally:
+        tree.kill()
+        tree.wait()
+    assert Path(criu.NONLOCAL_BIND).read_text() == host_nonlocal and Path("/proc/net/route").read_text() == host_routes
+
+
+def test_outside_peers_are_what_is_neither_loopback_nor_unset() -> None:
+    from aenv.runtime.ns.checkpoint import _outside
+
+    def v4(*octets: int) -> str:  # as /proc/net/tcp prints it on this host
+        return bytes(octets if sys.byteorder == "big" else octets[::-1]).hex().upper()
+
+    assert _outside(v4(203, 0, 113, 9)) and _outside(v4(10, 0, 2, 100))
+    assert not _outside(v4(127, 0, 0, 1)) and not _outside(v4(0, 0, 0, 0))
+    mapped = "0000000000000000" + ("0000FFFF" if sys.byteorder == "big" else "FFFF0000")
+    assert not _outside(mapped + v4(127, 0, 0, 1)) and _outside(mapped + v4(203, 0, 113, 9))
+    loopback6 = "0" * 24 + ("00000001" if sys.byteorder == "big" else "01000000")
+    assert not _outside(loopback6) and _outside("0" * 24 + v4(0, 0, 0, 2))
