@@ -32,6 +32,7 @@ from aenv.runtime.nsthread import run_in_namespace
 from aenv.runtime.process import ProcRef, Reaped
 
 SLIRP_GATEWAY = "10.0.2.2"
+SLIRP_TAP_ADDR = "10.0.2.100"  # what slirp4netns --configure gives the tap
 SLIRP_DNS = "10.0.2.3"
 RESOLV_CONF = f"nameserver {SLIRP_DNS}\n"
 BLOCKED_RANGES = (

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from aenv.agent import launch
 from aenv.runtime.base import VolumeBind
-from aenv.runtime.network import SLIRP_GATEWAY
+from aenv.runtime.network import SLIRP_GATEWAY, SLIRP_TAP_ADDR
 from aenv.runtime.ns import criu
 from aenv.runtime.ns.userns import SharedUserns, mapped_base
 from aenv.runtime.nsthread import run_in_namespace
@@ -222,7 +222,7 @@ def dump(exe: str, init_pid: int, images: Path, *, freezer: Path | None, leave_r
 
 
 TAP = "tap0"  # what slirp4netns makes in an internet sandbox (runtime/network.py)
-TAP_ADDR = "10.0.2.100/24"  # and how it configures it (slirp4netns --configure)
+TAP_ADDR = f"{SLIRP_TAP_ADDR}/24"  # and how it configures it (slirp4netns --configure)
 
 
 def _ip(pid: int, *args: str) -> None:
@@ -316,16 +316,20 @@ def restore(exe: str, images: Path, *, lowers: list[str], upper: Path, work: Pat
     its filter meanwhile; an error there fails the restore. ``userns``: see ``restore_in_userns``
     (``on_netns`` must be None there: the network namespace is the image's, made by CRIU).
     ``volumes``: the E2B volumes bound where the dumped ones were (the same mount points); a
-    read-only one's source is bound read-only first, so its restored bind is born read-only."""
+    read-only one's source is bound read-only first, so its restored bind is born read-only.
+    What the namespace allowed only while CRIU restored sockets is undone before this returns
+    (``end_restore_network``)."""
     pidfile = run_dir / "criu-restore.pid"
     log = run_dir / RESTORE_LOG
     userns = _userns_for(images, userns)
     if userns is not None:
         if on_netns is not None:
             raise ValueError("a restore in a user namespace has no fresh network namespace to hand out")
-        return restore_in_userns(exe, images, userns, lowers=lowers, upper=upper, work=work, merged=merged,
-                                 run_dir=run_dir, tools=tools, boot_id=boot_id, procs_files=procs_files,
-                                 volumes=volumes)
+        pid = restore_in_userns(exe, images, userns, lowers=lowers, upper=upper, work=work, merged=merged,
+                                run_dir=run_dir, tools=tools, boot_id=boot_id, procs_files=procs_files,
+                                volumes=volumes)
+        end_restore_network(pid)
+        return pid
     mount_overlay(criu.overlay_options(lowers, upper, work), merged)
     try:
         masked = criu.masked_here()
@@ -339,7 +343,9 @@ def restore(exe: str, images: Path, *, lowers: list[str], upper: Path, work: Pat
             log, "restore", on_ready=on_netns)
     finally:
         _libc.umount2(os.fsencode(merged), _MNT_DETACH)  # the restored tree holds its own copy
-    return int(pidfile.read_text().strip())
+    pid = int(pidfile.read_text().strip())
+    end_restore_network(pid)
+    return pid
 
 
 def _userns_for(images: Path, server: SharedUserns | None) -> SharedUserns | None:

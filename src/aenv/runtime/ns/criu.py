@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aenv.agent.launch import DEV_NODES, MS_NODEV, MS_NOEXEC, MS_NOSUID, PROC_MASKED
+from aenv.runtime.network import SLIRP_TAP_ADDR
 
 if TYPE_CHECKING:
     from aenv.config import Settings
@@ -78,18 +79,18 @@ PRE_RESUME = "pre-resume"  # the CRIU stage at which the restored tree exists an
 # A socket dumped bound to the tap's address (a connect under way, or one just refused and not yet
 # closed) is bound to it again on restore, before the restored tree has a tap: its network namespace
 # allows binding to addresses it lacks while CRIU restores (``in_fresh_netns_argv``, ``LO_UP``), and
-# no longer once the tree is attached (``checkpoint.end_restore_network``). Without it such a restore
+# no longer once CRIU has ended (``checkpoint.end_restore_network``). Without it such a restore
 # failed now and then with "Can't bind inet socket back: Cannot assign requested address".
 NONLOCAL_BIND = "/proc/sys/net/ipv4/ip_nonlocal_bind"
 # A TCP socket dumped connecting or connected to a peer outside the tree's loopback is connected again
 # on restore (in repair mode: nothing is sent, but the kernel needs a route to the peer), again before
 # the tree has a tap. A dump that holds one says so (``OUTSIDE_TCP_MARK``, ``checkpoint.dump``), and
 # its restore gets the tap's address on loopback (the kernel routes from a local source only) and a
-# stand-in default route through loopback until the tree is attached. Without them such a restore
+# stand-in default route through loopback until CRIU has ended. Without them such a restore
 # failed with "Can't connect inet socket back: Network is unreachable". The connection itself is dead
 # in the restored tree, as in a restored VM: its peer knows only the parent.
 OUTSIDE_TCP_MARK = "aenv-outside-tcp"
-STAND_IN_ADDR = "10.0.2.100/32"  # the tap's (slirp4netns --configure), the only source such a socket has
+STAND_IN_ADDR = f"{SLIRP_TAP_ADDR}/32"  # the tap's, the only source such a socket has
 STAND_IN_ROUTE = f"ip addr add {STAND_IN_ADDR} dev lo && ip route add default dev lo"
 
 Runner = Callable[..., "subprocess.CompletedProcess[str]"]
@@ -419,7 +420,7 @@ def in_fresh_netns_argv(argv: Sequence[str], kdat: Path | None = None,
                         stand_in_route: bool = False) -> list[str]:
     """Run ``argv`` in a new network namespace with loopback up and that namespace open at ``NET_FD``
     (what ``restore_argv(net_external=True)`` inherits), binding to absent addresses allowed until
-    the tree is attached (``NONLOCAL_BIND``), and with ``stand_in_route`` a default route through
+    CRIU has ended (``NONLOCAL_BIND``), and with ``stand_in_route`` a default route through
     loopback (``OUTSIDE_TCP_MARK``). The namespace lives as long as the restored
     tree is in it; the runtime adds the filter and slirp4netns for internet access afterwards.
     ``kdat``: also a private mount namespace with CRIU's probe cache (``in_kdat_cache_argv``);

@@ -41,7 +41,7 @@ from aenv.runtime.egress import ENFORCER
 from aenv.runtime.envd_client import EnvdError, init_payload
 from aenv.runtime.netpolicy import EgressPolicy
 from aenv.runtime.network import Slirp, drop_foreign_rules, host_ipv4_addresses, slirp_available
-from aenv.runtime.ns import cgroups, checkpoint, identity
+from aenv.runtime.ns import cgroups, identity
 from aenv.runtime.ns.disk import POOL_NAME, DiskQuota, remove_tree
 from aenv.runtime.ns.lifecycle import NsLifecycle
 from aenv.runtime.ns.pool import WarmPool
@@ -380,7 +380,6 @@ class NsRuntime:
             raise RuntimeFailure(f"sandbox {sid}: restored init {pid} exited at once", sandbox_id=sid)
         sbx.init = ref
         await asyncio.to_thread(sbx.write_state)
-        await asyncio.to_thread(checkpoint.end_restore_network, pid)
         if sbx.allow_internet:  # its policy in the filter before slirp gives the restored tree a way out
             if not filtered:
                 await self._filter_restored(sbx, ref)

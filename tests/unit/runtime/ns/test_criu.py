@@ -286,7 +286,7 @@ def test_a_restore_may_bind_and_connect_sockets_before_the_tree_has_a_network(tm
     connected again before the restored tree has a tap: its network namespace allows binding to absent
     addresses while CRIU runs (the fresh one's wrapper; the action script's ``LO_UP`` in a
     user-namespaced one) and, where the dump holds such a connection, routes through loopback; neither
-    once the tree is attached (``end_restore_network``). The host's own settings are never touched."""
+    once CRIU has ended (``end_restore_network``). The host's own settings are never touched."""
     from aenv.runtime.ns import checkpoint
 
     host_nonlocal, host_routes = Path(criu.NONLOCAL_BIND).read_text(), Path("/proc/net/route").read_text()

@@ -112,6 +112,7 @@ def test_restore_in_a_user_namespace_binds_the_sources_read_only_and_has_no_netn
     ns = SharedUserns(1_300_000_000)
     monkeypatch.setattr(ns, "fd", lambda: 9)
     monkeypatch.setattr(checkpoint, "run_criu", run_criu)
+    monkeypatch.setattr(checkpoint, "end_restore_network", lambda pid: None)  # no tree: CRIU does not run
     monkeypatch.setattr(checkpoint, "kdat_cache", lambda exe: None)
     monkeypatch.setattr(criu, "KDAT_BASE", tmp_path)
     monkeypatch.setattr(criu, "ro_remount_action", lambda masked, base=tmp_path, volumes=(), lo_up=False: "/action.sh")
