@@ -25,7 +25,9 @@ from aenv.api.proxy.routing import ENVD_PORT
 from aenv.gateway.builds import router as builds_router
 from aenv.gateway.builds import uploads as build_uploads_router
 from aenv.gateway.control import Gateway, router
+from aenv.gateway.control import create as create_route
 from aenv.gateway.directory import AskNodes, Locator
+from aenv.gateway.fast_routes import FastRoutes
 from aenv.gateway.forward import Forwarder, NodeBrokeOff
 from aenv.gateway.leases import router as leases_router
 from aenv.gateway.nodes import Node, NodeSet
@@ -111,6 +113,7 @@ def create_gateway_app(settings: GatewaySettings) -> Any:
     for extra in (volumes_router, builds_router, build_uploads_router, leases_router):
         api.include_router(extra)
     api.include_router(router)
-    proxy = GatewayProxy(api, locator, nodes, settings.ws_max_message, forwarder)  # type: ignore[arg-type]
+    fast = FastRoutes(api, {("POST", "/sandboxes"): create_route, ("POST", "/v2/sandboxes"): create_route})
+    proxy = GatewayProxy(api, locator, nodes, settings.ws_max_message, forwarder, fast)  # type: ignore[arg-type]
     gateway.on_created.append(lambda sandbox_id: proxy.pool.prewarm(sandbox_id, ENVD_PORT))
     return proxy

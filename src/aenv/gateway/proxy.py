@@ -19,6 +19,7 @@ from aenv.api.proxy.pool import UpstreamPool
 from aenv.api.proxy.routing import json_error, respond, route, route_signed_files_url, sandbox_error
 from aenv.api.proxy.websocket import deny
 from aenv.gateway.directory import GatewayError, Locator
+from aenv.gateway.fast_routes import FastRoutes
 from aenv.gateway.forward import Forwarder
 from aenv.gateway.nodes import NodeSet
 from aenv.gateway.volumes import relay_content
@@ -82,13 +83,14 @@ class GatewayProxy(SandboxProxy):
     """ASGI middleware in front of the gateway's control plane."""
 
     def __init__(self, app: ASGIApp, locator: Locator, nodes: NodeSet, ws_max_message: int,
-                 forwarder: Forwarder | None = None) -> None:  # fmt: skip
+                 forwarder: Forwarder | None = None, fast: FastRoutes | None = None) -> None:  # fmt: skip
         opener = _ToNode(locator, nodes)
         # The base class asks its getter only for open_stream once __call__ and _ingress are replaced.
         super().__init__(app, lambda: opener, ws_max_message)  # type: ignore[arg-type,return-value]
         self.pool = _NodePool(opener, locator)
         self._locator = locator
         self._forwarder = forwarder  # for the volume content API, streamed to the volume's node
+        self._fast = fast  # creates, past FastAPI's routing
 
     def prewarm(self, sandbox_id: str) -> None:  # the node prewarms its own stream into the sandbox
         return None
@@ -99,6 +101,9 @@ class GatewayProxy(SandboxProxy):
         if target is None and kind == "http":
             target = route_signed_files_url(scope, lambda: self._locator)
         if target is None:
+            if self._fast is not None and (handler := self._fast.find(scope)) is not None:
+                await self._fast.serve(handler, scope, receive, send)
+                return
             if kind == "http" and self._forwarder is not None and scope["path"].startswith("/volumecontent/"):
                 await relay_content(self._locator, self._forwarder, scope, receive, send)
                 return
