@@ -94,6 +94,8 @@ if [ "$mode" != serve ]; then
 fi
 
 if [ "$(id -u)" -eq 0 ]; then
+  # QEMU 10 from bookworm-backports for the vm runtime (bookworm's own is 7.2), private apt configuration.
+  ./scripts/install-qemu.sh
   # CRIU >= 4.2 for process snapshots on ns (bookworm's is too old for this kernel): built once, cached.
   ./scripts/build-criu.sh
   say "preparing the tools bundle and the base template (first run: about a minute)"

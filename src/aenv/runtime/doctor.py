@@ -65,6 +65,16 @@ def _lazy(settings: Settings) -> str:
     return f"on: started on demand through aenv-lazyd (FUSE), chunk cache {settings.lazy_cache_bytes / 2**30:.1f} GiB"
 
 
+def _qemu() -> str:
+    """Where QEMU is and which release (vm snapshots record it: they restore only under the same one)."""
+    path = shutil.which("qemu-system-x86_64")
+    if path is None:
+        return "absent"
+    from aenv.runtime.vm.compat import qemu_version
+
+    return f"{path} (QEMU {qemu_version(path)})"
+
+
 def collect(settings: Settings) -> dict[str, Any]:
     from aenv.runtime.select import auto_choice, vm_unavailable_reason
 
@@ -78,7 +88,7 @@ def collect(settings: Settings) -> dict[str, Any]:
         "ns runtime": "usable" if os.geteuid() == 0 else "needs root",
         "vm runtime": "usable" if vm_reason is None else f"unavailable: {vm_reason}",
         "auto picks": f"{auto}: {auto_why}",
-        "qemu": shutil.which("qemu-system-x86_64") or "absent",
+        "qemu": _qemu(),
         "criu": _criu(settings),
         "ns disk quota": _disk_quota(settings),
         "ns user namespace": _userns(settings),

@@ -40,7 +40,7 @@ from aenv.errors import RuntimeFailure
 from aenv.runtime.base import SandboxImage
 from aenv.runtime.envd_client import ENVD_PORT, run_process
 
-from . import disk
+from . import compat, disk
 from .accel import AccelChoice
 from .artifacts import GuestArtifacts
 from .config import Drive, VmConfig, config_from_json, config_to_json, default_append
@@ -80,13 +80,15 @@ def template_key(
     tpl: SandboxImage, shape: Shape, accel: AccelChoice, art: GuestArtifacts, append: tuple[str, ...] = ()
 ) -> str:
     """Everything that shapes the booted guest, kernel command line included (a template booted
-    with other kernel words is another template)."""
+    with other kernel words is another template), and the QEMU release: its device state is restored
+    into every sandbox's QEMU, so after an upgrade (7.2 → 10) the template is booted again."""
     h = hashlib.sha256()
     facts = [
         MANIFEST_VERSION, tpl.template_id, str(tpl.rootfs), [str(p) for p in tpl.lowers], asdict(shape),
         accel.accel, accel.tsc_khz, art.key(), agent_args(tpl), default_append(), list(append),
         tpl.ready_cmd,  # the snapshot is taken once it passes
         WARM_CMD,  # what the snapshot's page cache holds
+        compat.qemu_version(),
     ]  # fmt: skip
     h.update(json.dumps(facts, sort_keys=True, default=str).encode())
     return f"{tpl.template_id[:24]}-{h.hexdigest()[:12]}"

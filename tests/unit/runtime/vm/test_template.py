@@ -34,6 +34,13 @@ def test_key_changes_with_inputs() -> None:
     assert k != templates.template_key(_tpl(start_cmd="sleep 1"), SHAPE, TCG, ART)
 
 
+def test_key_changes_with_the_qemu_release(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(templates.compat, "qemu_version", lambda: "7.2")
+    old = templates.template_key(_tpl(), SHAPE, TCG, ART)
+    monkeypatch.setattr(templates.compat, "qemu_version", lambda: "10.0")
+    assert templates.template_key(_tpl(), SHAPE, TCG, ART) != old
+
+
 def test_agent_args() -> None:
     assert templates.agent_args(_tpl(user="user", start_cmd="run")) == [
         "--env-json", '{"A": "1"}', "--default-user", "user", "--log", "/dev/console", "--start-cmd", "run",
