@@ -47,9 +47,7 @@ if [ ${#missing[@]} -gt 0 ]; then
     || skip "its build dependencies could not be installed"
 fi
 
-# The host's Debian mirror (deb822 .sources or a classic sources.list line).
-mirror="$(grep -hE '^URIs:' /etc/apt/sources.list.d/*.sources 2>/dev/null | awk '{print $2}' | grep -v security | head -1 || true)"
-[ -n "$mirror" ] || mirror="$(grep -hE '^deb ' /etc/apt/sources.list 2>/dev/null | awk '{print $2}' | grep -v security | head -1 || true)"
+mirror="$("$here/debian-mirror.sh")"
 [ -n "$mirror" ] || skip "no Debian mirror found in the host's apt sources"
 
 work="$(mktemp -d /tmp/aenv-criu-XXXXXX)"

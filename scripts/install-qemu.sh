@@ -13,6 +13,7 @@
 set -euo pipefail
 
 cache="${1:-/var/cache/aenv}/apt-backports"
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 say() { printf '\033[1;34m==>\033[0m %s\n' "$*" >&2; }
 skip() { say "QEMU from bookworm-backports not installed: $*; the vm runtime uses $(qemu_version || echo 'no QEMU')"; exit 0; }
 qemu_version() { qemu-system-x86_64 --version 2>/dev/null | sed -n 's/^QEMU emulator version \([0-9.]*\).*/\1/p'; }
@@ -24,9 +25,7 @@ major="$(qemu_version | cut -d. -f1)"
 codename="$(. /etc/os-release 2>/dev/null && echo "${VERSION_CODENAME:-}")"
 [ "$codename" = bookworm ] || skip "this host is '${codename:-unknown}', not Debian bookworm"
 
-# The host's Debian mirror (deb822 .sources or a classic sources.list line).
-mirror="$(grep -hE '^URIs:' /etc/apt/sources.list.d/*.sources 2>/dev/null | awk '{print $2}' | grep -v security | head -1 || true)"
-[ -n "$mirror" ] || mirror="$(grep -hE '^deb ' /etc/apt/sources.list 2>/dev/null | awk '{print $2}' | grep -v security | head -1 || true)"
+mirror="$("$here/debian-mirror.sh")"
 [ -n "$mirror" ] || skip "no Debian mirror found in the host's apt sources"
 
 mkdir -p "$cache/lists/partial" "$cache/archives/partial"

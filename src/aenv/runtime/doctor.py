@@ -72,7 +72,7 @@ def _qemu() -> str:
         return "absent"
     from aenv.runtime.vm.compat import qemu_version
 
-    return f"{path} (QEMU {qemu_version(path)})"
+    return f"{path} (QEMU {qemu_version()})"  # the release the runtime's snapshots and templates record
 
 
 def collect(settings: Settings) -> dict[str, Any]:
