@@ -4,7 +4,7 @@
 failures into reasons a client can read (the ``Error`` lines of ``dump.log`` / ``restore.log``: which
 process, which file or socket). What a dump needs from the sandbox beyond ``criu.py``'s externals:
 
-* no socket of the host's network namespace in any process (``host_sockets``): the server's own
+* no socket of the host's network namespace in any process (``host_sockets``, ``sockets.py``): the server's own
   connections to the agent and envd are such sockets, so the host closes its ends first and waits
   for the sandbox to close the others (``NsSandbox.quiesce``);
 * a consistent tree: the cgroup is frozen around the dump and the copy of the upper.
@@ -20,27 +20,21 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ipaddress
 import os
-import re
 import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from aenv.agent import launch
 from aenv.runtime.base import VolumeBind
-from aenv.runtime.network import SLIRP_GATEWAY, SLIRP_TAP_ADDR
-from aenv.runtime.ns import criu
+from aenv.runtime.ns import criu, sockets
 from aenv.runtime.ns.userns import SharedUserns, mapped_base
 from aenv.runtime.nsthread import run_in_namespace
 
 DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
-_NET_TABLES = ("unix", "tcp", "tcp6", "udp", "udp6", "raw", "raw6", "netlink", "packet", "udplite", "udplite6")
-_SOCKET = re.compile(r"socket:\[(\d+)\]")
 _libc = ctypes.CDLL(None, use_errno=True)
 _MNT_DETACH = 2
 # Logged on every run because CAP_SYS_RESOURCE is missing for criu's own rlimit: not a failure.
@@ -51,49 +45,22 @@ class CheckpointError(Exception):
     """A dump or restore that failed, with the reason taken from CRIU's log."""
 
 
-def _netns_sockets(pid: int) -> set[int]:
-    """Every socket inode of ``pid``'s network namespace, from its /proc/<pid>/net tables."""
-    out: set[int] = set()
-    for table in _NET_TABLES:
-        try:
-            with open(f"/proc/{pid}/net/{table}") as fh:
-                lines = fh.read().splitlines()[1:]
-        except OSError:
-            continue
-        col = 6 if table == "unix" else (5 if table == "packet" else (8 if table == "netlink" else 9))
-        for line in lines:
-            parts = line.split()
-            if len(parts) > col and parts[col].isdigit():
-                out.add(int(parts[col]))
-    return out
-
-
-def _held_sockets(pids: list[int]) -> list[tuple[int, int]]:
-    """(pid, inode) of every socket ``pids`` hold."""
-    found: list[tuple[int, int]] = []
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                m = _SOCKET.fullmatch(os.readlink(f"/proc/{pid}/fd/{fd}"))
-                if m:
-                    found.append((pid, int(m.group(1))))
-    return found
-
-
 def host_sockets(pids: list[int], init_pid: int, seen: dict[str, set[int]] | None = None) -> list[tuple[int, int]]:
-    """(pid, inode) of each socket held by ``pids`` that is not of the sandbox's network namespace.
-    ``seen`` (kept across the calls of one wait): the namespace's tables are read again only for a
-    socket not classified yet, since a socket never changes namespace."""
+    """(pid, inode) of each socket held by ``pids`` that is not of the sandbox's network namespace
+    (that of ``init_pid``), each socket asked for its namespace (``sockets.py``). ``seen`` (kept
+    across the calls of one wait): a socket never changes namespace, so each is asked once."""
     seen = {"inside": set(), "outside": set()} if seen is None else seen
-    held = _held_sockets(pids)
-    if any(i not in seen["inside"] and i not in seen["outside"] for _, i in held):
-        seen["inside"] = _netns_sockets(init_pid)
-        seen["outside"] |= {i for _, i in held if i not in seen["inside"]}
-    return [(pid, i) for pid, i in held if i in seen["outside"]]
+    ours = os.stat(f"/proc/{init_pid}/ns/net").st_ino
+    left: list[tuple[int, int]] = []
+    for pid, fd, inode in sockets.held_sockets(pids):
+        if inode not in seen["inside"] and inode not in seen["outside"]:
+            ns = sockets.netns_inode(pid, fd)
+            if ns is None:  # closed meanwhile
+                continue
+            seen["inside" if ns == ours else "outside"].add(inode)
+        if inode in seen["outside"]:
+            left.append((pid, inode))
+    return left
 
 
 def wait_no_host_sockets(pids: Callable[[], list[int]], init_pid: int, timeout: float) -> None:
@@ -198,22 +165,22 @@ def dump(exe: str, init_pid: int, images: Path, *, freezer: Path | None, leave_r
     Whether the tree runs in a user namespace is read from its uid map, not from the server's
     setting: a sandbox adopted after the setting changed keeps the mode it was started in, and
     its images say which (``USERNS_MARK``; ``restore`` follows them).
-    In a user namespace its network namespace is dumped, CRIU run in the
+    In a user namespace its network namespace is dumped as an empty one (its sockets only:
+    ``dump_argv(empty_net=True)``; the tap slirp4netns holds stays where it is), CRIU run in the
     server's (a restored tree is cloned into a new user namespace first and may not join one made
     outside it, so a restore cannot put it in CRIU's), and /dev is external (CRIU would tar the tmpfs
     with the device nodes bound over it: its clean view needs a directory it makes as host uid 0 in
     the sandbox's /tmp, which the idmapped upper refuses; a restore inside the user namespace could
     not mknod them either). ``volumes``: the mount points of its E2B volumes (external)."""
     images.mkdir(parents=True, exist_ok=True)
-    if has_outside_tcp(init_pid):
+    if sockets.has_outside_tcp(sockets.tree_pids(init_pid)):  # read while frozen: no socket gains a peer
         (images / criu.OUTSIDE_TCP_MARK).touch()
     base = mapped_base(init_pid)
     if base is not None:
         (images / USERNS_MARK).write_text(str(base))
         argv = criu.dump_argv(exe, init_pid, images, freezer=freezer, log=DUMP_LOG, leave_running=leave_running,
-                              dev_external=True, volumes=volumes)
-        with _tap_set_aside(init_pid, back=leave_running):
-            run_criu(criu.in_kdat_cache_argv(kdat_cache(exe), argv), images / DUMP_LOG, "dump")
+                              dev_external=True, volumes=volumes, empty_net=True)
+        run_criu(criu.in_kdat_cache_argv(kdat_cache(exe), argv), images / DUMP_LOG, "dump")
         return
     argv = criu.dump_argv(exe, init_pid, images, freezer=freezer, log=DUMP_LOG, leave_running=leave_running,
                           volumes=volumes)
@@ -221,67 +188,8 @@ def dump(exe: str, init_pid: int, images: Path, *, freezer: Path | None, leave_r
              "dump")
 
 
-TAP = "tap0"  # what slirp4netns makes in an internet sandbox (runtime/network.py)
-TAP_ADDR = f"{SLIRP_TAP_ADDR}/24"  # and how it configures it (slirp4netns --configure)
-
-
 def _ip(pid: int, *args: str) -> None:
     subprocess.run(["nsenter", "-t", str(pid), "-n", "ip", *args], check=True, capture_output=True)
-
-
-@contextlib.contextmanager
-def _tap_set_aside(init_pid: int, back: bool) -> Iterator[None]:
-    """An internet sandbox's tap out of its network namespace while CRIU dumps that (the tap's fd is
-    slirp4netns's, so CRIU cannot dump it), then (``back``: the tree runs on) back with slirp4netns's
-    configuration: moved, slirp keeps its fd; otherwise deleted. Aside it sits down and without an
-    address in the server's namespace under a name of its own; the sandbox is frozen meanwhile. Each
-    restore gets a tap of its own from a new slirp4netns (``NsRuntime.attach_restored``)."""
-    with open(f"/proc/{init_pid}/net/dev") as fh:
-        has_tap = any(line.split(":", 1)[0].strip() == TAP for line in fh.read().splitlines()[2:])
-    if not has_tap:
-        yield
-        return
-    aside = f"aenv{init_pid:x}"[:15]
-    _ip(init_pid, "link", "set", TAP, "netns", str(os.getpid()), "name", aside)
-    try:
-        yield
-    finally:
-        if not back or not os.path.exists(f"/proc/{init_pid}"):
-            _ip(os.getpid(), "link", "del", aside)
-        else:
-            _ip(os.getpid(), "link", "set", aside, "netns", str(init_pid), "name", TAP)
-            _ip(init_pid, "addr", "add", TAP_ADDR, "dev", TAP)
-            _ip(init_pid, "link", "set", TAP, "up")
-            _ip(init_pid, "route", "add", "default", "via", SLIRP_GATEWAY, "dev", TAP)
-
-
-_TCP_CLOSE, _TCP_LISTEN = "07", "0A"  # /proc/net/tcp states without a peer
-
-
-def _outside(hex_addr: str) -> bool:
-    """A /proc/net/tcp{,6} address (32-bit words in host order) that is not loopback nor unset."""
-    raw = bytes.fromhex(hex_addr)
-    if sys.byteorder == "little":
-        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-    ip = ipaddress.ip_address(raw)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return not (ip.is_loopback or ip.is_unspecified)
-
-
-def has_outside_tcp(pid: int) -> bool:
-    """Whether the network namespace of ``pid`` holds a TCP socket with a peer outside loopback
-    (``criu.OUTSIDE_TCP_MARK``). Read while the tree is frozen: no socket gains a peer meanwhile."""
-    for table in ("tcp", "tcp6"):
-        try:
-            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
-        except FileNotFoundError:  # no IPv6 here
-            continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) > 3 and fields[3] not in (_TCP_CLOSE, _TCP_LISTEN) and _outside(fields[2].split(":")[0]):
-                return True
-    return False
 
 
 def end_restore_network(pid: int) -> None:

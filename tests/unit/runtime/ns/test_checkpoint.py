@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -65,30 +68,47 @@ def test_run_criu_kills_criu_when_on_ready_fails(tmp_path: Path) -> None:
 
 
 def test_host_sockets_are_those_of_another_netns() -> None:
-    """Our own sockets are in our namespace's tables; an inode that is not listed there is the host's."""
+    """Our own sockets are of our namespace; one a process in another namespace holds is the host's
+    (seen from that process's side, as a quiesce sees the server's connections into a sandbox)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s, socket.socket() as t:
         s.bind(f"\0aenv-test-{os.getpid()}")
         t.bind(("127.0.0.1", 0))
         t.listen()
         assert checkpoint.host_sockets([os.getpid()], os.getpid()) == []
-        inode = os.fstat(s.fileno()).st_ino
-        assert inode in checkpoint._netns_sockets(os.getpid())
-        assert os.fstat(t.fileno()).st_ino in checkpoint._netns_sockets(os.getpid())
+        other = subprocess.Popen(["unshare", "--net", "sleep", "30"])
+        try:
+            _wait_other_netns(other.pid)
+            inodes = {os.fstat(x.fileno()).st_ino for x in (s, t)}
+            assert {i for _, i in checkpoint.host_sockets([os.getpid()], other.pid)} >= inodes
+        finally:
+            other.kill()
+            other.wait()
 
 
-def test_host_sockets_reads_the_netns_tables_again_only_for_a_new_socket(monkeypatch: pytest.MonkeyPatch) -> None:
-    held = [(7, 100), (7, 200)]
-    reads: list[int] = []
-    monkeypatch.setattr(checkpoint, "_held_sockets", lambda pids: list(held))
-    tables = [{100}, {100, 300}]
-    monkeypatch.setattr(checkpoint, "_netns_sockets", lambda pid: reads.append(pid) or tables[len(reads) - 1])
+def _wait_other_netns(pid: int) -> None:
+    for _ in range(200):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net"):
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} never left our network namespace")
+
+
+def test_host_sockets_asks_each_socket_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    held = [(7, 3, 100), (7, 4, 200)]
+    asked: list[int] = []
+    monkeypatch.setattr(checkpoint.sockets, "held_sockets", lambda pids: list(held))
+    monkeypatch.setattr(checkpoint.sockets, "netns_inode",
+                        lambda pid, fd: asked.append(fd) or (ours if fd != 4 else ours + 1))
+    ours = os.stat("/proc/self/ns/net").st_ino
     seen: dict[str, set[int]] = {"inside": set(), "outside": set()}
-    assert checkpoint.host_sockets([7], 7, seen) == [(7, 200)] and len(reads) == 1
-    assert checkpoint.host_sockets([7], 7, seen) == [(7, 200)] and len(reads) == 1  # nothing new: no re-read
-    held.append((7, 300))  # made inside since: read again, and it is the sandbox's own
-    assert checkpoint.host_sockets([7], 7, seen) == [(7, 200)] and len(reads) == 2
-    held.remove((7, 200))
-    assert checkpoint.host_sockets([7], 7, seen) == []
+    me = os.getpid()
+    assert checkpoint.host_sockets([7], me, seen) == [(7, 200)] and asked == [3, 4]
+    assert checkpoint.host_sockets([7], me, seen) == [(7, 200)] and asked == [3, 4]  # nothing new: not asked again
+    held.append((7, 5, 300))  # made inside since: asked, and it is the sandbox's own
+    assert checkpoint.host_sockets([7], me, seen) == [(7, 200)] and asked == [3, 4, 5]
+    held.remove((7, 4, 200))
+    assert checkpoint.host_sockets([7], me, seen) == []
 
 
 def test_wait_no_host_sockets_times_out_with_the_culprit(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -222,15 +222,29 @@ def test_dump_runs_in_the_trees_network_namespace() -> None:
     assert not any(a.startswith("net[") for a in criu.dump_argv("/c", 41, Path("/i"), freezer=None))
 
 
-def test_user_namespace_dumps_its_network_and_keeps_dev_external() -> None:
-    """A sandbox in a user namespace (checkpoint.dump of such a tree): no network external, /dev by key."""
-    argv = criu.dump_argv("/c", 7, Path("/i"), freezer=None, net_inode=None, masked=(), dev_external=True)
+def test_user_namespace_dumps_an_empty_network_and_keeps_dev_external() -> None:
+    """A sandbox in a user namespace (checkpoint.dump of such a tree): no network external, its
+    namespace dumped empty (sockets only) and restored empty, /dev by key both ways."""
+    argv = criu.dump_argv("/c", 7, Path("/i"), freezer=None, net_inode=None, masked=(), dev_external=True,
+                          empty_net=True)
     ext = [argv[i + 1] for i, a in enumerate(argv) if a == "--external"]
     assert "mnt[/dev]:aenv-dev" in ext and not any(e.startswith("net[") for e in ext)
+    assert _pairs_of(argv, "--empty-ns") == ["net"]
     restore = criu.restore_argv("/c", Path("/i"), root=Path("/r"), pidfile=Path("/p"), tools=Path("/t"),
-                                run_dir=Path("/run"), masked=(), net_external=False, dev=Path("/stage/dev"))
+                                run_dir=Path("/run"), masked=(), net_external=False, dev=Path("/stage/dev"),
+                                empty_net=True)
     ext = [restore[i + 1] for i, a in enumerate(restore) if a == "--external"]
     assert "mnt[aenv-dev]:/stage/dev" in ext and "--inherit-fd" not in restore
+    assert _pairs_of(restore, "--empty-ns") == ["net"]
+
+
+def test_a_dump_keeps_its_network_unless_asked() -> None:
+    """The plain path's network namespace is external (never dumped): no --empty-ns there."""
+    assert "--empty-ns" not in criu.dump_argv("/c", 7, Path("/i"), freezer=None, net_inode=4026532999, masked=())
+
+
+def _pairs_of(argv: list[str], flag: str) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv) if a == flag]
 
 
 def test_masked_here_only_names_what_exists() -> None:
@@ -287,7 +301,7 @@ def test_a_restore_may_bind_and_connect_sockets_before_the_tree_has_a_network(tm
     addresses while CRIU runs (the fresh one's wrapper; the action script's ``LO_UP`` in a
     user-namespaced one) and, where the dump holds such a connection, routes through loopback; neither
     once CRIU has ended (``end_restore_network``). The host's own settings are never touched."""
-    from aenv.runtime.ns import checkpoint
+    from aenv.runtime.ns import checkpoint, sockets
 
     host_nonlocal, host_routes = Path(criu.NONLOCAL_BIND).read_text(), Path("/proc/net/route").read_text()
     wrapped = criu.in_fresh_netns_argv(["sh", "-c", f"cat {criu.NONLOCAL_BIND}; ip route"], stand_in_route=True)
@@ -316,14 +330,14 @@ def test_a_restore_may_bind_and_connect_sockets_before_the_tree_has_a_network(tm
 
         assert inside("cat", criu.NONLOCAL_BIND) == "1" and inside("ip", "route").startswith("default dev lo")
         assert criu.STAND_IN_ADDR.split("/")[0] in inside("ip", "-4", "addr", "show", "dev", "lo")
-        assert not checkpoint.has_outside_tcp(tree.pid)
+        assert not sockets.has_outside_tcp(sockets.tree_pids(tree.pid))
         connecting = ("import socket, time; s = socket.socket(); s.setblocking(False); s.connect_ex(('203.0.113.9', 80)); "
                       "l = socket.create_server(('127.0.0.1', 0)); c = socket.create_connection(l.getsockname()); "
                       "print('ok', flush=True); time.sleep(30)")
         with subprocess.Popen(["nsenter", "-t", str(tree.pid), "-n", sys.executable, "-c", connecting],
                               stdout=subprocess.PIPE, text=True) as knocker:
             assert knocker.stdout is not None and knocker.stdout.readline().strip() == "ok"
-            assert checkpoint.has_outside_tcp(tree.pid)  # the loopback pair alone would not be
+            assert sockets.has_outside_tcp([knocker.pid])  # the loopback pair alone would not be
             knocker.kill()
         checkpoint.end_restore_network(tree.pid)
         assert inside("cat", criu.NONLOCAL_BIND) == "0" and inside("ip", "route") == ""
@@ -336,17 +350,3 @@ def test_a_restore_may_bind_and_connect_sockets_before_the_tree_has_a_network(tm
         tree.kill()
         tree.wait()
     assert Path(criu.NONLOCAL_BIND).read_text() == host_nonlocal and Path("/proc/net/route").read_text() == host_routes
-
-
-def test_outside_peers_are_what_is_neither_loopback_nor_unset() -> None:
-    from aenv.runtime.ns.checkpoint import _outside
-
-    def v4(*octets: int) -> str:  # as /proc/net/tcp prints it on this host
-        return bytes(octets if sys.byteorder == "big" else octets[::-1]).hex().upper()
-
-    assert _outside(v4(203, 0, 113, 9)) and _outside(v4(10, 0, 2, 100))
-    assert not _outside(v4(127, 0, 0, 1)) and not _outside(v4(0, 0, 0, 0))
-    mapped = "0000000000000000" + ("0000FFFF" if sys.byteorder == "big" else "FFFF0000")
-    assert not _outside(mapped + v4(127, 0, 0, 1)) and _outside(mapped + v4(203, 0, 113, 9))
-    loopback6 = "0" * 24 + ("00000001" if sys.byteorder == "big" else "01000000")
-    assert not _outside(loopback6) and _outside("0" * 24 + v4(0, 0, 0, 2))
