@@ -375,9 +375,10 @@ def _build_idmapped_root(cfg: dict, userns_fd: int, host_uid: int, *,  # type: i
     return root
 
 
-def restore_root(cfg: dict) -> None:  # type: ignore[type-arg]
-    """What a CRIU restore of a user-namespaced sandbox needs (``checkpoint.restore_in_userns``), then
-    exec CRIU (``cfg["argv"]``), all in a private mount namespace: the root overlay as
+def restore_mounts(cfg: dict) -> None:  # type: ignore[type-arg]
+    """What a CRIU restore of a user-namespaced sandbox needs (``checkpoint.restore_in_userns``), made
+    by host root in a private mount namespace the caller entered (a thread of the server's of its
+    own: ``nsthread.in_private_mounts``, CRIU then spawned from it): the root overlay as
     ``_build_idmapped_root`` mounts it, and the external mounts' sources staged in ``cfg["stage_dir"]``
     (an empty directory any uid can walk to: CRIU opens them from inside the new user namespace, where
     the 0700 state directory cannot be walked), on a tmpfs: ``cfg["stage"]`` (name -> host path) bound
@@ -387,8 +388,6 @@ def restore_root(cfg: dict) -> None:  # type: ignore[type-arg]
     fresh /dev as ``dev``;
     then each of ``cfg["read_only"]`` (path, MS_* flags) bound
     read-only over itself (what ``criu.in_fresh_netns_argv`` does on the plain path)."""
-    if _libc.unshare(CLONE_NEWNS) != 0:
-        _check(-1, "unshare mount namespace")
     _build_idmapped_root(cfg, int(cfg["userns"]["fd"]), int(cfg["userns"]["uid"]), populate=False)
     stage = str(cfg["stage_dir"])
     mount("tmpfs", stage, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755")
@@ -401,7 +400,6 @@ def restore_root(cfg: dict) -> None:  # type: ignore[type-arg]
     dev_skeleton(f"{stage}/dev")
     for src, flags in cfg.get("read_only", ()):  # criu.read_only_sources: every restored host bind born read-only
         bind(src, src, readonly=True, extra=int(flags))
-    os.execvp(cfg["argv"][0], cfg["argv"])
 
 
 def _reap_forever(child: int, tools: str | None = None) -> None:
@@ -479,8 +477,6 @@ def run_in_userns(cfg: dict) -> None:  # type: ignore[type-arg]
 
 
 def run(cfg: dict) -> None:  # type: ignore[type-arg]
-    if cfg.get("restore_root"):
-        restore_root(cfg)
     if cfg.get("userns"):
         run_in_userns(cfg)
     enter(cfg)

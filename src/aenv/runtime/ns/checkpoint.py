@@ -31,7 +31,7 @@ from aenv.agent import launch
 from aenv.runtime.base import VolumeBind
 from aenv.runtime.ns import criu, sockets
 from aenv.runtime.ns.userns import SharedUserns, mapped_base
-from aenv.runtime.nsthread import run_in_namespace
+from aenv.runtime.nsthread import in_private_mounts, run_in_namespace
 
 DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
@@ -95,14 +95,18 @@ CRIU_TIMEOUT = 120.0  # s: a dump or restore still running then is stuck (a task
 
 
 def run_criu(argv: list[str], log: Path, what: str, on_ready: Callable[[int], None] | None = None,
-             pass_fds: tuple[int, ...] = ()) -> None:
+             mounts: Callable[[], None] | None = None) -> None:
     """Run CRIU (``argv``: CRIU behind its wrappers). ``on_ready``: called with the wrapper's pid once
     it prints ``criu.READY`` (its namespaces made; it waits for our go-ahead on stdin, then CRIU
     starts in the same process); if the call fails, CRIU is killed and the call's error raised.
-    ``pass_fds``: fds the wrapper inherits (the user namespace's, ``restore_in_userns``)."""
+    ``mounts``: made in a private mount namespace CRIU is spawned into (``nsthread.in_private_mounts``;
+    ``restore_in_userns``); an error there is raised as it is, CRIU never started."""
     stdin = subprocess.PIPE if on_ready is not None else subprocess.DEVNULL
-    proc = subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            pass_fds=pass_fds)
+
+    def spawn() -> subprocess.Popen[str]:
+        return subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    proc = spawn() if mounts is None else in_private_mounts(mounts, spawn, thread_name="aenv-criu-mounts")
     try:
         if on_ready is not None:
             assert proc.stdout is not None and proc.stdin is not None
@@ -125,7 +129,6 @@ def run_criu(argv: list[str], log: Path, what: str, on_ready: Callable[[int], No
                     pipe.close()
         raise
     if proc.returncode != 0:
-        # stdout too: the user namespace's launcher (launch.restore_root) reports its failure there
         why = reason(log) if log.exists() else ((err.strip() or out.strip())[-400:] or f"exit {proc.returncode}")
         raise CheckpointError(f"criu {what} failed: {why}")
 
@@ -283,14 +286,14 @@ def restore_in_userns(exe: str, images: Path, userns: SharedUserns, *, lowers: l
                       work: Path, merged: Path, run_dir: Path, tools: Path, boot_id: Path,
                       procs_files: list[str], volumes: Sequence[VolumeBind] = ()) -> int:
     """``restore`` of a user-namespaced sandbox's images (``dump`` marked them): CRIU makes the user
-    namespace again from the dumped map and the network namespace inside it; the launcher
-    (``launch.restore_root``) mounts the overlay over idmapped layers and a fresh /dev in a private
-    mount namespace and execs CRIU there, so nothing is mounted on the host. As on the plain path,
+    namespace again from the dumped map and the network namespace inside it; a thread of the server
+    in a private mount namespace mounts the overlay over idmapped layers and a fresh /dev
+    (``launch.restore_mounts``) and spawns CRIU there, so nothing is mounted on the host. As on the plain path,
     the sources of the read-only host binds are bound read-only over themselves there first
     (``criu.read_only_sources``, the staged ones by their staged paths): every restored bind is born
     read-only, and the action script only checks so at pre-resume. The filter of an internet sandbox
     goes in after CRIU, before slirp4netns gives it a tap (``NsRuntime.filter_while_restoring``).
-    Each volume is staged as an idmapped clone made by host root (``launch.restore_root``), for CRIU,
+    Each volume is staged as an idmapped clone made by host root (``launch.restore_mounts``), for CRIU,
     which cannot idmap from inside the user namespace, to bind as it is where the dumped one was."""
     pidfile = run_dir / "criu-restore.pid"
     log = run_dir / RESTORE_LOG
@@ -304,15 +307,20 @@ def restore_in_userns(exe: str, images: Path, userns: SharedUserns, *, lowers: l
                              log=str(log), boot_id=stage / "boot_id", masked=masked, net_external=False,
                              dev=stage / "dev", volumes=[(v.path, str(stage / n)) for n, v in staged.items()],
                              read_only_volumes=[v.path for v in volumes if v.read_only], empty_net=True)
-    cfg = {"restore_root": True, "userns": {"fd": fd, "uid": userns.host_uid}, "lowers": lowers,
-           "upper": str(upper), "work": str(work), "merged": str(merged), "argv": argv,
+    cfg = {"userns": {"fd": fd, "uid": userns.host_uid}, "lowers": lowers,
+           "upper": str(upper), "work": str(work), "merged": str(merged),
            "stage_dir": str(stage), "stage": {"tools": str(tools), "run": str(run_dir), "boot_id": str(boot_id)},
            "stage_idmapped": {n: str(v.source) for n, v in staged.items()},
            "read_only": criu.read_only_sources(stage / "tools", stage / "boot_id", masked)}
-    helper = launch.host_argv(cfg)
+    kdat = kdat_cache(exe)
+
+    def mounts() -> None:
+        launch.restore_mounts(cfg)
+        if kdat is not None:  # what criu.in_kdat_cache_argv does
+            launch.bind(str(kdat), "/run")
+
     try:
-        run_criu(criu.in_cgroups_argv(procs_files, criu.in_kdat_cache_argv(kdat_cache(exe), helper)), log,
-                 "restore", pass_fds=(fd,))
+        run_criu(criu.in_cgroups_argv(procs_files, argv), log, "restore", mounts=mounts)
     finally:
-        stage.rmdir()  # its mounts were in the helper's namespace only
+        stage.rmdir()  # its mounts were in CRIU's namespace only
     return int(pidfile.read_text().strip())

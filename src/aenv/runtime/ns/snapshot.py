@@ -55,6 +55,7 @@ from aenv.runtime.base import RuntimeState, SandboxSpec, SnapshotResult
 from aenv.runtime.ns import checkpoint, criu, image_links
 from aenv.runtime.ns.checkpoint import CheckpointError
 from aenv.runtime.ns.disk import remove_tree
+from aenv.runtime.ns.images_gate import ImagesGate
 
 if TYPE_CHECKING:
     from aenv.runtime.ns.runtime import NsRuntime
@@ -195,7 +196,7 @@ class NsSnapshots:
         self._cleanups: set[asyncio.Task[None]] = set()
         # Each sandbox's latest full snapshot's CRIU images: what the next one's pages are compared to.
         self._last_images: OrderedDict[str, Path] = OrderedDict()
-        self._linking: dict[Path, asyncio.Future[None]] = {}  # images being rewritten: restores wait
+        self._images = ImagesGate()  # restores and the page linker take turns on a dump's images
 
     # -- what is possible --
     def criu_status(self) -> criu.CriuStatus:
@@ -269,8 +270,8 @@ class NsSnapshots:
 
     def _link_unchanged_later(self, sandbox_id: str, images: Path, data: dict[str, Any]) -> asyncio.Future[None] | None:
         """After the answer: make this dump's pages that equal the sandbox's previous full snapshot's
-        parent references (``image_links.py``) and say so in ``data["incremental"]``. Restores of
-        this snapshot wait for it (``restore_tree``)."""
+        parent references (``image_links.py``) and say so in ``data["incremental"]``, once no restore
+        reads them (``images_gate.py``: a fork's children restore first); restores asked meanwhile wait."""
         previous = self._last_images.pop(sandbox_id, None)
         self._last_images[sandbox_id] = images
         while len(self._last_images) > LAST_IMAGES_KEPT:
@@ -281,13 +282,12 @@ class NsSnapshots:
 
         async def link() -> None:
             try:
-                linked = await asyncio.to_thread(image_links.link_unchanged, images, previous)
+                async with self._images.writing(images):
+                    linked = await asyncio.to_thread(image_links.link_unchanged, images, previous)
             except Exception as exc:  # noqa: BLE001 - the snapshot is whole either way: only the saving is lost
                 log.warning("sandbox=%s snapshot pages not linked to %s: %s", sandbox_id, previous, exc)
                 data["incremental"] = {"parent": previous.parent.name, "error": str(exc)}
                 return
-            finally:
-                self._linking.pop(images, None)
             if linked is None:
                 data["incremental"] = {"parent": None, "why": "no page equal to the previous snapshot's, "
                                        f"or its chain is {image_links.MAX_CHAIN} deep"}
@@ -296,9 +296,7 @@ class NsSnapshots:
             log.info("sandbox=%s snapshot shares %d of %d page bytes with %s", sandbox_id, linked.shared_bytes,
                      linked.shared_bytes + linked.stored_bytes, linked.parent)
 
-        task = asyncio.ensure_future(link())
-        self._linking[images] = task
-        return task
+        return asyncio.ensure_future(link())
 
     def _stack(self, sandbox_id: str, sbx: NsSandbox) -> tuple[list[str], int]:
         if sbx.lowers:
@@ -446,9 +444,6 @@ class NsSnapshots:
         if not status.usable or status.exe is None:
             raise StateError(f"snapshot {snapshot.name} holds processes but CRIU is not usable here "
                              f"({status.reason}); start it on a host with CRIU >= 4.2")
-        linking = self._linking.get(snapshot / CRIU_DIR)
-        if linking is not None:  # its pagemaps are being switched to parent references: not mid-way
-            await asyncio.wait({linking})
         rt = self.rt
         await rt.start()
         sbx = rt.restored_sandbox(spec, layers, lowers, root, stacked=stacked)
@@ -462,7 +457,8 @@ class NsSnapshots:
                                 on_netns)
 
         try:
-            pid = await loop.run_in_executor(_restore_pool(), prepare_and_restore)
+            async with self._images.reading(snapshot / CRIU_DIR):  # its pagemaps never switched mid-restore
+                pid = await loop.run_in_executor(_restore_pool(), prepare_and_restore)
             await rt.attach_restored(sbx, spec, pid, live=live, filtered=on_netns is not None)
         except BaseException as exc:
             await sbx.aclose(remove_dir=None if root else spec.workdir)

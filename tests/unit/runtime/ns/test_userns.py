@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -98,16 +99,21 @@ def test_images_say_which_namespace_they_restore_into(tmp_path: Path) -> None:
 
 def test_restore_in_a_user_namespace_binds_the_sources_read_only_and_has_no_netns_hook(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """As on the plain path every restored host bind is born read-only: the launcher is told to bind each
-    source (the staged tools and boot id by their staged paths) read-only over itself. There is no fresh
-    network namespace before CRIU ends, so an ``on_netns`` hook is refused."""
+    """As on the plain path every restored host bind is born read-only: the mounts made for CRIU bind
+    each source (the staged tools and boot id by their staged paths) read-only over itself. There is no
+    fresh network namespace before CRIU ends, so an ``on_netns`` hook is refused."""
     from aenv.runtime.ns import checkpoint, criu
 
     seen: dict[str, Any] = {}
 
-    def run_criu(argv: list[str], log: Path, what: str, on_ready: object = None, pass_fds: tuple[int, ...] = ()) -> None:
-        seen["cfg"], seen["fds"] = launch.config_of(argv), pass_fds
+    def run_criu(argv: list[str], log: Path, what: str, on_ready: object = None,
+                 mounts: Callable[[], None] | None = None) -> None:
+        assert mounts is not None
+        seen["argv"] = argv
+        mounts()  # in the private mount namespace CRIU is spawned into
         (tmp_path / "run" / "criu-restore.pid").write_text("77\n")
+
+    monkeypatch.setattr(launch, "restore_mounts", lambda cfg: seen.setdefault("cfg", cfg))
 
     ns = SharedUserns(1_300_000_000)
     monkeypatch.setattr(ns, "fd", lambda: 9)
@@ -132,8 +138,10 @@ def test_restore_in_a_user_namespace_binds_the_sources_read_only_and_has_no_netn
     assert read_only[str(stage / "tools")] == criu.MS_NOSUID | criu.MS_NODEV
     assert read_only[str(stage / "boot_id")] == criu.MS_NOSUID | criu.MS_NODEV | criu.MS_NOEXEC
     assert read_only["/dev/null"] == 0 and str(stage / "run") not in read_only
-    assert seen["fds"] == (9,) and "--inherit-fd" not in cfg["argv"] and not stage.exists()
-    assert cfg["argv"][cfg["argv"].index("--empty-ns") + 1] == "net"  # bare but for loopback (criu.LO_UP)
+    assert cfg["userns"]["fd"] == 9 and "--inherit-fd" not in seen["argv"] and not stage.exists()
+    argv = seen["argv"]
+    assert argv[argv.index("--empty-ns") + 1] == "net"  # bare but for loopback (criu.LO_UP)
+    assert argv[0] == "/bin/sh" and "/c" in argv  # CRIU itself behind the cgroup wrapper, no launcher
 
 
 async def test_filter_of_a_user_namespaced_restore_goes_in_after_criu_into_the_sandboxs_init(
