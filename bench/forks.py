@@ -9,11 +9,11 @@ place: its fork copies files only, which the notes say.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import time
 import uuid
 from typing import Any
 
+from aenv.client import ApiError
 from bench import snapshots
 from bench.baselines import DockerBaseline
 from bench.context import Ctx
@@ -48,6 +48,8 @@ def snapshot_dirty(ctx: Ctx) -> dict[str, Any]:
     sizes: dict[int, float] = {}
     modes: dict[int, str] = {}
     asks = ("aenv", "aenv-full") if ctx.runtime == "ns" else ("aenv",)
+    no_full: set[int] = set()  # sizes whose full snapshot the server refused (409: no CRIU)
+    full_failed: dict[int, list[str]] = {}  # failures are reported in the row's note, never dropped
     for i in range(reps):
         for mb in DIRTY_MB:
             steps = [(w, mb) for w in (*asks, "docker")]
@@ -58,19 +60,27 @@ def snapshot_dirty(ctx: Ctx) -> dict[str, Any]:
                     paused[size] += r.get("paused", [])
                     sizes[size] = r["snapshot_mb"]
                     modes[size] = r.get("mode", "filesystem")
-                elif who == "aenv-full":
-                    with contextlib.suppress(Exception):  # 409 where CRIU is absent: no row
+                elif who == "aenv-full" and size not in no_full:
+                    try:
                         full[size].append(snapshots.scenario_snapshot_dirty(ctx.client, [size], 1, "full")
                                           [f"{size} MB"]["p50_ms"])
+                    except Exception as exc:  # noqa: BLE001 - a 409 where CRIU is absent (no row); else counted
+                        if isinstance(exc, ApiError) and exc.status == 409 and not full[size]:
+                            no_full.add(size)
+                        else:
+                            full_failed.setdefault(size, []).append(f"{type(exc).__name__}: {str(exc)[:200]}")
                 elif (docker := ctx.heavy_docker()) is not None:
                     theirs[size].append(_docker_commit_dirty(docker, size))
     rows = []
     for mb in DIRTY_MB:
         rows.append(row(f"snapshot, {mb} MB dirty", ctx.system, ours[mb],
                         note=f"mode {modes.get(mb, 'filesystem')}, snapshot {sizes.get(mb, 0)} MB"))
-        if full[mb]:
-            rows.append(row(f"snapshot full (processes too), {mb} MB dirty", ctx.system, full[mb],
-                            note="mode full: CRIU dump of every process + the files"))
+        if full[mb] or full_failed.get(mb):
+            failed = full_failed.get(mb, [])
+            note = "mode full: CRIU dump of every process + the files"
+            if failed:
+                note += f"; {len(failed)} of {len(failed) + len(full[mb])} FAILED, first: {failed[0]}"
+            rows.append(row(f"snapshot full (processes too), {mb} MB dirty", ctx.system, full[mb], note=note))
         if paused[mb]:
             rows.append(row(f"snapshot, {mb} MB dirty: sandbox stopped for", ctx.system, paused[mb],
                             note="`pausedMs` of the snapshot: vCPUs stopped until they run again"))
@@ -144,9 +154,12 @@ def rollback(ctx: Ctx) -> dict[str, Any]:
     keys = ("create from snapshot → first command", "rollback call", "rollback → first command")
     rows = [from_summary(k, r[k]) for k in keys]
     if ctx.runtime == "ns":  # to a full snapshot: processes restored by CRIU (409 where it is absent: no rows)
-        with contextlib.suppress(Exception):
+        try:
             f = snapshots.scenario_create_and_rollback(ctx.client, ctx.n(3, 10, vm=5), "full")
             rows += [from_summary(f"{k} (full snapshot)", f[k]) for k in keys]
+        except ApiError as exc:  # anything else fails the scenario, which the report shows
+            if exc.status != 409:
+                raise
     return scenario("rollback in place and create from a snapshot", rows, ["docker has no rollback in place"])
 
 
