@@ -94,7 +94,8 @@ def make_tls(tmp: Path, names: list[str]) -> Tls:
 
 
 @pytest.fixture(scope="module")
-def tls_server(tmp_path_factory: pytest.TempPathFactory, runtime_name: str) -> Iterator[tuple[Server, str]]:
+def tls_server(tmp_path_factory: pytest.TempPathFactory,
+               runtime_name: str) -> Iterator[tuple[Server, str, tuple[Server, ...]]]:
     if os.geteuid() != 0:
         pytest.skip("the ns and vm runtimes need root")
     if shutil.which("openssl") is None:
@@ -110,15 +111,16 @@ def tls_server(tmp_path_factory: pytest.TempPathFactory, runtime_name: str) -> I
     port = free_port()
     srv = start_server(tmp, runtime_name, port=port, tls=tls)
     try:
-        yield srv, f"aenv.localhost:{port}"
+        yield srv, f"aenv.localhost:{port}", ()
     finally:
         stop_server(srv)
         discard_vm_state(srv.state_dir)
 
 
 @pytest.fixture(scope="module")
-def tls_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, str]]:
-    """``aenv gateway --tls-cert --tls-key`` in front of one plain-HTTP node: the same E2B_DOMAIN client."""
+def tls_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, str, tuple[Server, ...]]]:
+    """``aenv gateway --tls-cert --tls-key`` in front of one plain-HTTP node: the same E2B_DOMAIN client
+    (the node's log is shown beside the gateway's when the client fails)."""
     from aenv.testing.gateway import start_gateway, stop_gateway
 
     if os.geteuid() != 0 or shutil.which("openssl") is None:
@@ -130,7 +132,7 @@ def tls_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serv
         port = free_port()
         gw = start_gateway(tmp, [node.url], port=port, tls=tls)
         try:
-            yield gw, f"aenv.localhost:{port}"
+            yield gw, f"aenv.localhost:{port}", (node,)
         finally:
             stop_gateway(gw)
     finally:
@@ -139,7 +141,7 @@ def tls_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serv
 
 @pytest.mark.parametrize("endpoint", ["tls_server", "tls_gateway"])
 def test_the_sdk_with_only_e2b_domain_over_https(endpoint: str, request: pytest.FixtureRequest) -> None:
-    srv, domain = request.getfixturevalue(endpoint)
+    srv, domain, behind = request.getfixturevalue(endpoint)
     assert srv.ca is not None
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root"),
@@ -148,7 +150,8 @@ def test_the_sdk_with_only_e2b_domain_over_https(endpoint: str, request: pytest.
     }  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", SDK_SCRIPT], env=env, cwd=REPO, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
-    assert proc.returncode == 0, f"{proc.stderr[-4000:]}\n--- server log ---\n{srv.log_tail()}"
+    logs = "".join(f"\n--- node log ({b.url}) ---\n{b.log_tail(120)}" for b in behind)
+    assert proc.returncode == 0, f"{proc.stderr[-4000:]}\n--- server log ---\n{srv.log_tail()}{logs}"
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     sid_host = out["host"].split(".", 1)[0]
     assert out["domain"] == domain

@@ -10,6 +10,7 @@ connections are pooled per node, shared by its sandboxes.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from aenv.api.proxy import SandboxProxy
@@ -20,7 +21,7 @@ from aenv.api.proxy.routing import json_error, respond, route, route_signed_file
 from aenv.api.proxy.websocket import deny
 from aenv.gateway.directory import GatewayError, Locator
 from aenv.gateway.fast_routes import FastRoutes
-from aenv.gateway.forward import Forwarder
+from aenv.gateway.forward import CONNECT_TIMEOUT, Forwarder
 from aenv.gateway.nodes import NodeSet
 from aenv.gateway.volumes import relay_content
 from aenv.mux import ByteStream
@@ -40,10 +41,11 @@ class _ToNode:
         node = self._locator.cached(sandbox_id)
         if node is None:  # located moments ago; forgotten only under a million others
             node = await self._locator.owner(sandbox_id)
-        try:
-            return await open_tcp(node.host, node.port, port)
-        except OSError as exc:
-            self._nodes.mark_down(node, f"{type(exc).__name__}: {exc}")
+        try:  # a node that takes no connection is down, as for the control plane (forward.py)
+            return await asyncio.wait_for(open_tcp(node.host, node.port, port), CONNECT_TIMEOUT)
+        except OSError as exc:  # TimeoutError included
+            why = str(exc) or f"no answer in {CONNECT_TIMEOUT:g} s"
+            self._nodes.mark_down(node, f"{type(exc).__name__}: {why}")
             raise
 
 
