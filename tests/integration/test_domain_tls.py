@@ -163,8 +163,8 @@ def test_the_sdk_with_only_e2b_domain_over_https(endpoint: str, request: pytest.
         "over https", "file over https", "again", "over wss")
 
 
-def test_https_speaks_h2_and_http11_and_refuses_plain_http_and_a_wrong_name(tls_server: tuple[Server, str]) -> None:
-    srv, domain = tls_server
+def test_https_speaks_h2_and_http11_and_refuses_plain_http_and_a_wrong_name(tls_server: tuple[Server, str, tuple[Server, ...]]) -> None:
+    srv, domain, _ = tls_server
     assert srv.ca is not None
     ctx = ssl.create_default_context(cafile=str(srv.ca))
     port = int(domain.rsplit(":", 1)[1])
@@ -184,8 +184,8 @@ def test_https_speaks_h2_and_http11_and_refuses_plain_http_and_a_wrong_name(tls_
                   timeout=30)  # fmt: skip
 
 
-def test_responses_name_the_domain_the_client_used(tls_server: tuple[Server, str]) -> None:
-    srv, domain = tls_server
+def test_responses_name_the_domain_the_client_used(tls_server: tuple[Server, str, tuple[Server, ...]]) -> None:
+    srv, domain, _ = tls_server
     assert srv.ca is not None
     port = int(domain.rsplit(":", 1)[1])
     ctx = ssl.create_default_context(cafile=str(srv.ca))
