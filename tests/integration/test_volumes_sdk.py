@@ -1,7 +1,9 @@
 """E2B volumes through the unmodified SDK (``from e2b import Volume, Sandbox``) against a real server:
 create/list/connect/destroy, the volume content API, a volume written in one sandbox and read in
 another, a read-only mount that refuses writes, one writer at a time, and volumes that survive a
-kill -9 of the server. ns only: the vm runtime refuses ``volume_mounts`` with a 400 (last test).
+kill -9 of the server; fork, pause to disk and a files-only pause with a volume mounted. Both
+runtimes: ns binds the volume's directory, vm serves it over its 9p export (runtime/vm/volumes.py),
+where a copy in another QEMU must mount it again (a volume in use refuses a fork: 409).
 
 A server of its own (module scope): the kill -9 test restarts it on the same state dir and port.
 """
@@ -22,6 +24,7 @@ from e2b import CommandExitException, Sandbox, SandboxException, Volume
 from e2b.exceptions import NotFoundException, VolumeException, VolumeNotFoundException
 
 from aenv.runtime.ns.criu import probe as criu_probe
+from aenv.runtime.vm.release import is_released
 from aenv.testing.server import API_KEY, Server, free_port, start_server, stop_server
 from tests.integration.conftest import _needs_runtime
 
@@ -52,7 +55,7 @@ def vserver(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         pytest.skip("user namespaces are the ns runtime's")
     tmp = tmp_path_factory.mktemp("aenv-volumes")
     # paused sandboxes are released (CRIU-dumped, processes ended) at once: the release path with volumes
-    extra = {"AENV_POOL_SIZE": "1", "AENV_NS_RELEASE_PAUSED_AFTER": "0",
+    extra = {"AENV_POOL_SIZE": "1", "AENV_NS_RELEASE_PAUSED_AFTER": "0", "AENV_VM_RELEASE_PAUSED_AFTER": "0",
              **({"AENV_NS_USERNS_UID": "0"} if request.param == "plain" else {})}
     running = Running(start_server(tmp, runtime_name, extra, port=free_port()), extra)
     yield running
@@ -85,7 +88,13 @@ def kills() -> Iterator[list[Sandbox]]:
 @pytest.fixture
 def ns_only(runtime_name: str) -> None:
     if runtime_name != "ns":
-        pytest.skip("volume mounts are ns only (vm refuses them: test_vm_refuses_volume_mounts)")
+        pytest.skip("ns: a process fork with CRIU (vm: test_vm_fork_shares_the_volume_read_only)")
+
+
+@pytest.fixture
+def vm_only(runtime_name: str) -> None:
+    if runtime_name != "vm":
+        pytest.skip("the vm runtime's 9p export (ns: the tests beside it)")
 
 
 def _name() -> str:
@@ -138,12 +147,13 @@ def test_content_api(env: Server) -> None:
 
 
 def test_written_in_one_sandbox_read_in_another(env: Server, vserver: Running, kills: list[Sandbox],
-                                                ns_only: None) -> None:
+                                                runtime_name: str) -> None:
     vol = Volume.create(_name())
     first = Sandbox.create("base", volume_mounts={"/mnt/data": vol}, timeout=120)
     kills.append(first)
-    uid_map = first.commands.run("cat /proc/self/uid_map").stdout.split()
-    assert (uid_map[1] == str(USERNS_BASE)) is _in_userns(vserver), uid_map
+    if runtime_name == "ns":
+        uid_map = first.commands.run("cat /proc/self/uid_map").stdout.split()
+        assert (uid_map[1] == str(USERNS_BASE)) is _in_userns(vserver), uid_map
     first.files.write("/mnt/data/hello.txt", "from the first sandbox")
     uid = int(first.commands.run("mkdir -p /mnt/data/sub && echo made-by-shell > /mnt/data/sub/b.txt && id -u").stdout)
     first.kill()
@@ -159,7 +169,7 @@ def test_written_in_one_sandbox_read_in_another(env: Server, vserver: Running, k
     Volume.destroy(vol.volume_id)
 
 
-def test_read_only_mount_refuses_writes(env: Server, kills: list[Sandbox], ns_only: None) -> None:
+def test_read_only_mount_refuses_writes(env: Server, kills: list[Sandbox]) -> None:
     vol = Volume.create(_name())
     writer = Sandbox.create("base", volume_mounts={"/w": vol}, timeout=120)
     kills.append(writer)
@@ -173,9 +183,10 @@ def test_read_only_mount_refuses_writes(env: Server, kills: list[Sandbox], ns_on
     with pytest.raises(CommandExitException) as refused:
         reader.commands.run("echo x > /r/new.txt", user="root")
     assert "Read-only file system" in refused.value.stderr, refused.value.stderr
-    with pytest.raises(CommandExitException):
-        reader.commands.run("mount -o remount,rw /r", user="root")  # no way to lift it from inside
-    assert not vol.exists("/new.txt")
+    with pytest.raises(CommandExitException):  # no way to lift it from inside: ns refuses the remount,
+        # vm's guest may remount its own view, but the host's bind under QEMU stays read-only
+        reader.commands.run("mount -o remount,rw /r; echo x > /r/new2.txt", user="root")
+    assert not vol.exists("/new.txt") and not vol.exists("/new2.txt")
     with pytest.raises(VolumeException):
         Volume.destroy(vol.volume_id)  # mounted: 409
     writer.kill()
@@ -183,7 +194,7 @@ def test_read_only_mount_refuses_writes(env: Server, kills: list[Sandbox], ns_on
     assert Volume.destroy(vol.volume_id) is True
 
 
-def test_volumes_survive_kill_9(env: Server, vserver: Running, kills: list[Sandbox], ns_only: None) -> None:
+def test_volumes_survive_kill_9(env: Server, vserver: Running, kills: list[Sandbox], runtime_name: str) -> None:
     vol = Volume.create(_name())
     sbx = Sandbox.create("base", volume_mounts={"/data": vol}, timeout=120)
     sbx.commands.run("head -c 300000 /dev/urandom > /data/blob && sha256sum /data/blob > /data/blob.sum")
@@ -193,7 +204,7 @@ def test_volumes_survive_kill_9(env: Server, vserver: Running, kills: list[Sandb
     os.kill(old.proc.pid, signal.SIGKILL)
     old.proc.wait(timeout=30)
     port = int(old.url.rsplit(":", 1)[1])
-    vserver.srv = start_server(Path(old.state_dir).parent, "ns", vserver.extra, port=port)
+    vserver.srv = start_server(Path(old.state_dir).parent, runtime_name, vserver.extra, port=port)
     assert Volume.get_info(vol.volume_id).token == vol.token
     assert vol.read_file("/blob.sum").split()[0] == digest
     again = Sandbox.create("base", volume_mounts={"/v": vol.name}, timeout=120)
@@ -269,7 +280,7 @@ def test_a_released_pause_resumes_with_its_volume(env: Server, vserver: Running,
     Volume.destroy(vol.volume_id)
 
 
-def test_a_files_only_pause_cold_starts_with_its_volume(env: Server, kills: list[Sandbox], ns_only: None) -> None:
+def test_a_files_only_pause_cold_starts_with_its_volume(env: Server, kills: list[Sandbox]) -> None:
     vol = Volume.create(_name())
     sbx = Sandbox.create("base", volume_mounts={"/data": vol}, timeout=120)
     kills.append(sbx)
@@ -283,13 +294,98 @@ def test_a_files_only_pause_cold_starts_with_its_volume(env: Server, kills: list
     Volume.destroy(vol.volume_id)
 
 
-def test_vm_refuses_volume_mounts(env: Server, runtime_name: str) -> None:
-    if runtime_name != "vm":
-        pytest.skip("the vm runtime's refusal")
+def _wait_cwd(sbx: Sandbox, pid: int, path: str) -> None:
+    """Until process ``pid`` of ``sbx`` works in ``path`` (a background command has started)."""
+    deadline = time.monotonic() + 60
+    while sbx.commands.run(f"readlink /proc/{pid}/cwd || true", user="root").stdout.strip() != path:
+        assert time.monotonic() < deadline, f"process {pid} did not start in {path}"
+        time.sleep(0.1)
+
+
+def _vm_run_dir(env: Server, sandbox_id: str) -> Path:
+    from aenv.runtime.vm.runtime import run_root_for
+
+    return run_root_for(env.state_dir) / sandbox_id
+
+
+def test_vm_fork_shares_the_volume_read_only(env: Server, kills: list[Sandbox], vm_only: None) -> None:
+    """Fork children mount the parent's volume read-only from their own QEMU; the parent writes on.
+    While a process of the parent holds the volume, a fork is refused (409) and names it: the guest's
+    9p channel takes one mount at a time, and the copy's old mount would still be held there."""
     vol = Volume.create(_name())
-    try:
-        with pytest.raises(SandboxException) as info:
-            Sandbox.create("base", volume_mounts={"/data": vol})
-        assert "400" in str(info.value) and "volumeMounts" in str(info.value)
-    finally:
-        Volume.destroy(vol.volume_id)
+    parent = Sandbox.create("base", volume_mounts={"/data": vol}, timeout=120)
+    kills.append(parent)
+    parent.files.write("/data/a.txt", "before the fork")
+    keeper = parent.commands.run("exec sleep 100000", background=True, timeout=0)  # not on the volume
+    keeper.disconnect()
+    results = parent.fork(count=2)
+    children = [c for c in results if not isinstance(c, Exception)]
+    kills.extend(children)
+    assert len(children) == 2, results
+    parent.files.write("/data/b.txt", "after the fork")
+    for child in children:
+        assert _alive(child, keeper.pid)
+        assert child.files.read("/data/a.txt") == "before the fork"
+        assert child.files.read("/data/b.txt") == "after the fork"
+        with pytest.raises(CommandExitException) as refused:
+            child.commands.run("touch /data/child.txt", user="root")
+        assert "Read-only file system" in refused.value.stderr
+    holder = parent.commands.run("cd /data && exec 3</data/a.txt && exec sleep 100000", background=True, timeout=0)
+    _wait_cwd(parent, holder.pid, "/data")
+    with pytest.raises(SandboxException) as busy:
+        parent.fork(count=1)
+    assert "409" in str(busy.value) and f"/proc/{holder.pid}/" in str(busy.value), busy.value
+    holder.kill()
+    for s in (*children, parent):
+        s.kill()
+    Volume.destroy(vol.volume_id)
+
+
+def test_vm_a_released_pause_resumes_with_its_volume(env: Server, kills: list[Sandbox], vm_only: None) -> None:
+    """Paused and saved to disk at once (``AENV_VM_RELEASE_PAUSED_AFTER=0``): the resume is a new QEMU,
+    and the guest mounts the volume again from it, read-write. A sandbox whose volume is in use when
+    it pauses stays in RAM instead (its resume could not mount it again) and resumes as it was."""
+    vol = Volume.create(_name())
+    sbx = Sandbox.create("base", volume_mounts={"/data": vol}, timeout=120)
+    kills.append(sbx)
+    keeper = sbx.commands.run("exec sleep 100000", background=True, timeout=0)
+    keeper.disconnect()
+    sbx.pause()
+    assert is_released(_vm_run_dir(env, sbx.sandbox_id))
+    vol.write_file("/while-paused.txt", "written while it was released")
+    sbx.connect()
+    assert _alive(sbx, keeper.pid)
+    assert sbx.files.read("/data/while-paused.txt") == "written while it was released"
+    sbx.files.write("/data/after.txt", "still read-write")
+    assert vol.read_file("/after.txt") == "still read-write"
+    holder = sbx.commands.run("cd /data && exec sleep 100000", background=True, timeout=0)
+    _wait_cwd(sbx, holder.pid, "/data")
+    sbx.pause()
+    assert not is_released(_vm_run_dir(env, sbx.sandbox_id))  # kept in RAM: the release runs inside pause
+    sbx.connect()
+    assert _alive(sbx, holder.pid) and sbx.files.read("/data/after.txt") == "still read-write"
+    sbx.kill()
+    Volume.destroy(vol.volume_id)
+
+
+def test_vm_a_snapshot_restores_with_the_mounts_its_create_asks(env: Server, kills: list[Sandbox],
+                                                                vm_only: None) -> None:
+    """A snapshot carries no volume: a create from it mounts what it asks, and the guest's mount
+    of the snapshot's source (of a QEMU that is gone) is taken away."""
+    vol, other = Volume.create(_name()), Volume.create(_name())
+    src = Sandbox.create("base", volume_mounts={"/data": vol}, timeout=120)
+    kills.append(src)
+    src.files.write("/data/src.txt", "the source's volume")
+    other.write_file("/other.txt", "another volume")
+    snap = src.create_snapshot()
+    again = Sandbox.create(snap.snapshot_id, volume_mounts={"/data": other}, timeout=120)
+    kills.append(again)
+    assert again.files.read("/data/other.txt") == "another volume"
+    assert not again.files.exists("/data/src.txt")
+    bare = Sandbox.create(snap.snapshot_id, timeout=120)
+    kills.append(bare)
+    assert "9p" not in bare.commands.run("cat /proc/mounts").stdout
+    for s in (bare, again, src):
+        s.kill()
+    Volume.destroy(vol.volume_id)
+    Volume.destroy(other.volume_id)

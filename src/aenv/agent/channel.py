@@ -185,10 +185,11 @@ async def run_sessions(
 
 
 def apply_host_facts(extra: bytes) -> None:
-    """The vm host's HELLO extension, ``{"hostTime": unix seconds, "seed": base64}``: set the wall
-    clock and reseed the kernel CRNG. A VM's clock stands still while it is stopped or saved, and
-    a restored or forked copy shares its snapshot's CRNG state; every new host session follows a
-    restore, fork or resume, and this runs before the session's first stream is opened."""
+    """The vm host's HELLO extension, ``{"hostTime": unix seconds, "seed": base64, "volumes": ...}``:
+    set the wall clock, reseed the kernel CRNG and mount the sandbox's volumes. A VM's clock stands
+    still while it is stopped or saved, a restored or forked copy shares its snapshot's CRNG state
+    and holds 9p mounts of a QEMU that is gone; every new host session follows a restore, fork or
+    resume, and this runs before the session's first stream is opened."""
     import base64
     import json
 
@@ -200,6 +201,10 @@ def apply_host_facts(extra: bytes) -> None:
         set_wall_clock(float(host_time))
     if seed:
         reseed_rng(seed[:MAX_SEED_BYTES])
+    if "volumes" in facts:  # the vm host's E2B volumes for this QEMU (agent/volumes.py)
+        from aenv.agent import volumes
+
+        volumes.apply(facts["volumes"])
 
 
 async def serve(channel: str, accept: Connector, ready: Callable[[], None] | None = None) -> None:

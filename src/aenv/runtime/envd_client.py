@@ -214,11 +214,13 @@ class CommandResult:
 
 
 async def run_command(stream: _Stream, cmd: str, *, user: str = "root", envs: dict[str, str] | None = None,
-                      cwd: str | None = None, limit: int = 64 << 20) -> CommandResult:
+                      cwd: str | None = None, limit: int = 64 << 20, token: str | None = None) -> CommandResult:
     """``/bin/sh -c cmd`` through envd as ``user`` with ``envs`` in ``cwd``; waits for its end and
-    returns its output (a template build step; ``limit`` bounds the whole answer)."""
+    returns its output (a template build step; ``limit`` bounds the whole answer). ``token``: the
+    sandbox's envd access token, once ``/init`` has set one."""
+    headers = as_user(user) | ({"X-Access-Token": token} if token else {})
     raw_request = build_request("POST", "/process.Process/Start", process_body("/bin/sh", ["-c", cmd], envs, cwd),
-                                as_user(user), CONNECT_JSON)
+                                headers, CONNECT_JSON)
     response = await exchange(stream, raw_request, limit=limit)
     if response.status != 200:
         return CommandResult(None, b"", b"", f"envd answered {response.status}: {response.body[:300]!r}")

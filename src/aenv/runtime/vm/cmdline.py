@@ -3,12 +3,14 @@
 The machine is ``-M microvm`` with ACPI and option ROMs off (the guest kernel finds its
 virtio-mmio devices on the command line QEMU appends), RAM in a ``memory-backend-file`` so
 snapshots can skip it (``x-ignore-shared``), and only virtio devices: blk, serial, rng, balloon,
-net. Network ``restricted`` keeps the NIC (so snapshots stay compatible) but cuts it off.
+net, and the 9p export of E2B volumes (the eighth and last virtio-mmio transport microvm has). Network ``restricted`` keeps the NIC (so snapshots stay compatible) but cuts it off.
 """
 
 from __future__ import annotations
 
 from .config import Drive, VmConfig, default_append
+
+SHARE_TAG = "aenv-volumes"  # the 9p mount tag the guest agent mounts (agent/volumes.py)
 
 
 def _kv(*parts: str, **opts: object) -> str:
@@ -91,6 +93,15 @@ def build_argv(cfg: VmConfig) -> list[str]:
         argv += [
             "-netdev", _kv("user", id="net", restrict=cfg.network == "restricted"),
             "-device", _kv("virtio-net-device", netdev="net", mac=cfg.mac),
+        ]  # fmt: skip
+    if cfg.share_dir is not None:
+        # passthrough: the guest's owners and modes are the files' own on the host, as ns shows
+        # them; the export's binds are nodev,nosuid (volumes.py), so a node the guest makes there
+        # opens nothing on the host. remap: the binds are other filesystems (no inode clashes).
+        argv += [
+            "-fsdev", _kv("local", "security_model=passthrough", id="share", path=str(cfg.share_dir),
+                          multidevs="remap", readonly=cfg.share_read_only),
+            "-device", _kv("virtio-9p-device", "fsdev=share", f"mount_tag={SHARE_TAG}"),
         ]  # fmt: skip
     if not cfg.send_configuration:
         argv += ["-global", "migration.send-configuration=off"]

@@ -36,6 +36,7 @@ from .release import is_released
 from .sandbox import VmSandbox, child_config, own_ram_file, run_paths, spawn_on_own_ram
 from .table import STOPPED_MARKER, Released, VmTable
 from .template import TemplateCache, wait_ready
+from .volumes import VolumeExports
 
 log = logging.getLogger("aenv.runtime.vm")
 
@@ -98,7 +99,8 @@ async def stop_locked(table: VmTable, sandbox_id: str) -> Released:
 
 
 async def boot_locked(table: VmTable, templates: TemplateCache, sandbox_id: str, spec: SandboxSpec, *,
-                      shm_dir: Path, pids_limit: int, timeout: float) -> VmSandbox:
+                      shm_dir: Path, pids_limit: int, timeout: float,
+                      exports: VolumeExports | None = None) -> VmSandbox:
     """Boot a stopped sandbox on its disk and give envd its identity; it is running afterwards. On
     failure it stays stopped (its disk and marker are kept)."""
     rel = table.released[sandbox_id]
@@ -106,18 +108,21 @@ async def boot_locked(table: VmTable, templates: TemplateCache, sandbox_id: str,
     top = run_paths(rel.run_dir)["root"]
     if rel.disk_generation:
         top = top.with_name(f"root.{rel.disk_generation}.qcow2")
-    cfg = child_config(tpl.cfg, rel.name, rel.run_dir, spec.allow_internet)
+    share = await asyncio.to_thread(exports.prepare, spec) if exports is not None else None
+    cfg = child_config(tpl.cfg, rel.name, rel.run_dir, spec.allow_internet, share)
     cfg = replace(cfg, incoming=False, start_paused=False,
                   drives=tuple(replace(d, path=top) if d.serial == "root" else d for d in cfg.drives))
     t0 = time.perf_counter()
     machine = await spawn_on_own_ram(cfg, own_ram_file(shm_dir, sandbox_id), rel.run_dir)
     sbx = VmSandbox(rel.name, machine, rel.run_dir, rel.template_key)
     sbx.disk_generation = rel.disk_generation
+    sbx.volumes = spec.volumes if share is not None else ()
     try:
         await sbx.wait_envd(timeout)
         if spec.template.ready_cmd:
             await wait_ready(sbx, spec.template.ready_cmd, timeout)
         await sbx.init_envd(spec, pids_limit)
+        await sbx.check_volumes(spec.access_token)
     except BaseException:
         await sbx.drop_session()
         await machine.kill(keep=[*disks(rel.run_dir), rel.stopped_marker])

@@ -80,6 +80,11 @@ class VmConfig:
     # False: the process reads migration streams without a configuration section, i.e. device
     # state saved by ``xen-save-devices-state`` (a layered snapshot). Not part of the shape.
     send_configuration: bool = True
+    # The 9p export the guest mounts its E2B volumes from (runtime/vm/volumes.py): a template's
+    # empty, read-only directory, or a sandbox's own export of its volume binds. None: no device
+    # (configs saved before volumes existed restore as they were).
+    share_dir: Path | None = None
+    share_read_only: bool = True
 
     def __post_init__(self) -> None:
         if self.memory_mb < 64:
@@ -123,6 +128,7 @@ class VmConfig:
             self.rng,
             self.append,
             self.channel_name,
+            self.share_dir is not None,
         )
 
     def for_restore(self, **changes: object) -> VmConfig:
@@ -143,7 +149,7 @@ def config_from_json(raw: dict[str, Any]) -> VmConfig:
         Drive(Path(d["path"]), d["serial"], d["format"], d["read_only"], d.get("no_flush", False))
         for d in data.get("drives", ())
     )
-    for k in ("kernel", "initrd", "qmp_socket", "channel_socket", "serial_log", "mem_path"):
+    for k in ("kernel", "initrd", "qmp_socket", "channel_socket", "serial_log", "mem_path", "share_dir"):
         if data.get(k) is not None:
             data[k] = Path(data[k])
     data["append"] = tuple(data.get("append", ()))

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from aenv.errors import StateError
 from aenv.machine_key import MachineKey
 
 from . import compat, memlayer, pressure
@@ -36,6 +37,7 @@ from .machine import MachineError
 from .sandbox import VmSandbox, child_config, own_ram_file, run_paths, spawn_on_frozen_ram, spawn_on_own_ram
 from .table import RELEASED_FILES, RELEASED_LAYERED, RELEASED_STATE, Released, VmTable
 from .template import TemplateCache
+from .volumes import VolumeExports
 
 log = logging.getLogger("aenv.runtime.vm")
 
@@ -49,8 +51,10 @@ class Releaser:
     """Releases paused VMs of ``table`` to disk and loads them back."""
 
     def __init__(self, table: VmTable, templates: TemplateCache, shm_dir: Path, release_after: float,
-                 memory_low_mb: float, machine: Callable[[], MachineKey | None] = lambda: None) -> None:
+                 memory_low_mb: float, machine: Callable[[], MachineKey | None] = lambda: None,
+                 exports: VolumeExports | None = None) -> None:
         self.table = table
+        self.exports = exports  # E2B volume exports (volumes.py); None: no sandbox has volumes
         self.templates = templates
         self.shm_dir = shm_dir  # where a VM restored from a full save gets its own RAM file
         self.release_after = release_after  # s paused in RAM before release; 0: at once
@@ -111,6 +115,9 @@ class Releaser:
         try:
             if sbx is None or await sbx.machine.status() not in ("paused", "postmigrate"):
                 return False
+            if sbx.keep_in_ram is not None:
+                log.info("sandbox %s: paused VM kept in RAM: %s", sandbox_id, sbx.keep_in_ram)
+                return False
             await self.release_locked(sandbox_id)
             return True
         except (MachineError, OSError) as exc:
@@ -158,6 +165,9 @@ class Releaser:
         if sbx.base_ram is not None and sbx.ram_image is not None and not sbx.machine.cfg.mem_share:
             size = await self._save_layered(sbx, rel)
         else:
+            if sbx.volumes:
+                raise StateError(f"sandbox {sandbox_id}: a VM that owns its RAM cannot be saved to disk while it "
+                                 "mounts volumes (QEMU refuses to migrate a mounted 9p export)", sandbox_id=sandbox_id)
             await sbx.machine.save_full(rel.state_file)
             size = rel.state_file.stat().st_size
         t_saved = time.perf_counter()
@@ -203,7 +213,9 @@ class Releaser:
         top = run_paths(rel.run_dir)["root"]
         if rel.disk_generation:
             top = top.with_name(f"root.{rel.disk_generation}.qcow2")
-        base = child_config(tpl.cfg, rel.name, rel.run_dir, rel.allow_internet)
+        spec = self.table.specs.get(sandbox_id)
+        share = await asyncio.to_thread(self.exports.prepare, spec) if self.exports and spec else None
+        base = child_config(tpl.cfg, rel.name, rel.run_dir, rel.allow_internet, share)
         base = replace(base, drives=tuple(replace(d, path=top) if d.serial == "root" else d for d in base.drives))
         t0 = time.perf_counter()
         keep = [*rel.run_dir.glob("root*.qcow2"), *(p for p in rel.files() if p.exists())]
@@ -231,6 +243,7 @@ class Releaser:
             sbx = VmSandbox(rel.name, machine, rel.run_dir, rel.template_key)
         sbx.restored = True
         sbx.disk_generation = rel.disk_generation
+        sbx.volumes = spec.volumes if spec is not None and share is not None else ()  # mounted at its first HELLO
         self.table.running[sandbox_id] = sbx
         del self.table.released[sandbox_id]
         for p in rel.files():

@@ -65,6 +65,7 @@ from .release import Releaser
 from .sandbox import VmSandbox, child_config, remove_dirs, run_paths
 from .snapshot import VmSnapshots
 from .table import VmTable
+from .volumes import VolumeExports
 
 log = logging.getLogger("aenv.runtime.vm")
 
@@ -116,20 +117,22 @@ class VmRuntime:
         self.boot_timeout = boot_timeout  # a template's first boot, and a stopped sandbox's cold boot
         self.vm_dir = settings.state_dir / "vm"
         self.templates_dir = self.vm_dir / "templates"
-        self.run_root = run_root or _short_run_root(self.vm_dir / "run")
+        self.run_root = run_root or run_root_for(settings.state_dir)
         self.accel: AccelChoice | None = None
         self.machine_key: MachineKey | None = None  # what saved state restores on (compat.py), set by start()
         self._template_ids: dict[str, str] = {}  # template key -> the template ID it was built from
         self.guest_append: tuple[str, ...] = ()  # accelerator-specific kernel words, set by start()
         self.table = VmTable()
+        self.exports = VolumeExports(self.vm_dir / "exports")  # E2B volumes' 9p exports (volumes.py)
         self.templates = templates.TemplateCache(self.templates_dir, self.frozen_dir, self.run_root, boot_timeout)
         self.pool = RestorePool(self.pool_size, self._spawn_warm)
         self.blank_pool = RestorePool(self.pool_size, self._spawn_blank)  # see VmSnapshots.blank_pool
         self.release = Releaser(self.table, self.templates, self.shm_dir, settings.vm_release_paused_after,
-                                settings.vm_memory_low_mb, machine=self.machine)
+                                settings.vm_memory_low_mb, machine=self.machine, exports=self.exports)
         self.snapshots = VmSnapshots(self.table, self.templates, self.release, self.blank_pool,
                                      run_root=self.run_root, shm_dir=self.shm_dir,
-                                     pids_limit=settings.pids_limit, start=self.start, machine=self.machine)
+                                     pids_limit=settings.pids_limit, start=self.start, machine=self.machine,
+                                     exports=self.exports)
         self._start_lock = asyncio.Lock()
         self._started = False
 
@@ -208,7 +211,8 @@ class VmRuntime:
         return sbx
 
     async def _spawn_restore(
-        self, name: str, template_key: str, allow_internet: bool, send_configuration: bool = True
+        self, name: str, template_key: str, allow_internet: bool, send_configuration: bool = True,
+        share: Path | None = None,
     ) -> VmSandbox:
         """A QEMU process waiting for this template's device state (not yet restored)."""
         tpl = self.templates.get(template_key)
@@ -217,7 +221,8 @@ class VmRuntime:
         try:
             p = run_paths(run_dir)
             await asyncio.to_thread(disk.clone_overlay, tpl.empty_overlay, p["root"])
-            cfg = replace(child_config(tpl.cfg, name, run_dir, allow_internet), send_configuration=send_configuration)
+            cfg = replace(child_config(tpl.cfg, name, run_dir, allow_internet, share),
+                          send_configuration=send_configuration)
             machine = await Machine.spawn(cfg, stderr_path=p["stderr"])
         except BaseException:
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -256,22 +261,27 @@ class VmRuntime:
         # A pooled QEMU has run the template's start command under the base filter since it was
         # pooled: with a policy, a QEMU of its own, jailed with the policy before the guest runs.
         policy_first = bool(spec.template.start_cmd) and ENFORCER.has(sid)
-        sbx: VmSandbox | None = None if policy_first else self.pool.take(tpl.key, spec.allow_internet)
+        # A pooled QEMU serves the template's empty export: one with volumes starts after its binds.
+        share = await asyncio.to_thread(self.exports.prepare, spec)
+        sbx: VmSandbox | None = None if policy_first or share else self.pool.take(tpl.key, spec.allow_internet)
         t0 = time.perf_counter()
         if sbx is not None:
             sbx.machine.set_nice(0)
         with translated(sid, "restore", after="restore"):
             try:
                 if sbx is None:
-                    sbx = await self._spawn_restore(sid, tpl.key, spec.allow_internet)
+                    sbx = await self._spawn_restore(sid, tpl.key, spec.allow_internet, share=share)
+                    sbx.volumes = spec.volumes if share else ()
                 if not sbx.restored:
                     await sbx.machine.restore(tpl.device_state)
                     sbx.restored = True
                 t_restored = time.perf_counter()
                 await sbx.init_envd(spec, self.settings.pids_limit)
+                await sbx.check_volumes(spec.access_token)
             except BaseException:
                 if sbx is not None:
                     await sbx.aclose(extra_dir=spec.workdir)
+                await asyncio.to_thread(self.exports.release, sid)
                 raise
         t_end = time.perf_counter()
         sbx.machine.timings.extra.update(
@@ -305,16 +315,33 @@ class VmRuntime:
                     await coldboot.stop_locked(self.table, sandbox_id)
                 return self.table.state_of(sandbox_id)
             sbx = self.table.get(sandbox_id)
+            await self._note_held_volumes(sandbox_id, sbx)
             with translated(sandbox_id, "pause"):
                 # Streams end, the channel stays (VmSandbox.quiesce); envd keeps processes whose
                 # client went away.
                 sbx.quiesce()
                 await sbx.machine.pause()
-                if self.release.release_after <= 0:
+                if self.release.release_after <= 0 and sbx.keep_in_ram is None:
                     await self.release.release_locked(sandbox_id)
             if self.release.release_after > 0:
                 self.release.schedule(sandbox_id)
             return self.table.state_of(sandbox_id)
+
+    async def _note_held_volumes(self, sandbox_id: str, sbx: VmSandbox) -> None:
+        """Before a pause: a VM whose volumes are in use stays in RAM while paused (a release to
+        disk resumes in a new QEMU, whose export the guest could not mount again; see
+        ``VmSandbox.volume_holders``)."""
+        sbx.keep_in_ram = None
+        if not sbx.volumes or await sbx.machine.status() != "running":
+            return
+        spec = self.table.specs.get(sandbox_id)
+        try:
+            held = await sbx.volume_holders(spec.access_token if spec else None)
+        except (RuntimeFailure, MachineError, OSError, TimeoutError) as exc:
+            held = [f"the guest could not be asked: {exc}"]
+        if held:
+            sbx.keep_in_ram = f"its volumes are in use ({'; '.join(held)})"
+            log.info("sandbox %s: paused in RAM, not released to disk: %s", sandbox_id, sbx.keep_in_ram)
 
     async def resume(self, sandbox_id: str, state: RuntimeState, keep_memory: bool = True) -> RuntimeState:
         async with self.table.lock(sandbox_id):
@@ -327,7 +354,8 @@ class VmRuntime:
                 with translated(sandbox_id, "cold boot", after="boot"):
                     await coldboot.stop_locked(self.table, sandbox_id)  # its memory, if any, is discarded
                     sbx = await coldboot.boot_locked(self.table, self.templates, sandbox_id, spec, shm_dir=self.shm_dir,
-                                                     pids_limit=self.settings.pids_limit, timeout=self.boot_timeout)
+                                                     pids_limit=self.settings.pids_limit, timeout=self.boot_timeout,
+                                                     exports=self.exports)
                 return self.table.state(sbx, spec)
             with translated(sandbox_id, "resume", after="resume"):
                 if sandbox_id in self.table.released:
@@ -336,8 +364,11 @@ class VmRuntime:
                     sbx = self.table.get(sandbox_id)
                     await sbx.machine.resume()
                 # Clock and RNG: a HELLO on the kept session carries them (VmSandbox.refresh); a
-                # VM loaded from disk has no session yet, and its first one's HELLO does.
+                # VM loaded from disk has no session yet, and its first one's HELLO does (and
+                # mounts its volumes from the new QEMU).
                 await sbx.refresh()
+                spec = self.table.specs.get(sandbox_id)
+                await sbx.check_volumes(spec.access_token if spec else None)
             return self.table.state(sbx, self.table.specs.get(sandbox_id))
 
     async def kill(self, sandbox_id: str, state: RuntimeState | None = None) -> None:
@@ -355,6 +386,7 @@ class VmRuntime:
             # still the QEMU we started (its command line names our QMP socket).
             reconciling.kill_recorded(state)
             await asyncio.to_thread(remove_dirs, _path(state, "run_dir"), _path(state, "workdir"))
+        await asyncio.to_thread(self.exports.release, sandbox_id)  # after its QEMU ended
 
     async def reconcile(self, known_ids: set[str] | list[str]) -> dict[str, list[str]]:
         """Kill QEMU processes and remove run dirs under our run root that no live sandbox, pool
@@ -362,7 +394,10 @@ class VmRuntime:
         await self.start()
         keep = self.table.run_dir_names() | self.pool.names() | self.blank_pool.names() | self.templates.building
         keep |= {str(k) for k in known_ids if k in self.table.running}
-        return await reconciling.reconcile(self.run_root, self.shm_dir, keep, set(self.table.running))
+        out = await reconciling.reconcile(self.run_root, self.shm_dir, keep, set(self.table.running))
+        owners = {str(k) for k in known_ids} | set(self.table.running) | set(self.table.released)
+        out["volume_exports"] = await asyncio.to_thread(self.exports.sweep, owners)
+        return out
 
     async def adopt(self, sandbox_id: str, spec: SandboxSpec, state: RuntimeState, stopped: bool = False) -> bool:
         """Re-attach to a VM left running by a previous server (see ``reconcile.adopt``), or, with
@@ -373,6 +408,8 @@ class VmRuntime:
             return await asyncio.to_thread(coldboot.adopt_stopped, self.table, sandbox_id, spec, state) is not None
         found = await reconciling.adopt(self.table, sandbox_id, spec, state)
         if isinstance(found, VmSandbox):
+            if found.machine.cfg.share_dir == self.exports.share_for(spec):
+                found.volumes = spec.volumes  # the same QEMU: the guest keeps its mounts
             await self.release.adopted(sandbox_id, found)
         return found is not None
 
@@ -475,9 +512,19 @@ class VmRuntime:
                         if netjail.available() else None},
             "snapshot": "full (device state + RAM + disk)",
             "fork": "full snapshot + restore",
+            "volumes": "9p export per sandbox (virtio-9p): its volumes bound nodev,nosuid, read-only ones ro on the host",
             "pool_size": self.pool_size,
             "machine": self.machine_key,
         }
+
+    # ---- VolumeCapable (runtime/base.py) ----------------------------------------------------------
+    def make_volume_dir(self, path: Path, limit_mb: int) -> None:
+        """A plain directory: the vm runtime has no quota of its own for it (the guest's writes
+        reach it through QEMU, as the content API's do)."""
+        path.mkdir(exist_ok=True)
+
+    def remove_volume_dir(self, path: Path) -> None:
+        shutil.rmtree(path, ignore_errors=True)
 
     # ---- helpers for tests and diagnostics ------------------------------------------------------
     def sandbox(self, sandbox_id: str) -> VmSandbox:
@@ -492,6 +539,11 @@ def shm_dir_for(state_dir: Path) -> Path:
     """Where a server on ``state_dir`` keeps its template RAM in /dev/shm (``VmRuntime.shm_dir``)."""
     digest = hashlib.sha256(str(state_dir).encode()).hexdigest()[:10]
     return templates.SHM_DIR.with_name(f"aenv-{digest}")
+
+
+def run_root_for(state_dir: Path) -> Path:
+    """Where a server on ``state_dir`` keeps its VMs' run dirs (one per sandbox, named by its ID)."""
+    return _short_run_root(state_dir / "vm" / "run")
 
 
 def _short_run_root(preferred: Path) -> Path:

@@ -24,7 +24,7 @@ from typing import Any
 
 from aenv.errors import RuntimeFailure
 from aenv.mux import MuxError, MuxSession, MuxStream
-from aenv.runtime.base import SandboxSpec
+from aenv.runtime.base import SandboxSpec, VolumeBind
 from aenv.runtime.envd_client import (
     CONNECT_JSON,
     ENVD_PORT,
@@ -36,10 +36,12 @@ from aenv.runtime.envd_client import (
     first_call_body,
     init_payload,
     request,
+    run_command,
 )
 
 from .config import VmConfig, config_to_json
 from .machine import Machine
+from .volumes import GUEST_STATE, check_guest_state, hello_facts, holders_command
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +89,11 @@ async def spawn_on_frozen_ram(base: VmConfig, ram: Path, run_dir: Path) -> Machi
     return await Machine.spawn(cfg, stderr_path=run_paths(run_dir)["stderr"])
 
 
-def child_config(tpl_cfg: VmConfig, name: str, run_dir: Path, allow_internet: bool) -> VmConfig:
-    """The restore-side config of a template: own sockets and root overlay, same shape."""
+def child_config(tpl_cfg: VmConfig, name: str, run_dir: Path, allow_internet: bool,
+                 share: Path | None = None) -> VmConfig:
+    """The restore-side config of a template: own sockets and root overlay, same shape. ``share``:
+    the sandbox's own volume export (``volumes.VolumeExports``), served read-write (its binds say
+    which volumes are read-only); None keeps the template's empty, read-only one."""
     p = run_paths(run_dir)
     drives = tuple(
         replace(d, path=p["root"], no_flush=True) if d.serial == "root" else d for d in tpl_cfg.drives
@@ -103,6 +108,7 @@ def child_config(tpl_cfg: VmConfig, name: str, run_dir: Path, allow_internet: bo
         serial_log=p["console"],
         drives=drives,
         network=network,
+        **({"share_dir": share, "share_read_only": False} if share is not None and tpl_cfg.share_dir else {}),
     )
 
 
@@ -133,7 +139,56 @@ class VmSandbox:
         # Streams to envd opened ahead of time (pool entries): the first requests after a create
         # (its /init, the client's first call) skip the OPEN round trip (~10-20 ms under TCG).
         self.spare: list[MuxStream] = []
+        # The E2B volumes the guest mounts from this QEMU's 9p export (volumes.py), sent in every
+        # HELLO with :meth:`epoch`; set before the first session of a new QEMU.
+        self.volumes: tuple[VolumeBind, ...] = ()
+        self._epoch: str | None = None
+        # Why this VM must stay in RAM while paused (its volumes were in use when it paused), or None.
+        self.keep_in_ram: str | None = None
         self._closed = False
+
+    def epoch(self) -> str:
+        """This QEMU process, as the guest's volume mounts know it: pid and start time (a restart of
+        the server keeps it; any other QEMU, even one with the same pid, differs)."""
+        if self._epoch is None:
+            try:
+                start = Path(f"/proc/{self.machine.pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+            except (OSError, IndexError):
+                start = "0"
+            self._epoch = f"{self.machine.pid}-{start}"
+        return self._epoch
+
+    def hello(self) -> bytes:
+        """A HELLO's extension: clock and seed, and the volumes when the VM has a 9p export."""
+        facts = host_facts()
+        if self.machine.cfg.share_dir is not None:
+            facts["volumes"] = hello_facts(self.volumes, self.epoch())
+        return json.dumps(facts).encode()
+
+    async def volume_holders(self, token: str | None) -> list[str]:
+        """What in the running guest uses a volume mount (``/proc/<pid>/cwd -> /data``, at most 5).
+        A copy of this VM in another QEMU must mount the export again, and the guest's 9p channel
+        takes one mount at a time: while an old mount is held, the new one fails (EBUSY)."""
+        if not self.volumes:
+            return []
+        result = await run_command(await self.open_envd(), holders_command(self.volumes), token=token, limit=1 << 16)
+        if result.exit_code != 0:
+            raise RuntimeFailure(f"sandbox {self.name}: could not ask the guest what uses its volumes "
+                                 f"({result.error or result.exit_code})", sandbox_id=self.name)
+        return result.stdout.decode(errors="replace").split("\n")[:-1] if result.stdout else []
+
+    async def check_volumes(self, token: str | None) -> None:
+        """Raise unless the guest has mounted every volume from this QEMU (its agent's report,
+        read as root through envd with the sandbox's envd ``token``: the HELLO that asks for the
+        mounts gets no answer)."""
+        if not self.volumes:
+            return
+        answer = await self.envd_call("GET", f"/files?path={GUEST_STATE}&username=root",
+                                      headers={"X-Access-Token": token} if token else None)
+        problem = check_guest_state(answer.body, self.epoch(), self.volumes) if answer.status == 200 else (
+            f"no volume state from the guest (envd answered {answer.status})")
+        if problem is not None:
+            raise RuntimeFailure(f"sandbox {self.name}: volumes: {problem}", sandbox_id=self.name)
 
     async def session(self) -> MuxSession:
         """The live mux session, reconnecting if the previous one ended."""
@@ -163,7 +218,7 @@ class VmSandbox:
             # The guest applies the HELLO's clock and seed before it serves any stream of this
             # session (agent.channel.apply_host_facts): a resume needs no request of its own.
             session = await MuxSession(
-                reader, writer, name=f"vm-{self.name}", hello_extra=json.dumps(host_facts()).encode()
+                reader, writer, name=f"vm-{self.name}", hello_extra=self.hello()
             ).start()
             try:
                 await session.ping(timeout=min(wait, max(0.1, deadline - time.monotonic())))
@@ -308,7 +363,7 @@ class VmSandbox:
             await self.drop_session()
             return
         try:
-            await session.restart(json.dumps(host_facts()).encode())
+            await session.restart(self.hello())
         except MuxError:
             await self.drop_session()
 

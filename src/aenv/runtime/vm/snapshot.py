@@ -60,6 +60,7 @@ from .sandbox import (
 )
 from .table import VmTable
 from .template import TemplateCache
+from .volumes import VolumeExports
 
 log = logging.getLogger("aenv.runtime.vm")
 
@@ -81,8 +82,10 @@ class VmSnapshots:
 
     def __init__(self, table: VmTable, templates: TemplateCache, release: Releaser, blank_pool: RestorePool,
                  *, run_root: Path, shm_dir: Path, pids_limit: int, start: Callable[[], Awaitable[None]],
-                 machine: Callable[[], MachineKey | None] = lambda: None) -> None:
+                 machine: Callable[[], MachineKey | None] = lambda: None,
+                 exports: VolumeExports | None = None) -> None:
         self.table = table
+        self.exports = exports  # E2B volume exports (volumes.py)
         self.templates = templates
         self.release = release
         # QEMUs spawned for a template and left waiting (not restored): a snapshot of that
@@ -105,9 +108,27 @@ class VmSnapshots:
         async with self.table.lock(sandbox_id):  # no release to disk in the middle of a snapshot
             await self._start()
             sbx = await self.release.loaded_locked(sandbox_id)
+            await self._refuse_held_volumes(sandbox_id, sbx)
             if sbx.base_ram is not None and sbx.machine.cfg.mem_path == sbx.base_ram and not sbx.machine.cfg.mem_share:
                 return await self._snapshot_layered(sandbox_id, sbx, into)
+            if sbx.volumes:
+                raise StateError(f"cannot snapshot sandbox {sandbox_id}: a VM that owns its RAM is saved by migration, "
+                                 "which QEMU refuses while volumes are mounted", sandbox_id=sandbox_id)
             return await self._snapshot_stream(sandbox_id, sbx, into)
+
+    async def _refuse_held_volumes(self, sandbox_id: str, sbx: VmSandbox) -> None:
+        """Conflict when a process of the running guest uses a volume mount: every restore of the
+        snapshot would fail to mount it again (``VmSandbox.volume_holders``). A paused guest cannot
+        be asked; its restores report it if so."""
+        if not sbx.volumes or await sbx.machine.status() != "running":
+            return
+        spec = self.table.specs.get(sandbox_id)
+        held = await sbx.volume_holders(spec.access_token if spec else None)
+        if held:
+            raise Conflict(
+                f"cannot snapshot or fork sandbox {sandbox_id}: its volumes are in use ({'; '.join(held)}). On vm a "
+                "copy mounts its volumes again, and the guest cannot while a process holds a file or its working "
+                "directory there: close those files (or cd elsewhere) and retry", sandbox_id=sandbox_id)
 
     async def _snapshot_layered(self, sandbox_id: str, sbx: VmSandbox, into: Path) -> SnapshotResult:
         """Full snapshot (processes, memory, files) of a VM on a frozen RAM file, paused only
@@ -317,7 +338,9 @@ class VmSnapshots:
         tpl = await self.templates.by_key(key)
         layered = result.data.get("format") == "layered"
         blank = None
-        if layered and result.data.get("ram_id") == tpl.ram_id:
+        # A QEMU spawned ahead serves the template's empty export: one with volumes starts after its binds.
+        share = await asyncio.to_thread(self.exports.prepare, spec) if self.exports is not None else None
+        if layered and share is None and result.data.get("ram_id") == tpl.ram_id:
             blank = self.blank_pool.take(key, spec.allow_internet, refill=False)
         run_dir = blank.run_dir if blank is not None else self.run_root / sid
         if blank is None:
@@ -338,7 +361,7 @@ class VmSnapshots:
                     await blank.machine.retarget_root("root", snapshot / SNAP_DISK)
                 else:
                     await self._snapshot_overlay(snapshot, run_dir)
-                base = child_config(tpl.cfg, sid, run_dir, spec.allow_internet)
+                base = child_config(tpl.cfg, sid, run_dir, spec.allow_internet, share)
                 if layered:
                     ram = await self.templates.frozen_ram(str(result.data["ram_id"]), snapshot / BASE_RAM)
                     if sbx is None:
@@ -355,14 +378,18 @@ class VmSnapshots:
                     sbx = VmSandbox(sid, machine, run_dir, key)
                     await machine.restore(snapshot / FULL_STATE, ignore_shared=False)
                 sbx.restored = True
+                sbx.volumes = spec.volumes if share is not None else ()
                 t_restored = time.perf_counter()
                 if init:
                     await sbx.init_envd(spec, self.pids_limit)
+                await sbx.check_volumes(spec.access_token)
             except BaseException:
                 if sbx is not None:
                     await sbx.aclose()
                 else:
                     shutil.rmtree(run_dir, ignore_errors=True)
+                if share is not None and self.exports is not None:
+                    await asyncio.to_thread(self.exports.release, sid)
                 raise
         assert sbx is not None
         tm = sbx.machine.timings

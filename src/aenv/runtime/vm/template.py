@@ -51,7 +51,7 @@ from .sandbox import VmSandbox, run_paths
 
 log = logging.getLogger(__name__)
 
-MANIFEST_VERSION = 2
+MANIFEST_VERSION = 3  # 3: the 9p volume export device
 SHM_DIR = Path("/dev/shm/aenv")
 
 
@@ -177,6 +177,7 @@ def _boot_config(
         ),
         network="user",
         append=append,
+        share_dir=tdir / "share",  # empty; a sandbox with volumes gets its own export (volumes.py)
     )
 
 
@@ -230,6 +231,7 @@ async def build(
     shutil.rmtree(boot_dir, ignore_errors=True)
     tdir.mkdir(parents=True)
     boot_dir.mkdir(parents=True)
+    (tdir / "share").mkdir(mode=0o555)
     shm_dir.mkdir(parents=True, exist_ok=True)
     cfg = _boot_config(key, tdir, shape, accel, art, shm_dir, boot_dir, append)
     result = FrozenTemplate(key, tdir, cfg)

@@ -143,3 +143,17 @@ def test_optional_devices_off() -> None:
 def test_invalid_configs(kw: dict[str, object]) -> None:
     with pytest.raises(VmConfigError):
         _cfg(**kw)
+
+
+def test_volume_export_is_the_last_device() -> None:
+    """The 9p export takes the last virtio-mmio transport (the other devices keep their slots, so
+    older snapshots' layouts are unchanged) and is read-only unless the sandbox has its own."""
+    argv = build_argv(_cfg(share_dir=Path("/tpl/share")))
+    assert _opt(argv, "-fsdev") == ["local,security_model=passthrough,id=share,path=/tpl/share,multidevs=remap,readonly=on"]
+    assert _opt(argv, "-device")[-1] == "virtio-9p-device,fsdev=share,mount_tag=aenv-volumes"
+    rw = build_argv(_cfg(share_dir=Path("/exports/sb1"), share_read_only=False))
+    assert _opt(rw, "-fsdev")[0].endswith("readonly=off")
+    assert "-fsdev" not in build_argv(_cfg())
+    assert _cfg(share_dir=Path("/a")).shape() == _cfg(share_dir=Path("/b"), share_read_only=False).shape()
+    assert _cfg(share_dir=Path("/a")).shape() != _cfg().shape()
+    assert config_from_json(config_to_json(_cfg(share_dir=Path("/a")))).share_dir == Path("/a")

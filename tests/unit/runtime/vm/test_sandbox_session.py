@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import socket
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from aenv.mux import MuxSession
+from aenv.runtime.base import VolumeBind
 from aenv.runtime.vm.sandbox import VmSandbox
 
 
@@ -20,6 +24,8 @@ class FakeMachine:
         self.dead = dead
         self.opened = 0
         self.guests: list[Any] = []
+        self.cfg = SimpleNamespace(share_dir=None)
+        self.pid = os.getpid()
 
     async def wait_guest_channel(self, timeout: float) -> None:
         return None
@@ -138,3 +144,21 @@ async def test_spare_envd_streams_are_used_first_and_dropped_with_the_session(tm
     await asyncio.wait_for(asyncio.gather(*handlers), 5)  # every echo connection ended on its side too
     echo.close()
     await echo.wait_closed()
+
+
+def test_hello_names_the_qemu_and_its_volumes(tmp_path: Path) -> None:
+    """The HELLO of a VM with a 9p export carries its volumes and an epoch that is this QEMU's:
+    stable for one process (a plain resume changes nothing in the guest), another for another."""
+    machine = FakeMachine(0)
+    sbx = VmSandbox("t", machine, tmp_path, "tpl")  # type: ignore[arg-type]
+    assert "volumes" not in json.loads(sbx.hello())  # no export (a config from before volumes)
+    machine.cfg = SimpleNamespace(share_dir=tmp_path / "share")
+    sbx.volumes = (VolumeBind(tmp_path / "v", "/data", read_only=True),)
+    facts = json.loads(sbx.hello())
+    assert facts["volumes"]["mounts"] == [{"slot": "vol-0", "path": "/data", "readOnly": True}]
+    assert facts["volumes"]["epoch"].startswith(f"{os.getpid()}-") and json.loads(sbx.hello()) != facts  # new seed
+    assert json.loads(sbx.hello())["volumes"] == facts["volumes"]
+    other = VmSandbox("u", FakeMachine(0), tmp_path, "tpl")  # type: ignore[arg-type]
+    other.machine.pid = 1  # type: ignore[attr-defined]
+    other.machine.cfg = machine.cfg  # type: ignore[attr-defined]
+    assert json.loads(other.hello())["volumes"]["epoch"] != facts["volumes"]["epoch"]
