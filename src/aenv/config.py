@@ -78,7 +78,7 @@ class Settings(BaseModel):
         True, description="ns: enforce each sandbox's disk size (a btrfs volume on the sandboxes dir, one subvolume + quota per sandbox)"
     )
     volume_size_mb: int = Field(
-        10240, gt=0, description="E2B volumes: each volume's size limit (ns: its quota subvolume's qgroup limit)"
+        10240, gt=0, description="E2B volumes: each volume's size limit (its quota subvolume's qgroup limit on the sandboxes volume, both runtimes)"
     )
     max_volumes: int = Field(100, gt=0, description="E2B volumes per API key")
     ns_volume_mb: int = Field(0, ge=0, description="ns: size of that sparse volume image; 0 = min(64 GiB, half the free space)")

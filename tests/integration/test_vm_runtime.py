@@ -349,7 +349,7 @@ async def test_snapshot_fork_rollback(make_runtime: Callable[[], VmRuntime], tmp
     assert not (tmp_path / "snap-last" / UNFINISHED_MARKER).exists()
     await rt.kill("kid1")
     report = await rt.reconcile(set(rt.table.running))
-    assert report == {"killed": [], "removed": []}
+    assert report == {"killed": [], "removed": [], "volume_exports": []}
 
 
 async def test_paused_vm_released_after_idle_then_adopted_and_resumed(

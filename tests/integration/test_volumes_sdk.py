@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 from e2b import CommandExitException, Sandbox, SandboxException, Volume
 from e2b.exceptions import NotFoundException, VolumeException, VolumeNotFoundException
@@ -33,6 +34,7 @@ CRIU = criu_probe()
 
 
 USERNS_BASE = 1_200_000_000  # the default ns_userns_uid
+VOLUME_MB = 64  # each volume's size limit in these servers
 
 
 @dataclass
@@ -56,6 +58,7 @@ def vserver(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     tmp = tmp_path_factory.mktemp("aenv-volumes")
     # paused sandboxes are released (CRIU-dumped, processes ended) at once: the release path with volumes
     extra = {"AENV_POOL_SIZE": "1", "AENV_NS_RELEASE_PAUSED_AFTER": "0", "AENV_VM_RELEASE_PAUSED_AFTER": "0",
+             "AENV_VOLUME_SIZE_MB": str(VOLUME_MB),
              **({"AENV_NS_USERNS_UID": "0"} if request.param == "plain" else {})}
     running = Running(start_server(tmp, runtime_name, extra, port=free_port()), extra)
     yield running
@@ -192,6 +195,28 @@ def test_read_only_mount_refuses_writes(env: Server, kills: list[Sandbox]) -> No
     writer.kill()
     reader.kill()
     assert Volume.destroy(vol.volume_id) is True
+
+
+def test_a_volume_stops_at_its_size(env: Server, kills: list[Sandbox]) -> None:
+    """``volume_size_mb`` holds inside the sandbox (ns: the bind; vm: through QEMU's 9p export):
+    writes past it fail with EDQUOT, what fits stays, and the volume is usable again once freed."""
+    caps = httpx.get(f"{env.url}/aenv/info", timeout=10).json()["capabilities"]
+    quota = caps.get("disk quota (volumes)", caps.get("disk quota", ""))
+    if "unavailable" in quota or not quota:
+        pytest.skip(f"no disk quota on this host: {quota}")
+    vol = Volume.create(_name())
+    sbx = Sandbox.create("base", volume_mounts={"/data": vol}, timeout=120)
+    kills.append(sbx)
+    with pytest.raises(CommandExitException) as full:
+        sbx.commands.run(f"dd if=/dev/zero of=/data/big bs=1M count={VOLUME_MB + 16} conv=fsync", timeout=300)
+    assert "quota exceeded" in full.value.stderr.lower(), full.value.stderr
+    size = vol.get_info("/big").size
+    assert 0 < size <= VOLUME_MB << 20
+    sbx.commands.run("rm /data/big && sync")
+    sbx.commands.run("dd if=/dev/zero of=/data/small bs=1M count=8 conv=fsync")
+    assert vol.get_info("/small").size == 8 << 20
+    sbx.kill()
+    Volume.destroy(vol.volume_id)
 
 
 def test_volumes_survive_kill_9(env: Server, vserver: Running, kills: list[Sandbox], runtime_name: str) -> None:

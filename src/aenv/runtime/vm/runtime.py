@@ -48,6 +48,7 @@ from aenv.mux import ByteStream
 from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec, SnapshotResult
 from aenv.runtime.egress import ENFORCER
 from aenv.runtime.netpolicy import EgressPolicy
+from aenv.runtime.ns.disk import DiskQuota, remove_tree
 from aenv.runtime.streams import open_checked
 
 from . import coldboot, compat, disk, frozen, netjail
@@ -124,6 +125,10 @@ class VmRuntime:
         self.guest_append: tuple[str, ...] = ()  # accelerator-specific kernel words, set by start()
         self.table = VmTable()
         self.exports = VolumeExports(self.vm_dir / "exports")  # E2B volumes' 9p exports (volumes.py)
+        # Where volumes count against a limit: the node's sandboxes volume, the btrfs quota volume ns
+        # keeps its sandboxes on (ns/disk.py; ns_disk_quota, ns_volume_mb), a subvolume per volume.
+        self.disk = DiskQuota(settings.state_dir, settings.sandboxes_dir, enabled=settings.ns_disk_quota,
+                              size_mb=settings.ns_volume_mb)
         self.templates = templates.TemplateCache(self.templates_dir, self.frozen_dir, self.run_root, boot_timeout)
         self.pool = RestorePool(self.pool_size, self._spawn_warm)
         self.blank_pool = RestorePool(self.pool_size, self._spawn_blank)  # see VmSnapshots.blank_pool
@@ -159,6 +164,7 @@ class VmRuntime:
             (self.shm_dir / reconciling.OWNER_FILE).write_text(str(self.settings.state_dir))
             await asyncio.to_thread(reconciling.sweep_orphan_ram, self.shm_dir.parent)
             await asyncio.to_thread(frozen.ensure, self.frozen_dir)
+            await asyncio.to_thread(self.disk.setup)  # before Volumes.start makes its directory there
             self.release.start()
             self._started = True
 
@@ -176,6 +182,7 @@ class VmRuntime:
         if self._started and not self.templates.building and not await asyncio.to_thread(self._sandboxes_left):
             await asyncio.to_thread(frozen.remove_tree, self.shm_dir)
             log.info("vm runtime: no sandbox left; template RAM %s removed", self.shm_dir)
+        await asyncio.to_thread(self.disk.release)  # unmounted unless another runtime holds it
 
     def _sandboxes_left(self) -> bool:
         """Any sandbox of this state dir, running, paused or released (their run dirs; the pools'
@@ -512,6 +519,7 @@ class VmRuntime:
                         if netjail.available() else None},
             "snapshot": "full (device state + RAM + disk)",
             "fork": "full snapshot + restore",
+            "disk quota (volumes)": self.disk.describe(),
             "volumes": "9p export per sandbox (virtio-9p): its volumes bound nodev,nosuid, read-only ones ro on the host",
             "pool_size": self.pool_size,
             "machine": self.machine_key,
@@ -519,12 +527,15 @@ class VmRuntime:
 
     # ---- VolumeCapable (runtime/base.py) ----------------------------------------------------------
     def make_volume_dir(self, path: Path, limit_mb: int) -> None:
-        """A plain directory: the vm runtime has no quota of its own for it (the guest's writes
-        reach it through QEMU, as the content API's do)."""
-        path.mkdir(exist_ok=True)
+        """A quota subvolume on the sandboxes volume when quotas are on (the guest's writes through
+        QEMU and the content API's stop at ``limit_mb`` with EDQUOT), else a plain directory."""
+        if self.disk.active:
+            self.disk.make_root(path, limit_mb)
+        else:
+            path.mkdir(exist_ok=True)
 
     def remove_volume_dir(self, path: Path) -> None:
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree(path)
 
     # ---- helpers for tests and diagnostics ------------------------------------------------------
     def sandbox(self, sandbox_id: str) -> VmSandbox:
