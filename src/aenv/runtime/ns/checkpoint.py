@@ -282,6 +282,25 @@ def mount_overlay(options: str, target: Path) -> None:
         raise OSError(err, f"mount overlay at {target}: {os.strerror(err)}")
 
 
+STAGE_PREFIX = "aenv-restore-"  # restore_in_userns's stage dirs under criu.KDAT_BASE
+STAGE_MAX_AGE = 600.0  # s: no restore takes that long; an older stage dir is a SIGKILL's leftover
+
+
+def sweep_stages(base: Path = criu.KDAT_BASE, now: float | None = None) -> list[str]:
+    """Remove the stage dirs of restores that a SIGKILL of their server cut short (between the
+    ``mkdtemp`` and the ``finally``). Only empty ones (``rmdir``) older than :data:`STAGE_MAX_AGE`:
+    a younger one may be a running restore of another server, whose tmpfs is mounted there in
+    CRIU's namespace only (the host sees it empty). Returns their names."""
+    now = time.time() if now is None else now
+    gone: list[str] = []
+    for d in base.glob(f"{STAGE_PREFIX}*"):
+        with contextlib.suppress(OSError):  # not empty, not ours to remove, or gone meanwhile
+            if now - d.stat().st_mtime > STAGE_MAX_AGE:
+                d.rmdir()
+                gone.append(d.name)
+    return gone
+
+
 def restore_in_userns(exe: str, images: Path, userns: SharedUserns, *, lowers: list[str], upper: Path,
                       work: Path, merged: Path, run_dir: Path, tools: Path, boot_id: Path,
                       procs_files: list[str], volumes: Sequence[VolumeBind] = ()) -> int:
@@ -299,7 +318,7 @@ def restore_in_userns(exe: str, images: Path, userns: SharedUserns, *, lowers: l
     log = run_dir / RESTORE_LOG
     os.chown(run_dir, userns.host_uid, userns.host_uid)  # restored sockets are bound there from inside
     fd = userns.fd()
-    stage = Path(tempfile.mkdtemp(prefix="aenv-restore-", dir=criu.KDAT_BASE))  # a tmpfs every uid can walk
+    stage = Path(tempfile.mkdtemp(prefix=STAGE_PREFIX, dir=criu.KDAT_BASE))  # a tmpfs every uid can walk
     stage.chmod(0o755)
     masked = criu.masked_here()
     staged = {f"vol-{i}": v for i, v in enumerate(volumes)}

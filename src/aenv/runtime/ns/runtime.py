@@ -42,6 +42,7 @@ from aenv.runtime.envd_client import EnvdError, init_payload
 from aenv.runtime.netpolicy import EgressPolicy
 from aenv.runtime.network import Slirp, drop_foreign_rules, host_ipv4_addresses, slirp_available
 from aenv.runtime.ns import cgroups, identity
+from aenv.runtime.ns.checkpoint import sweep_stages
 from aenv.runtime.ns.disk import POOL_NAME, DiskQuota, remove_tree
 from aenv.runtime.ns.lifecycle import NsLifecycle
 from aenv.runtime.ns.pool import WarmPool
@@ -129,6 +130,8 @@ class NsRuntime:
         self.settings.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         self.pool_dir.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(self._check_userns)
+        if swept := await asyncio.to_thread(sweep_stages):
+            log.info("ns: removed %d restore stage dirs a killed server left: %s", len(swept), ", ".join(swept))
         if self.zygote is None and await asyncio.to_thread(self._want_zygote):
             tmp = Path(tempfile.gettempdir())
             await asyncio.to_thread(sweep_stale_sockets, tmp)

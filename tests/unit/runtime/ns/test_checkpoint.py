@@ -132,3 +132,20 @@ def test_kdat_cache_drops_a_stale_tmp_file(tmp_path: Path, monkeypatch: pytest.M
     fresh = d / "criu.kdat.tmp"
     fresh.write_bytes(b"")  # another CRIU saving right now: left alone
     assert checkpoint.kdat_cache("/opt/criu") == d and fresh.exists()
+
+
+def test_sweep_stages_removes_only_old_empty_stage_dirs(tmp_path: Path) -> None:
+    """A SIGKILL between a restore's mkdtemp and its finally leaves an empty stage dir; the next start
+    removes it, but never a young one (another server's running restore) nor one with content."""
+    from aenv.runtime.ns.checkpoint import STAGE_MAX_AGE, STAGE_PREFIX, sweep_stages
+
+    old, young, full, other = (tmp_path / n for n in (f"{STAGE_PREFIX}old", f"{STAGE_PREFIX}young",
+                                                       f"{STAGE_PREFIX}full", "unrelated"))
+    for d in (old, young, full, other):
+        d.mkdir()
+    (full / "x").write_text("kept")
+    now = time.time()
+    for d in (old, full, other):
+        os.utime(d, (now - STAGE_MAX_AGE - 5, now - STAGE_MAX_AGE - 5))
+    assert sweep_stages(tmp_path, now=now) == [old.name]
+    assert not old.exists() and young.is_dir() and (full / "x").read_text() == "kept" and other.is_dir()
