@@ -51,7 +51,7 @@ from .sandbox import VmSandbox, run_paths
 
 log = logging.getLogger(__name__)
 
-MANIFEST_VERSION = 3  # 3: the 9p volume export device
+MANIFEST_VERSION = 2
 SHM_DIR = Path("/dev/shm/aenv")
 
 
@@ -89,6 +89,7 @@ def template_key(
         tpl.ready_cmd,  # the snapshot is taken once it passes
         WARM_CMD,  # what the snapshot's page cache holds
         compat.qemu_version(),
+        "9p-export",  # the volume export device (volumes.py); templates built before it stay loadable by their keys
     ]  # fmt: skip
     h.update(json.dumps(facts, sort_keys=True, default=str).encode())
     return f"{tpl.template_id[:24]}-{h.hexdigest()[:12]}"
