@@ -197,6 +197,39 @@ def test_read_only_mount_refuses_writes(env: Server, kills: list[Sandbox]) -> No
     assert Volume.destroy(vol.volume_id) is True
 
 
+def _kill_9_and_restart(vserver: Running, runtime_name: str) -> None:
+    old = vserver.srv
+    os.kill(old.proc.pid, signal.SIGKILL)
+    old.proc.wait(timeout=30)
+    port = int(old.url.rsplit(":", 1)[1])
+    vserver.srv = start_server(Path(old.state_dir).parent, runtime_name, vserver.extra, port=port)
+
+
+def test_a_running_sandbox_keeps_its_volume_across_kill_9(env: Server, vserver: Running, kills: list[Sandbox],
+                                                          runtime_name: str) -> None:
+    """A sandbox running with a volume when the server is SIGKILLed is adopted with its mount: it
+    reads and writes on, the one-writer rule still holds, and its kill leaves no bind behind (vm:
+    its 9p export under <state>/vm/exports/ is taken apart)."""
+    vol = Volume.create(_name())
+    live = Sandbox.create("base", volume_mounts={"/data": vol}, timeout=120)
+    kills.append(live)
+    live.files.write("/data/before.txt", "before the crash")
+    _kill_9_and_restart(vserver, runtime_name)
+    assert live.files.read("/data/before.txt") == "before the crash"
+    live.files.write("/data/after.txt", "after the restart")
+    assert vol.read_file("/after.txt") == "after the restart"
+    with pytest.raises(SandboxException) as second:
+        kills.append(Sandbox.create("base", volume_mounts={"/w": vol}, timeout=120))
+    assert live.sandbox_id in str(second.value), second.value
+    exports = vserver.srv.state_dir / "vm" / "exports"
+    if runtime_name == "vm":
+        assert (exports / live.sandbox_id / "vol-0").is_dir()
+    live.kill()
+    assert not (exports / live.sandbox_id).exists()
+    assert vol.read_file("/before.txt") == "before the crash"
+    Volume.destroy(vol.volume_id)
+
+
 def test_a_volume_stops_at_its_size(env: Server, kills: list[Sandbox]) -> None:
     """``volume_size_mb`` holds inside the sandbox (ns: the bind; vm: through QEMU's 9p export):
     writes past it fail with EDQUOT, what fits stays, and the volume is usable again once freed."""
@@ -224,12 +257,8 @@ def test_volumes_survive_kill_9(env: Server, vserver: Running, kills: list[Sandb
     sbx = Sandbox.create("base", volume_mounts={"/data": vol}, timeout=120)
     sbx.commands.run("head -c 300000 /dev/urandom > /data/blob && sha256sum /data/blob > /data/blob.sum")
     digest = sbx.commands.run("cat /data/blob.sum").stdout.split()[0]
-    sbx.kill()  # the test's sandboxes end before the server does
-    old = vserver.srv
-    os.kill(old.proc.pid, signal.SIGKILL)
-    old.proc.wait(timeout=30)
-    port = int(old.url.rsplit(":", 1)[1])
-    vserver.srv = start_server(Path(old.state_dir).parent, runtime_name, vserver.extra, port=port)
+    sbx.kill()  # no sandbox runs across this crash (the test above has one)
+    _kill_9_and_restart(vserver, runtime_name)
     assert Volume.get_info(vol.volume_id).token == vol.token
     assert vol.read_file("/blob.sum").split()[0] == digest
     again = Sandbox.create("base", volume_mounts={"/v": vol.name}, timeout=120)
