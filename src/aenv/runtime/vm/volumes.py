@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from aenv.errors import RuntimeFailure
 from aenv.runtime.base import SandboxSpec, VolumeBind
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -42,7 +43,7 @@ GUEST_STATE = "/run/aenv/volumes.json"  # written by the guest agent: what it mo
 GUEST_EXPORT = "/run/aenv/volumes"  # where the guest agent mounts the export (agent/volumes.py)
 
 
-class VolumeExportError(RuntimeError):
+class VolumeExportError(RuntimeFailure):
     """A volume could not be bound into a sandbox's export (the message names it)."""
 
 
@@ -87,7 +88,8 @@ class VolumeExports:
                 _bind(v, export / slot(i))
         except OSError as exc:
             release(export)
-            raise VolumeExportError(f"sandbox {spec.sandbox_id}: volume at {exc.filename}: {exc.strerror}") from exc
+            raise VolumeExportError(f"sandbox {spec.sandbox_id}: volume at {exc.filename}: {exc.strerror}",
+                                    sandbox_id=spec.sandbox_id) from exc
         return export
 
     def release(self, sandbox_id: str) -> None:
