@@ -245,6 +245,23 @@ def test_templates_are_read_from_a_node_and_pulled_on_every_node(cluster: Cluste
     assert r.status_code == 200 and "node n1" in last["error"]["message"] and "node n2" in last["error"]["message"]
 
 
+def test_the_image_cache_and_webhooks_of_every_node_through_the_gateway(cluster: Cluster) -> None:
+    """What each node keeps for itself is asked of every node and merged into one node's shape (the
+    CLI's ``aenv cache ls`` reads it unchanged)."""
+    nodes = {f"n{i + 1}": httpx.get(f"{cluster.url(i)}/aenv/cache", headers=KEY, trust_env=False).json() for i in (0, 1)}
+    r = httpx.get(cluster.gw + "/aenv/cache", headers=KEY, trust_env=False)
+    assert r.status_code == 200, r.text
+    merged = r.json()
+    assert sorted(merged["nodes"]) == sorted(nodes) and merged["nodesDown"] == []
+    assert merged["usage"]["budget"] == sum(a["usage"]["budget"] for a in nodes.values())
+    assert len(merged["entries"]) == sum(len(a["entries"]) for a in nodes.values())
+    assert {e["node"] for e in merged["entries"]} <= set(nodes)
+    pruned = httpx.post(cluster.gw + "/aenv/cache/prune", headers=KEY, trust_env=False)
+    assert pruned.status_code == 200 and sorted(pruned.json()["nodes"]) == sorted(nodes), pruned.text
+    hooks = httpx.get(cluster.gw + "/aenv/webhooks/deliveries", headers=KEY, trust_env=False)
+    assert hooks.status_code == 200 and isinstance(hooks.json(), list), hooks.text
+
+
 def test_list_merges_the_nodes_and_nodes_show_load(cluster: Cluster, spread: list[Any]) -> None:
     from e2b import Sandbox
 

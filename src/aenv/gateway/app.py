@@ -31,6 +31,7 @@ from aenv.gateway.fast_routes import FastRoutes
 from aenv.gateway.forward import Forwarder, NodeBrokeOff
 from aenv.gateway.leases import router as leases_router
 from aenv.gateway.nodes import Node, NodeSet
+from aenv.gateway.per_node import router as per_node_router
 from aenv.gateway.proxy import GatewayProxy
 from aenv.gateway.volumes import control as volumes_router
 
@@ -110,7 +111,7 @@ def create_gateway_app(settings: GatewaySettings) -> Any:
                              "nodes": len(nodes.nodes)})  # fmt: skip
 
     # before router: its template routes are broader, and its last route answers 501 for what it does not relay
-    for extra in (volumes_router, builds_router, build_uploads_router, leases_router):
+    for extra in (volumes_router, builds_router, build_uploads_router, leases_router, per_node_router):
         api.include_router(extra)
     api.include_router(router)
     fast = FastRoutes(api, {("POST", "/sandboxes"): create_route, ("POST", "/v2/sandboxes"): create_route})

@@ -18,7 +18,8 @@
   every live node; deletes of shared templates are refused with a 501 that says to run them on each node;
 - leases (``leases.py``) are made on every live node under one ID; a create bound to one that lands on a
   node without it (down when it was made: 400 ``reason: lease_unknown``) is tried on another node;
-- what a gateway cannot relay correctly yet (webhooks, the layer cache) is a 501 that says so.
+- what every node keeps for itself (the image cache, the webhooks' log) is asked of every node and merged
+  (``per_node.py``); anything else the gateway does not relay is a 501 that says so.
 """
 
 from __future__ import annotations
@@ -518,5 +519,5 @@ async def info(request: Request) -> JSONResponse:
 @router.api_route("/{rest:path}", methods=ALL)
 async def not_relayed(request: Request) -> JSONResponse:
     return error_response(
-        501, f"the gateway does not relay {request.method} {request.url.path} yet (webhooks and the layer cache are "
-             "per node: call the node itself)", None, reason="gateway")  # fmt: skip
+        501, f"the gateway does not relay {request.method} {request.url.path}: call the node itself", None,
+        reason="gateway")

@@ -3,20 +3,14 @@ and each lease's answers merged (sandboxes summed, ended when any node ended it)
 
 from __future__ import annotations
 
-import json
-import random
 from typing import Any
 
-import httpx
-from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from aenv.gateway.control import Gateway
-from aenv.gateway.directory import Locator
 from aenv.gateway.forward import Relayed
 from aenv.gateway.leases import LEASE_ID_HEADER, merge, new_lease_id, router
-from aenv.gateway.nodes import Node, NodeSet
-from tests.unit.gateway.test_directory import FakeDirectory
+from aenv.gateway.nodes import Node
+from tests.unit.gateway.three_nodes import answer, client
 
 
 class Nodes:
@@ -51,18 +45,11 @@ class Nodes:
 
 
 def _answer(node: Node, status: int, payload: Any) -> Relayed:
-    return Relayed(status, [("content-type", "application/json")], json.dumps(payload).encode(), node)
+    return answer(node, status, payload)
 
 
 def _client(fake: Nodes) -> TestClient:
-    nodes = NodeSet([Node(f"n{i}", f"http://h:{i}", "h", i) for i in (1, 2, 3)], httpx.AsyncClient(), None)
-    for n in nodes.nodes.values():
-        n.up = True
-    app = FastAPI()
-    app.state.gateway = Gateway(nodes, Locator(nodes, FakeDirectory({})), fake, random.Random(0))  # type: ignore[arg-type]
-    app.state.api_key_digests = set()
-    app.include_router(router)
-    return TestClient(app)
+    return client(fake, router)
 
 
 def test_a_lease_is_made_on_every_node_under_one_id() -> None:
