@@ -32,7 +32,7 @@ from typing import Any
 from rich.console import Console
 
 from aenv.testing.server import API_KEY, discard_vm_state, start_server, stop_server
-from bench import builds, cluster, core, density, forks, gateway, lazy, report, rl, ws
+from bench import builds, cluster, core, density, forks, gateway, lazy, report, rl, volumes, ws
 from bench.context import Ctx
 
 console = Console(stderr=True)
@@ -47,6 +47,7 @@ SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "fork": forks.fork,
     "rollback": forks.rollback,
     "released": forks.released_resume,
+    "volumes": volumes.volume_mounts,
     "density": density.density,
     "rl": rl.rl_loop,
     "rl-groups": rl.rl_groups,
@@ -174,8 +175,8 @@ def _run_runtime(runtime: str, names: list[str], args: argparse.Namespace, with_
         load = stack.enter_context(report.LoadSampler())
         stack.callback(lambda: run.__setitem__("load_during", load.summary()))
         url, state_dir = stack.enter_context(_server(runtime, args.server, run))
-        os.environ.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=os.environ.get("E2B_API_KEY", API_KEY),
-                          NO_PROXY="127.0.0.1,localhost")
+        os.environ.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_VOLUME_API_URL=url,
+                          E2B_API_KEY=os.environ.get("E2B_API_KEY", API_KEY), NO_PROXY="127.0.0.1,localhost")
         client = stack.enter_context(AenvClient(url, os.environ["E2B_API_KEY"]))
         ctx = Ctx(runtime, url, state_dir, args.smoke, client, network=json.loads(args.network) if args.network else None)
         with console.status(f"{runtime}: first sandbox (template, warm pool)"):
