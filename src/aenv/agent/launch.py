@@ -100,6 +100,11 @@ def mount(src: str, target: str, fstype: str | None, flags: int = 0, data: str |
     )
 
 
+def detach(target: str) -> None:
+    """Lazily unmount ``target`` (``MNT_DETACH``); nothing to do when it is not a mount point (any more)."""
+    _libc.umount2(target.encode(), MNT_DETACH)
+
+
 def bind(src: str, target: str, *, readonly: bool = False, extra: int = 0) -> None:
     mount(src, target, None, MS_BIND | MS_REC)
     flags = MS_BIND | MS_REMOUNT | extra | (MS_RDONLY if readonly else 0)

@@ -12,36 +12,19 @@ there and on the console, never raised: the channel must keep working either way
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
+from aenv.agent import launch
+
 log = logging.getLogger("aenv.agent.volumes")
 
 STATE = Path("/run/aenv/volumes.json")
 EXPORT_MOUNT = Path("/run/aenv/volumes")
-TAG = "aenv-volumes"  # runtime/vm/cmdline.SHARE_TAG
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 32, 4096
-_MNT_DETACH = 2
-
-
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def _mount(source: str, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    libc = _libc()
-    if libc.mount(source.encode(), target.encode(), fstype.encode() if fstype else None, flags,
-                  data.encode() if data else None) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), target)
-
-
-def _detach(target: str) -> None:
-    _libc().umount2(target.encode(), _MNT_DETACH)  # not mounted (any more): nothing to do
+TAG = "aenv-volumes"  # the 9p mount tag of the host's export (runtime/vm/cmdline.py)
 
 
 def _load() -> dict[str, Any]:
@@ -85,18 +68,20 @@ def apply(facts: object) -> None:
     try:
         wanted = _valid(facts.get("mounts", []))
         for path in reversed(current.get("mounted") or []):
-            _detach(str(path))
-        _detach(str(EXPORT_MOUNT))
+            launch.detach(str(path))
+        launch.detach(str(EXPORT_MOUNT))
         if wanted:
             EXPORT_MOUNT.mkdir(mode=0o755, parents=True, exist_ok=True)
-            _mount(TAG, str(EXPORT_MOUNT), "9p", _MS_NODEV | _MS_NOSUID, "trans=virtio,version=9p2000.L,msize=262144")
+            launch.mount(TAG, str(EXPORT_MOUNT), "9p", launch.MS_NODEV | launch.MS_NOSUID,
+                         "trans=virtio,version=9p2000.L,msize=262144")
         for m in wanted:
             path = os.path.normpath(m["path"])
             os.makedirs(path, exist_ok=True)
-            _mount(str(EXPORT_MOUNT / m["slot"]), path, None, _MS_BIND)
-            mounted.append(path)
+            launch.mount(str(EXPORT_MOUNT / m["slot"]), path, None, launch.MS_BIND)
+            mounted.append(path)  # detached again by the next epoch even if the read-only remount fails
             if m.get("readOnly"):
-                _mount("none", path, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NODEV | _MS_NOSUID)
+                launch.mount("none", path, None,
+                             launch.MS_BIND | launch.MS_REMOUNT | launch.MS_RDONLY | launch.MS_NODEV | launch.MS_NOSUID)
     except (OSError, ValueError) as exc:
         error = str(exc)
         log.error("volumes: %s", exc)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from aenv.agent import volumes
+from aenv.agent import launch, volumes
 
 
 @pytest.fixture
@@ -15,9 +15,9 @@ def calls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, ..
     log: list[tuple[str, ...]] = []
     monkeypatch.setattr(volumes, "STATE", tmp_path / "run" / "volumes.json")
     monkeypatch.setattr(volumes, "EXPORT_MOUNT", tmp_path / "run" / "volumes")
-    monkeypatch.setattr(volumes, "_mount", lambda src, dst, fs, flags, data=None: log.append(
-        ("mount", src, dst, str(fs), "ro" if flags & volumes._MS_RDONLY else "rw")))
-    monkeypatch.setattr(volumes, "_detach", lambda p: log.append(("detach", p)))
+    monkeypatch.setattr(launch, "mount", lambda src, dst, fs, flags, data=None: log.append(
+        ("mount", src, dst, str(fs), "ro" if flags & launch.MS_RDONLY else "rw")))
+    monkeypatch.setattr(launch, "detach", lambda p: log.append(("detach", p)))
     return log
 
 
@@ -52,11 +52,11 @@ def test_a_failure_is_reported_not_raised(tmp_path: Path, calls: list[tuple[str,
     def no_9p(*_: object) -> None:
         raise OSError(19, "No such device", "/run/aenv/volumes")
 
-    monkeypatch.setattr(volumes, "_mount", no_9p)
+    monkeypatch.setattr(launch, "mount", no_9p)
     volumes.apply(_facts(tmp_path, "3-3", ("vol-0", "data", False)))
     state = json.loads(volumes.STATE.read_text())
     assert "No such device" in state["error"] and state["mounted"] == []
-    monkeypatch.setattr(volumes, "_mount", lambda *a, **k: None)
+    monkeypatch.setattr(launch, "mount", lambda *a, **k: None)
     volumes.apply(_facts(tmp_path, "3-3", ("vol-0", "data", False)))  # a failed epoch is tried again
     assert json.loads(volumes.STATE.read_text())["error"] is None
 

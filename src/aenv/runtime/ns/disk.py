@@ -485,6 +485,15 @@ class DiskQuota:
                 return
         self.limit(root, disk_mb)
 
+    def make_volume_dir(self, path: Path, limit_mb: int) -> None:
+        """An E2B volume's directory (either runtime's ``VolumeCapable.make_volume_dir``): a subvolume
+        limited to ``limit_mb`` when quotas are on (its bytes count here and stop there with EDQUOT),
+        else a plain directory. An existing one keeps its contents."""
+        if self.active:
+            self.make_root(path, limit_mb)
+        else:
+            path.mkdir(exist_ok=True)
+
     def limit(self, root: Path, disk_mb: int) -> None:
         if self.active and disk_mb > 0:
             set_limit(root, disk_mb << 20)

@@ -243,12 +243,7 @@ class NsRuntime:
 
     # ---- VolumeCapable ----------------------------------------------------------------------------
     def make_volume_dir(self, path: Path, limit_mb: int) -> None:
-        """A quota subvolume on the sandboxes volume when quotas are on (its bytes count there and stop
-        at ``limit_mb``), else a plain directory."""
-        if self.disk.active:
-            self.disk.make_root(path, limit_mb)
-        else:
-            path.mkdir(exist_ok=True)
+        self.disk.make_volume_dir(path, limit_mb)
 
     def remove_volume_dir(self, path: Path) -> None:
         remove_tree(path)

@@ -8,9 +8,11 @@ net, and the 9p export of E2B volumes (the eighth and last virtio-mmio transport
 
 from __future__ import annotations
 
+from aenv.agent.volumes import TAG
+
 from .config import Drive, VmConfig, default_append
 
-SHARE_TAG = "aenv-volumes"  # the 9p mount tag the guest agent mounts (agent/volumes.py)
+SHARE_TAG = TAG  # the 9p mount tag the guest agent mounts
 
 
 def _kv(*parts: str, **opts: object) -> str:

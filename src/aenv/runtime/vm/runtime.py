@@ -527,12 +527,7 @@ class VmRuntime:
 
     # ---- VolumeCapable (runtime/base.py) ----------------------------------------------------------
     def make_volume_dir(self, path: Path, limit_mb: int) -> None:
-        """A quota subvolume on the sandboxes volume when quotas are on (the guest's writes through
-        QEMU and the content API's stop at ``limit_mb`` with EDQUOT), else a plain directory."""
-        if self.disk.active:
-            self.disk.make_root(path, limit_mb)
-        else:
-            path.mkdir(exist_ok=True)
+        self.disk.make_volume_dir(path, limit_mb)  # the guest's writes through QEMU stop at the limit too
 
     def remove_volume_dir(self, path: Path) -> None:
         remove_tree(path)

@@ -38,6 +38,7 @@ from aenv.runtime.envd_client import (
     request,
     run_command,
 )
+from aenv.runtime.process import proc_start_time
 
 from .config import VmConfig, config_to_json
 from .machine import Machine
@@ -151,11 +152,7 @@ class VmSandbox:
         """This QEMU process, as the guest's volume mounts know it: pid and start time (a restart of
         the server keeps it; any other QEMU, even one with the same pid, differs)."""
         if self._epoch is None:
-            try:
-                start = Path(f"/proc/{self.machine.pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-            except (OSError, IndexError):
-                start = "0"
-            self._epoch = f"{self.machine.pid}-{start}"
+            self._epoch = f"{self.machine.pid}-{proc_start_time(self.machine.pid) or 0}"
         return self._epoch
 
     def hello(self) -> bytes:

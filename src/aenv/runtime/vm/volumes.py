@@ -23,42 +23,23 @@ export is mounted, which only the stream saves of a VM that owns its RAM use (``
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import json
-import os
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from aenv.agent import launch
+from aenv.agent import volumes as guest
 from aenv.errors import RuntimeFailure
 from aenv.runtime.base import SandboxSpec, VolumeBind
+from aenv.runtime.ns.disk import mount_at
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 32, 4096
-_MNT_DETACH = 2
-
-GUEST_STATE = "/run/aenv/volumes.json"  # written by the guest agent: what it mounted, for which epoch
-GUEST_EXPORT = "/run/aenv/volumes"  # where the guest agent mounts the export (agent/volumes.py)
+GUEST_STATE = str(guest.STATE)  # written by the guest agent: what it mounted, for which epoch
+GUEST_EXPORT = str(guest.EXPORT_MOUNT)  # where the guest agent mounts the export
 
 
 class VolumeExportError(RuntimeFailure):
     """A volume could not be bound into a sandbox's export (the message names it)."""
-
-
-def _mount(source: str | None, target: Path, flags: int) -> None:
-    src = None if source is None else os.fsencode(source)
-    if _libc.mount(src, os.fsencode(str(target)), None, flags, None) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), str(target))
-
-
-def _detach(target: Path) -> None:
-    if _libc.umount2(os.fsencode(str(target)), _MNT_DETACH) != 0:
-        err = ctypes.get_errno()
-        if err not in (errno.EINVAL, errno.ENOENT):  # not a mount point (any more), or gone
-            raise OSError(err, os.strerror(err), str(target))
 
 
 def slot(index: int) -> str:
@@ -83,13 +64,13 @@ class VolumeExports:
         if export is None:
             return None
         export.mkdir(mode=0o700, parents=True, exist_ok=True)
-        try:
-            for i, v in enumerate(spec.volumes):
+        for i, v in enumerate(spec.volumes):
+            try:
                 _bind(v, export / slot(i))
-        except OSError as exc:
-            release(export)
-            raise VolumeExportError(f"sandbox {spec.sandbox_id}: volume at {exc.filename}: {exc.strerror}",
-                                    sandbox_id=spec.sandbox_id) from exc
+            except OSError as exc:
+                release(export)
+                raise VolumeExportError(f"sandbox {spec.sandbox_id}: volume at {v.path}: {exc.strerror or exc}",
+                                        sandbox_id=spec.sandbox_id) from exc
         return export
 
     def release(self, sandbox_id: str) -> None:
@@ -108,26 +89,16 @@ class VolumeExports:
         return gone
 
 
-def _mount_points() -> set[str]:
-    """This mount namespace's mount points (``os.path.ismount`` misses a bind within one filesystem)."""
-    points = set()
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields = line.split(" ")
-        if len(fields) > 4:
-            points.add(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4]))
-    return points
-
-
 def _bind(v: VolumeBind, target: Path) -> None:
-    if str(target) in _mount_points():
+    if mount_at(target) is not None:  # os.path.ismount misses a bind within one filesystem
         return
     target.mkdir(mode=0o700, exist_ok=True)
-    _mount(str(v.source), target, _MS_BIND)
-    flags = _MS_BIND | _MS_REMOUNT | _MS_NODEV | _MS_NOSUID | (_MS_RDONLY if v.read_only else 0)
+    launch.mount(str(v.source), str(target), None, launch.MS_BIND)
+    flags = launch.MS_BIND | launch.MS_REMOUNT | launch.MS_NODEV | launch.MS_NOSUID
     try:
-        _mount(None, target, flags)
+        launch.mount("none", str(target), None, flags | (launch.MS_RDONLY if v.read_only else 0))
     except OSError:
-        _detach(target)
+        launch.detach(str(target))
         raise
 
 
@@ -136,7 +107,7 @@ def release(export: Path) -> None:
     if not export.is_dir():
         return
     for entry in sorted(export.iterdir()):
-        _detach(entry)
+        launch.detach(str(entry))  # a failure leaves it mounted, and the rmdir below refuses (EBUSY)
         try:
             entry.rmdir()
         except FileNotFoundError:
