@@ -115,11 +115,7 @@ class Releaser:
         try:
             if sbx is None or await sbx.machine.status() not in ("paused", "postmigrate"):
                 return False
-            if sbx.keep_in_ram is not None:
-                log.info("sandbox %s: paused VM kept in RAM: %s", sandbox_id, sbx.keep_in_ram)
-                return False
-            await self.release_locked(sandbox_id)
-            return True
+            return await self.release_unless_kept(sandbox_id)
         except (MachineError, OSError) as exc:
             log.warning("sandbox %s: could not release paused VM memory: %s", sandbox_id, exc)
             return False
@@ -152,6 +148,25 @@ class Releaser:
         return released
 
     # ---- to disk and back ----------------------------------------------------------------------
+    @staticmethod
+    def keep_reason(sbx: VmSandbox) -> str | None:
+        """Why this paused VM must stay in RAM rather than go to disk, or None. Its volumes were in use
+        when it paused (``VmSandbox.keep_in_ram``), or it owns its RAM (a cold boot) and mounts volumes:
+        it could only be saved by a migration, which QEMU refuses while a 9p export is mounted."""
+        if sbx.keep_in_ram is not None:
+            return sbx.keep_in_ram
+        if sbx.volumes and not _layered(sbx):
+            return "it owns its RAM, and QEMU refuses to migrate a VM with a mounted volume export"
+        return None
+
+    async def release_unless_kept(self, sandbox_id: str) -> bool:
+        """``release_locked`` unless the (stopped) VM must stay in RAM (``keep_reason``, logged)."""
+        if (why := self.keep_reason(self.table.get(sandbox_id))) is not None:
+            log.info("sandbox %s: paused VM kept in RAM: %s", sandbox_id, why)
+            return False
+        await self.release_locked(sandbox_id)
+        return True
+
     async def release_locked(self, sandbox_id: str) -> None:
         """Save the (stopped) VM fully to its run dir and end QEMU; disk overlays stay. The state
         file is renamed into place only when complete, so its presence means "released"."""
@@ -162,12 +177,11 @@ class Releaser:
             spec.allow_internet if spec else sbx.machine.cfg.network == "user",
         )  # fmt: skip
         t0 = time.perf_counter()
-        if sbx.base_ram is not None and sbx.ram_image is not None and not sbx.machine.cfg.mem_share:
+        if _layered(sbx):
             size = await self._save_layered(sbx, rel)
         else:
-            if sbx.volumes:
-                raise StateError(f"sandbox {sandbox_id}: a VM that owns its RAM cannot be saved to disk while it "
-                                 "mounts volumes (QEMU refuses to migrate a mounted 9p export)", sandbox_id=sandbox_id)
+            if (why := self.keep_reason(sbx)) is not None:  # the callers asked first; this is the guard
+                raise StateError(f"sandbox {sandbox_id}: cannot be saved to disk: {why}", sandbox_id=sandbox_id)
             await sbx.machine.save_full(rel.state_file)
             size = rel.state_file.stat().st_size
         t_saved = time.perf_counter()
@@ -262,3 +276,8 @@ class Releaser:
         if self.release_after > 0:
             self.schedule(sandbox_id)
         return sbx
+
+
+def _layered(sbx: VmSandbox) -> bool:
+    """A VM on a frozen RAM file (``share=off``): saved as device state + its changed pages."""
+    return sbx.base_ram is not None and sbx.ram_image is not None and not sbx.machine.cfg.mem_share

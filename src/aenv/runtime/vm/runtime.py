@@ -328,8 +328,8 @@ class VmRuntime:
                 # client went away.
                 sbx.quiesce()
                 await sbx.machine.pause()
-                if self.release.release_after <= 0 and sbx.keep_in_ram is None:
-                    await self.release.release_locked(sandbox_id)
+                if self.release.release_after <= 0:
+                    await self.release.release_unless_kept(sandbox_id)
             if self.release.release_after > 0:
                 self.release.schedule(sandbox_id)
             return self.table.state_of(sandbox_id)
@@ -348,7 +348,6 @@ class VmRuntime:
             held = [f"the guest could not be asked: {exc}"]
         if held:
             sbx.keep_in_ram = f"its volumes are in use ({'; '.join(held)})"
-            log.info("sandbox %s: paused in RAM, not released to disk: %s", sandbox_id, sbx.keep_in_ram)
 
     async def resume(self, sandbox_id: str, state: RuntimeState, keep_memory: bool = True) -> RuntimeState:
         async with self.table.lock(sandbox_id):

@@ -18,7 +18,8 @@ private propagation), so a sandbox with volumes never uses a QEMU spawned ahead 
 Every new QEMU is a new 9p server: the guest's old fids mean nothing to it. The HELLO therefore
 names the QEMU (its ``epoch``); a guest whose mounts belong to another epoch (a restore, fork,
 rollback or resume from disk) detaches them and mounts again. QEMU refuses a migration while the
-export is mounted, which only the stream saves of a VM that owns its RAM use (``StateError``).
+export is mounted, which only the stream saves of a VM that owns its RAM (a cold boot) use: its
+snapshot is refused (``StateError``) and its pause stays in RAM (``Releaser.keep_reason``).
 """
 
 from __future__ import annotations
