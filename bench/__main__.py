@@ -31,6 +31,7 @@ from typing import Any
 
 from rich.console import Console
 
+from aenv.testing.procs import unwind_on_signals
 from aenv.testing.server import API_KEY, discard_vm_state, start_server, stop_server
 from bench import builds, cluster, core, density, forks, gateway, lazy, report, rl, volumes, ws
 from bench.context import Ctx
@@ -114,6 +115,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench") -> int:
     ap = _parser()
     ap.prog = prog
     args = ap.parse_args(argv)
+    # SIGTERM (timeout, CI) unwinds like Ctrl-C: the server and its sandboxes, the private dockerd and the
+    # temp dirs go in the finally blocks below
+    unwind_on_signals(lambda line: console.print(f"[yellow]{line}[/]"))
     if args.list:
         for name, fn in SCENARIOS.items():
             print(f"{name:11} {(fn.__doc__ or '').strip().splitlines()[0] if fn.__doc__ else ''}")
@@ -294,4 +298,7 @@ def _vm_unusable() -> str | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C: everything was ended on the way out; no traceback
+        sys.exit(130)

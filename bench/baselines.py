@@ -7,6 +7,7 @@ nothing on the host; containers run with ``--network none``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -18,6 +19,9 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from aenv.testing.leftovers import processes
+from aenv.testing.procs import exit_with_parent
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -75,12 +79,20 @@ class DockerBaseline:
                 "--iptables=false", "--ip6tables=false", "--bridge=none", "--ip-forward=false",
             ],
             stdout=subprocess.DEVNULL, stderr=(self.root / "dockerd.log").open("wb"), start_new_session=True,
+            preexec_fn=exit_with_parent(),  # a SIGKILLed bench still stops its engine
         )
         self.env = {**os.environ, "DOCKER_HOST": f"unix://{self.sock}"}
+        try:
+            self._ready(rootfs)
+        except BaseException:  # it failed, or the bench is being stopped (SIGTERM, Ctrl-C) meanwhile
+            self.close()
+            raise
+
+    def _ready(self, rootfs: Path) -> None:
+        """Wait for the engine, then import ``rootfs`` as :attr:`image`."""
         deadline = time.monotonic() + 30
         while subprocess.run(["docker", "info"], env=self.env, capture_output=True).returncode != 0:
             if time.monotonic() > deadline or self.proc.poll() is not None:
-                self.close()
                 raise RuntimeError("dockerd did not start")
             time.sleep(0.2)
         tar_path = self.root / "rootfs.tar"
@@ -133,6 +145,13 @@ class DockerBaseline:
                 self.proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        # containerd and its shims run in sessions of their own: a dockerd that did not stop them in
+        # time (SIGKILLed above) leaves them, and only their command lines name this engine's dirs
+        for p in processes():
+            if any(str(self.root) + "/" in a for a in p.argv):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGKILL)
         subprocess.run(["umount", "-R", str(self.root / "exec")], capture_output=True)
         subprocess.run(["sh", "-c", f"grep -o ' {self.root}[^ ]*' /proc/mounts | sort -r | xargs -r -n1 umount -l"],
                        capture_output=True)

@@ -33,7 +33,7 @@ def _git(*args: str) -> str:
 
 @contextlib.contextmanager
 def previous_server(rev: str, runtime: str) -> Iterator[PreviousServer]:
-    from aenv.testing.server import discard_vm_state, start_server, stop_server
+    from aenv.testing.server import discard_vm_state, kill_sandboxes, start_server, stop_server
 
     short = _git("rev-parse", "--short", rev)
     tmp = Path(tempfile.mkdtemp(prefix=f"aenv-bench-{short}-"))
@@ -53,6 +53,7 @@ def previous_server(rev: str, runtime: str) -> Iterator[PreviousServer]:
         yield PreviousServer(f"aenv-{runtime}@{short}", server.url)
     finally:
         if server is not None:
+            kill_sandboxes(server)  # an older commit may not know stop_sandboxes_on_exit
             stop_server(server)
             if runtime == "vm":
                 discard_vm_state(server.state_dir)

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
 from aenv.images.registry import RegistryClient  # noqa: E402
+from aenv.testing.procs import unwind_on_signals  # noqa: E402
 from aenv.testing.server import API_KEY, Tls, free_port, reap_vms, start_server, stop_server  # noqa: E402
 from tests.fixtures import images as fx  # noqa: E402
 from tests.fixtures.oci import image_config, push_image  # noqa: E402
@@ -193,8 +193,9 @@ def main() -> int:
             print(f"xfail {','.join(where)}\t{node}\t{why}")
         return 0
     args.pytest_args = args.pytest_args or ["tests"]
-    # SIGTERM unwinds like Ctrl-C, so the server or cluster (namespaces, Ray, Redis) is taken down.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # SIGTERM unwinds like Ctrl-C, so the server (its sandboxes too) or cluster (namespaces, Ray, Redis),
+    # the registry and the temp dir are taken down; a second signal does not cut that short.
+    unwind_on_signals()
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)
         return run_suite(args, args.keep)
@@ -203,4 +204,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except KeyboardInterrupt:  # Ctrl-C: the server, registry and temp dir were ended on the way out
+        raise SystemExit(130) from None

@@ -4,7 +4,8 @@
 #   scripts/setup.sh serve [aenv serve options]   set up, then run the server on 127.0.0.1:8000
 #   scripts/setup.sh test  [pytest options]       set up, then run the test suite (default: ruff, mypy
 #                                                 --strict and lint-imports, the fast selection, then its
-#                                                 SDK tests again on the vm runtime)
+#                                                 SDK tests again on the vm runtime), then the leftover
+#                                                 check (no process of the suite may outlive it)
 #   scripts/setup.sh deps                         set up only
 #
 # Steps: system packages (apt, as root; otherwise prints the exact apt line) → .venv in the repo root →
@@ -110,16 +111,30 @@ case "$mode" in
     exec .venv/bin/aenv serve "$@"
     ;;
   test)
-    if [ $# -gt 0 ]; then exec .venv/bin/python -m pytest "$@"; fi
-    say "static checks: ruff, mypy --strict, import-linter (the layers)"
-    .venv/bin/ruff check src tests bench
-    .venv/bin/mypy --strict src
-    .venv/bin/lint-imports
-    say "running the test suite (ns runtime for the SDK tests)"
-    .venv/bin/python -m pytest -m "not slow"
-    # The SDK suite once more against the microVM runtime (skips with the reason where it cannot run).
-    say "running the SDK suite on the vm runtime"
-    AENV_TEST_RUNTIME=vm exec .venv/bin/python -m pytest -m "sdk and not slow" tests/integration
+    # The leftover check: what the suite starts (servers, sandboxes, slirp4netns, QEMU, dockerd,
+    # registries, Ray, Redis) must not outlive it; it fails the run naming each one, and ends them.
+    record="$(mktemp -t leftover-record.XXXXXX)"
+    .venv/bin/python -m aenv.testing.leftovers record "$record"
+    rc=0
+    if [ $# -gt 0 ]; then
+      .venv/bin/python -m pytest "$@" || rc=$?
+    else
+      say "static checks: ruff, mypy --strict, import-linter (the layers)"
+      .venv/bin/ruff check src tests bench
+      .venv/bin/mypy --strict src
+      .venv/bin/lint-imports
+      say "running the test suite (ns runtime for the SDK tests)"
+      .venv/bin/python -m pytest -m "not slow" || rc=$?
+      # The SDK suite once more against the microVM runtime (skips with the reason where it cannot run).
+      if [ "$rc" -eq 0 ]; then
+        say "running the SDK suite on the vm runtime"
+        AENV_TEST_RUNTIME=vm .venv/bin/python -m pytest -m "sdk and not slow" tests/integration || rc=$?
+      fi
+    fi
+    say "leftover check: no process, mount or temp dir of the suite may outlive it"
+    .venv/bin/python -m aenv.testing.leftovers check "$record" --kill || { [ "$rc" -ne 0 ] || rc=1; }
+    rm -f "$record"
+    exit "$rc"
     ;;
   deps) ;;
   *) echo "usage: scripts/setup.sh serve|test|deps [args]" >&2; exit 2 ;;

@@ -67,6 +67,11 @@ class Settings(BaseModel):
     webhook_attempts: int = Field(8, gt=0, description="deliveries tried this often (backoff 1 s, 2 s, 4 s, ...)")
     webhook_backoff: float = Field(1.0, gt=0, description="first retry delay of a webhook delivery, seconds")
     pool_size: int = Field(2, ge=0, description="pre-started sandboxes kept ready per hot template")
+    stop_sandboxes_on_exit: bool = Field(
+        False, description="a graceful stop (SIGTERM, Ctrl-C) also kills every sandbox, paused ones included: for "
+        "throwaway servers (tests, benchmarks, CI). Off by default: sandboxes outlive a server so that a restart "
+        "or an upgrade adopts them"
+    )
     reaper_interval: float = Field(1.0, gt=0, description="seconds between TTL sweeps")
     gone_retention: float = Field(
         7 * 86400.0, gt=0, description="seconds a killed or expired sandbox's ID keeps answering why it ended"

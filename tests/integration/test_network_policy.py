@@ -16,7 +16,7 @@ import httpx
 import pytest
 from e2b import ALL_TRAFFIC, Sandbox
 
-from aenv.testing.server import API_KEY, Server, discard_vm_state, start_server, stop_server
+from aenv.testing.server import API_KEY, KEEP_SANDBOXES, Server, discard_vm_state, start_server, stop_server
 from tests.fixtures.policyhosts import ALLOWED, DNS, OTHER, PAIR_CIDR, PolicyHosts, policy_hosts
 
 pytestmark = pytest.mark.sdk
@@ -256,7 +256,7 @@ def test_policy_and_internet_switch_survive_a_restart(tmp_path: Path, runtime_na
 
         if (why := unavailable_reason(Settings())) is not None:
             pytest.skip(f"vm runtime unavailable: {why}")
-    env = {"AENV_SANDBOX_DNS": DNS}
+    env = {"AENV_SANDBOX_DNS": DNS, **KEEP_SANDBOXES}
     srv = start_server(tmp_path, runtime_name, extra_env=env)
     for key in ("E2B_API_URL", "E2B_SANDBOX_URL"):
         monkeypatch.setenv(key, srv.url)  # the same port after each restart

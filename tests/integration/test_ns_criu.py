@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from aenv.testing.server import API_KEY, Server, start_server, stop_server
+from aenv.testing.server import API_KEY, KEEP_SANDBOXES, Server, start_server, stop_server
 from tests.fixtures.criu import NS_CRIU_SUITE
 
 pytestmark = NS_CRIU_SUITE
@@ -157,7 +157,7 @@ def test_pause_restart_resume_keeps_processes(tmp_path: Path, e2b_env: dict[str,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     from e2b import Sandbox
 
-    srv = start_server(tmp_path, "ns", extra_env={"AENV_POOL_SIZE": "0"})
+    srv = start_server(tmp_path, "ns", extra_env={"AENV_POOL_SIZE": "0", **KEEP_SANDBOXES})
     try:
         for k in ("E2B_API_URL", "E2B_SANDBOX_URL"):
             monkeypatch.setenv(k, srv.url)
@@ -166,7 +166,7 @@ def test_pause_restart_resume_keeps_processes(tmp_path: Path, e2b_env: dict[str,
         sbx.pause()
         port = int(srv.url.rsplit(":", 1)[1])
         stop_server(srv)
-        srv = start_server(tmp_path, "ns", extra_env={"AENV_POOL_SIZE": "0"}, port=port)
+        srv = start_server(tmp_path, "ns", extra_env={"AENV_POOL_SIZE": "0", **KEEP_SANDBOXES}, port=port)
         again = Sandbox.connect(sbx.sandbox_id, timeout=600)
         before = again.commands.run("cat /tmp/state").stdout.split()
         assert before[1] == secret and probe(again)[0] == secret

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from aenv.runtime.ns import criu
-from aenv.testing.server import API_KEY, Server, start_server, stop_server
+from aenv.testing.server import API_KEY, KEEP_SANDBOXES, Server, start_server, stop_server
 
 pytestmark = pytest.mark.skipif(os.environ.get("AENV_TEST_RUNTIME", "ns") != "ns", reason="ns runtime suite")
 
@@ -267,7 +267,7 @@ def test_pause_restart_resume_keeps_data(tmp_path: Path, e2b_env: dict[str, str]
     server restart on the same state dir; resume brings its files back and it can snapshot again."""
     from e2b import Sandbox
 
-    srv = start_server(tmp_path, "ns", extra_env={"AENV_POOL_SIZE": "0"})
+    srv = start_server(tmp_path, "ns", extra_env={"AENV_POOL_SIZE": "0", **KEEP_SANDBOXES})
     try:
         for k in ("E2B_API_URL", "E2B_SANDBOX_URL"):
             monkeypatch.setenv(k, srv.url)
@@ -283,7 +283,7 @@ def test_pause_restart_resume_keeps_data(tmp_path: Path, e2b_env: dict[str, str]
         assert api(srv, "GET", f"/sandboxes/{sbx.sandbox_id}").json()["state"] == "paused"
         port = int(srv.url.rsplit(":", 1)[1])
         stop_server(srv)
-        srv = start_server(tmp_path, "ns", extra_env={"AENV_POOL_SIZE": "0"}, port=port)
+        srv = start_server(tmp_path, "ns", extra_env={"AENV_POOL_SIZE": "0", **KEEP_SANDBOXES}, port=port)
         again = Sandbox.connect(sbx.sandbox_id, timeout=600)
         assert again.files.read("/home/user/layer.txt") == "from the snapshot"
         assert again.files.read("/home/user/own.txt") == "own"

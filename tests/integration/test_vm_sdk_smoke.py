@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 
 from aenv.config import Settings
-from aenv.testing.server import API_KEY, Server, discard_vm_state, start_server, stop_server
+from aenv.testing.server import API_KEY, KEEP_SANDBOXES, Server, discard_vm_state, start_server, stop_server
 
 ENV = {
+    **KEEP_SANDBOXES,  # the released sandbox outlives a graceful restart
     "AENV_POOL_SIZE": "1",
     "AENV_VM_RELEASE_PAUSED_AFTER": "0",
 }

@@ -31,6 +31,10 @@ def serve(
     runtime: Optional[str] = typer.Option(None, help="ns | vm | auto (AENV_RUNTIME) [default: auto]"),
     state_dir: Optional[Path] = typer.Option(None, help="state directory (AENV_STATE_DIR)"),
     pool_size: Optional[int] = typer.Option(None, help="pre-started sandboxes per hot template (AENV_POOL_SIZE)"),
+    stop_sandboxes_on_exit: Optional[bool] = typer.Option(
+        None, "--stop-sandboxes-on-exit/--keep-sandboxes-on-exit",
+        help="on a graceful stop (SIGTERM, Ctrl-C) kill every sandbox too, for throwaway servers in tests, "
+             "benchmarks and CI (AENV_STOP_SANDBOXES_ON_EXIT) [default: keep them: a restart adopts them]"),
     log_level: Optional[str] = typer.Option(None, help="debug | info | warning (AENV_LOG_LEVEL)"),
     tls_cert: Optional[Path] = typer.Option(None, help="serve HTTPS with this PEM certificate (AENV_TLS_CERT)"),
     tls_key: Optional[Path] = typer.Option(None, help="its PEM private key (AENV_TLS_KEY)"),
@@ -71,6 +75,7 @@ def serve(
     try:
         settings = load_settings(
             {"host": host, "port": port, "runtime": runtime, "state_dir": state_dir, "pool_size": pool_size, "log_level": log_level,
+             "stop_sandboxes_on_exit": stop_sandboxes_on_exit,
              "tls_cert": tls_cert, "tls_key": tls_key, "sandbox_domain": sandbox_domain, "cluster_redis": cluster_redis,
              "cluster_node_id": cluster_node_id, "cluster_url": cluster_url}
         )

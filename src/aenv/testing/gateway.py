@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 
 from aenv.cluster.procs import stop_process
+from aenv.testing.procs import exit_with_parent
 from aenv.testing.server import (
     API_KEY,
     Server,
@@ -123,10 +124,16 @@ def start_gateway(
     if tls is not None:
         argv += ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key)]
     with log_path.open("ab") as log:
-        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=exit_with_parent())  # fmt: skip
     gw = Server(f"{'https' if tls else 'http'}://127.0.0.1:{port}", tmp, proc, log_path, env, tls.ca if tls else None)
     verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(tls.ca)) if tls else True
-    if wait_healthy(gw, 60, "aenv gateway", verify):
+    try:
+        healthy = wait_healthy(gw, 60, "aenv gateway", verify)
+    except BaseException:
+        stop_gateway(gw)
+        raise
+    if healthy:
         return gw
     stop_gateway(gw)
     raise RuntimeError(f"aenv gateway did not become healthy:\n{gw.log_tail()}")

@@ -14,7 +14,12 @@ from pathlib import Path
 
 import httpx
 
+from aenv.testing.procs import exit_with_parent
+
 API_KEY = "e2b_" + "0" * 40
+# extra_env of a test server whose sandboxes must outlive a graceful stop (a test of adoption across a
+# restart); test servers otherwise end them (``stop_sandboxes_on_exit``)
+KEEP_SANDBOXES = {"AENV_STOP_SANDBOXES_ON_EXIT": "0"}
 
 
 def free_port() -> int:
@@ -67,6 +72,8 @@ def start_server(
         "AENV_PORT": str(port),
         "AENV_POOL_SIZE": os.environ.get("AENV_TEST_POOL_SIZE", "2"),
         "AENV_LOG_LEVEL": "info",
+        "AENV_STOP_SANDBOXES_ON_EXIT": "1",  # a throwaway server: a graceful stop ends its sandboxes
+
         **({"AENV_TLS_CERT": str(tls.cert), "AENV_TLS_KEY": str(tls.key)} if tls else {}),
         **(extra_env or {}),
     }
@@ -77,11 +84,17 @@ def start_server(
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=exit_with_parent(),  # SIGTERMed (a graceful stop) if this process dies, even by SIGKILL
         )
     scheme = "https" if tls else "http"
     server = Server(f"{scheme}://127.0.0.1:{port}", state, proc, log_path, env, tls.ca if tls else None)
     verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(tls.ca)) if tls else True
-    if wait_healthy(server, 240, "aenv serve", verify):
+    try:
+        healthy = wait_healthy(server, 240, "aenv serve", verify)
+    except BaseException:  # it exited, or this process is being stopped (SIGTERM, Ctrl-C) meanwhile
+        stop_server(server)
+        raise
+    if healthy:
         return server
     stop_server(server)
     raise RuntimeError(f"aenv serve did not become healthy:\n{server.log_tail()}")
@@ -110,6 +123,19 @@ def release_ns_volume(state_dir: Path) -> None:
     from aenv.runtime.ns.disk import DiskQuota
 
     DiskQuota(state_dir, state_dir / "sandboxes").release()
+
+
+def kill_sandboxes(server: Server) -> None:
+    """Kill every sandbox ``server`` lists, through its API; best effort (a server that is gone or
+    stuck answers nothing). For servers that keep their sandboxes across a stop."""
+    headers = {"X-API-KEY": API_KEY}
+    verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(server.ca)) if server.ca else True
+    try:
+        with httpx.Client(headers=headers, trust_env=False, verify=verify, timeout=60) as client:
+            for s in client.get(server.url + "/v2/sandboxes").json():
+                client.delete(f"{server.url}/sandboxes/{s['sandboxID']}")
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        pass
 
 
 def stop_server(server: Server, sig: int = signal.SIGTERM) -> None:
