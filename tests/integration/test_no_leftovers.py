@@ -69,9 +69,10 @@ def _stop(proc: subprocess.Popen[bytes], sig: int) -> int:
         raise AssertionError(f"still running 180 s after {signal.Signals(sig).name}") from None
 
 
-def _assert_nothing_left(before: Record, tmp: Path, log: Path) -> None:
+def _assert_nothing_left(before: Record, tmp: Path, log: Path, made_here: tuple[str, ...] = ()) -> None:
+    """``made_here``: names in ``tmp`` the test made itself (checked for mounts, not listed)."""
     found: Found = wait_clean(before, 20, roots=[str(tmp)], under=str(tmp))
-    left = sorted(str(p.relative_to(tmp)) for p in tmp.iterdir() if p != log)
+    left = sorted(str(p.relative_to(tmp)) for p in tmp.iterdir() if p != log and p.name not in made_here)
     assert not found and not left, (
         "left behind:\n" + "\n".join([*found.lines(), *(f"file {x}" for x in left)])
         + f"\n--- its output:\n{log.read_text(errors='replace')[-4000:]}"
@@ -150,8 +151,7 @@ def test_the_sdk_suite_runner_stopped_mid_run_leaves_nothing(run_tmp: Path, sig:
     assert any("aenv.agent" in p.argv for p in _ours(run_tmp)())
     code = _stop(runner, sig)
     assert code in (143, 130, -signal.SIGINT), log.read_text(errors="replace")[-4000:]
-    shutil.rmtree(sdk)
-    _assert_nothing_left(before, run_tmp, log)
+    _assert_nothing_left(before, run_tmp, log, made_here=("sdk",))
 
 
 def test_a_throwaway_server_ends_its_sandboxes_on_a_graceful_stop(run_tmp: Path) -> None:
@@ -180,3 +180,43 @@ def test_a_throwaway_server_ends_its_sandboxes_on_a_graceful_stop(run_tmp: Path)
         stop_server(srv)
     found = wait_clean(before, 20, roots=[str(run_tmp)], under=str(run_tmp))
     assert not found, "left behind:\n" + "\n".join(found.lines()) + f"\n--- server log:\n{srv.log_tail()}"
+
+
+PYTEST_RUN = '''
+import time
+import pytest
+from aenv.testing.server import API_KEY, start_server, stop_server
+
+
+@pytest.fixture(scope="session")
+def srv(tmp_path_factory):
+    server = start_server(tmp_path_factory.mktemp("srv"), "ns", {"AENV_POOL_SIZE": "1"})
+    yield server
+    stop_server(server)
+
+
+def test_holds_a_sandbox(srv, local_registry):
+    from e2b import Sandbox
+    sbx = Sandbox.create("base", timeout=600, api_url=srv.url, sandbox_url=srv.url, api_key=API_KEY)
+    sbx.commands.run("true")
+    print("sandbox-up", flush=True)
+    time.sleep(600)
+'''
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_pytest_stopped_mid_test_tears_its_fixtures_down(run_tmp: Path, sig: int) -> None:
+    """The README's test command is pytest: stopped in the middle of a test (a CI timeout sends SIGTERM),
+    its session fixtures still end their server (and its sandboxes) and registry (``plugin.py``)."""
+    tests = run_tmp / "t"
+    tests.mkdir()
+    (tests / "test_hold.py").write_text(PYTEST_RUN)
+    log = run_tmp / "pytest.log"
+    before = Record.now()
+    run = _spawn([sys.executable, "-m", "pytest", "-s", "-p", "no:cacheprovider", "-p", "tests.fixtures.plugin",
+                  "--rootdir", str(tests), "--basetemp", str(run_tmp / "base"), str(tests)], run_tmp, log)  # fmt: skip
+    _wait_for("the test's sandbox", lambda: "sandbox-up" in log.read_text(errors="replace"), run)
+    assert {"registry", "slirp4netns"} <= {(p.kind or "").split()[0] for p in _ours(run_tmp)()}
+    code = _stop(run, sig)
+    assert code == 2, log.read_text(errors="replace")[-4000:]  # pytest: interrupted
+    _assert_nothing_left(before, run_tmp, log, made_here=("t", "base"))  # base: pytest keeps its basetemp
