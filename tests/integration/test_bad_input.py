@@ -67,7 +67,7 @@ def test_envd_edge_cases(e2b_env: dict[str, str], server: Server) -> None:
                        headers={**headers, "X-Access-Token": "wrong", "Content-Type": "application/json"}, trust_env=False)
         assert r.status_code == 401
         # Path traversal in /files resolves inside the sandbox, never to the host.
-        marker = Path(tempfile.mkdtemp(prefix="aenv-host-")) / "secret.txt"
+        marker = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="aenv-host-"))) / "secret.txt"
         marker.write_text("host-secret")
         r = c.get("/files", params={"path": "../../../.." + str(marker)})
         assert r.status_code == 404 and "host-secret" not in r.text

@@ -17,6 +17,7 @@ from aenv.cluster.procs import stop_process
 from aenv.testing.procs import exit_with_parent
 from aenv.testing.server import (
     API_KEY,
+    KEEP_SANDBOXES,
     Server,
     Tls,
     discard_vm_state,
@@ -48,7 +49,9 @@ class NodeCluster:
     def start_node(self, i: int) -> Server:
         d = self.tmp / f"n{i + 1}"
         d.mkdir(exist_ok=True)
-        node = start_server(d, self.runtime, self.env_of(i), port=self.ports[i])
+        # a node's sandboxes outlive its graceful stop, as in production (tests restart nodes on purpose);
+        # close() kills them through each node first
+        node = start_server(d, self.runtime, {**KEEP_SANDBOXES, **self.env_of(i)}, port=self.ports[i])
         self.nodes[i] = node
         return node
 
