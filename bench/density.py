@@ -1,4 +1,5 @@
-"""Density: proportional set size (PSS) of an idle sandbox, and how many idle sandboxes fit in 4 GiB.
+"""Density: proportional set size (PSS) of an idle sandbox, and how many idle sandboxes fit in 4 GiB;
+where the server merges sandboxes (``ksm``), the same sandboxes again once ksmd has scanned them.
 
 PSS charges each shared page to its sharers in equal parts, so summing it over every process of a
 sandbox gives that sandbox's fair share of the machine's memory, shared template pages included.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sqlite3
 import time
 from pathlib import Path
@@ -96,6 +98,54 @@ def ppid(pid: int) -> int:
     return int(stat.rsplit(")", 1)[1].split()[1])
 
 
+def _after_ksm(ctx: Ctx) -> tuple[float, int, float] | None:
+    """When the server merges sandboxes (``/aenv/info`` ksm): wait for ksmd's next two full scans (bounded:
+    15 s smoke, 120 s full), and say how long it took, how many scans ran and ksmd's CPU time meanwhile.
+    None when the server does not merge or the host has no ksmd running."""
+    import httpx
+
+    from aenv.runtime import ksm
+
+    key = os.environ.get("E2B_API_KEY", "")
+    info = httpx.get(ctx.url + "/aenv/info", headers={"X-API-KEY": key}, trust_env=False).json()
+    if not info.get("ksm", {}).get("merge") or not info["ksm"].get("running"):
+        return None
+    scans0, cpu0, t0 = _full_scans(), ksm.ksmd_cpu_seconds() or 0.0, time.monotonic()
+    deadline = t0 + (15 if ctx.smoke else 120)
+    while _full_scans() < scans0 + 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return time.monotonic() - t0, _full_scans() - scans0, (ksm.ksmd_cpu_seconds() or 0.0) - cpu0
+
+
+def _unmerged(ctx: Ctx, count: int) -> list[float]:
+    """PSS of ``count`` idle sandboxes of a second server of this checkout whose ``ksm`` is off: the
+    baseline of the merged figures, in the same run (ksmd runs host-wide, so only unmarked processes
+    show what a sandbox costs without it)."""
+    import shutil
+    import tempfile
+
+    from e2b import Sandbox
+
+    from aenv.testing.server import start_server, stop_server
+
+    tmp = Path(tempfile.mkdtemp(prefix="aenv-bench-ksm-off-"))
+    srv = start_server(tmp, ctx.runtime, {"AENV_KSM": "off", "AENV_POOL_SIZE": "2"})
+    try:
+        sbxs = [Sandbox.create("base", timeout=600, api_url=srv.url, sandbox_url=srv.url) for _ in range(count)]
+        for sbx in sbxs:
+            sbx.commands.run("true")
+        time.sleep(2.0)
+        return [pss_mb(ns_pids(srv.state_dir, sbx.sandbox_id)) for sbx in sbxs]
+    finally:
+        stop_server(srv)  # its sandboxes go with it (stop_sandboxes_on_exit)
+        if str(tmp) not in Path("/proc/mounts").read_text():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _full_scans() -> int:
+    return int(Path("/sys/kernel/mm/ksm/full_scans").read_text())
+
+
 def density(ctx: Ctx) -> dict[str, Any]:
     """PSS per idle sandbox and idle sandboxes per 4 GiB vs idle docker containers."""
     from e2b import Sandbox
@@ -122,6 +172,19 @@ def density(ctx: Ctx) -> dict[str, Any]:
         per = rows[0]["p50"]
         rows.append(value_row("idle sandboxes in 4 GiB", ctx.system, BUDGET_MB / per, len(ours), "count",
                               note="4096 MB / median PSS"))
+        merged = _after_ksm(ctx)
+        if merged is not None and ctx.runtime == "ns":
+            off = _unmerged(ctx, count)
+            rows.append(row("PSS per idle sandbox", f"{ctx.system} ksm off", off, unit="MB",
+                            note="the same count on a second server of this checkout with ksm = off, this run"))
+        if merged is not None:
+            waited, scans, cpu = merged
+            after = [pss_mb(finder(ctx.state_dir, s.sandbox_id)) for s in sbxs]
+            rows.append(row("PSS per idle sandbox, KSM merged", ctx.system, after, unit="MB",
+                            note=f"the same sandboxes after ksmd's {scans} full scans ({waited:.0f} s; ksmd CPU "
+                                 f"{cpu:.1f} s, {100 * cpu / max(waited, 0.1):.0f}% of one CPU); ksm policy on"))
+            rows.append(value_row("idle sandboxes in 4 GiB, KSM merged", ctx.system, BUDGET_MB / rows[-1]["p50"],
+                                  len(after), "count", note="4096 MB / median PSS after merging"))
         if ctx.docker is not None:
             inits = [ctx.docker.init_pid(c) for c in cids]
             bare = [pss_mb(cgroup_pids_of(p)) for p in inits]

@@ -67,6 +67,12 @@ class Settings(BaseModel):
     webhook_attempts: int = Field(8, gt=0, description="deliveries tried this often (backoff 1 s, 2 s, 4 s, ...)")
     webhook_backoff: float = Field(1.0, gt=0, description="first retry delay of a webhook delivery, seconds")
     pool_size: int = Field(2, ge=0, description="pre-started sandboxes kept ready per hot template")
+    ksm: Literal["auto", "on", "off"] = Field(
+        "auto", description="kernel same-page merging of sandboxes' identical memory (host ksmd): auto = only "
+        "while the server has at most one API key (a merged page is a timing side channel between tenants), "
+        "on = always, off = never (the host's ksmd is left alone)"
+    )
+    ksm_max_cpu: int = Field(10, ge=1, le=100, description="when merging: the most ksmd may use, % of one CPU (the kernel's scan-time advisor)")
     stop_sandboxes_on_exit: bool = Field(
         False, description="a graceful stop (SIGTERM, Ctrl-C) also kills every sandbox, paused ones included: for "
         "throwaway servers (tests, benchmarks, CI). Off by default: sandboxes outlive a server so that a restart "

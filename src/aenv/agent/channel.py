@@ -63,10 +63,14 @@ def make_local_connector(
     return accept
 
 
-async def serve_unix(path: str, accept: Connector, ready: Callable[[], None] | None = None) -> None:
-    """Listen on ``path`` forever; one mux session per host connection."""
+async def serve_unix(path: str, accept: Connector, ready: Callable[[], None] | None = None,
+                     on_session: Callable[[], object] | None = None) -> None:
+    """Listen on ``path`` forever; one mux session per host connection. ``on_session``: called as each
+    begins (the first after a restore is how a restored agent learns it was restored)."""
 
     async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if on_session is not None:
+            on_session()
         session = MuxSession(reader, writer, accept=accept, name="agent")
         try:
             await session.run()
@@ -207,10 +211,12 @@ def apply_host_facts(extra: bytes) -> None:
         volumes.apply(facts["volumes"])
 
 
-async def serve(channel: str, accept: Connector, ready: Callable[[], None] | None = None) -> None:
+async def serve(channel: str, accept: Connector, ready: Callable[[], None] | None = None,
+                on_session: Callable[[], object] | None = None) -> None:
+    """``on_session``: see :func:`serve_unix` (ns only; a vm guest's pages are QEMU's to merge)."""
     kind, _, path = channel.partition(":")
     if kind == "unix-listen" and path:
-        await serve_unix(path, accept, ready)
+        await serve_unix(path, accept, ready, on_session)
     elif kind == "serial" and path:
         await serve_serial(path, accept, ready)
     else:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from aenv.agent.channel import ENVD_PORT, ENVD_SOCKET, make_local_connector, serve
 from aenv.agent.supervisor import Reaper, Supervised, spawn
+from aenv.envd import mergeable
 
 log = logging.getLogger("aenv.agent")
 
@@ -63,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--log", default="/dev/null", help="file for agent and envd logs")
     ap.add_argument("--no-envd", action="store_true", help="do not start envd (tests)")
     ap.add_argument("--checkpointable", action="store_true", help="keep every process CRIU-dumpable (no io_uring)")
+    ap.add_argument("--mergeable", action="store_true",
+                    help="KSM may merge the pages of this process and of every process of the sandbox")
     return ap.parse_args(argv)
 
 
@@ -83,6 +86,8 @@ def envd_args(args: argparse.Namespace) -> list[str]:
     if kind == "unix-listen" and envd_module() == "aenv.envd":
         # Beside the mux socket: the ns host reaches envd there without the agent's relay.
         argv += ["--uds", os.path.join(os.path.dirname(path), ENVD_SOCKET)]
+    if args.mergeable and envd_module() == "aenv.envd":
+        argv.append("--mergeable")  # envd re-marks itself after a restore, on /init
     return argv
 
 
@@ -132,7 +137,7 @@ async def amain(args: argparse.Namespace, envd_pid: int | None = None) -> None:
         except OSError as exc:
             log.error("start command failed to spawn: %s", exc)
     accept = make_local_connector(frozenset({args.envd_port}), any_port_until=grace_until)
-    await serve(args.channel, accept)
+    await serve(args.channel, accept, on_session=mergeable.rearm)
 
 
 _INHERITED_IGNORES = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT)
@@ -155,6 +160,8 @@ def main(argv: list[str] | None = None, *, envd_by_fork: bool = False) -> int:
     """``envd_by_fork``: the zygote path, where envd is forked from this already-imported process."""
     restore_default_signals()
     args = parse_args(argv)
+    if args.mergeable:
+        mergeable.enable()  # before envd is forked or spawned: it inherits the mark
     logging.basicConfig(
         level=logging.INFO,
         format="%(asctime)s agent %(levelname)s %(message)s",

@@ -163,12 +163,13 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
                 lines.append(f'aenv_sandboxes{{state="{state}"}} {n}')
             lines += ["# TYPE aenv_sandboxes_starting gauge", f"aenv_sandboxes_starting {orch.stats()['starting']}"]
             lines += holder["runs"].prometheus(s.row for s in orch.table)
+            lines += orch.ksm.prometheus()
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     @api.get("/aenv/info", dependencies=[Depends(require_api_key)])
     async def info() -> JSONResponse:
         orch = holder["orch"]
-        out = {"version": __version__, **orch.stats(), "capabilities": orch.capabilities()}
+        out = {"version": __version__, **orch.stats(), "capabilities": orch.capabilities(), "ksm": orch.ksm.stats()}
         if (directory := holder.get("directory")) is not None:
             out["cluster"] = {"nodeID": directory.node_id, "incarnation": directory.incarnation}
         return JSONResponse(out)

@@ -54,6 +54,7 @@ from aenv.file_urls import file_signature
 from aenv.images import ProgressCallback
 from aenv.kinds import SnapshotMode, TemplateKind
 from aenv.mux import ByteStream, StreamRefused
+from aenv.runtime import ksm
 from aenv.runtime.base import ResourceSample, Runtime, RuntimeState, SnapshotResult
 from aenv.store.gone_log import EXPIRED, KILLED, REAPED, GoneLog
 from aenv.store.sqlite import SandboxRow, SnapshotRow, Store, TemplateRow, now
@@ -98,6 +99,7 @@ class Orchestrator:
         # Called with (event, row, extra) on created, paused, resumed, forked, killed (core/webhooks.py);
         # must not block: a hook logs the event and returns.
         self.on_event: list[Callable[[str, SandboxRow, dict[str, str]], None]] = []
+        self.ksm = ksm.Ksm(settings)  # the ksm policy; start() sets the host's ksmd up for it
 
     # ---- lifecycle of the orchestrator itself ---------------------------------------------------
     def attach_repository(self, repository: Any) -> None:
@@ -106,6 +108,7 @@ class Orchestrator:
 
     async def start(self) -> None:
         self.settings.sandboxes_dir.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(self.ksm.start)
         await self.runtime.start()
         await self.volumes.start()  # on the sandboxes volume, which the runtime's start mounts
         await recover(self.ctx)

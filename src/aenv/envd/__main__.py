@@ -25,7 +25,13 @@ def main(argv: list[str] | None = None) -> None:
         "request stream, instead of through the agent's mux relay (one process hop less each way)",
     )
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--mergeable", action="store_true",
+                        help="KSM may merge this process's pages and those of the processes it starts")
     args = parser.parse_args(argv)
+    if args.mergeable:
+        from aenv.envd import mergeable
+
+        mergeable.enable()
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
 

@@ -17,7 +17,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from aenv.envd import limits
+from aenv.envd import limits, mergeable
 from aenv.envd.auth import TokenMiddleware
 from aenv.envd.files import FilesRoutes, error_response
 from aenv.envd.filesystem import FilesystemService
@@ -139,6 +139,7 @@ def build_app(state: SandboxState | None = None, table: ProcessTable | None = No
         except ValueError as exc:
             return error_response(400, f"invalid init body: {exc}")
         done = apply_host_facts(host_time, seed)
+        mergeable.rearm()  # /init follows every restore: processes started from now on are mergeable again
         if wanted_limits is not None:
             try:
                 done["limits"] = limits.apply(*wanted_limits)

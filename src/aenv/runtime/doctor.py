@@ -75,6 +75,18 @@ def _qemu() -> str:
     return f"{path} (QEMU {qemu_version()})"  # the release the runtime's snapshots and templates record
 
 
+def _ksm(settings: Settings) -> str:
+    from aenv.runtime import ksm
+
+    stat = ksm.stats(ksm.decide(settings))
+    line = ("sandboxes merged: " if stat["merge"] else "sandboxes not merged: ") + str(stat["reason"])
+    if "running" not in stat:
+        return line + "; this kernel has no KSM"
+    host = "running" if stat["running"] else "stopped (a server that merges starts it)"
+    return (line + f"; host ksmd {host}, {stat['mergedBytes'] / 2**20:.0f} MiB merged, "
+            f"{(stat['profitBytes'] or 0) / 2**20:.0f} MiB saved, ksmd CPU {stat['ksmdCpuSeconds'] or 0:.1f} s")
+
+
 def collect(settings: Settings) -> dict[str, Any]:
     from aenv.runtime.select import auto_choice, vm_unavailable_reason
 
@@ -93,6 +105,7 @@ def collect(settings: Settings) -> dict[str, Any]:
         "ns disk quota": _disk_quota(settings),
         "ns user namespace": _userns(settings),
         "lazy images": _lazy(settings),
+        "ksm": _ksm(settings),
         "isolation note": "ns sandboxes share the host kernel (weaker isolation than vm); see README SECURITY",
         "state dir": str(settings.state_dir),
         "cache dir": str(settings.cache_dir),

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aenv.errors import AenvError
+from aenv.runtime import ksm
 from aenv.runtime.base import RuntimeState, SandboxImage, SandboxSpec
 from aenv.runtime.ns import checkpoint
 from aenv.runtime.ns.disk import remove_tree
@@ -51,11 +52,14 @@ UPPER = "upper"
 CRIU_DIR = "criu"
 
 
-def image_key(template: SandboxImage, allow_internet: bool, tools: Path | None, exe: str | None) -> str:
+def image_key(template: SandboxImage, allow_internet: bool, tools: Path | None, exe: str | None,
+              mergeable: bool = False) -> str:
     """Everything the image's processes and files depend on: the template's lowers and agent
-    arguments (env, user), the tools bundle, the CRIU build and the internet setting."""
+    arguments (env, user, ``--mergeable``: its mappings are dumped marked), the tools bundle, the CRIU
+    build and the internet setting."""
     rec = {"lowers": [str(p) for p in (template.lowers or (template.rootfs,))], "env": template.env,
-           "user": template.user, "tools": str(tools), "criu": exe, "internet": allow_internet}
+           "user": template.user, "tools": str(tools), "criu": exe, "internet": allow_internet,
+           **({"mergeable": True} if mergeable else {})}
     return hashlib.sha256(json.dumps(rec, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -72,7 +76,8 @@ class ProcImages:
                 and self.rt.snapshots.criu_status().usable)
 
     def _key(self, template: SandboxImage, allow_internet: bool) -> str:
-        return image_key(template, allow_internet, self.rt.tools, self.rt.snapshots.criu_status().exe)
+        return image_key(template, allow_internet, self.rt.tools, self.rt.snapshots.criu_status().exe,
+                         ksm.decide(self.rt.settings).merge)
 
     async def start(self, spec: SandboxSpec, template: SandboxImage,
                     snapshot_layers: tuple[str, ...]) -> RuntimeState | None:

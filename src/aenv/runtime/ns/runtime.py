@@ -36,6 +36,7 @@ from aenv.config import Settings
 from aenv.errors import RuntimeFailure, SandboxNotFound, SandboxUnreachable, StateError
 from aenv.kinds import SnapshotMode
 from aenv.mux import ByteStream, MuxError
+from aenv.runtime import ksm
 from aenv.runtime.base import ResourceSample, RuntimeState, SandboxImage, SandboxSpec, SnapshotResult
 from aenv.runtime.egress import ENFORCER
 from aenv.runtime.envd_client import EnvdError, init_payload
@@ -219,7 +220,8 @@ class NsRuntime:
         return LaunchOptions(template=template, tools=self.tools, allow_internet=allow_internet,
                              default_limits=limits, debug_log=self.debug_log, nice=nice, zygote=self.zygote,
                              disk=self.disk if self.disk.active else None, userns=self.userns,
-                             disk_mb=self.settings.default_disk_mb if disk_mb is None else disk_mb)
+                             disk_mb=self.settings.default_disk_mb if disk_mb is None else disk_mb,
+                             mergeable=ksm.decide(self.settings).merge)
 
     async def _launch_pooled(self, template: SandboxImage, allow_internet: bool) -> NsSandbox:
         assert self.layout is not None

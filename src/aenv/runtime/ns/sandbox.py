@@ -150,6 +150,8 @@ class LaunchOptions:
     userns: SharedUserns | None = None
     # E2B volumes bound into the root (``launch.bind_volumes``): never a pooled or zygote-less restore.
     volumes: tuple[VolumeBind, ...] = ()
+    # KSM may merge the sandbox's pages (``runtime/ksm.py``: the ``ksm`` setting and the API keys)
+    mergeable: bool = False
 
     def lowers(self) -> list[str]:
         return [*self.snapshot_layers, *_lowers(self.template)]
@@ -170,6 +172,8 @@ def agent_argv(opts: LaunchOptions) -> list[str]:
     ]
     if opts.zygote is None:  # started by exec: CRIU can dump it, so keep it dumpable (criu.py)
         argv.append("--checkpointable")
+    if opts.mergeable:
+        argv.append("--mergeable")
     if t.start_cmd:
         argv += ["--start-cmd", t.start_cmd]
         if t.start_user:

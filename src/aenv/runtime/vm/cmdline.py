@@ -63,7 +63,8 @@ def build_argv(cfg: VmConfig) -> list[str]:
     argv = [
         cfg.qemu_binary,
         "-name", f"{cfg.name},debug-threads=on",
-        "-M", _kv("microvm", x_option_roms=False, acpi=False, memory_backend="mem"),
+        "-M", _kv("microvm", x_option_roms=False, acpi=False, memory_backend="mem",
+                  mem_merge=None if cfg.mem_merge else False),
         "-accel", cfg.accel,
         "-cpu", "max" if cfg.accel == "tcg" else "host",
         "-m", mem,

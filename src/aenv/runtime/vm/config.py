@@ -85,6 +85,9 @@ class VmConfig:
     # (configs saved before volumes existed restore as they were).
     share_dir: Path | None = None
     share_read_only: bool = True
+    # KSM may merge the guest's RAM (QEMU's ``mem-merge``, on by default; off where the ``ksm`` policy
+    # says tenants must not share pages, ``runtime/ksm.py``)
+    mem_merge: bool = True
 
     def __post_init__(self) -> None:
         if self.memory_mb < 64:

@@ -45,6 +45,7 @@ from aenv.errors import RuntimeFailure, StateError
 from aenv.kinds import SnapshotMode
 from aenv.machine_key import MachineKey
 from aenv.mux import ByteStream
+from aenv.runtime import ksm
 from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec, SnapshotResult
 from aenv.runtime.egress import ENFORCER
 from aenv.runtime.netpolicy import EgressPolicy
@@ -129,7 +130,8 @@ class VmRuntime:
         # keeps its sandboxes on (ns/disk.py; ns_disk_quota, ns_volume_mb), a subvolume per volume.
         self.disk = DiskQuota(settings.state_dir, settings.sandboxes_dir, enabled=settings.ns_disk_quota,
                               size_mb=settings.ns_volume_mb)
-        self.templates = templates.TemplateCache(self.templates_dir, self.frozen_dir, self.run_root, boot_timeout)
+        self.templates = templates.TemplateCache(self.templates_dir, self.frozen_dir, self.run_root, boot_timeout,
+                                                 mem_merge=ksm.decide(settings).merge)
         self.pool = RestorePool(self.pool_size, self._spawn_warm)
         self.blank_pool = RestorePool(self.pool_size, self._spawn_blank)  # see VmSnapshots.blank_pool
         self.release = Releaser(self.table, self.templates, self.shm_dir, settings.vm_release_paused_after,

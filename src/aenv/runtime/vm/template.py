@@ -32,7 +32,7 @@ import os
 import secrets
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -343,8 +343,10 @@ class TemplateCache:
     """The frozen templates of one state dir: in memory once loaded or built, on disk under
     ``templates_dir``, their RAM in the frozen store ``frozen_dir`` (``frozen.py``)."""
 
-    def __init__(self, templates_dir: Path, frozen_dir: Path, run_root: Path, boot_timeout: float = 180.0) -> None:
+    def __init__(self, templates_dir: Path, frozen_dir: Path, run_root: Path, boot_timeout: float = 180.0,
+                 mem_merge: bool = True) -> None:
         self.templates_dir = templates_dir
+        self.mem_merge = mem_merge  # the ksm policy (runtime/ksm.py): the restores' configs carry it
         self.frozen_dir = frozen_dir
         self.run_root = run_root  # where a build's boot VM keeps its sockets
         self.boot_timeout = boot_timeout
@@ -382,7 +384,7 @@ class TemplateCache:
                     )
                 finally:
                     self.building.discard(boot_name)  # fmt: skip
-            self._templates[key] = tpl
+            self._templates[key] = tpl = self._held(tpl)
             return tpl
 
     async def by_key(self, key: str) -> FrozenTemplate:
@@ -402,8 +404,14 @@ class TemplateCache:
         if tpl is None:
             tpl = await asyncio.to_thread(load, self.templates_dir, key)
             if tpl is not None:
-                self._templates[key] = tpl
+                self._templates[key] = tpl = self._held(tpl)
         return tpl
+
+    def _held(self, tpl: FrozenTemplate) -> FrozenTemplate:
+        """``tpl`` with this node's ``mem_merge``: every restore derives its config from the template's."""
+        if tpl.cfg.mem_merge == self.mem_merge:
+            return tpl
+        return replace(tpl, cfg=replace(tpl.cfg, mem_merge=self.mem_merge))
 
     async def frozen_ram(self, ram_id: str, image: Path) -> Path:
         """The frozen RAM file ``ram_id`` in the store, copied from its on-disk ``image`` when the

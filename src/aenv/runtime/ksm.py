@@ -1,0 +1,167 @@
+"""Kernel same-page merging (KSM) for sandboxes: whether it is on, the host's ksmd set up to merge
+within a CPU budget, and what it saves.
+
+Idle sandboxes hold mostly the same pages: on ns every one runs the agent and envd, restored by CRIU
+from one process image of the template, so their heaps start byte-identical; on vm every guest boots
+the same kernel from the same template RAM. ksmd finds identical anonymous pages of *mergeable*
+processes and keeps one copy (copy-on-write). Marking: ns sandboxes' agent and envd mark themselves
+(``--mergeable``, ``envd/mergeable.py``) and the sandbox's processes inherit it; a vm sandbox's guest RAM
+is marked by QEMU (``-M mem-merge``).
+
+**The side channel.** A write to a merged page takes a copy-on-write fault, so a process can tell by
+timing whether some other process holds a page with the same contents: one tenant may learn whether
+another holds a given page (a known file, a key it guesses). So ``ksm = "auto"`` (the default) merges
+only while this server serves one tenant (at most one API key); with several keys it merges nothing
+and says so. ``"on"`` merges whatever the keys (an operator's explicit choice: one team, or trusted
+tenants), ``"off"`` never marks anything and leaves the host's ksmd alone.
+
+The host's ksmd is host-wide: the server starts it (``run`` 0 → 1) when merging is on and bounds its CPU
+with the kernel's scan-time advisor (``advisor_max_cpu`` % of one CPU, ``ksm_max_cpu``). It never stops
+it: unmerging would need the memory back at once, and other users of the host may rely on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aenv.config import Settings
+
+log = logging.getLogger("aenv.runtime.ksm")
+
+SYSFS = Path("/sys/kernel/mm/ksm")
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class KsmDecision:
+    merge: bool
+    reason: str
+
+
+def decide(settings: Settings) -> KsmDecision:
+    """Whether this server's sandboxes are mergeable, and why (see the module docstring)."""
+    if settings.ksm == "off":
+        return KsmDecision(False, "ksm = off")
+    if settings.ksm == "on":
+        return KsmDecision(True, "ksm = on (every tenant's sandboxes merged together)")
+    keys = len(set(settings.api_keys))
+    if keys > 1:
+        return KsmDecision(False, f"ksm = auto and {keys} API keys: tenants' pages are never merged together "
+                                  "(a merged page is a timing side channel); set ksm = on to merge anyway")
+    return KsmDecision(True, "ksm = auto, one tenant (" + ("one API key" if keys else "no API keys") + ")")
+
+
+def start_ksmd(max_cpu: int, sysfs: Path = SYSFS) -> str:
+    """Run ksmd with the scan-time advisor bounding its CPU; what was done, or why nothing could be."""
+    if not (sysfs / "run").exists():
+        return "unavailable: the kernel has no KSM (/sys/kernel/mm/ksm)"
+    try:
+        if (sysfs / "advisor_mode").exists():
+            (sysfs / "advisor_max_cpu").write_text(str(max_cpu))
+            (sysfs / "advisor_mode").write_text("scan-time")
+        if (sysfs / "run").read_text().strip() != "1":
+            (sysfs / "run").write_text("1")
+            return f"ksmd started (advisor: at most {max_cpu}% of one CPU)"
+        return f"ksmd already running (advisor: at most {max_cpu}% of one CPU)"
+    except OSError as exc:
+        return f"unavailable: cannot set up ksmd ({exc.strerror or exc}; needs root and a writable /sys)"
+
+
+def _read_int(path: Path) -> int | None:
+    with contextlib.suppress(OSError, ValueError):
+        return int(path.read_text().split()[0])
+    return None
+
+
+_ksmd_pid: int | None = None
+
+
+def _find_ksmd() -> int | None:
+    with os.scandir("/proc") as entries:
+        for entry in entries:
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError):
+                    if Path(entry.path, "comm").read_text().strip() == "ksmd":
+                        return int(entry.name)
+    return None
+
+
+def ksmd_cpu_seconds() -> float | None:
+    """CPU time ksmd (a kernel thread, found once) has used since boot: what merging costs."""
+    global _ksmd_pid
+    for _ in range(2):
+        if _ksmd_pid is None and (_ksmd_pid := _find_ksmd()) is None:
+            return None
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{_ksmd_pid}/comm").read_text().strip() == "ksmd":
+                stat = Path(f"/proc/{_ksmd_pid}/stat").read_text()
+                fields = stat[stat.rindex(")") + 2 :].split()
+                return (int(fields[11]) + int(fields[12])) / _TICKS  # utime + stime
+        _ksmd_pid = None
+    return None
+
+
+def stats(decision: KsmDecision, sysfs: Path = SYSFS, ksmd: str | None = None) -> dict[str, Any]:
+    """What ``/aenv/info``, ``/metrics`` and ``aenv doctor`` show: whether this server's sandboxes
+    merge and why, and the host's counters (host-wide: other mergeable processes count too)."""
+    out: dict[str, Any] = {"merge": decision.merge, "reason": decision.reason}
+    if ksmd is not None:
+        out["ksmd"] = ksmd
+    run = _read_int(sysfs / "run")
+    if run is None:
+        return out
+    shared, sharing = _read_int(sysfs / "pages_shared") or 0, _read_int(sysfs / "pages_sharing") or 0
+    out.update({
+        "running": run == 1,
+        "pagesShared": shared,  # distinct pages kept for merged content
+        "pagesSharing": sharing,  # pages mapped onto them: about what merging saves
+        "sharedBytes": shared * _PAGE,
+        "mergedBytes": sharing * _PAGE,
+        "profitBytes": _read_int(sysfs / "general_profit"),  # saved less KSM's own metadata
+        "fullScans": _read_int(sysfs / "full_scans"),
+        "ksmdCpuSeconds": ksmd_cpu_seconds(),
+    })
+    return out
+
+
+def prometheus(stat: dict[str, Any]) -> list[str]:
+    """``/metrics`` lines for :func:`stats`."""
+    lines = ["# HELP aenv_ksm_merge Whether this server's sandboxes are mergeable (the ksm setting)",
+             "# TYPE aenv_ksm_merge gauge", f"aenv_ksm_merge {int(bool(stat['merge']))}"]
+    for key, name, kind, what in (
+        ("sharedBytes", "aenv_ksm_shared_bytes", "gauge", "Bytes of distinct pages KSM keeps for merged content"),
+        ("mergedBytes", "aenv_ksm_merged_bytes", "gauge", "Bytes of pages mapped onto shared ones (host-wide)"),
+        ("profitBytes", "aenv_ksm_profit_bytes", "gauge", "Bytes KSM saves, less its metadata (host-wide)"),
+        ("ksmdCpuSeconds", "aenv_ksm_cpu_seconds_total", "counter", "CPU time ksmd has used since boot"),
+    ):
+        if stat.get(key) is not None:
+            lines += [f"# HELP {name} {what}", f"# TYPE {name} {kind}", f"{name} {stat[key]}"]
+    return lines
+
+
+class Ksm:
+    """One server's policy and what it did to the host's ksmd."""
+
+    def __init__(self, settings: Settings, sysfs: Path = SYSFS) -> None:
+        self.settings = settings
+        self.decision = decide(settings)
+        self.sysfs = sysfs
+        self.ksmd: str | None = None
+
+    def start(self) -> None:
+        """When this server's sandboxes merge, the host's ksmd runs within ``ksm_max_cpu`` (blocking)."""
+        if self.decision.merge:
+            self.ksmd = start_ksmd(self.settings.ksm_max_cpu, self.sysfs)
+        log.info("ksm: %s%s", self.decision.reason, f"; {self.ksmd}" if self.ksmd else "")
+
+    def stats(self) -> dict[str, Any]:
+        return stats(self.decision, self.sysfs, self.ksmd)
+
+    def prometheus(self) -> list[str]:
+        return prometheus(self.stats())

@@ -1,0 +1,76 @@
+"""KSM through the unmodified SDK (ns): a one-tenant server's sandboxes are mergeable down to the
+commands a client runs, also in a fork child (restored by CRIU, which loses the process-wide mark:
+the agent and envd set it again); a server with two API keys marks nothing (``ksm = auto``: merged
+pages are a timing side channel between tenants). What ``/aenv/info`` says matches."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from aenv.client import AenvClient
+from aenv.testing.server import API_KEY, Server, start_server, stop_server
+
+OTHER_KEY = "e2b_" + "1" * 40
+MARKS = "grep -h ksm_merge /proc/self/ksm_stat /proc/1/ksm_stat"  # a process envd starts, and the sandbox's PID 1
+
+
+@pytest.fixture(autouse=True)
+def _ns_only(runtime_name: str) -> None:
+    if runtime_name != "ns":
+        pytest.skip("a vm guest's RAM is marked by QEMU (mem-merge), not its processes: tests/unit/runtime/test_ksm.py")
+    if not Path("/proc/self/ksm_stat").exists():
+        pytest.skip("this kernel has no per-process KSM (/proc/PID/ksm_stat, Linux >= 6.1)")
+
+
+def _marks(sbx: Any) -> list[str]:
+    return [line.split(":")[1].strip() for line in sbx.commands.run(MARKS, user="root").stdout.splitlines()]
+
+
+def _info(srv: Server, key: str = API_KEY) -> dict[str, Any]:
+    return httpx.get(srv.url + "/aenv/info", headers={"X-API-KEY": key}, trust_env=False).json()["ksm"]  # type: ignore[no-any-return]
+
+
+def test_a_one_tenant_server_merges_its_sandboxes_and_their_fork_children(server: Server, sandbox: Any) -> None:
+    from e2b import Sandbox
+
+    assert _marks(sandbox) == ["yes"] * 4  # merge_any and mergeable, both processes
+    info = _info(server)
+    assert info["merge"] is True and "one tenant" in info["reason"] and info["running"] is True
+    with AenvClient(server.url, API_KEY) as client:
+        forked = client.fork(sandbox.sandbox_id, count=1)
+    assert forked.sandbox_ids, forked.errors
+    child = Sandbox.connect(forked.sandbox_ids[0])
+    try:
+        assert _marks(child) == ["yes"] * 4
+    finally:
+        child.kill()
+    metrics = httpx.get(server.url + "/metrics", trust_env=False).text
+    assert "aenv_ksm_merge 1" in metrics and "aenv_ksm_merged_bytes " in metrics
+
+
+@pytest.fixture
+def two_tenants(tmp_path: Path) -> Iterator[Server]:
+    if os.geteuid() != 0:
+        pytest.skip("the ns runtime needs root")
+    srv = start_server(tmp_path, "ns", {"AENV_API_KEYS": f"{API_KEY},{OTHER_KEY}", "AENV_POOL_SIZE": "1"})
+    yield srv
+    stop_server(srv)
+
+
+def test_two_tenants_are_never_merged(two_tenants: Server) -> None:
+    from e2b import Sandbox
+
+    url = two_tenants.url
+    sbx = Sandbox.create("base", timeout=300, api_url=url, sandbox_url=url, api_key=OTHER_KEY)
+    try:
+        assert _marks(sbx) == ["no"] * 4
+    finally:
+        sbx.kill()
+    info = _info(two_tenants, OTHER_KEY)
+    assert info["merge"] is False and "2 API keys" in info["reason"] and "ksmd" not in info
