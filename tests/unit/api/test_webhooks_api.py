@@ -50,7 +50,10 @@ class Receiver:
         self.thread.start()
 
     def events(self) -> list[tuple[str, str]]:
-        return [(json.loads(b)["type"], json.loads(b)["sandboxId"]) for _, b, _ in self.got]
+        """(type, sandbox) in the order the events happened (their ``timestamp``): due deliveries go out
+        concurrently, and a retried one arrives late, so arrival order says nothing."""
+        bodies = sorted((json.loads(b) for _, b, _ in self.got), key=lambda e: e["timestamp"])
+        return [(e["type"], e["sandboxId"]) for e in bodies]
 
     def close(self) -> None:
         self.httpd.shutdown()
