@@ -214,7 +214,11 @@ async def test_restart_adopts_running_and_reconciles_orphans(
     s_keep = await old.create(_spec(tmp_path, "keep", tpl))
     await old.create(_spec(tmp_path, "orphan", tpl))
     print(f"\n[vm-rt] two creates (template from disk) {(time.perf_counter() - t0) * 1000:.0f} ms")
-    # "crash": the old server's objects vanish without killing anything
+    # "crash": the old server's objects vanish without killing anything. Their slirp4netns children are
+    # still this process's: reaped at the end, or their Popen objects would be collected unreaped (a
+    # ResourceWarning, an error here) whenever the event loop did not get to their exit in time.
+    old_slirps = [s.machine.slirp.child for s in old.table.running.values()
+                  if s.machine.slirp is not None and s.machine.slirp.child is not None]
     for sbx in old.table.running.values():
         await sbx.drop_session()
         await sbx.machine.qmp.disconnect()
@@ -235,6 +239,8 @@ async def test_restart_adopts_running_and_reconciles_orphans(
     await new.kill("keep", s_keep)
     assert not Path(s_keep.data["run_dir"]).exists()
     assert await new.adopt("keep", _spec(tmp_path, "keep", tpl), s_keep) is False
+    for child in old_slirps:  # both exited with their QEMUs (exit fd): reap them
+        await child.aclose()
 
 
 async def test_snapshot_fork_rollback(make_runtime: Callable[[], VmRuntime], tmp_path: Path) -> None:
