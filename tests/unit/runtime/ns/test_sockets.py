@@ -59,7 +59,18 @@ def test_tcp_peers_outside_loopback_are_found() -> None:
         served, _ = listener.accept()
         with served:
             assert not any(sockets.tcp_peer_outside(me, x.fileno()) for x in (listener, client, served, u))
-            assert not sockets.has_outside_tcp([me])
+    # The whole-process answer, of a process that holds only such sockets: this one (a long pytest
+    # session) may hold anything earlier tests left in their connection pools.
+    code = ("import socket, time; l = socket.create_server(('127.0.0.1', 0)); "
+            "c = socket.create_connection(l.getsockname()); s, _ = l.accept(); u = socket.socket(socket.AF_UNIX); "
+            "print('ready', flush=True); time.sleep(30)")
+    with subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+            assert len(sockets.held_sockets([proc.pid])) == 4
+            assert not sockets.has_outside_tcp([proc.pid])
+        finally:
+            proc.kill()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root: unshare --net")
