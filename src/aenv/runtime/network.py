@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import logging
 import os
 import shutil
 import signal
@@ -30,6 +31,8 @@ from pathlib import Path
 from aenv.runtime.netpolicy import EgressPolicy, render
 from aenv.runtime.nsthread import run_in_namespace
 from aenv.runtime.process import ProcRef, Reaped
+
+log = logging.getLogger("aenv.runtime.network")
 
 SLIRP_GATEWAY = "10.0.2.2"
 SLIRP_TAP_ADDR = "10.0.2.100"  # what slirp4netns --configure gives the tap
@@ -220,6 +223,7 @@ class Slirp:
 
     ref: ProcRef
     child: Reaped | None = None  # None after a server restart (not our child any more)
+    target: ProcRef | None = None  # the process whose network namespace it serves (the sandbox's init)
 
     @classmethod
     async def start(cls, pid: int, timeout: float = 5.0, exit_fd: int | None = None) -> Slirp:
@@ -261,14 +265,33 @@ class Slirp:
         if ref is None:
             await child.aclose()
             raise NetworkError("slirp4netns vanished")
-        return cls(ref, child)
+        slirp = cls(ref, child, ProcRef.of(pid))
+        _SERVING[ref.pid] = slirp
+        return slirp
 
     async def aclose(self) -> None:
+        _SERVING.pop(self.ref.pid, None)
         self.ref.kill()
         if self.child is not None:
             await self.child.aclose()
         else:
             await self.ref.wait_gone_async(5.0)
+
+
+_SERVING: dict[int, Slirp] = {}  # every slirp4netns this process started and has not closed, by pid
+
+
+async def close_orphaned_slirps() -> list[int]:
+    """Close every slirp4netns this process started whose sandbox is gone (its target process ended):
+    slirp4netns does not exit with the namespace it serves, so one whose sandbox went another way than
+    through its owner's ``aclose`` (a start that failed late, a race with a kill) would run forever.
+    Returns their pids."""
+    gone = [s for s in list(_SERVING.values()) if s.target is not None and not s.target.alive()]
+    for slirp in gone:
+        log.warning("slirp4netns %d outlived the sandbox it served (pid %d): closed", slirp.ref.pid,
+                    slirp.target.pid if slirp.target else 0)
+        await slirp.aclose()
+    return [s.ref.pid for s in gone]
 
 
 def kill_slirps_serving(pids: set[int]) -> list[int]:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from aenv.runtime import network
@@ -66,3 +68,29 @@ async def test_a_dead_restorer_falls_back_to_a_fresh_restore(monkeypatch: pytest
     monkeypatch.setattr(network, "_restore", lambda argv, rules, pid=None: (1, "no such table"))
     with pytest.raises(network.NetworkError, match="no such table"):
         await network.install_firewall(4242, ["192.0.2.2"])
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not network.slirp_available(), reason="needs root and slirp4netns")
+async def test_a_slirp_whose_sandbox_ended_is_closed_and_one_serving_a_live_one_is_not() -> None:
+    """slirp4netns does not exit with the namespace it serves: the sweep closes the ones this process
+    started whose target ended, and only those."""
+    import asyncio
+    import subprocess
+
+    from aenv.runtime.process import ProcRef
+
+    targets = [subprocess.Popen(["unshare", "--net", "sleep", "60"]) for _ in range(2)]  # noqa: ASYNC220 - instant
+    try:
+        await asyncio.sleep(0.2)  # both in their own namespace
+        ended, live = [await network.Slirp.start(t.pid) for t in targets]
+        targets[0].kill()
+        targets[0].wait()
+        assert await network.close_orphaned_slirps() == [ended.ref.pid]
+        assert ProcRef.alive(ended.ref) is False and live.ref.alive()
+        assert await network.close_orphaned_slirps() == []  # closed once; the live one stays
+        await live.aclose()
+        assert not live.ref.alive()
+    finally:
+        for t in targets:
+            t.kill()
+            t.wait()

@@ -41,7 +41,13 @@ from aenv.runtime.base import ResourceSample, RuntimeState, SandboxImage, Sandbo
 from aenv.runtime.egress import ENFORCER
 from aenv.runtime.envd_client import EnvdError, init_payload
 from aenv.runtime.netpolicy import EgressPolicy
-from aenv.runtime.network import Slirp, drop_foreign_rules, host_ipv4_addresses, slirp_available
+from aenv.runtime.network import (
+    Slirp,
+    close_orphaned_slirps,
+    drop_foreign_rules,
+    host_ipv4_addresses,
+    slirp_available,
+)
 from aenv.runtime.ns import cgroups, identity
 from aenv.runtime.ns.checkpoint import sweep_stages
 from aenv.runtime.ns.disk import POOL_NAME, DiskQuota, remove_tree
@@ -117,6 +123,7 @@ class NsRuntime:
         self.procimages = ProcImages(self)
         self.lifecycle = NsLifecycle(self)
         self._started = False
+        self._slirp_sweeper: asyncio.Task[None] | None = None
 
     # ---- host-wide lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
@@ -138,7 +145,17 @@ class NsRuntime:
             await asyncio.to_thread(sweep_stale_sockets, tmp)
             self.zygote = Zygote(self.tools, socket_path_for(tmp, os.getpid(), id(self)))
             await self.zygote.ensure()
+        self._slirp_sweeper = asyncio.create_task(self._sweep_slirps(), name="aenv-ns-slirp-sweep")
         self._started = True
+
+    async def _sweep_slirps(self, every: float = 5.0) -> None:
+        """Now and then, the slirp4netns processes whose sandbox is gone are closed (``network.py``)."""
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await close_orphaned_slirps()
+            except Exception:  # noqa: BLE001 - the sweep must outlive one bad round
+                log.exception("ns: slirp sweep failed")
 
     def _check_userns(self) -> None:
         """Keep the user namespace only where every launch can use it (``SharedUserns.unusable_on``):
@@ -169,6 +186,9 @@ class NsRuntime:
 
     async def close(self) -> None:
         """Kill pooled sandboxes and drop channels; handed-out sandboxes keep running."""
+        if self._slirp_sweeper is not None:
+            self._slirp_sweeper.cancel()
+            self._slirp_sweeper = None
         await self.pool.aclose()
         await self.releaser.aclose()
         await self.procimages.aclose()
@@ -179,6 +199,7 @@ class NsRuntime:
             await sbx.drop_connections()
         self._sandboxes.clear()
         await self.snapshots.drain()
+        await close_orphaned_slirps()  # what the pool's and the killed sandboxes' ends left
         await asyncio.to_thread(self.disk.release)  # unmounts the volume unless another runtime uses it
         if self.userns is not None:  # running sandboxes keep the namespace alive themselves
             self.userns.close()
