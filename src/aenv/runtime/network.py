@@ -286,6 +286,9 @@ async def close_orphaned_slirps() -> list[int]:
     slirp4netns does not exit with the namespace it serves, so one whose sandbox went another way than
     through its owner's ``aclose`` (a start that failed late, a race with a kill) would run forever.
     Returns their pids."""
+    for pid, slirp in list(_SERVING.items()):
+        if not slirp.ref.alive():  # it ended by itself (a vm's exits with its QEMU)
+            _SERVING.pop(pid, None)
     gone = [s for s in list(_SERVING.values()) if s.target is not None and not s.target.alive()]
     for slirp in gone:
         log.warning("slirp4netns %d outlived the sandbox it served (pid %d): closed", slirp.ref.pid,
