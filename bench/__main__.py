@@ -275,7 +275,7 @@ def _server(runtime: str, url: str | None, run: dict[str, Any]) -> Iterator[tupl
         env_state = os.environ.get("AENV_STATE_DIR")
         yield url.rstrip("/"), Path(env_state) if env_state else None
         return
-    extra = {"AENV_POOL_SIZE": "4"}
+    extra = {"AENV_POOL_SIZE": "4", "AENV_KSM": "auto"}  # the defaults users get (test servers turn KSM off)
     tmp = Path(tempfile.mkdtemp(prefix="aenv-bench-"))
     server = start_server(tmp, runtime, extra)
     try:

@@ -42,7 +42,7 @@ def previous_server(rev: str, runtime: str) -> Iterator[PreviousServer]:
     server = None
     try:
         env = {"PYTHONPATH": os.pathsep.join([str(tree / "src"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-               "AENV_POOL_SIZE": "4"}
+               "AENV_POOL_SIZE": "4", "AENV_KSM": "auto"}
         server = start_server(tmp, runtime, env)
         served_from = subprocess.run(
             [sys.executable, "-c", "import aenv; print(aenv.__file__)"],

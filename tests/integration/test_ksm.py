@@ -22,7 +22,7 @@ MARKS = "grep -h ksm_merge /proc/self/ksm_stat /proc/1/ksm_stat"  # a process en
 
 @pytest.fixture(autouse=True)
 def _ns_only(runtime_name: str) -> None:
-    if runtime_name != "ns":
+    if runtime_name != "ns":  # (the vm SDK pass; these start ns servers of their own)
         pytest.skip("a vm guest's RAM is marked by QEMU (mem-merge), not its processes: tests/unit/runtime/test_ksm.py")
     if not Path("/proc/self/ksm_stat").exists():
         pytest.skip("this kernel has no per-process KSM (/proc/PID/ksm_stat, Linux >= 6.1)")
@@ -36,20 +36,30 @@ def _info(srv: Server, key: str = API_KEY) -> dict[str, Any]:
     return httpx.get(srv.url + "/aenv/info", headers={"X-API-KEY": key}, trust_env=False).json()["ksm"]  # type: ignore[no-any-return]
 
 
-def test_a_one_tenant_server_merges_its_sandboxes_and_their_fork_children(server: Server, sandbox: Any) -> None:
+@pytest.fixture
+def one_tenant(tmp_path: Path) -> Iterator[Server]:
+    """A server with ksm at its default (auto) and one API key (test servers otherwise turn it off)."""
+    if os.geteuid() != 0:
+        pytest.skip("the ns runtime needs root")
+    srv = start_server(tmp_path, "ns", {"AENV_KSM": "auto", "AENV_API_KEYS": API_KEY, "AENV_POOL_SIZE": "1"})
+    yield srv
+    stop_server(srv)
+
+
+def test_a_one_tenant_server_merges_its_sandboxes_and_their_fork_children(one_tenant: Server) -> None:
     from e2b import Sandbox
 
+    server = one_tenant
+    conn = {"api_url": server.url, "sandbox_url": server.url, "api_key": API_KEY}
+    sandbox = Sandbox.create("base", timeout=300, **conn)  # type: ignore[arg-type]
     assert _marks(sandbox) == ["yes"] * 4  # merge_any and mergeable, both processes
     info = _info(server)
     assert info["merge"] is True and "one tenant" in info["reason"] and info["running"] is True
     with AenvClient(server.url, API_KEY) as client:
         forked = client.fork(sandbox.sandbox_id, count=1)
     assert forked.sandbox_ids, forked.errors
-    child = Sandbox.connect(forked.sandbox_ids[0])
-    try:
-        assert _marks(child) == ["yes"] * 4
-    finally:
-        child.kill()
+    child = Sandbox.connect(forked.sandbox_ids[0], **conn)  # type: ignore[arg-type]
+    assert _marks(child) == ["yes"] * 4
     metrics = httpx.get(server.url + "/metrics", trust_env=False).text
     assert "aenv_ksm_merge 1" in metrics and "aenv_ksm_merged_bytes " in metrics
 
@@ -58,7 +68,8 @@ def test_a_one_tenant_server_merges_its_sandboxes_and_their_fork_children(server
 def two_tenants(tmp_path: Path) -> Iterator[Server]:
     if os.geteuid() != 0:
         pytest.skip("the ns runtime needs root")
-    srv = start_server(tmp_path, "ns", {"AENV_API_KEYS": f"{API_KEY},{OTHER_KEY}", "AENV_POOL_SIZE": "1"})
+    srv = start_server(tmp_path, "ns", {"AENV_KSM": "auto", "AENV_API_KEYS": f"{API_KEY},{OTHER_KEY}",
+                                        "AENV_POOL_SIZE": "1"})
     yield srv
     stop_server(srv)
 

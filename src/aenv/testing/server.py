@@ -73,6 +73,9 @@ def start_server(
         "AENV_POOL_SIZE": os.environ.get("AENV_TEST_POOL_SIZE", "2"),
         "AENV_LOG_LEVEL": "info",
         "AENV_STOP_SANDBOXES_ON_EXIT": "1",  # a throwaway server: a graceful stop ends its sandboxes
+        # nothing marked mergeable: ksmd takes no CPU from a test suite on 2 cores (the KSM tests and
+        # the bench ask for the default, auto)
+        "AENV_KSM": "off",
 
         **({"AENV_TLS_CERT": str(tls.cert), "AENV_TLS_KEY": str(tls.key)} if tls else {}),
         **(extra_env or {}),
