@@ -174,18 +174,24 @@ def reap_vms(state_dir: Path) -> list[int]:
 
 
 def discard_vm_state(state_dir: Path) -> None:
-    """For a stopped server whose state is thrown away: kill its QEMUs (:func:`reap_vms`) and
-    remove its template RAM from /dev/shm, unmounting the frozen-RAM ramfs (see
-    ``VmRuntime.shm_dir``), only if that directory's owner file names this state dir. Not part of
+    """For a stopped server whose state is thrown away: kill its QEMUs (:func:`reap_vms`), remove its
+    VMs' short run root from the temp dir (if it has one) and its template RAM from /dev/shm,
+    unmounting the frozen-RAM ramfs (see ``VmRuntime.shm_dir``), only if that directory's owner file
+    names this state dir. Not part of
     :func:`stop_server`: a restart on the same state dir adopts the running VMs and templates."""
     import contextlib
 
     from aenv.runtime.vm.frozen import remove_tree
     from aenv.runtime.vm.reconcile import OWNER_FILE
-    from aenv.runtime.vm.runtime import shm_dir_for
+    from aenv.runtime.vm.runtime import run_root_for, shm_dir_for
 
     reap_vms(state_dir)
     state = Path(state_dir).absolute()
+    run_root = run_root_for(state)  # a short dir in the temp dir when the state dir's path is long
+    if not run_root.is_relative_to(state):
+        import shutil
+
+        shutil.rmtree(run_root, ignore_errors=True)  # its VMs' sockets and run dirs: the VMs are gone
     shm = shm_dir_for(state)
     with contextlib.suppress(OSError):
         if (shm / OWNER_FILE).read_text().strip() == str(state):

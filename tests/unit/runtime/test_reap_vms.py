@@ -64,3 +64,18 @@ def test_discard_vm_state_removes_the_state_dirs_template_ram(tmp_path: Path) ->
 
         for d in (mine, other):
             shutil.rmtree(d, ignore_errors=True)
+
+
+def test_discard_removes_the_short_run_root_a_long_state_dir_gets(tmp_path: Path) -> None:
+    """VM sockets must fit AF_UNIX's limit: a long state dir's VMs run under /tmp/aenv-vm-<hash>, which
+    a throwaway server's discard removes with the rest (the leftover check found one)."""
+    from aenv.runtime.vm.runtime import run_root_for
+    from aenv.testing.server import discard_vm_state
+
+    state = tmp_path / ("x" * 80) / "state"
+    run_root = run_root_for(state)
+    assert not run_root.is_relative_to(state)
+    (run_root / "sbx1").mkdir(parents=True)
+    (run_root / "sbx1" / "qmp.sock").write_text("")
+    discard_vm_state(state)
+    assert not run_root.exists()
