@@ -11,10 +11,9 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
-from aenv.testing.server import API_KEY, Server, discard_vm_state, start_server, stop_server
+from aenv.testing.server import API_KEY, Server, discard_vm_state, kill_sandboxes, start_server, stop_server
 from tests.fixtures.plugin import PushedImages
 
 __all__ = ["API_KEY", "Server", "start_server", "stop_server"]
@@ -62,11 +61,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, runtime_name: str) -> Itera
     srv = start_server(tmp_path_factory.mktemp("aenv-server"), runtime_name)
     yield srv
     # Kill what the session left, then stop the server so it cleans up its runtime.
-    try:
-        for s in httpx.get(srv.url + "/v2/sandboxes", headers={"X-API-KEY": API_KEY}, trust_env=False).json():
-            httpx.delete(f"{srv.url}/sandboxes/{s['sandboxID']}", headers={"X-API-KEY": API_KEY}, trust_env=False)
-    except Exception:
-        pass
+    kill_sandboxes(srv)
     stop_server(srv)
     discard_vm_state(srv.state_dir)  # QEMUs a killed server left, and the template RAM in /dev/shm
 
@@ -86,8 +81,7 @@ def _gateway_in_front(tmp_path_factory: pytest.TempPathFactory, runtime_name: st
         if gw is not None:
             stop_gateway(gw)
         for node in nodes:
-            for s in httpx.get(node.url + "/v2/sandboxes", trust_env=False).json():
-                httpx.delete(f"{node.url}/sandboxes/{s['sandboxID']}", trust_env=False)
+            kill_sandboxes(node)
             stop_server(node)
             discard_vm_state(node.state_dir)
 

@@ -121,8 +121,10 @@ class Orchestrator:
         self._tasks.append(asyncio.create_task(self._sampler(), name="aenv-sampler"))
 
     async def close(self) -> None:
-        if self.settings.stop_sandboxes_on_exit:
-            await self._kill_all_on_exit()
+        if self.settings.stop_sandboxes_on_exit:  # a throwaway server takes every sandbox with it
+            report = await self.kill_matching({}, KILLED, "the server stopped (stop_sandboxes_on_exit)")
+            for sandbox_id, why in report.failed:  # (each one killed is logged by kill())
+                log.warning("stop_sandboxes_on_exit: sandbox=%s not killed: %s", sandbox_id, why)
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -134,15 +136,6 @@ class Orchestrator:
         await self.builds.aclose()
         await self.template_flows.aclose()
         await self.runtime.close()
-
-    async def _kill_all_on_exit(self) -> None:
-        """``stop_sandboxes_on_exit``: a throwaway server takes every sandbox with it (their processes,
-        QEMUs, slirp4netns and disks), so a harness that stops it leaves nothing running."""
-        report = await self.kill_matching({}, KILLED, "the server stopped (stop_sandboxes_on_exit)")
-        if report.killed or report.failed:
-            log.info("stop_sandboxes_on_exit: killed %d sandboxes", len(report.killed))
-        for sandbox_id, why in report.failed:
-            log.warning("stop_sandboxes_on_exit: sandbox=%s not killed: %s", sandbox_id, why)
 
     async def update_network(self, sandbox_id: str, req: net.NetworkRequest, allow_internet: bool | None) -> None:
         """``PUT /sandboxes/{id}/network``: replace the sandbox's egress rules, live (``network.update``)."""

@@ -291,8 +291,9 @@ async def close_orphaned_slirps() -> list[int]:
             _SERVING.pop(pid, None)
     gone = [s for s in list(_SERVING.values()) if s.target is not None and not s.target.alive()]
     for slirp in gone:
+        assert slirp.target is not None
         log.warning("slirp4netns %d outlived the sandbox it served (pid %d): closed", slirp.ref.pid,
-                    slirp.target.pid if slirp.target else 0)
+                    slirp.target.pid)
         await slirp.aclose()
     return [s.ref.pid for s in gone]
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import ssl
 import subprocess
 import sys
 import time
@@ -22,9 +21,9 @@ from aenv.testing.server import (
     Tls,
     discard_vm_state,
     free_port,
+    healthy_or_stopped,
     start_server,
     stop_server,
-    wait_healthy,
 )
 
 KEY = {"X-API-KEY": API_KEY}
@@ -130,16 +129,7 @@ def start_gateway(
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=exit_with_parent())  # fmt: skip
     gw = Server(f"{'https' if tls else 'http'}://127.0.0.1:{port}", tmp, proc, log_path, env, tls.ca if tls else None)
-    verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(tls.ca)) if tls else True
-    try:
-        healthy = wait_healthy(gw, 60, "aenv gateway", verify)
-    except BaseException:
-        stop_gateway(gw)
-        raise
-    if healthy:
-        return gw
-    stop_gateway(gw)
-    raise RuntimeError(f"aenv gateway did not become healthy:\n{gw.log_tail()}")
+    return healthy_or_stopped(gw, 60, "aenv gateway", stop_gateway)
 
 
 def stop_gateway(gw: Server) -> None:

@@ -9,6 +9,7 @@ import ssl
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,7 +77,6 @@ def start_server(
         # nothing marked mergeable: ksmd takes no CPU from a test suite on 2 cores (the KSM tests and
         # the bench ask for the default, auto)
         "AENV_KSM": "off",
-
         **({"AENV_TLS_CERT": str(tls.cert), "AENV_TLS_KEY": str(tls.key)} if tls else {}),
         **(extra_env or {}),
     }
@@ -91,16 +91,26 @@ def start_server(
         )
     scheme = "https" if tls else "http"
     server = Server(f"{scheme}://127.0.0.1:{port}", state, proc, log_path, env, tls.ca if tls else None)
-    verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(tls.ca)) if tls else True
+    return healthy_or_stopped(server, 240, "aenv serve", stop_server)
+
+
+def healthy_or_stopped(server: Server, seconds: float, what: str, stop: Callable[[Server], None]) -> Server:
+    """``server`` once it answers ``/health`` (trusting its CA, if it has one); otherwise, or when this
+    process is interrupted meanwhile (SIGTERM, Ctrl-C), it is stopped with ``stop`` and the call raises."""
     try:
-        healthy = wait_healthy(server, 240, "aenv serve", verify)
-    except BaseException:  # it exited, or this process is being stopped (SIGTERM, Ctrl-C) meanwhile
-        stop_server(server)
+        healthy = wait_healthy(server, seconds, what, trust(server))
+    except BaseException:  # it exited, or this process is being stopped
+        stop(server)
         raise
-    if healthy:
-        return server
-    stop_server(server)
-    raise RuntimeError(f"aenv serve did not become healthy:\n{server.log_tail()}")
+    if not healthy:
+        stop(server)
+        raise RuntimeError(f"{what} did not become healthy:\n{server.log_tail()}")
+    return server
+
+
+def trust(server: Server) -> ssl.SSLContext | bool:
+    """What a client of ``server`` verifies its certificate with: its own CA for an HTTPS test server."""
+    return ssl.create_default_context(cafile=str(server.ca)) if server.ca else True
 
 
 def wait_healthy(server: Server, seconds: float, what: str, verify: ssl.SSLContext | bool = True) -> bool:
@@ -132,9 +142,8 @@ def kill_sandboxes(server: Server) -> None:
     """Kill every sandbox ``server`` lists, through its API; best effort (a server that is gone or
     stuck answers nothing). For servers that keep their sandboxes across a stop."""
     headers = {"X-API-KEY": API_KEY}
-    verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(server.ca)) if server.ca else True
     try:
-        with httpx.Client(headers=headers, trust_env=False, verify=verify, timeout=60) as client:
+        with httpx.Client(headers=headers, trust_env=False, verify=trust(server), timeout=60) as client:
             for s in client.get(server.url + "/v2/sandboxes").json():
                 client.delete(f"{server.url}/sandboxes/{s['sandboxID']}")
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
@@ -177,8 +186,8 @@ def discard_vm_state(state_dir: Path) -> None:
     """For a stopped server whose state is thrown away: kill its QEMUs (:func:`reap_vms`), remove its
     VMs' short run root from the temp dir (if it has one) and its template RAM from /dev/shm,
     unmounting the frozen-RAM ramfs (see ``VmRuntime.shm_dir``), only if that directory's owner file
-    names this state dir. Not part of
-    :func:`stop_server`: a restart on the same state dir adopts the running VMs and templates."""
+    names this state dir. Not part of :func:`stop_server`: a restart on the same state dir adopts the
+    running VMs and templates."""
     import contextlib
 
     from aenv.runtime.vm.frozen import remove_tree

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aenv.errors import AenvError
-from aenv.runtime import ksm
 from aenv.runtime.base import RuntimeState, SandboxImage, SandboxSpec
 from aenv.runtime.ns import checkpoint
 from aenv.runtime.ns.disk import remove_tree
@@ -77,7 +76,7 @@ class ProcImages:
 
     def _key(self, template: SandboxImage, allow_internet: bool) -> str:
         return image_key(template, allow_internet, self.rt.tools, self.rt.snapshots.criu_status().exe,
-                         ksm.decide(self.rt.settings).merge)
+                         self.rt.mergeable)
 
     async def start(self, spec: SandboxSpec, template: SandboxImage,
                     snapshot_layers: tuple[str, ...]) -> RuntimeState | None:

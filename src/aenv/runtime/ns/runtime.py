@@ -122,6 +122,7 @@ class NsRuntime:
         self.releaser = NsReleaser(self, settings.ns_release_paused_after)
         self.procimages = ProcImages(self)
         self.lifecycle = NsLifecycle(self)
+        self.mergeable = ksm.decide(settings).merge  # KSM may merge the sandboxes' pages (the ksm policy)
         self._started = False
         self._slirp_sweeper: asyncio.Task[None] | None = None
 
@@ -242,7 +243,7 @@ class NsRuntime:
                              default_limits=limits, debug_log=self.debug_log, nice=nice, zygote=self.zygote,
                              disk=self.disk if self.disk.active else None, userns=self.userns,
                              disk_mb=self.settings.default_disk_mb if disk_mb is None else disk_mb,
-                             mergeable=ksm.decide(self.settings).merge)
+                             mergeable=self.mergeable)
 
     async def _launch_pooled(self, template: SandboxImage, allow_internet: bool) -> NsSandbox:
         assert self.layout is not None
