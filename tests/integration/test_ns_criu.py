@@ -218,3 +218,28 @@ def test_start_from_the_templates_process_image_can_be_forked(server: Server, ow
         pooled = Sandbox.create("base", timeout=600)
         owned.append(pooled.sandbox_id)
         assert pooled.commands.run("hostname; whoami").stdout.split() == [pooled.sandbox_id, "user"]
+
+
+def test_a_debug_logging_servers_sandboxes_fork_and_start_from_the_process_image(tmp_path: Path) -> None:
+    """With ``log_level = debug`` every sandbox process keeps ``/.aenv-run/agent.log`` open; restores
+    map that external mount to the new sandbox's run dir, where CRIU needs the file as dumped (it
+    failed "Can't open file .aenv-run/agent.log", and every fork of such a server with it)."""
+    from e2b import Sandbox
+
+    srv = start_server(tmp_path, "ns", {"AENV_LOG_LEVEL": "debug", "AENV_POOL_SIZE": "1"})
+    try:
+        conn = {"api_url": srv.url, "sandbox_url": srv.url, "api_key": API_KEY}
+        parent = Sandbox.create("base", timeout=300, **conn)  # type: ignore[arg-type]
+        parent.commands.run("echo parent-was-here")
+        from aenv.client import AenvClient
+
+        with AenvClient(srv.url, API_KEY) as client:
+            forked = client.fork(parent.sandbox_id, count=2)
+        assert len(forked.sandbox_ids) == 2, forked.errors
+        for sid in forked.sandbox_ids:
+            assert Sandbox.connect(sid, **conn).commands.run("hostname").stdout.strip() == sid  # type: ignore[arg-type]
+        log = srv.log_path.read_text()
+        assert "restore of the template's process image failed" not in log
+        assert "Can't open file" not in log
+    finally:
+        stop_server(srv)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import subprocess
 import tempfile
 import time
@@ -35,6 +36,7 @@ from aenv.runtime.nsthread import in_private_mounts, run_in_namespace
 
 DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
+DEBUG_LOG = "agent.log"  # in /.aenv-run, with log_level = debug (sandbox.agent_argv)
 _libc = ctypes.CDLL(None, use_errno=True)
 _MNT_DETACH = 2
 # Logged on every run because CAP_SYS_RESOURCE is missing for criu's own rlimit: not a failure.
@@ -162,7 +164,7 @@ def dumped_userns(images: Path) -> int | None:
 
 
 def dump(exe: str, init_pid: int, images: Path, *, freezer: Path | None, leave_running: bool = True,
-         volumes: Sequence[str] = ()) -> None:
+         volumes: Sequence[str] = (), run_dir: Path | None = None) -> None:
     """``criu dump`` of the tree rooted at ``init_pid`` into ``images``, CRIU run in the tree's own
     network namespace (``criu.in_netns_of_argv``): the namespace is then not one to dump at all.
     Whether the tree runs in a user namespace is read from its uid map, not from the server's
@@ -174,8 +176,12 @@ def dump(exe: str, init_pid: int, images: Path, *, freezer: Path | None, leave_r
     outside it, so a restore cannot put it in CRIU's), and /dev is external (CRIU would tar the tmpfs
     with the device nodes bound over it: its clean view needs a directory it makes as host uid 0 in
     the sandbox's /tmp, which the idmapped upper refuses; a restore inside the user namespace could
-    not mknod them either). ``volumes``: the mount points of its E2B volumes (external)."""
+    not mknod them either). ``volumes``: the mount points of its E2B volumes (external).
+    ``run_dir``: the sandbox's ``/.aenv-run``, for its debug log (``keep_debug_log``); the tree must
+    be frozen then."""
     images.mkdir(parents=True, exist_ok=True)
+    if run_dir is not None:
+        keep_debug_log(run_dir, images)
     if sockets.has_outside_tcp(sockets.tree_pids(init_pid)):  # read while frozen: no socket gains a peer
         (images / criu.OUTSIDE_TCP_MARK).touch()
     base = mapped_base(init_pid)
@@ -189,6 +195,23 @@ def dump(exe: str, init_pid: int, images: Path, *, freezer: Path | None, leave_r
                           volumes=volumes)
     run_criu(criu.in_netns_of_argv(init_pid, criu.in_kdat_cache_argv(kdat_cache(exe), argv)), images / DUMP_LOG,
              "dump")
+
+
+def keep_debug_log(run_dir: Path, images: Path) -> None:
+    """With ``log_level = debug`` the agent, envd and the start command keep ``/.aenv-run/agent.log``
+    open. That mount is external: a restore maps it to the new sandbox's run dir, where CRIU must
+    find the file at the size it dumped, or it fails ("Can't open file .aenv-run/agent.log"). So the
+    (frozen) log is copied beside the images and ``restore`` puts it in place first."""
+    with contextlib.suppress(FileNotFoundError):
+        _copy_owned(run_dir / DEBUG_LOG, images / DEBUG_LOG)
+
+
+def _copy_owned(src: Path, dst: Path) -> None:
+    """Contents, mode and owner (the sandbox's root, a mapped uid in a user namespace: the restored
+    processes open the file as that uid)."""
+    shutil.copy2(src, dst)
+    st = src.stat()
+    os.chown(dst, st.st_uid, st.st_gid)
 
 
 def _ip(pid: int, *args: str) -> None:
@@ -233,6 +256,8 @@ def restore(exe: str, images: Path, *, lowers: list[str], upper: Path, work: Pat
     pidfile = run_dir / "criu-restore.pid"
     log = run_dir / RESTORE_LOG
     userns = _userns_for(images, userns)
+    if (images / DEBUG_LOG).exists():  # keep_debug_log
+        _copy_owned(images / DEBUG_LOG, run_dir / DEBUG_LOG)
     if userns is not None:
         if on_netns is not None:
             raise ValueError("a restore in a user namespace has no fresh network namespace to hand out")

@@ -128,8 +128,7 @@ class ProcImages:
             self._drop(key)
             return None
         try:
-            await asyncio.to_thread(sbx.cgroup.set_weight, True)
-            await asyncio.to_thread(sbx.reprioritize, POOL_NICE)
+            await asyncio.to_thread(sbx.reprioritize, POOL_NICE)  # (its cgroups had the pool's weight from the start)
         except BaseException:  # cancelled (the pool closes) before the pool holds it: it ends here
             await sbx.aclose()
             raise
@@ -187,7 +186,7 @@ class ProcImages:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         sbx.cgroup.freeze()
-        checkpoint.dump(status.exe, sbx.init.pid, tmp / CRIU_DIR, freezer=sbx.cgroup.dir("freezer"),
+        checkpoint.dump(status.exe, sbx.init.pid, tmp / CRIU_DIR, freezer=sbx.cgroup.dir("freezer"), run_dir=sbx.paths.run,
                         leave_running=False)
         copy_tree(sbx.paths.upper, tmp / UPPER)
         shutil.rmtree(dest, ignore_errors=True)

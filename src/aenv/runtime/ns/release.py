@@ -131,7 +131,8 @@ class NsReleaser:
             await asyncio.to_thread(shutil.rmtree, root / RELEASED_DIR, True)
             async with sbx.quiesce():
                 await asyncio.to_thread(checkpoint.dump, status.exe, sbx.init.pid, images,
-                                        freezer=sbx.cgroup.dir("freezer"), volumes=self.rt.volume_points(sbx))
+                                        freezer=sbx.cgroup.dir("freezer"), volumes=self.rt.volume_points(sbx),
+                                        run_dir=sbx.paths.run)
             data = {**sbx.state(), "released": True}
             await asyncio.to_thread(_write_marker, root, data)
             fault_point("ns.release.marked")

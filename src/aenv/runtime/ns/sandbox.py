@@ -58,6 +58,7 @@ from aenv.runtime.envd_client import (
 )
 from aenv.runtime.network import RESOLV_CONF, Slirp, kill_slirps_serving
 from aenv.runtime.ns.cgroups import Cgroup, Layout
+from aenv.runtime.ns.checkpoint import DEBUG_LOG
 from aenv.runtime.ns.disk import DiskQuota, remove_tree
 from aenv.runtime.ns.handout import HandOutFilter
 from aenv.runtime.ns.userns import SharedUserns
@@ -168,7 +169,7 @@ def agent_argv(opts: LaunchOptions) -> list[str]:
         "--channel", f"unix-listen:{RUN_MOUNT}/{SOCKET_NAME}",
         "--default-user", t.user or "user",
         "--env-json", json.dumps(t.env),
-        "--log", f"{RUN_MOUNT}/agent.log" if opts.debug_log else "/dev/null",
+        "--log", f"{RUN_MOUNT}/{DEBUG_LOG}" if opts.debug_log else "/dev/null",
     ]
     if opts.zygote is None:  # started by exec: CRIU can dump it, so keep it dumpable (criu.py)
         argv.append("--checkpointable")

@@ -343,7 +343,7 @@ class NsSnapshots:
     def _criu_dump(self, sbx: NsSandbox, images: Path, leave_running: bool = True) -> None:
         status = self.criu_status()
         assert status.exe is not None and sbx.init is not None
-        checkpoint.dump(status.exe, sbx.init.pid, images, freezer=sbx.cgroup.dir("freezer"),
+        checkpoint.dump(status.exe, sbx.init.pid, images, freezer=sbx.cgroup.dir("freezer"), run_dir=sbx.paths.run,
                         leave_running=leave_running, volumes=self.rt.volume_points(sbx))
 
     def _compact(self, into: Path, snapshot_layers_top_first: list[str]) -> None:
@@ -454,7 +454,7 @@ class NsSnapshots:
 
         def prepare_and_restore() -> int:
             return restore_into(sbx, spec, None if stacked else Path(layers[0]), snapshot / CRIU_DIR, exe, tools,
-                                on_netns)
+                                on_netns, low_weight=not live)
 
         try:
             async with self._images.reading(snapshot / CRIU_DIR):  # its pagemaps never switched mid-restore
@@ -482,9 +482,11 @@ def _restore_pool() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def restore_into(sbx: NsSandbox, spec: SandboxSpec, upper: Path | None, images: Path, exe: str, tools: Path,
-                 on_netns: Callable[[int], None] | None = None) -> int:
+                 on_netns: Callable[[int], None] | None = None, low_weight: bool = False) -> int:
     """Blocking: make ``sbx``'s directory and cgroups, copy ``upper`` in (None: an empty upper, the
-    snapshot's upper is a lower of ``sbx``), restore ``images`` (``on_netns``: ``checkpoint.restore``'s); the pid."""
+    snapshot's upper is a lower of ``sbx``), restore ``images`` (``on_netns``: ``checkpoint.restore``'s); the pid.
+    ``low_weight``: a pool refill; CRIU runs in the sandbox's cgroups, so giving them the pool's CPU
+    weight first keeps the whole restore, not only what follows it, from slowing live sandboxes."""
     paths, cg, opts = sbx.paths, sbx.cgroup, sbx.opts
     shutil.rmtree(paths.upper, ignore_errors=True)
     if opts is not None and opts.disk is not None:  # the quota subvolume must exist before the copy lands in it
@@ -496,6 +498,8 @@ def restore_into(sbx: NsSandbox, spec: SandboxSpec, upper: Path | None, images: 
     paths.new_boot_id()  # restored processes keep running, but in a sandbox (a boot) of its own
     cg.create()
     cg.set_limits(spec.cpu_count, spec.memory_mb, spec.pids_limit)
+    if low_weight:
+        cg.set_weight(low=True)
     return checkpoint.restore(exe, images, lowers=sbx.lowers, upper=paths.upper, work=paths.work,
                               merged=paths.merged, run_dir=paths.run, tools=tools, boot_id=paths.boot_id,
                               procs_files=cg.procs_files(), on_netns=on_netns,

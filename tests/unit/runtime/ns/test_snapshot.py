@@ -236,9 +236,9 @@ async def test_full_snapshot_dumps_while_frozen(tmp_path: Path, usable_criu: Non
             Path(argv[-1]).mkdir()
 
     def dump(exe: str, pid: int, images: Path, *, freezer: Path | None, leave_running: bool = True,
-             volumes: Sequence[str] = ()) -> None:
+             volumes: Sequence[str] = (), run_dir: Path | None = None) -> None:
         assert (exe, pid, leave_running, list(volumes)) == ("/opt/criu", 4242, True, [])
-        assert freezer is not None
+        assert freezer is not None and run_dir is not None  # its debug log is kept while frozen
         log.append("dump")
 
     monkeypatch.setattr(snap, "_run", run)
