@@ -5,11 +5,13 @@ open the egress listener in a sandbox's network namespace and to name a sandbox'
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import os
+import queue
 import threading
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -58,6 +60,46 @@ def run_in_namespace(pid: int, kind: str, call: Callable[[ctypes.CDLL], T], *, t
         return call(libc)
 
     return _on_own_thread(enter_then_call, thread_name)
+
+
+class NamespaceWorker:
+    """One long-lived thread that runs calls in ``kind`` namespaces of other processes, one after
+    another, entering each call's namespace first. For a call on every create (naming a pooled
+    sandbox's UTS namespace): a new thread per call costs its start, a ``dlopen`` and a join, ~0.5 ms
+    on the event loop of a busy 2-core host; a hand-off to this one, tens of µs. Only this thread
+    ever changes namespace (it stays in the last one it entered: nothing else runs on it)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._jobs: queue.SimpleQueue[tuple[int, Callable[[ctypes.CDLL], Any], concurrent.futures.Future[Any]]] = (
+            queue.SimpleQueue())
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def run(self, pid: int, call: Callable[[ctypes.CDLL], T]) -> T:
+        """``call(libc)`` in ``pid``'s namespace; its result, or its exception raised here. Blocking."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name=f"ns-{self.kind}", daemon=True)
+                self._thread.start()
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._jobs.put((pid, call, done))
+        return done.result()
+
+    def _serve(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        label, flag = KINDS[self.kind]
+        while True:
+            pid, call, done = self._jobs.get()
+            try:
+                fd = os.open(f"/proc/{pid}/ns/{self.kind}", os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    _check(libc.setns(fd, flag), f"setns into the {label} namespace of {pid}")
+                finally:
+                    os.close(fd)
+                done.set_result(call(libc))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                done.set_exception(exc)
 
 
 def in_private_mounts(prepare: Callable[[], None], then: Callable[[], T], *, thread_name: str) -> T:

@@ -6,8 +6,9 @@ its randomness (below).
 launched before their ID exists (under the placeholder ``aenv``), and a process restore (fork child,
 create from a full snapshot, rollback, resume from disk) brings back the UTS namespace CRIU dumped,
 named after the parent. So the host sets the name once the ID is known: at hand-out, after an exec
-start and after every restore, from a short-lived thread that joins the sandbox's UTS namespace with
-``setns`` and calls ``sethostname`` (the server's other threads never change namespace). E2B's own
+start and after every restore, from one long-lived thread that joins the sandbox's UTS namespace with
+``setns`` and calls ``sethostname`` (the server's other threads never change namespace). envd cannot
+do it: a sandbox's root has no CAP_SYS_ADMIN. E2B's own
 sandboxes are all called ``e2b.local``; aenv names them apart so that a fork child's logs, prompts and
 ``socket.gethostname()`` tell children apart. The name is not added to the sandbox's ``/etc/hosts``
 (the image's file is left as it is).
@@ -31,14 +32,15 @@ import ctypes
 import os
 import re
 
-from aenv.runtime.nsthread import run_in_namespace
+from aenv.runtime.nsthread import NamespaceWorker
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,62}")
+_UTS = NamespaceWorker("uts")  # every create of a pooled sandbox names it: no thread start per name
 
 
 def set_hostname(pid: int, name: str) -> None:
-    """Name the UTS namespace of ``pid`` (a sandbox's init) ``name``. Blocking, a few hundred µs:
-    one thread that enters the namespace, sets the name and ends."""
+    """Name the UTS namespace of ``pid`` (a sandbox's init) ``name``. Blocking, tens of µs: a hand-off
+    to the one thread that enters UTS namespaces."""
     if not _NAME.fullmatch(name):
         raise ValueError(f"not a hostname: {name!r}")
     def name_it(libc: ctypes.CDLL) -> None:
@@ -47,4 +49,4 @@ def set_hostname(pid: int, name: str) -> None:
             err = ctypes.get_errno()
             raise OSError(err, f"sethostname {name}: {os.strerror(err)}")
 
-    run_in_namespace(pid, "uts", name_it, thread_name=f"uts-{pid}")
+    _UTS.run(pid, name_it)

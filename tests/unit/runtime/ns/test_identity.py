@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import threading
 
 import pytest
 
@@ -33,3 +34,38 @@ def test_names_the_namespace_of_the_pid_only() -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def _in_new_uts() -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(["unshare", "--uts", "--", "sleep", "30"])
+    for _ in range(200):
+        if os.readlink(f"/proc/{proc.pid}/ns/uts") != os.readlink("/proc/self/ns/uts"):
+            return proc
+        subprocess.run(["sleep", "0.01"], check=True)
+    raise AssertionError("unshare did not make a UTS namespace")
+
+
+def _hostname_of(pid: int) -> str:
+    return subprocess.run(["nsenter", "--uts", "-t", str(pid), "hostname"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (unshare --uts)")
+def test_one_thread_names_many_namespaces_and_survives_a_failure() -> None:
+    """The namer is one long-lived thread: it goes from namespace to namespace, a failed setns (a
+    process that is gone) is the caller's error, and the next name still lands where it should."""
+    ours = socket.gethostname()
+    a, b = _in_new_uts(), _in_new_uts()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    try:
+        identity.set_hostname(a.pid, "sbx-a")
+        with pytest.raises(OSError):
+            identity.set_hostname(gone.pid, "sbx-gone")
+        identity.set_hostname(b.pid, "sbx-b")
+        assert (_hostname_of(a.pid), _hostname_of(b.pid), socket.gethostname()) == ("sbx-a", "sbx-b", ours)
+        assert "ns-uts" in {t.name for t in threading.enumerate()}
+    finally:
+        for p in (a, b):
+            p.kill()
+            p.wait()
