@@ -8,8 +8,9 @@ snapshots) and, in the same run, the baseline doing the same job: ``docker`` run
 the same rootfs on a private engine the bench starts, ``runc run``, and for the vm runtime a plain QEMU
 cold boot. Samples alternate between systems (order flipped every round) so machine drift hits all alike.
 
-Writes ``results.json``, ``results.md`` and ``chart.png`` (needs matplotlib: ``pip install -e '.[bench]'``)
-to ``--out`` (default ``bench/results/<UTC time>/``, gitignored) and prints the Markdown table.
+Writes ``results.json``, ``results.md`` and ``chart.png`` (needs matplotlib: ``pip install -e '.[bench]'``),
+with the ``scale`` scenario also ``scale.png`` (its per-step series), to ``--out`` (default
+``bench/results/<UTC time>/``, gitignored) and prints the Markdown table.
 Nothing here asserts on numbers.
 """
 
@@ -33,7 +34,7 @@ from rich.console import Console
 
 from aenv.testing.procs import unwind_on_signals
 from aenv.testing.server import API_KEY, discard_vm_state, start_server, stop_server
-from bench import builds, cluster, core, density, forks, gateway, lazy, report, rl, volumes, ws
+from bench import builds, cluster, core, density, forks, gateway, lazy, report, rl, scale, volumes, ws
 from bench.context import Ctx
 
 console = Console(stderr=True)
@@ -50,6 +51,7 @@ SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "released": forks.released_resume,
     "volumes": volumes.volume_mounts,
     "density": density.density,
+    "scale": scale.density_at_scale,
     "rl": rl.rl_loop,
     "rl-groups": rl.rl_groups,
     "build": builds.template_build,
@@ -62,8 +64,8 @@ GROUPS = {
     "core": ["create", "concurrent", "roundtrip", "files", "pause"],
     "snapshots": ["snapshot", "fork", "rollback", "released"],
     # rl-groups' rows are part of rl; lazy brings its own registry and servers (minutes), cluster needs
-    # Ray and root: run those by name
-    "all": [s for s in SCENARIOS if s not in ("rl-groups", "lazy", "cluster")],
+    # Ray and root, scale fills half the host's memory (a full run takes many minutes): run those by name
+    "all": [s for s in SCENARIOS if s not in ("rl-groups", "lazy", "cluster", "scale")],
 }
 
 
@@ -155,6 +157,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench") -> int:
     md = report.render_markdown(results)
     (out_dir / "results.md").write_text(md)
     chart = report.render_chart(results, out_dir / "chart.png")
+    if report.scale_series(results) and not report.render_scale_chart(results, out_dir / "scale.png"):
+        console.print(f"no scale.png: {report.CHART_MISSING}")
     print(md)
     console.print(f"results in {out_dir}" + ("" if chart else f" (no chart: {report.CHART_MISSING})"))
     failed = [f"{rt}/{s}" for rt, run in results["runs"].items() for s in run.get("errors", {})]

@@ -20,10 +20,13 @@ import os
 import sqlite3
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.context import Ctx
 from bench.rows import row, scenario, value_row
+
+if TYPE_CHECKING:
+    from bench.baselines import DockerBaseline
 
 BUDGET_MB = 4096.0
 
@@ -93,25 +96,33 @@ def cgroup_pids_of(pid: int) -> list[int]:
     return [int(x) for x in (memory_path / "cgroup.procs").read_text().split()]
 
 
+def docker_pss(docker: DockerBaseline, cids: list[str]) -> tuple[list[float], list[float]]:
+    """PSS (MB) of each container's cgroup, and of the same plus its ``containerd-shim`` (the parent of
+    the container's init): what one more container costs beyond the engine's shared daemons."""
+    inits = [docker.init_pid(c) for c in cids]
+    return [pss_mb(cgroup_pids_of(p)) for p in inits], [pss_mb(cgroup_pids_of(p)) + pss_mb([ppid(p)]) for p in inits]
+
+
 def ppid(pid: int) -> int:
     stat = Path(f"/proc/{pid}/stat").read_text()
     return int(stat.rsplit(")", 1)[1].split()[1])
 
 
-def _after_ksm(ctx: Ctx) -> tuple[float, int, float] | None:
-    """When the server merges sandboxes (``/aenv/info`` ksm): wait for ksmd's next two full scans (bounded:
-    15 s smoke, 120 s full), and say how long it took, how many scans ran and ksmd's CPU time meanwhile.
-    None when the server does not merge or the host has no ksmd running."""
+def after_ksm(url: str, max_wait: float) -> tuple[float, int, float] | None:
+    """When the server at ``url`` merges sandboxes (``/aenv/info`` ksm): wait for ksmd's next two full
+    scans (two: the first may have begun before the last sandbox came), at most ``max_wait`` s, and say
+    how long it took, how many scans ran and ksmd's CPU time meanwhile. None when the server does not
+    merge or the host has no ksmd running."""
     import httpx
 
     from aenv.runtime import ksm
 
     key = os.environ.get("E2B_API_KEY", "")
-    info = httpx.get(ctx.url + "/aenv/info", headers={"X-API-KEY": key}, trust_env=False).json()
+    info = httpx.get(url + "/aenv/info", headers={"X-API-KEY": key}, trust_env=False).json()
     if not info.get("ksm", {}).get("merge") or not info["ksm"].get("running"):
         return None
     scans0, cpu0, t0 = _full_scans(), ksm.ksmd_cpu_seconds() or 0.0, time.monotonic()
-    deadline = t0 + (15 if ctx.smoke else 120)
+    deadline = t0 + max_wait
     while _full_scans() < scans0 + 2 and time.monotonic() < deadline:
         time.sleep(0.5)
     return time.monotonic() - t0, _full_scans() - scans0, (ksm.ksmd_cpu_seconds() or 0.0) - cpu0
@@ -172,7 +183,7 @@ def density(ctx: Ctx) -> dict[str, Any]:
         per = rows[0]["p50"]
         rows.append(value_row("idle sandboxes in 4 GiB", ctx.system, BUDGET_MB / per, len(ours), "count",
                               note="4096 MB / median PSS"))
-        merged = _after_ksm(ctx)
+        merged = after_ksm(ctx.url, 15 if ctx.smoke else 120)
         if merged is not None and ctx.runtime == "ns":
             off = _unmerged(ctx, count)
             rows.append(row("PSS per idle sandbox", f"{ctx.system} ksm off", off, unit="MB",
@@ -186,9 +197,7 @@ def density(ctx: Ctx) -> dict[str, Any]:
             rows.append(value_row("idle sandboxes in 4 GiB, KSM merged", ctx.system, BUDGET_MB / rows[-1]["p50"],
                                   len(after), "count", note="4096 MB / median PSS after merging"))
         if ctx.docker is not None:
-            inits = [ctx.docker.init_pid(c) for c in cids]
-            bare = [pss_mb(cgroup_pids_of(p)) for p in inits]
-            shim = [pss_mb(cgroup_pids_of(p)) + pss_mb([ppid(p)]) for p in inits]
+            bare, shim = docker_pss(ctx.docker, cids)
             rows.append(row("PSS per idle sandbox", "docker", bare, unit="MB",
                             note="container's cgroup (`sleep infinity`)"))
             rows.append(row("PSS per idle sandbox + shim", "docker", shim, unit="MB",

@@ -3,6 +3,7 @@
     python -m bench.report RESULTS.json                      # print the Markdown
     python -m bench.report RESULTS.json --readme README.md   # replace the generated part of ## Results
     python -m bench.report RESULTS.json --chart chart.png
+    python -m bench.report RESULTS.json --scale-chart scale.png   # the scale scenario's series
 
 In the README only the text between the ``bench:results`` markers is generated; the prose around it
 (the comparison with other systems' published figures) is written by hand.
@@ -232,6 +233,59 @@ def render_chart(results: dict[str, Any], path: Path) -> bool:
     return True
 
 
+def scale_series(results: dict[str, Any]) -> list[tuple[str, dict[str, list[dict[str, Any]]]]]:
+    """(runtime, {system: steps}) of every run whose scenarios carry a per-step series (``scale``)."""
+    return [(rt, sc["series"]) for rt, run in results["runs"].items()
+            for sc in run.get("scenarios", {}).values() if sc.get("series")]
+
+
+def render_scale_chart(results: dict[str, Any], path: Path) -> bool:
+    """The density-at-scale chart: create p50/p99, host memory per sandbox and the server's (or the
+    engine's) RSS against the count, one line per system, from the ``scale`` scenario's series. False
+    (and no file) without matplotlib or without that scenario."""
+    found = scale_series(results)
+    if not found:
+        return False
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for rt, series in found:
+        for i, (system, steps) in enumerate(series.items()):
+            if not steps:
+                continue
+            colour = f"C{i}"
+            x = [s["count"] for s in steps]
+            if "create_p50_ms" in steps[0]:
+                axes[0].plot(x, [s["create_p50_ms"] for s in steps], "-o", ms=3, color=colour, label=f"{rt}: {system} p50")
+                axes[0].plot(x, [s["create_p99_ms"] for s in steps], "--", color=colour, label=f"{rt}: {system} p99")
+            axes[1].plot(x, [s["host_mb_each"] for s in steps], "-o", ms=3, color=colour, label=f"{rt}: {system}")
+            if "server_rss_mb" in steps[0]:
+                axes[2].plot(x, [s["server_rss_mb"] + s.get("helpers_rss_mb", 0) for s in steps], "-o", ms=3,
+                             color=colour, label=f"{rt}: {system}")
+    for ax, title, ylabel in zip(axes, ("create latency per step", "host memory per sandbox (MemAvailable drop ÷ count)",
+                                        "server (aenv) / engine (dockerd + containerd) RSS"),
+                                 ("ms (log scale)", "MB", "MB"), strict=True):
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("sandboxes (fork: children)", fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.grid(alpha=0.3)
+        if ax.get_lines():
+            ax.legend(fontsize=7)
+    axes[0].set_yscale("log")
+    meta = results["meta"]
+    fig.suptitle(f"aenv bench: density at scale, {meta['date'][:10]}, {meta['mode']} run", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def update_readme(readme: Path, generated: str) -> None:
     """Replace the text between the markers; append a ``## Results`` section with them if absent."""
     text = readme.read_text()
@@ -251,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("results", type=Path)
     ap.add_argument("--readme", type=Path, help="update this README's ## Results section")
     ap.add_argument("--chart", type=Path, help="write the PNG chart here")
+    ap.add_argument("--scale-chart", type=Path, help="write the density-at-scale chart here (needs a scale run)")
     args = ap.parse_args(argv)
     results = json.loads(args.results.read_text())
     md = render_markdown(results)
@@ -260,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
         print(md)
     if args.chart and not render_chart(results, args.chart):
         print(f"no chart: {CHART_MISSING}", file=sys.stderr)
+        return 1
+    if args.scale_chart and not render_scale_chart(results, args.scale_chart):
+        print(f"no scale chart: no scale scenario in {args.results}, or {CHART_MISSING}", file=sys.stderr)
         return 1
     return 0
 

@@ -73,6 +73,30 @@ def test_fork_counts_and_meta(smoke: tuple[dict, Path]) -> None:  # type: ignore
     assert (out / "results.json").is_file() and "| scenario |" in (out / "results.md").read_text()
 
 
+@pytest.mark.timeout(300)
+def test_scale_scenario_smoke(tmp_path: Path) -> None:
+    """``scale`` is run by name (a full run fills half the host's memory); its smoke (6 sandboxes, 4 fork
+    children, docker where it can start) has the idle and fork rows, a per-step series, and kills all."""
+    if os.geteuid() != 0:
+        pytest.skip("the ns runtime needs root")
+    env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost", "PYTHONPATH": str(REPO / "src")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--smoke", "--scenarios", "scale", "--runtime", "ns",
+         "--json", str(tmp_path / "scale.json"), "--out", str(tmp_path / "out")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    sc = json.loads((tmp_path / "scale.json").read_text())["runs"]["ns"]["scenarios"]["scale"]
+    ours = {r["metric"]: r for r in sc["rows"] if r["system"] == "aenv-ns"}
+    assert ours["scale: idle sandboxes reached"]["p50"] == 6
+    assert ours["scale fork: children of one parent"]["p50"] == 4
+    assert ours["scale: run `true` in each sandbox at the end"]["n"] == 6
+    assert all(r["n"] > 0 for r in sc["rows"])  # memory drops may be negative on a busy host: not checked
+    assert [s["count"] for s in sc["series"]["aenv-ns"]] == [3, 6]
+    if "docker" in sc["series"]:
+        assert any(r["system"] == "docker" for r in sc["rows"])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_lazy_scenario_smoke(tmp_path: Path) -> None:

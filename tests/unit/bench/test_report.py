@@ -14,7 +14,8 @@ from bench.rows import alternate, row, scenario, value_row
 
 def test_select_groups_names_and_order() -> None:
     # rl's rows already hold rl-groups'; lazy starts its own registry and servers, run by name
-    assert select("all") == [s for s in SCENARIOS if s not in ("rl-groups", "lazy", "cluster")]
+    assert select("all") == [s for s in SCENARIOS if s not in ("rl-groups", "lazy", "cluster", "scale")]
+    assert select("scale") == ["scale"]
     assert select("rl-groups") == ["rl-groups"]
     assert select("lazy") == ["lazy"]
     assert select("rl,create") == ["create", "rl"]  # SCENARIOS order, not argument order
