@@ -6,7 +6,8 @@ process, which file or socket). What a dump needs from the sandbox beyond ``criu
 
 * no socket of the host's network namespace in any process (``host_sockets``, ``sockets.py``): the server's own
   connections to the agent and envd are such sockets, so the host closes its ends first and waits
-  for the sandbox to close the others (``NsSandbox.quiesce``);
+  for the sandbox to close the others (``NsSandbox.quiesce``), and for the agent and envd to accept
+  those still queued on their listening sockets (``wait_no_host_sockets``);
 * a consistent tree: the cgroup is frozen around the dump and the copy of the upper.
 
 A restore runs CRIU in a fresh network namespace and a private mount namespace where the sources of
@@ -65,16 +66,28 @@ def host_sockets(pids: list[int], init_pid: int, seen: dict[str, set[int]] | Non
     return left
 
 
-def wait_no_host_sockets(pids: Callable[[], list[int]], init_pid: int, timeout: float) -> None:
-    """Wait until no process of the sandbox holds a host socket (they close their ends after ours)."""
+def wait_no_host_sockets(pids: Callable[[], list[int]], init_pid: int, timeout: float,
+                         channels: str | None = None) -> None:
+    """Wait until no process of the sandbox holds a host socket (they close their ends after ours).
+    ``channels``: the sandbox's directory of the listening sockets the host connects to (the agent's
+    and envd's); first each of them must have accepted every connection queued on it. A connection
+    the host closed before it was accepted stays queued, and CRIU cannot dump a listener holding
+    one ("Found a closed in-flight socket"); accepted, it is a host socket until its process sees
+    the end and closes it. The queues are read before the sockets held, so one accepted between the
+    two reads is seen held."""
     deadline = time.monotonic() + timeout
     delay = 0.001
     seen: dict[str, set[int]] = {"inside": set(), "outside": set()}
+    listeners = sockets.unix_listeners(pids(), channels) if channels is not None else []
     while True:
-        left = host_sockets(pids(), init_pid, seen)
-        if not left:
+        queued = [listener for listener in listeners if sockets.has_queued(*listener)]
+        left = [] if queued else host_sockets(pids(), init_pid, seen)
+        if not queued and not left:
             return
         if time.monotonic() > deadline:
+            if queued:
+                raise CheckpointError(f"connections from the host wait to be accepted on a socket of pid "
+                                      f"{queued[0][0]} (fd {queued[0][1]}); cannot dump them")
             raise CheckpointError(f"processes still hold connections to the host ({len(left)} sockets, e.g. "
                                   f"pid {left[0][0]} socket {left[0][1]}); cannot dump them")
         time.sleep(delay)

@@ -90,6 +90,12 @@ NONLOCAL_BIND = "/proc/sys/net/ipv4/ip_nonlocal_bind"
 # failed with "Can't connect inet socket back: Network is unreachable". The connection itself is dead
 # in the restored tree, as in a restored VM: its peer knows only the parent.
 OUTSIDE_TCP_MARK = "aenv-outside-tcp"
+# A TCP connection not yet accepted (in a listener's queue) when the tree is frozen: CRIU cannot dump
+# one and refused the whole dump ("In-flight connection (l)"), which a server of the sandbox that is
+# being connected to (envd's TCP port by the agent's relay, anything the sandbox serves) made
+# happen now and then. Skipped, the listener is dumped without it: in the restored tree the
+# connecting end is reset, as a peer that went away would be; the source runs on untouched.
+SKIP_IN_FLIGHT = "--skip-in-flight"
 STAND_IN_ADDR = f"{SLIRP_TAP_ADDR}/32"  # the tap's, the only source such a socket has
 STAND_IN_ROUTE = f"ip addr add {STAND_IN_ADDR} dev lo && ip route add default dev lo"
 
@@ -240,7 +246,7 @@ def dump_argv(exe: str, pid: int, images: Path, *, freezer: Path | None, log: st
     dump: nine ``ip``/``iptables-save`` runs and the netlink walks), nor is a tap another process
     holds; ``restore_argv``'s ``empty_net`` brings back what the runtime needs."""
     argv = [exe, "dump", "-t", str(pid), "-D", str(images), "-o", log, "-v2", "--network-lock", "skip",
-            "--tcp-established", "--ext-unix-sk", "--file-locks", "--manage-cgroups=ignore",
+            "--tcp-established", SKIP_IN_FLIGHT, "--ext-unix-sk", "--file-locks", "--manage-cgroups=ignore",
             *_externals_dump(masked_here() if masked is None else masked, net_inode), *_volumes_dump(volumes)]
     if dev_external:
         argv += ["--external", f"mnt[/dev]:{EXT_DEV}"]

@@ -364,13 +364,18 @@ class NsSandbox:
         deadline = time.monotonic() + timeout
         delay = 0.0005
         while True:
+            await self._no_dump()
             try:
                 fd, path = _connect_path(self.paths.socket)
                 try:
-                    self._session = await open_unix_session(path, name=f"mux-{self.name}")
+                    session = await open_unix_session(path, name=f"mux-{self.name}")
                 finally:
                     os.close(fd)
-                return self._session
+                if self._gate is not None:  # a dump began while it connected: its quiesce did not see it
+                    await session.aclose()
+                    continue
+                self._session = session
+                return session
             except (FileNotFoundError, ConnectionRefusedError):
                 if not wait or time.monotonic() > deadline:
                     raise
@@ -395,13 +400,15 @@ class NsSandbox:
         """A stream to ``port`` in the sandbox. envd traffic goes straight to envd's own socket once
         it listens there (see aenv.mux.direct); everything else, and envd while it starts, through
         the agent's mux."""
-        while (gate := self._gate) is not None:  # a dump is being taken: no host socket may appear
-            await gate.wait()
         await self.egress.ready()  # nothing reaches the sandbox before its policy
-        if port == ENVD_PORT:
+        while port == ENVD_PORT:
+            await self._no_dump()
             direct = await self._open_direct()
-            if direct is not None:
+            if direct is None:
+                break
+            if self._gate is None:
                 return direct
+            await direct.aclose()  # a dump began while it connected: its quiesce did not see it
         session = await self.session()
         try:
             return await session.open(port, timeout=timeout)
@@ -409,6 +416,13 @@ class NsSandbox:
             if not session.closed:
                 raise
             return await (await self.session()).open(port, timeout=timeout)
+
+    async def _no_dump(self) -> None:
+        """Return once no dump is being prepared or taken (``quiesce``): no host socket may appear
+        meanwhile. The callers connect right after, with nothing awaited in between, and close what
+        they connected if a dump began while it was being set up (``quiesce`` closed what it saw)."""
+        while (gate := self._gate) is not None:
+            await gate.wait()
 
     async def _open_direct(self) -> DirectStream | None:
         if self._closed:
@@ -440,7 +454,8 @@ class NsSandbox:
     @contextlib.asynccontextmanager
     async def quiesce(self, timeout: float = 5.0) -> AsyncIterator[None]:
         """Hold new streams back and close every host connection until the sandbox holds no socket
-        of the host's network namespace: what a CRIU dump needs (``checkpoint.py``). In-flight
+        of the host's network namespace and the agent and envd have accepted every connection the
+        host closed before they did: what a CRIU dump needs (``checkpoint.py``). In-flight
         requests are cut (envd keeps the processes they started); new ones wait and then proceed."""
         from aenv.runtime.ns.checkpoint import wait_no_host_sockets
 
@@ -455,7 +470,7 @@ class NsSandbox:
                 await asyncio.to_thread(self.cgroup.thaw)
             try:
                 await asyncio.to_thread(wait_no_host_sockets, functools.partial(self.cgroup.pids, "pids"),
-                                        self.init.pid, timeout)
+                                        self.init.pid, timeout, RUN_MOUNT)
             finally:
                 if frozen:
                     await asyncio.to_thread(self.cgroup.freeze)

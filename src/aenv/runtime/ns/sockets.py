@@ -18,6 +18,7 @@ import fcntl
 import ipaddress
 import os
 import re
+import select
 import socket
 from collections.abc import Iterator
 
@@ -84,6 +85,35 @@ def _copy_of(pid: int, fd: int) -> Iterator[socket.socket | None]:
         return
     with sock:
         yield sock
+
+
+def _listening_unix(sock: socket.socket | None) -> bool:
+    return sock is not None and sock.family == socket.AF_UNIX \
+        and bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+
+
+def unix_listeners(pids: list[int], under: str) -> list[tuple[int, int]]:
+    """(pid, fd) of each listening unix socket ``pids`` hold that is bound to a path in the directory
+    ``under`` (as the process named it)."""
+    found: list[tuple[int, int]] = []
+    for pid, fd, _ in held_sockets(pids):
+        with _copy_of(pid, fd) as sock:
+            if sock is not None and _listening_unix(sock):
+                name = sock.getsockname()
+                if isinstance(name, str) and os.path.dirname(name) == under:
+                    found.append((pid, fd))
+    return found
+
+
+def has_queued(pid: int, fd: int) -> bool:
+    """Whether connections wait for ``accept`` on the listening socket at ``pid``'s ``fd`` (False:
+    gone, or no longer a listening socket): a listener is readable while its queue holds one."""
+    with _copy_of(pid, fd) as sock:
+        if sock is None or not _listening_unix(sock):
+            return False
+        poll = select.poll()
+        poll.register(sock, select.POLLIN)
+        return bool(poll.poll(0))
 
 
 def netns_inode(pid: int, fd: int) -> int | None:

@@ -149,3 +149,18 @@ def test_sweep_stages_removes_only_old_empty_stage_dirs(tmp_path: Path) -> None:
         os.utime(d, (now - STAGE_MAX_AGE - 5, now - STAGE_MAX_AGE - 5))
     assert sweep_stages(tmp_path, now=now) == [old.name]
     assert not old.exists() and young.is_dir() and (full / "x").read_text() == "kept" and other.is_dir()
+
+
+def test_wait_no_host_sockets_waits_for_queued_connections_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection queued on a channel listener is accepted first: only then are held sockets asked
+    for (one accepted in between is then seen held); one never accepted names the listener."""
+    queued = [True, True, False]
+    asked: list[int] = []
+    monkeypatch.setattr(checkpoint.sockets, "unix_listeners", lambda pids, under: [(41, 5)] if under == "/run" else [])
+    monkeypatch.setattr(checkpoint.sockets, "has_queued", lambda pid, fd: queued.pop(0))
+    monkeypatch.setattr(checkpoint, "host_sockets", lambda pids, init, seen: asked.append(len(queued)) or [])
+    checkpoint.wait_no_host_sockets(lambda: [41], 41, timeout=5, channels="/run")
+    assert asked == [0]
+    monkeypatch.setattr(checkpoint.sockets, "has_queued", lambda pid, fd: True)
+    with pytest.raises(checkpoint.CheckpointError, match="accepted on a socket of pid 41"):
+        checkpoint.wait_no_host_sockets(lambda: [41], 41, timeout=0.01, channels="/run")

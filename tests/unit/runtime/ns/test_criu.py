@@ -73,6 +73,7 @@ def test_dump_argv() -> None:
     argv = criu.dump_argv("/opt/criu", 4242, Path("/s/x/criu"), freezer=Path("/sys/fs/cgroup/freezer/aenv/sb1"))
     assert argv[:5] == ["/opt/criu", "dump", "-t", "4242", "-D"]
     assert "--leave-running" in argv and "--tcp-established" in argv and "--ext-unix-sk" in argv
+    assert "--skip-in-flight" in argv  # a connection queued on a listener must not fail the dump
     assert argv[argv.index("--freeze-cgroup") + 1] == "/sys/fs/cgroup/freezer/aenv/sb1"
     ext = [argv[i + 1] for i, a in enumerate(argv) if a == "--external"]
     assert "mnt[/.aenv]:aenv-tools" in ext and "mnt[/.aenv-run]:aenv-run" in ext and "mnt[/dev/null]:dev-null" in ext

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -87,3 +88,27 @@ def test_a_connection_being_made_to_outside_counts() -> None:
             assert sockets.tcp_peer_outside(proc.pid, fd) and sockets.has_outside_tcp(sockets.tree_pids(proc.pid))
         finally:
             proc.kill()
+
+
+def test_queued_connections_on_listeners_in_a_directory(tmp_path: Path) -> None:
+    """A connection closed before it was accepted stays queued (what CRIU calls a closed in-flight
+    socket); the listener reads as having one until it is accepted."""
+    me = os.getpid()
+    here, elsewhere = str(tmp_path / "run"), str(tmp_path / "other")
+    os.mkdir(here)
+    os.mkdir(elsewhere)
+    with socket.socket(socket.AF_UNIX) as ours, socket.socket(socket.AF_UNIX) as theirs, \
+            socket.socket(socket.AF_UNIX) as unbound:
+        ours.bind(f"{here}/envd.sock")
+        theirs.bind(f"{elsewhere}/x.sock")
+        for s in (ours, theirs):
+            s.listen()
+        found = sockets.unix_listeners([me], here)
+        assert found == [(me, ours.fileno())]
+        assert not sockets.has_queued(me, ours.fileno())
+        with socket.socket(socket.AF_UNIX) as client:
+            client.connect(f"{here}/envd.sock")
+        assert sockets.has_queued(me, ours.fileno())  # its client has gone; it waits all the same
+        ours.accept()[0].close()
+        assert not sockets.has_queued(me, ours.fileno())
+        assert not sockets.has_queued(me, unbound.fileno()) and not sockets.has_queued(me, 10_000)
