@@ -199,18 +199,34 @@ class Ramp:
     steps: list[dict[str, Any]] = field(default_factory=list)
     reason: str = ""
     base: dict[str, int] = field(default_factory=dict)  # meminfo before the first create
+    settles: int = 0  # waits for ksmd at the memory floor (``run``'s ``settle``)
+    settled_at: int = -1
     wall_s: float = 0.0
 
     def run(self, create: Callable[[Callable[[str], None]], float], knobs: Knobs, cap: int,
-            probe: Callable[[], dict[str, Any]]) -> None:
+            probe: Callable[[], dict[str, Any]], settle: Callable[[], object] | None = None) -> None:
         """``create(record)`` makes one, calls ``record(id)`` once it exists, returns its latency (ms).
-        A failed create ends the ramp (its reason says so): what was made until then is measured."""
+        A failed create ends the ramp (its reason says so): what was made until then is measured.
+        ``settle``: at the memory floor, wait for what the host gives back by itself (ksmd merging the
+        sandboxes made so far) and go on if that lifts it above the floor, as a node that merges would;
+        once per count, so a floor that stays ends the ramp."""
         self.base = meminfo()
         total = self.base["MemTotal"]
         t0 = time.monotonic()
         pool = concurrent.futures.ThreadPoolExecutor(knobs.threads, thread_name_prefix=f"scale-{self.system}")
+
+        def why_stop() -> str | None:
+            reason = stop_reason(len(self.ids), cap, meminfo()["MemAvailable"], total, knobs.floor)
+            if reason is None or settle is None or not reason.startswith("MemAvailable") or self.settled_at == len(self.ids):
+                return reason
+            self.settled_at = len(self.ids)
+            console.print(f"scale {self.system}: at the memory floor with {len(self.ids)}; waiting for ksmd", highlight=False)
+            settle()
+            self.settles += 1
+            return stop_reason(len(self.ids), cap, meminfo()["MemAvailable"], total, knobs.floor)
+
         try:
-            while (reason := stop_reason(len(self.ids), cap, meminfo()["MemAvailable"], total, knobs.floor)) is None:
+            while (reason := why_stop()) is None:
                 futures = [pool.submit(create, self.ids.append) for _ in range(min(knobs.step, cap - len(self.ids)))]
                 lat: list[float] = []
                 failed: BaseException | None = None
@@ -243,7 +259,8 @@ class Ramp:
         """Count reached and create latency of the first and last steps (the series has the rest)."""
         n = len(self.ids)
         out = [value_row("scale: idle sandboxes reached", self.system, n, n, "count",
-                         note=f"stopped: {self.reason}; {self.wall_s:.0f} s{cap_note}")]
+                         note=f"stopped: {self.reason}; {self.wall_s:.0f} s{cap_note}"
+                              + (f"; waited for ksmd {self.settles}× at the memory floor" if self.settles else ""))]
         if self.latencies:
             out.append(row("scale: create, first step", self.system, self.latencies[0],
                            note=f"{unit_name} 1-{len(self.latencies[0])}"))
@@ -316,7 +333,7 @@ def _idle(srv: Server, knobs: Knobs, rows: list[Row], notes: list[str]) -> Ramp:
 
     ramp = Ramp("aenv-ns")
     try:
-        ramp.run(create, knobs, knobs.cap, lambda: _server_probe(srv))
+        ramp.run(create, knobs, knobs.cap, lambda: _server_probe(srv), settle=lambda: after_ksm(srv.url, knobs.ksm_wait))
         now = _settle()
         n = len(ramp.ids)
         start_rss = ramp.steps[0]["server_rss_mb"] if ramp.steps else 0.0

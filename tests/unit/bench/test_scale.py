@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from bench import report
+from bench import report, scale
 from bench.scale import (
     Knobs,
     Ramp,
@@ -120,6 +120,34 @@ def test_ramp_stops_at_a_failed_create_and_keeps_what_it_made() -> None:
     ramp.run(create, _knobs(cap=100, step=3), 100, dict)
     assert len(ramp.ids) == 5 and "failed at 5: RuntimeError: 429 capacity" in ramp.reason
     assert [s["count"] for s in ramp.steps] == [3, 5]
+
+
+def test_ramp_waits_for_ksmd_at_the_floor_once_per_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the memory floor the ramp lets ksmd merge (``settle``) and goes on while that lifts it; the
+    same count at the floor twice ends it."""
+    available = {"kb": 900}  # of 1,000: above a 50 % floor until three sandboxes are made
+    monkeypatch.setattr(scale, "meminfo", lambda text=None: {"MemTotal": 1000, "MemAvailable": available["kb"],
+                                                             "MemFree": available["kb"]})
+    made: list[str] = []
+
+    def create(record: Callable[[str], None]) -> float:
+        record(f"id{len(made)}")
+        made.append("x")
+        available["kb"] -= 150
+        return 1.0
+
+    settles: list[int] = []
+
+    def settle() -> None:
+        settles.append(len(made))
+        if len(settles) == 1:
+            available["kb"] += 400  # the first wait merges enough for more
+
+    ramp = Ramp("fake")
+    ramp.run(create, Knobs(cap=100, step=1, forks=1, docker_cap=None, ksm_wait=1.0, floor=0.5, threads=1), 100,
+             dict, settle=settle)
+    assert settles == [3, 6] and len(ramp.ids) == 6 and ramp.settles == 2
+    assert "MemAvailable" in ramp.reason and "waited for ksmd 2×" in ramp.rows("sandboxes")[0]["note"]
 
 
 def test_scale_series_found_and_chart_needs_them(tmp_path: Path) -> None:
