@@ -38,7 +38,7 @@ async def rt(rt_settings: Settings) -> AsyncIterator[NsRuntime]:
     await runtime.start()
     await runtime.reconcile(set())
     yield runtime
-    for sid in list(runtime._sandboxes):
+    for sid in list(runtime.table.running):
         await runtime.kill(sid)
     await runtime.close()
     await runtime.reconcile(set())

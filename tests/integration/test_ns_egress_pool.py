@@ -50,7 +50,7 @@ async def rt(tmp_path_factory: pytest.TempPathFactory, hosts: PolicyHosts) -> As
     runtime = NsRuntime(settings, pool_size=1)
     await runtime.start()
     yield runtime
-    for sid in list(runtime._sandboxes):
+    for sid in list(runtime.table.running):
         await runtime.kill(sid)
     await runtime.close()
     await runtime.reconcile(set())

@@ -88,7 +88,7 @@ async def rt(settings: Settings, busybox_root: Path) -> AsyncIterator[NsRuntime]
     await runtime.start()
     await runtime.reconcile(set())
     yield runtime
-    for sid in list(runtime._sandboxes):
+    for sid in list(runtime.table.running):
         await runtime.kill(sid)
     await runtime.close()
     await runtime.reconcile(set())
@@ -124,8 +124,8 @@ def traces(rt: NsRuntime, sid: str, state: RuntimeState) -> list[str]:
 
     if proc_start_time(pid) == start:
         found.append(f"process {pid}")
-    assert rt.layout is not None
-    for parent in rt.layout.parents():
+    assert rt.host.layout is not None
+    for parent in rt.host.layout.parents():
         if (parent / sid).exists():
             found.append(f"cgroup {parent / sid}")
     if Path(state.data["workdir"]).exists():
@@ -165,7 +165,7 @@ async def test_pooled_create_runs_commands_and_sets_limits(rt: NsRuntime, settin
     assert state.data["cgroup"] == spec.sandbox_id
     sbx = rt.sandbox(spec.sandbox_id)
     assert sbx.paths.root == spec.workdir / "ns"
-    if rt.layout and rt.layout.version == 1:
+    if rt.host.layout and rt.host.layout.version == 1:
         assert (sbx.cgroup.dir("pids") / "pids.max").read_text().strip() == "321"
         assert int((sbx.cgroup.dir("memory") / "memory.limit_in_bytes").read_text()) == 200 * 1024 * 1024
         assert (sbx.cgroup.dir("cpu") / "cpu.cfs_quota_us").read_text().strip() == "100000"
@@ -323,7 +323,7 @@ async def test_fork_bomb_hits_pids_limit(rt: NsRuntime, settings: Settings, temp
     _code, _out, _err = await run_cmd(rt, sid, "for i in $(seq 100); do sleep 30 & done 2>/dev/null; echo spawned")
     sbx = rt.sandbox(sid)
     assert len(sbx.cgroup.pids()) <= 40
-    if rt.layout and rt.layout.version == 1:
+    if rt.host.layout and rt.host.layout.version == 1:
         events = (sbx.cgroup.dir("pids") / "pids.events").read_text()
         assert int(events.split()[1]) > 0
     await asyncio.to_thread(lambda: [os.kill(p, 9) for p in sbx.cgroup.pids() if

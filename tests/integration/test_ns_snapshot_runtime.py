@@ -28,7 +28,7 @@ async def rt(settings: Settings, busybox_root: Path) -> AsyncIterator[NsRuntime]
     runtime = NsRuntime(settings, pool_size=0)
     await runtime.start()
     yield runtime
-    for sid in list(runtime._sandboxes):
+    for sid in list(runtime.table.running):
         await runtime.kill(sid)
     await runtime.close()
 
@@ -80,7 +80,7 @@ async def test_fork_one_child_failing(rt: NsRuntime, settings: Settings, templat
     await rt.create(src)
     await sh(rt, src.sandbox_id, "echo prepared > /root/p")
     children = [spec_for(settings, template) for _ in range(3)]
-    real = rt._launch_ready
+    real = rt.snapshots._launch_ready  # the part's call back into the runtime
 
     async def flaky(spec: SandboxSpec, *a: Any, **kw: Any) -> RuntimeState:
         if spec.sandbox_id == children[1].sandbox_id:
@@ -94,7 +94,7 @@ async def test_fork_one_child_failing(rt: NsRuntime, settings: Settings, templat
             raise RuntimeFailure("injected restore failure")
         return await real_full(spec, *a, **kw)
 
-    monkeypatch.setattr(rt, "_launch_ready", flaky)
+    monkeypatch.setattr(rt.snapshots, "_launch_ready", flaky)
     monkeypatch.setattr(rt.snapshots, "restore_processes", flaky_full)
     scratch = tmp_path / "fork"
     result, states = await fork_via(rt, src.sandbox_id, children, scratch)
@@ -132,7 +132,7 @@ async def test_rollback_in_place_and_failed_rollback(rt: NsRuntime, settings: Se
 
     # a rollback whose start fails puts the sandbox back on its own files
     await sh(rt, sid, "echo 3 > /root/v")
-    real = rt._launch_ready
+    real = rt.snapshots._launch_ready
     calls = 0
 
     async def fail_once(*a: Any, **kw: Any) -> RuntimeState:
@@ -142,7 +142,7 @@ async def test_rollback_in_place_and_failed_rollback(rt: NsRuntime, settings: Se
             raise RuntimeFailure("injected")
         return await real(*a, **kw)
 
-    monkeypatch.setattr(rt, "_launch_ready", fail_once)
+    monkeypatch.setattr(rt.snapshots, "_launch_ready", fail_once)
     with pytest.raises(RuntimeFailure, match="injected"):
         await rt.rollback(sid, spec, snap, result)
     monkeypatch.undo()
@@ -153,12 +153,12 @@ async def test_rollback_in_place_and_failed_rollback(rt: NsRuntime, settings: Se
     async def no_start(*a: Any, **kw: Any) -> Any:
         raise RuntimeFailure("injected prelaunch")
 
-    monkeypatch.setattr(rt, "_prelaunch", no_start)
+    monkeypatch.setattr(rt.snapshots, "_prelaunch", no_start)
     with pytest.raises(RuntimeFailure, match="injected prelaunch"):
         await rt.rollback(sid, spec, snap, result)
     monkeypatch.undo()
     assert await sh(rt, sid, "cat /root/v") == "3\n"
     assert sorted(p.name for p in spec.workdir.iterdir() if p.name.startswith(".rollback-new")) == []
-    last = RuntimeState(rt._state(rt.sandbox(sid), spec.workdir).data)
+    last = RuntimeState(rt.table.state(rt.sandbox(sid), spec.workdir).data)
     await rt.kill(sid)
     assert traces(rt, sid, last) == []

@@ -79,7 +79,7 @@ async def test_root_and_user_are_shifted_host_uids(rt: NsRuntime, settings: Sett
         caps = dict(line.split(":\t") for line in Path(f"/proc/{stage1.pid}/status").read_text().splitlines())
         assert int(caps["CapEff"], 16) == int(caps["CapPrm"], 16) == 0
         assert sorted(os.listdir(f"/proc/{stage1.pid}/fd")) == ["0", "1", "2"]
-        if json.loads((rt.tools / "MANIFEST.json").read_text()).get("reap"):  # type: ignore[operator]
+        if json.loads((rt.host.tools / "MANIFEST.json").read_text()).get("reap"):  # type: ignore[operator]
             # it is the bundle's static reaper by then, not an interpreter (a few hundred KB, not ~6 MB)
             assert caps["Name"] == "reap" and int(caps["NoNewPrivs"]) == 1
             assert int(caps["RssAnon"].split()[0]) < 1024, caps["RssAnon"]

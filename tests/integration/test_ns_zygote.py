@@ -46,11 +46,11 @@ async def test_start_paths(runtime: tuple[NsRuntime, Settings, bool], busybox_ro
     code, out, _ = await run_cmd(rt, spec.sandbox_id, "echo hi; cat /proc/1/cmdline | tr '\\0' ' '")
     assert code == 0 and out.startswith("hi")
     if zygote:
-        assert rt.zygote is not None and rt.zygote.running
-        assert _ppid(init_pid) == rt.zygote._proc.pid  # type: ignore[union-attr]
+        assert rt.host.zygote is not None and rt.host.zygote.running
+        assert _ppid(init_pid) == rt.host.zygote._proc.pid  # type: ignore[union-attr]
         assert "aenv.agent.zygote" in out  # PID 1 is a fork of the zygote, never exec'd
     else:
-        assert rt.zygote is None
+        assert rt.host.zygote is None
         assert "aenv.agent" in out and "zygote" not in out
     await rt.kill(spec.sandbox_id)
     assert not Path(f"/proc/{init_pid}").exists() or Path(f"/proc/{init_pid}/stat").read_text().split()[2] == "Z"

@@ -37,7 +37,7 @@ def _disk_quota(settings: Settings) -> str:
 
 
 def _userns(settings: Settings) -> str:
-    """The same trial the ns runtime makes at start (``NsRuntime._check_userns``)."""
+    """The same trial the ns runtime makes at start (``NsHost.check_userns``)."""
     from aenv.runtime.ns.userns import SharedUserns, layer_dirs
 
     if not settings.ns_userns_uid:

@@ -349,7 +349,7 @@ def restore_in_userns(exe: str, images: Path, userns: SharedUserns, *, lowers: l
     the sources of the read-only host binds are bound read-only over themselves there first
     (``criu.read_only_sources``, the staged ones by their staged paths): every restored bind is born
     read-only, and the action script only checks so at pre-resume. The filter of an internet sandbox
-    goes in after CRIU, before slirp4netns gives it a tap (``NsRuntime.filter_while_restoring``).
+    goes in after CRIU, before slirp4netns gives it a tap (``Restorer.filter_while_restoring`` in ``restored.py``).
     Each volume is staged as an idmapped clone made by host root (``launch.restore_mounts``), for CRIU,
     which cannot idmap from inside the user namespace, to bind as it is where the dumped one was."""
     pidfile = run_dir / "criu-restore.pid"

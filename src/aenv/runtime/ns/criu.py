@@ -393,7 +393,7 @@ def restore_argv(exe: str, images: Path, *, root: Path, pidfile: Path, tools: Pa
     script sees to it: CRIU restores a bind with the dumped flags, a fork child's from a writer).
     ``empty_net``: the image's network namespace is made bare (``--empty-ns net``) but for its
     loopback (``LO_UP``): a user-namespaced sandbox's holds only loopback and its filter, which the
-    runtime writes again after CRIU (``NsRuntime.attach_restored``); restoring its addresses, routes,
+    runtime writes again after CRIU (``Restorer.attach`` in ``restored.py``); restoring its addresses, routes,
     rules and iptables took CRIU eight ``ip``/``iptables`` runs (~25 ms)."""
     net = ["--inherit-fd", f"fd[{NET_FD}]:{EXT_NET}"] if net_external else []
     if empty_net:

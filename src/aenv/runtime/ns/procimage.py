@@ -39,9 +39,10 @@ from aenv.errors import AenvError
 from aenv.runtime.base import RuntimeState, SandboxImage, SandboxSpec
 from aenv.runtime.ns import checkpoint
 from aenv.runtime.ns.disk import remove_tree
+from aenv.runtime.ns.host import POOL_NICE, NsHost
+from aenv.runtime.ns.snapshot import NsSnapshots, copy_tree
 
 if TYPE_CHECKING:
-    from aenv.runtime.ns.runtime import NsRuntime
     from aenv.runtime.ns.sandbox import NsSandbox
 
 log = logging.getLogger("aenv.runtime.ns")
@@ -63,20 +64,22 @@ def image_key(template: SandboxImage, allow_internet: bool, tools: Path | None, 
 
 
 class ProcImages:
-    """The images this server made (in memory: the directories do not outlive it) and the builds under way."""
+    """The images this server made (in memory: the directories do not outlive it) and the builds under way.
+    Made from the host's facts; restored by ``snapshots`` (``restore_processes``, ``restore_tree``)."""
 
-    def __init__(self, rt: NsRuntime) -> None:
-        self.rt = rt
+    def __init__(self, host: NsHost, snapshots: NsSnapshots) -> None:
+        self.host = host
+        self.snapshots = snapshots
         self._ready: dict[str, Path] = {}
         self._building: dict[str, asyncio.Task[None]] = {}
 
     def enabled(self, template: SandboxImage) -> bool:
-        return (os.environ.get(ENV_OFF) != "0" and self.rt.zygote is None and not template.start_cmd
-                and self.rt.snapshots.criu_status().usable)
+        return (os.environ.get(ENV_OFF) != "0" and self.host.zygote is None and not template.start_cmd
+                and self.host.criu_status().usable)
 
     def _key(self, template: SandboxImage, allow_internet: bool) -> str:
-        return image_key(template, allow_internet, self.rt.tools, self.rt.snapshots.criu_status().exe,
-                         self.rt.mergeable)
+        return image_key(template, allow_internet, self.host.tools, self.host.criu_status().exe,
+                         self.host.mergeable)
 
     async def start(self, spec: SandboxSpec, template: SandboxImage,
                     snapshot_layers: tuple[str, ...]) -> RuntimeState | None:
@@ -93,7 +96,7 @@ class ProcImages:
         try:
             # the image's upper is copied in, not stacked: the image goes with the server (reconcile)
             # while its sandboxes live on
-            return await self.rt.snapshots.restore_processes(
+            return await self.snapshots.restore_processes(
                 spec, image, (str(image / UPPER), *snapshot_layers), lowers, root=spec.workdir / "ns", stacked=False)
         except AenvError as exc:
             log.warning("sandbox=%s restore of the template's process image failed (%s); starting it by exec",
@@ -106,8 +109,6 @@ class ProcImages:
         ``/init``), or None: no image yet (one is made in the background) or its restore failed.
         Restoring costs a fraction of an exec start's CPU, which every refill otherwise takes from
         the live sandboxes; it runs at the pool's low CPU weight and nice, as an exec'd entry does."""
-        from aenv.runtime.ns.runtime import POOL_NICE
-
         if not self.enabled(template):
             return None
         key = self._key(template, allow_internet)
@@ -115,14 +116,14 @@ class ProcImages:
         if image is None:
             self._build_soon(key, template, allow_internet)
             return None
-        s = self.rt.settings
+        s = self.host.settings
         spec = SandboxSpec(sandbox_id=name, template=template, workdir=root.parent, cpu_count=s.default_cpu_count,
                            memory_mb=s.default_memory_mb, disk_mb=s.default_disk_mb, pids_limit=s.pids_limit,
                            allow_internet=allow_internet)
         lowers = tuple(Path(p) for p in (template.lowers or (template.rootfs,)))
         try:
-            sbx = await self.rt.snapshots.restore_tree(spec, image, (str(image / UPPER),), lowers, root=root,
-                                                       live=False)
+            sbx = await self.snapshots.restore_tree(spec, image, (str(image / UPPER),), lowers, root=root,
+                                                    live=False)
         except AenvError as exc:
             log.warning("pool: restore of the template's process image failed (%s); launching by exec", exc)
             self._drop(key)
@@ -149,20 +150,13 @@ class ProcImages:
         task.add_done_callback(lambda _t: self._building.pop(key, None))
 
     async def _build(self, key: str, template: SandboxImage, allow_internet: bool) -> None:
-        from aenv.runtime.ns.runtime import POOL_NICE
-        from aenv.runtime.ns.sandbox import NsSandbox
-
-        rt = self.rt
-        assert rt.layout is not None
-        dest = rt.pool_dir / f"img-{key}"
+        host = self.host
+        assert host.layout is not None
+        dest = host.pool_dir / f"img-{key}"
         name = f"img-{secrets.token_hex(6)}"
-        s = rt.settings
         sbx: NsSandbox | None = None
         try:
-            opts = rt._opts(template, allow_internet, (s.default_cpu_count, s.default_memory_mb, s.pids_limit),
-                            nice=POOL_NICE)
-            sbx = await NsSandbox.launch(name, rt.pool_dir / name, rt.layout, opts, rt.host_addrs,
-                                         timeout=rt.launch_timeout)
+            sbx = await host.launch(name, host.pool_dir / name, host.pool_opts(template, allow_internet))
             await sbx.warm_up()
             async with sbx.quiesce():
                 await _finish_even_if_cancelled(asyncio.to_thread(self._dump, sbx, dest))
@@ -174,13 +168,11 @@ class ProcImages:
                 await asyncio.to_thread(remove_tree, dest)
         finally:
             if sbx is not None:
-                await sbx.aclose(remove_dir=rt.pool_dir / name)
+                await sbx.aclose(remove_dir=host.pool_dir / name)
 
     def _dump(self, sbx: NsSandbox, dest: Path) -> None:
         """Freeze, dump (the processes end with it), copy the upper; written aside, renamed into place."""
-        from aenv.runtime.ns.snapshot import copy_tree
-
-        status = self.rt.snapshots.criu_status()
+        status = self.host.criu_status()
         assert status.exe is not None and sbx.init is not None
         tmp = dest.with_name(dest.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)

@@ -24,9 +24,11 @@ from typing import TYPE_CHECKING, Any
 from aenv.faults import fault_point
 from aenv.runtime.base import SandboxSpec
 from aenv.runtime.ns import checkpoint
+from aenv.runtime.ns.host import NsHost
+from aenv.runtime.ns.restored import Restorer
+from aenv.runtime.ns.table import NsTable
 
 if TYPE_CHECKING:
-    from aenv.runtime.ns.runtime import NsRuntime
     from aenv.runtime.ns.sandbox import NsSandbox
 
 log = logging.getLogger("aenv.runtime.ns")
@@ -63,10 +65,13 @@ def _write_marker(root: Path, data: dict[str, Any]) -> None:
 
 
 class NsReleaser:
-    """Release timers, the released sandboxes' recorded state, and a lock per sandbox."""
+    """Release timers, the released sandboxes' recorded state, and a lock per sandbox. It takes running
+    sandboxes out of the table and, at resume, has the ``Restorer`` put them back."""
 
-    def __init__(self, rt: NsRuntime, after: float) -> None:
-        self.rt = rt
+    def __init__(self, table: NsTable, host: NsHost, restorer: Restorer, after: float) -> None:
+        self.table = table
+        self.host = host
+        self.restorer = restorer
         self.after = after
         self.released: dict[str, dict[str, Any]] = {}
         self._timers: dict[str, asyncio.Task[None]] = {}  # waiting out ``after``: cancel() stops them
@@ -120,9 +125,9 @@ class NsReleaser:
     async def release(self, sandbox_id: str) -> bool:
         """Dump the frozen sandbox, mark it released, end its processes. False if it is not releasable."""
         async with self.lock(sandbox_id):
-            sbx = self.rt._sandboxes.get(sandbox_id)
-            status = self.rt.snapshots.criu_status()
-            if sbx is None or sbx.init is None or status.exe is None or self.rt.snapshots._full_refusal(sbx):
+            sbx = self.table.running.get(sandbox_id)
+            status = self.host.criu_status()
+            if sbx is None or sbx.init is None or status.exe is None or self.host.full_refusal(sbx):
                 return False
             if not await asyncio.to_thread(sbx.cgroup.frozen):
                 return False  # resumed meanwhile
@@ -131,13 +136,13 @@ class NsReleaser:
             await asyncio.to_thread(shutil.rmtree, root / RELEASED_DIR, True)
             async with sbx.quiesce():
                 await asyncio.to_thread(checkpoint.dump, status.exe, sbx.init.pid, images,
-                                        freezer=sbx.cgroup.dir("freezer"), volumes=self.rt.volume_points(sbx),
+                                        freezer=sbx.cgroup.dir("freezer"), volumes=self.table.volume_points(sbx),
                                         run_dir=sbx.paths.run)
             data = {**sbx.state(), "released": True}
             await asyncio.to_thread(_write_marker, root, data)
             fault_point("ns.release.marked")
             await sbx.stop()  # processes, cgroup and slirp end; the directory stays
-            self.rt._sandboxes.pop(sandbox_id, None)
+            self.table.running.pop(sandbox_id, None)
             self.released[sandbox_id] = data
             log.info("sandbox=%s released to disk (%s)", sandbox_id, images)
             return True
@@ -145,7 +150,7 @@ class NsReleaser:
     async def load(self, sandbox_id: str, spec: SandboxSpec) -> NsSandbox:
         """Restore a released sandbox on its own files; caller holds ``lock(sandbox_id)``."""
         data = self.released[sandbox_id]
-        status = self.rt.snapshots.criu_status()
+        status = self.host.criu_status()
         if status.exe is None or not status.usable:
             from aenv.errors import StateError
 
@@ -154,9 +159,9 @@ class NsReleaser:
         root = Path(str(data["dir"]))
         lowers = [str(p) for p in data.get("lowers") or []]
         depth = int(data.get("snapshot_depth") or 0)
-        sbx = self.rt.restored_sandbox(spec, ("", *lowers[:depth]), tuple(Path(p) for p in lowers[depth:]), root)
-        exe, tools = status.exe, self.rt.tools or Path("/nonexistent")
-        on_netns = self.rt.filter_while_restoring(sbx, asyncio.get_running_loop())
+        sbx = self.restorer.sandbox(spec, ("", *lowers[:depth]), tuple(Path(p) for p in lowers[depth:]), root)
+        exe, tools = status.exe, self.host.tools or Path("/nonexistent")
+        on_netns = self.restorer.filter_while_restoring(sbx, asyncio.get_running_loop())
 
         def restore() -> int:
             from aenv.runtime.ns.sandbox import Paths
@@ -168,11 +173,11 @@ class NsReleaser:
             return checkpoint.restore(exe, root / RELEASED_DIR / "criu", lowers=sbx.lowers, upper=sbx.paths.upper,
                                       work=sbx.paths.work, merged=sbx.paths.merged, run_dir=sbx.paths.run,
                                       tools=tools, boot_id=sbx.paths.boot_id, procs_files=sbx.cgroup.procs_files(),
-                                      on_netns=on_netns, userns=self.rt.userns, volumes=spec.volumes)
+                                      on_netns=on_netns, userns=self.host.userns, volumes=spec.volumes)
 
         try:
             pid = await asyncio.to_thread(restore)
-            await self.rt.attach_restored(sbx, spec, pid, filtered=on_netns is not None)
+            await self.restorer.attach(sbx, spec, pid, filtered=on_netns is not None)
         except BaseException:
             await sbx.stop()  # its processes and cgroup; the files and the images stay: still released
             raise
@@ -198,15 +203,16 @@ class NsReleaser:
         from aenv.runtime.ns import cgroups
         from aenv.runtime.ns.sandbox import STATE_FILE, NsSandbox
 
-        assert self.rt.layout is not None
+        layout = self.host.layout
+        assert layout is not None
         # What the marker recorded (the dumped tree, its slirp4netns: outside the cgroup) and what
         # ns.json says now (a tree a resume restored before the crash, with its own slirp).
         on_disk = await asyncio.to_thread(read_json, root / STATE_FILE)
         for recorded in (data, on_disk):
             if recorded.get("pid") and recorded.get("cgroup") and recorded.get("dir"):
                 with contextlib.suppress(Exception):
-                    await NsSandbox.from_state(self.rt.layout, recorded).stop()
-        cg = cgroups.Cgroup(self.rt.layout, sandbox_id)
+                    await NsSandbox.from_state(layout, recorded).stop()
+        cg = cgroups.Cgroup(layout, sandbox_id)
         with contextlib.suppress(Exception):
             await asyncio.to_thread(cg.kill_all)
             await asyncio.to_thread(cg.remove)

@@ -1,8 +1,11 @@
 """``NsRuntime``: the Runtime protocol on namespaces + overlayfs + cgroups (no VM).
 
 Front door for the orchestrator. A sandbox here is an ``NsSandbox`` (see ``sandbox.py`` for what it
-owns); this class only keeps the table of live ones, the warm pool and the host-wide facts (cgroup
-layout, tools bundle, host addresses).
+owns); this class composes the parts and does the create path itself. It makes the host-wide facts
+(``host.py``: cgroup layout, tools bundle, host addresses, filled in by ``start``) and the table of
+live sandboxes (``table.py``) and passes both to every part's constructor, with the runtime's own
+broad operations (``start``, ``_launch_ready``, ``_prelaunch``) as callables where a part needs one:
+no part imports this module (an ``acyclic_siblings`` contract in ``pyproject.toml`` keeps it so).
 
 Create path:
     pool hit  -> rename cgroup + dir to the real ID, apply limits, ``POST /init``     (~ms)
@@ -10,9 +13,9 @@ Create path:
                  ``POST /init``                                                        (~0.3 s)
 Either way the key becomes hot and the pool refills in the background.
 
-Pause, resume, kill and adoption after a restart: ``lifecycle.py`` (a mixin of this class).
-Snapshots, fork, rollback: ``snapshot.py``; release of paused sandboxes to disk: ``release.py``;
-process images for starts the pool cannot serve: ``procimage.py``.
+Pause, resume, kill and adoption after a restart: ``lifecycle.py``. Snapshots, fork, rollback:
+``snapshot.py``; release of paused sandboxes to disk: ``release.py``; process images for starts the
+pool cannot serve: ``procimage.py``; a restored process tree made a live sandbox: ``restored.py``.
 
 Disk: every sandbox directory (pool and handed-out) lives on the sandboxes dir, which is a btrfs
 volume with one quota-limited subvolume per sandbox when the host allows it (``disk.py``).
@@ -30,19 +33,17 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aenv.config import Settings
-from aenv.errors import RuntimeFailure, SandboxNotFound, SandboxUnreachable, StateError
+from aenv.errors import RuntimeFailure, SandboxUnreachable, StateError
 from aenv.kinds import SnapshotMode
 from aenv.mux import ByteStream, MuxError
-from aenv.runtime import ksm
 from aenv.runtime.base import ResourceSample, RuntimeState, SandboxImage, SandboxSpec, SnapshotResult
 from aenv.runtime.egress import ENFORCER
 from aenv.runtime.envd_client import EnvdError, init_payload
 from aenv.runtime.netpolicy import EgressPolicy
 from aenv.runtime.network import (
-    Slirp,
     close_orphaned_slirps,
     drop_foreign_rules,
     host_ipv4_addresses,
@@ -50,26 +51,24 @@ from aenv.runtime.network import (
 )
 from aenv.runtime.ns import cgroups, identity
 from aenv.runtime.ns.checkpoint import sweep_stages
-from aenv.runtime.ns.disk import POOL_NAME, DiskQuota, remove_tree
+from aenv.runtime.ns.disk import remove_tree
+from aenv.runtime.ns.host import NsHost
 from aenv.runtime.ns.lifecycle import NsLifecycle
 from aenv.runtime.ns.pool import WarmPool
 from aenv.runtime.ns.procimage import ProcImages
 from aenv.runtime.ns.reconcile import ReconcileReport, reconcile
 from aenv.runtime.ns.release import NsReleaser
-from aenv.runtime.ns.sandbox import LaunchOptions, NsSandbox, Paths
+from aenv.runtime.ns.restored import Restorer
+from aenv.runtime.ns.sandbox import NsSandbox
 from aenv.runtime.ns.snapshot import NsSnapshots
-from aenv.runtime.ns.userns import SharedUserns, layer_dirs
+from aenv.runtime.ns.table import NsTable
 from aenv.runtime.ns.zygote import Zygote, socket_path_for, sweep_stale_sockets
 from aenv.runtime.streams import open_checked
 from aenv.runtime.tools import ensure_tools
 
-if TYPE_CHECKING:
-    from aenv.runtime.process import ProcRef
-
 log = logging.getLogger("aenv.runtime.ns")
 
 LEGACY_POOL_DIR = "ns-pool"  # <state>/ns-pool before the pool moved onto the sandboxes volume
-POOL_NICE = 19  # pooled sandboxes start at the lowest priority; reset to 0 at hand-out
 
 
 def _disk_usage(path: Path) -> int:
@@ -100,29 +99,20 @@ class NsRuntime:
                  debug_log: bool | None = None, launch_timeout: float = 30.0) -> None:
         self.settings = settings
         self.pool_size = settings.pool_size if pool_size is None else pool_size
-        self.debug_log = (settings.log_level.lower() == "debug" or os.environ.get("AENV_NS_DEBUG") == "1") \
+        debug = (settings.log_level.lower() == "debug" or os.environ.get("AENV_NS_DEBUG") == "1") \
             if debug_log is None else debug_log
-        self.launch_timeout = launch_timeout
-        self._tools_dir = tools_dir
-        self.tools: Path | None = tools_dir
-        self.zygote: Zygote | None = None
-        self.layout: cgroups.Layout | None = None
-        self.host_addrs: list[str] = []
-        # on the same filesystem as the sandboxes: hand-out renames a pooled root into place
-        self.pool_dir = settings.sandboxes_dir / POOL_NAME
-        self.userns = SharedUserns(settings.ns_userns_uid) if settings.ns_userns_uid else None
-        self.userns_off_reason = "" if self.userns is not None else "ns_userns_uid = 0"
-        self.disk = DiskQuota(settings.state_dir, settings.sandboxes_dir, enabled=settings.ns_disk_quota,
-                              size_mb=settings.ns_volume_mb)
-        self._sandboxes: dict[str, NsSandbox] = {}
-        self._specs: dict[str, SandboxSpec] = {}
-        self._stopped: dict[str, dict[str, Any]] = {}  # paused without memory: its recorded state
+        # Who gets what (no part imports this module): the host's facts and the sandbox table are
+        # shared by all; the runtime's own broad operations go to a part as callables.
+        self.host = NsHost(settings, tools_dir=tools_dir, debug_log=debug, launch_timeout=launch_timeout)
+        self.table = NsTable()
         self.pool = WarmPool(self.pool_size, self._launch_pooled)
-        self.snapshots = NsSnapshots(self)
-        self.releaser = NsReleaser(self, settings.ns_release_paused_after)
-        self.procimages = ProcImages(self)
-        self.lifecycle = NsLifecycle(self)
-        self.mergeable = ksm.decide(settings).merge  # KSM may merge the sandboxes' pages (the ksm policy)
+        self.restorer = Restorer(self.host, self.table)
+        self.snapshots = NsSnapshots(self.table, self.host, self.restorer, start=self.start,
+                                     launch_ready=self._launch_ready, prelaunch=self._prelaunch)
+        self.releaser = NsReleaser(self.table, self.host, self.restorer, settings.ns_release_paused_after)
+        self.procimages = ProcImages(self.host, self.snapshots)
+        self.lifecycle = NsLifecycle(self.table, self.host, self.releaser, start=self.start,
+                                     launch_ready=self._launch_ready)
         self._started = False
         self._slirp_sweeper: asyncio.Task[None] | None = None
 
@@ -130,22 +120,23 @@ class NsRuntime:
     async def start(self) -> None:
         if self._started:
             return
-        self.layout = await asyncio.to_thread(cgroups.detect, None, cgroups.scope_for(self.settings.state_dir))
-        await asyncio.to_thread(cgroups.ensure_parents, self.layout)
-        if self.tools is None:
-            self.tools = await asyncio.to_thread(ensure_tools, self.settings)
-        self.host_addrs = await asyncio.to_thread(host_ipv4_addresses)
-        await asyncio.to_thread(self.disk.setup)  # mounts the sandboxes volume (before any launch)
-        self.settings.sandboxes_dir.mkdir(parents=True, exist_ok=True)
-        self.pool_dir.mkdir(parents=True, exist_ok=True)
-        await asyncio.to_thread(self._check_userns)
+        host, s = self.host, self.settings
+        host.layout = layout = await asyncio.to_thread(cgroups.detect, None, cgroups.scope_for(s.state_dir))
+        await asyncio.to_thread(cgroups.ensure_parents, layout)
+        if host.tools is None:
+            host.tools = await asyncio.to_thread(ensure_tools, s)
+        host.host_addrs = await asyncio.to_thread(host_ipv4_addresses)
+        await asyncio.to_thread(host.disk.setup)  # mounts the sandboxes volume (before any launch)
+        s.sandboxes_dir.mkdir(parents=True, exist_ok=True)
+        host.pool_dir.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(host.check_userns)
         if swept := await asyncio.to_thread(sweep_stages):
             log.info("ns: removed %d restore stage dirs a killed server left: %s", len(swept), ", ".join(swept))
-        if self.zygote is None and await asyncio.to_thread(self._want_zygote):
+        if host.zygote is None and await asyncio.to_thread(host.want_zygote):
             tmp = Path(tempfile.gettempdir())
             await asyncio.to_thread(sweep_stale_sockets, tmp)
-            self.zygote = Zygote(self.tools, socket_path_for(tmp, os.getpid(), id(self)))
-            await self.zygote.ensure()
+            host.zygote = Zygote(host.tools, socket_path_for(tmp, os.getpid(), id(self)))
+            await host.zygote.ensure()
         self._slirp_sweeper = asyncio.create_task(self._sweep_slirps(), name="aenv-ns-slirp-sweep")
         self._started = True
 
@@ -158,63 +149,37 @@ class NsRuntime:
             except Exception:  # noqa: BLE001 - the sweep must outlive one bad round
                 log.exception("ns: slirp sweep failed")
 
-    def _check_userns(self) -> None:
-        """Keep the user namespace only where every launch can use it (``SharedUserns.unusable_on``):
-        left at its default, a host that cannot runs sandboxes without one and says why (log, doctor,
-        ``/aenv/info``); asked for explicitly, the server refuses to start."""
-        if self.userns is None:
-            return
-        s = self.settings
-        why = self.userns.unusable_on(layer_dirs(s))
-        if why is None:
-            return
-        if "ns_userns_uid" in s.model_fields_set:
-            raise RuntimeError(f"ns_userns_uid = {s.ns_userns_uid} cannot be used here: {why}")
-        log.warning("ns sandboxes run without a user namespace (root in them is host root in namespaces): %s", why)
-        self.userns.close()
-        self.userns, self.userns_off_reason = None, why
-
-    def _want_zygote(self) -> bool:
-        """The zygote makes starts cheap, but CRIU cannot dump what it forks (its preloaded modules
-        are mapped from the host's mount): with a usable CRIU sandboxes are started by exec, so every
-        one can be snapshotted with its processes. AENV_NS_ZYGOTE=1/0 forces either way."""
-        if self.userns is not None:  # the zygote's in-process launch knows no user namespace
-            return False
-        forced = os.environ.get("AENV_NS_ZYGOTE")
-        if forced in ("0", "1"):
-            return forced == "1"
-        return not self.snapshots.criu_status().usable
-
     async def close(self) -> None:
         """Kill pooled sandboxes and drop channels; handed-out sandboxes keep running."""
+        host = self.host
         if self._slirp_sweeper is not None:
             self._slirp_sweeper.cancel()
             self._slirp_sweeper = None
         await self.pool.aclose()
         await self.releaser.aclose()
         await self.procimages.aclose()
-        if self.zygote is not None:
-            await self.zygote.aclose()
-            self.zygote = None
-        for sbx in list(self._sandboxes.values()):
+        if host.zygote is not None:
+            await host.zygote.aclose()
+            host.zygote = None
+        for sbx in list(self.table.running.values()):
             await sbx.drop_connections()
-        self._sandboxes.clear()
+        self.table.running.clear()
         await self.snapshots.drain()
         await close_orphaned_slirps()  # what the pool's and the killed sandboxes' ends left
-        await asyncio.to_thread(self.disk.release)  # unmounts the volume unless another runtime uses it
-        if self.userns is not None:  # running sandboxes keep the namespace alive themselves
-            self.userns.close()
-        if self.layout is not None:
-            await asyncio.to_thread(cgroups.remove_scope_if_empty, self.layout)
+        await asyncio.to_thread(host.disk.release)  # unmounts the volume unless another runtime uses it
+        if host.userns is not None:  # running sandboxes keep the namespace alive themselves
+            host.userns.close()
+        if host.layout is not None:
+            await asyncio.to_thread(cgroups.remove_scope_if_empty, host.layout)
 
     async def reconcile(self, known_ids: set[str] | list[str]) -> ReconcileReport:
         """Kill and remove every ns sandbox, cgroup and directory not in ``known_ids`` (plus our own
         live pool). Call after ``start`` and before adopting."""
         await self.start()
-        assert self.layout is not None
-        keep = self.pool.names() | set(self._sandboxes)
-        return await reconcile(self.layout, self.settings.sandboxes_dir,
-                               [self.pool_dir, self.settings.state_dir / LEGACY_POOL_DIR], set(known_ids), keep)
+        assert self.host.layout is not None
+        keep = self.pool.names() | set(self.table.running)
+        return await reconcile(self.host.layout, self.settings.sandboxes_dir,
+                               [self.host.pool_dir, self.settings.state_dir / LEGACY_POOL_DIR], set(known_ids), keep)
 
     async def forget_template(self, template_id: str | None = None) -> None:
         """Drop pooled sandboxes of a template (call after rebuilding or deleting it)."""
@@ -229,33 +194,15 @@ class NsRuntime:
         await self.pool.wait_ready(template, allow_internet, n)
 
     # ---- launching ------------------------------------------------------------------------------
-    async def _ensure_tools(self) -> None:
-        """Rebuild the bundle if it vanished (another server's GC removed a superseded one)."""
-        if self._tools_dir is None and (self.tools is None or not (self.tools / "MANIFEST.json").exists()):
-            self.tools = await asyncio.to_thread(ensure_tools, self.settings)
-
-    def _opts(self, template: SandboxImage, allow_internet: bool, limits: tuple[int, int, int],
-              nice: int = 0, disk_mb: int | None = None) -> LaunchOptions:
-        assert self.tools is not None
-        if allow_internet and not slirp_available():
-            raise RuntimeFailure("internet access needs slirp4netns and iptables on the host (apt-get install slirp4netns iptables)")
-        return LaunchOptions(template=template, tools=self.tools, allow_internet=allow_internet,
-                             default_limits=limits, debug_log=self.debug_log, nice=nice, zygote=self.zygote,
-                             disk=self.disk if self.disk.active else None, userns=self.userns,
-                             disk_mb=self.settings.default_disk_mb if disk_mb is None else disk_mb,
-                             mergeable=self.mergeable)
-
     async def _launch_pooled(self, template: SandboxImage, allow_internet: bool) -> NsSandbox:
-        assert self.layout is not None
-        await self._ensure_tools()
+        host = self.host
+        assert host.layout is not None
+        await host.ensure_tools()
         name = f"pool-{secrets.token_hex(6)}"
-        s = self.settings
-        opts = self._opts(template, allow_internet, (s.default_cpu_count, s.default_memory_mb, s.pids_limit),
-                          nice=POOL_NICE)
-        sbx = await self.procimages.pooled(name, self.pool_dir / name, template, allow_internet)
+        opts = host.pool_opts(template, allow_internet)
+        sbx = await self.procimages.pooled(name, host.pool_dir / name, template, allow_internet)
         if sbx is None:  # no process image (yet): launched by exec
-            sbx = await NsSandbox.launch(name, self.pool_dir / name, self.layout, opts, self.host_addrs,
-                                         timeout=self.launch_timeout)
+            sbx = await host.launch(name, host.pool_dir / name, opts)
         try:
             await sbx.warm_up()
             if sbx.allow_internet and sbx.init is not None:
@@ -267,16 +214,10 @@ class NsRuntime:
 
     # ---- VolumeCapable ----------------------------------------------------------------------------
     def make_volume_dir(self, path: Path, limit_mb: int) -> None:
-        self.disk.make_volume_dir(path, limit_mb)
+        self.host.disk.make_volume_dir(path, limit_mb)
 
     def remove_volume_dir(self, path: Path) -> None:
         remove_tree(path)
-
-    def volume_points(self, sbx: NsSandbox) -> list[str]:
-        """Where ``sbx``'s E2B volumes are mounted: external mounts of its CRIU dumps (``criu.py``)."""
-        spec = self._specs.get(sbx.name)
-        volumes = spec.volumes if spec is not None else sbx.opts.volumes if sbx.opts is not None else ()
-        return [v.path for v in volumes]
 
     # ---- Runtime protocol -----------------------------------------------------------------------
     async def create(self, spec: SandboxSpec) -> RuntimeState:
@@ -292,11 +233,12 @@ class NsRuntime:
         starts the new one while the old one is still being stopped); ``_launch_ready(prelaunched=…)``
         then renames it into place, as the pool's hand-out does."""
         await self.start()
-        assert self.layout is not None
-        await self._ensure_tools()
-        opts = replace(self._opts(template, spec.allow_internet, (spec.cpu_count, spec.memory_mb, spec.pids_limit),
-                                  disk_mb=spec.disk_mb), snapshot_layers=snapshot_layers, volumes=spec.volumes)
-        return await NsSandbox.launch(name, root, self.layout, opts, self.host_addrs, timeout=self.launch_timeout)
+        host = self.host
+        assert host.layout is not None
+        await host.ensure_tools()
+        opts = replace(host.opts(template, spec.allow_internet, (spec.cpu_count, spec.memory_mb, spec.pids_limit),
+                                 disk_mb=spec.disk_mb), snapshot_layers=snapshot_layers, volumes=spec.volumes)
+        return await host.launch(name, root, opts)
 
     async def _launch_ready(self, spec: SandboxSpec, template: SandboxImage, snapshot_layers: tuple[str, ...],
                             *, root: Path | None = None, use_pool: bool = False,
@@ -306,9 +248,10 @@ class NsRuntime:
         existing one (and possibly a ``prelaunched`` sandbox to rename into it). Cleans up after
         itself on any failure."""
         await self.start()
-        assert self.layout is not None
+        host = self.host
+        assert host.layout is not None
         sid = spec.sandbox_id
-        if sid in self._sandboxes:
+        if sid in self.table.running:
             raise StateError(f"sandbox {sid} already exists", sandbox_id=sid)
         limits = (spec.cpu_count, spec.memory_mb, spec.pids_limit)
         in_place = root is not None  # rollback: on failure remove only the ns dir, not the whole workdir
@@ -332,14 +275,13 @@ class NsRuntime:
                 hand_out = functools.partial(self._hand_out, sbx, sid, root, limits, spec.disk_mb)
                 # pooled under the base filter: a policy is written while /init and the answer go
                 policy = sbx.allow_internet and sbx.init is not None and ENFORCER.has(sid)
-                sbx.egress.hand_out(sid, functools.partial(ENFORCER.start_install, sid, sbx.init.pid, self.host_addrs)
+                sbx.egress.hand_out(sid, functools.partial(ENFORCER.start_install, sid, sbx.init.pid, host.host_addrs)
                                     if policy and sbx.init is not None else None, sbx.cut_network)
             else:
-                await self._ensure_tools()
-                opts = replace(self._opts(template, spec.allow_internet, limits, disk_mb=spec.disk_mb),
+                await host.ensure_tools()
+                opts = replace(host.opts(template, spec.allow_internet, limits, disk_mb=spec.disk_mb),
                                snapshot_layers=snapshot_layers, hostname=sid, volumes=spec.volumes)
-                sbx = await NsSandbox.launch(sid, root, self.layout, opts, self.host_addrs,
-                                             timeout=self.launch_timeout, keep_root=in_place)
+                sbx = await host.launch(sid, root, opts, keep_root=in_place)
             await sbx.init_envd(init_payload(spec), meanwhile=hand_out)
         except BaseException as exc:
             if sbx is not None:
@@ -352,84 +294,8 @@ class NsRuntime:
             raise
         sbx.last_cpu = None
         sbx.keep_root = False  # from now on a teardown removes what it started on, as any sandbox's
-        self._sandboxes[sid] = sbx
-        self._specs[sid] = spec
-        return self._state(sbx, spec.workdir)
-
-    def restored_sandbox(self, spec: SandboxSpec, layers: tuple[str, ...], lowers: tuple[Path, ...],
-                         root: Path | None, stacked: bool = False) -> NsSandbox:
-        """The ``NsSandbox`` a process restore fills in: ``spec``'s limits and network on the snapshot's
-        layers. ``layers[0]`` is the snapshot's own upper: copied in as the sandbox's upper, or with
-        ``stacked`` a lower like the others under a fresh upper (``NsSnapshots.restore_tree``)."""
-        assert self.layout is not None
-        opts = replace(self._opts(replace(spec.template, lowers=lowers), spec.allow_internet,
-                                  (spec.cpu_count, spec.memory_mb, spec.pids_limit), disk_mb=spec.disk_mb),
-                       snapshot_layers=layers if stacked else layers[1:], zygote=None, volumes=spec.volumes)
-        sbx = NsSandbox(spec.sandbox_id, Paths(root or spec.workdir / "ns"), cgroups.Cgroup(self.layout, spec.sandbox_id),
-                        opts)
-        return sbx
-
-    def filter_while_restoring(self, sbx: NsSandbox, loop: asyncio.AbstractEventLoop) -> Callable[[int], None] | None:
-        """For ``checkpoint.restore(on_netns=…)`` (called on the restore's thread): the sandbox's filter
-        written into the fresh network namespace just before CRIU restores into it (the wrapper waits
-        for it: a pid that may already have ended and been reused must never be written into); then
-        ``attach_restored(filtered=True)``. None: offline, or in a user namespace (``userns``): there the
-        network namespace is the image's, made by CRIU inside the restored user namespace, so there is
-        none before CRIU ends; ``attach_restored`` writes the filter into the restored init's then,
-        before slirp4netns gives it a tap (the dump left none in it), with the init checked to be the
-        sandbox's before and after."""
-        if not sbx.allow_internet or self.userns is not None:
-            return None
-        sid = sbx.name
-
-        def install(pid: int) -> None:
-            asyncio.run_coroutine_threadsafe(ENFORCER.install(sid, pid, self.host_addrs), loop).result(60)
-
-        return install
-
-    async def attach_restored(self, sbx: NsSandbox, spec: SandboxSpec, pid: int, live: bool = True,
-                              filtered: bool = False) -> None:
-        """After ``criu restore``: record the init, give the fresh network namespace the sandbox's
-        network (internet: filter, unless ``filtered`` during the restore, then slirp4netns), connect
-        to the restored agent, ``/init`` envd with the new identity, and make the sandbox live.
-        ``live=False`` (a pooled sandbox restored from a process image, ``procimage.py``): no ``/init``
-        and not registered; the hand-out does both."""
-        from aenv.runtime.process import ProcRef
-
-        sid = spec.sandbox_id
-        ref = ProcRef.of(pid)
-        if ref is None:
-            raise RuntimeFailure(f"sandbox {sid}: restored init {pid} exited at once", sandbox_id=sid)
-        sbx.init = ref
-        await asyncio.to_thread(sbx.write_state)
-        if sbx.allow_internet:  # its policy in the filter before slirp gives the restored tree a way out
-            if not filtered:
-                await self._filter_restored(sbx, ref)
-            sbx.slirp = await Slirp.start(pid)
-            await asyncio.to_thread(sbx.write_state)
-        await asyncio.to_thread(identity.set_hostname, pid, sid)  # CRIU brought back the parent's name
-        await sbx._connect(wait=True)
-        await sbx.health()
-        if not live:
-            return
-        await sbx.init_envd(init_payload(spec))
-        self._sandboxes[sid] = sbx
-        self._specs[sid] = spec
-
-    async def _filter_restored(self, sbx: NsSandbox, ref: ProcRef) -> None:
-        """The filter into a restored init's network namespace after CRIU ended (a restore in a user
-        namespace: ``filter_while_restoring``). Its pid must still name the sandbox's init, one of its
-        cgroup's, before and after: a pid reused in between fails the restore, never filters another's."""
-        def ours() -> bool:
-            return ref.alive() and ref.pid in sbx.cgroup.pids()
-
-        if not await asyncio.to_thread(ours):
-            raise RuntimeFailure(f"sandbox {sbx.name}: restored init {ref.pid} ended before its filter",
-                                 sandbox_id=sbx.name)
-        await ENFORCER.install(sbx.name, ref.pid, self.host_addrs)
-        if not await asyncio.to_thread(ours):
-            raise RuntimeFailure(f"sandbox {sbx.name}: restored init {ref.pid} ended while filtered",
-                                 sandbox_id=sbx.name)
+        self.table.add(sid, sbx, spec)
+        return self.table.state(sbx, spec.workdir)
 
     def _hand_out(self, sbx: NsSandbox, sid: str, root: Path, limits: tuple[int, int, int], disk_mb: int) -> None:
         if sbx.opts is not None and sbx.opts.disk is not None and sbx.opts.disk_mb != disk_mb:
@@ -442,27 +308,8 @@ class NsRuntime:
         assert sbx.init is not None
         identity.set_hostname(sbx.init.pid, sid)  # pooled under the placeholder name (identity.py)
 
-    def _state(self, sbx: NsSandbox, workdir: Path | None) -> RuntimeState:
-        data = sbx.state()
-        data["workdir"] = str(workdir) if workdir else None
-        return RuntimeState(data=data)
-
-    def _get(self, sandbox_id: str) -> NsSandbox:
-        sbx = self._sandboxes.get(sandbox_id)
-        if sbx is None:
-            raise SandboxNotFound(sandbox_id)
-        return sbx
-
-    def _from_state(self, sandbox_id: str, state: RuntimeState | None) -> NsSandbox | None:
-        sbx = self._sandboxes.get(sandbox_id)
-        if sbx is not None:
-            return sbx
-        if state is None or not state.data.get("cgroup") or self.layout is None:
-            return None
-        return NsSandbox.from_state(self.layout, state.data)
-
     async def open_stream(self, sandbox_id: str, port: int) -> ByteStream:
-        sbx = self._get(sandbox_id)
+        sbx = self.table.get(sandbox_id)
         return await open_checked(sandbox_id, port, sbx.open_stream, sbx.alive)
 
     # ---- pause / resume / kill / adopt (see lifecycle.py) ---------------------------------------
@@ -470,7 +317,7 @@ class NsRuntime:
         return await self.lifecycle.pause(sandbox_id, keep_memory)
 
     async def resume(self, sandbox_id: str, state: RuntimeState, keep_memory: bool = True) -> RuntimeState:
-        return await self.lifecycle.resume(sandbox_id, state, keep_memory)
+        return await self._egress_ensured(sandbox_id, self.lifecycle.resume(sandbox_id, state, keep_memory))
 
     async def kill(self, sandbox_id: str, state: RuntimeState | None = None) -> None:
         await self.lifecycle.kill(sandbox_id, state)
@@ -478,16 +325,9 @@ class NsRuntime:
     async def adopt(self, sandbox_id: str, spec: SandboxSpec, state: RuntimeState, stopped: bool = False) -> bool:
         return await self.lifecycle.adopt(sandbox_id, spec, state, stopped)
 
-    def _workdir(self, sandbox_id: str, state: RuntimeState | None = None) -> Path | None:
-        spec = self._specs.get(sandbox_id)
-        if spec is not None:
-            return spec.workdir
-        raw = state.data.get("workdir") if state else None
-        return Path(raw) if raw else None
-
     async def metrics(self, sandbox_id: str) -> ResourceSample:
-        sbx = self._get(sandbox_id)
-        spec = self._specs.get(sandbox_id)
+        sbx = self.table.get(sandbox_id)
+        spec = self.table.specs.get(sandbox_id)
         usage = await asyncio.to_thread(sbx.cgroup.usage)
         disk = await asyncio.to_thread(self._disk_used, sbx)
         now = time.monotonic()
@@ -506,7 +346,7 @@ class NsRuntime:
         )
 
     def _disk_used(self, sbx: NsSandbox) -> int:
-        used = self.disk.usage(sbx.paths.root)  # the quota's own count (upper + work + run)
+        used = self.host.disk.usage(sbx.paths.root)  # the quota's own count (upper + work + run)
         return used if used is not None else _disk_usage(sbx.paths.upper)
 
     # ---- SnapshotCapable (see snapshot.py) -------------------------------------------------------
@@ -514,7 +354,7 @@ class NsRuntime:
         if sandbox_id in self.releaser.released:
             raise StateError(f"cannot {action} sandbox {sandbox_id}: it is paused and released to disk; "
                              "resume it first", sandbox_id=sandbox_id)
-        if sandbox_id in self._stopped:
+        if sandbox_id in self.table.stopped:
             raise StateError(f"cannot {action} sandbox {sandbox_id}: it is paused without memory (no processes); "
                              "resume it first", sandbox_id=sandbox_id)
 
@@ -536,11 +376,11 @@ class NsRuntime:
     async def set_egress(self, sandbox_id: str, policy: EgressPolicy | None) -> None:
         """Register the sandbox's policy; a running one gets it in its filter now."""
         ENFORCER.register(sandbox_id, policy)
-        sbx = self._sandboxes.get(sandbox_id)
+        sbx = self.table.running.get(sandbox_id)
         if sbx is not None:
             await sbx.egress.settled()  # after the hand-out's filter, never beside it
         if sbx is not None and sbx.allow_internet and sbx.init is not None and sbx.alive():
-            await ENFORCER.install(sandbox_id, sbx.init.pid, self.host_addrs)
+            await ENFORCER.install(sandbox_id, sbx.init.pid, self.host.host_addrs)
             if sbx.egress.foreign:  # ours is in force: an older server's rules go
                 await drop_foreign_rules(sbx.init.pid)
                 sbx.egress.foreign = False
@@ -550,23 +390,24 @@ class NsRuntime:
         sandbox was filtered under its pool name, unless its hand-out is filtering it; a process restore
         made a fresh namespace)."""
         state = await started
-        sbx = self._sandboxes.get(sandbox_id)
+        sbx = self.table.running.get(sandbox_id)
         if sbx is None or sbx.egress.pending:
             return state
         if sbx.allow_internet and sbx.init is not None and ENFORCER.has(sandbox_id):
-            await ENFORCER.ensure(sandbox_id, sbx.init.pid, self.host_addrs)
+            await ENFORCER.ensure(sandbox_id, sbx.init.pid, self.host.host_addrs)
         return state
 
     def capabilities(self) -> dict[str, Any]:
-        status = self.snapshots.criu_status()
-        process = "filesystem+processes (criu)" if status.usable and self.zygote is None else "filesystem"
-        user = (f"user namespace (uids 0-65535 are host {self.userns.host_uid}.., shared by all sandboxes)"
-                if self.userns is not None else f"no user namespace ({self.userns_off_reason})")
+        host = self.host
+        status = host.criu_status()
+        process = "filesystem+processes (criu)" if status.usable and host.zygote is None else "filesystem"
+        user = (f"user namespace (uids 0-65535 are host {host.userns.host_uid}.., shared by all sandboxes)"
+                if host.userns is not None else f"no user namespace ({host.userns_off_reason})")
         return {
             "runtime": "ns",
             "isolation": "namespaces (pid, mount, uts, ipc, net) + cgroups + capability bounding set; "
                          f"seccomp (Docker's default profile); {user}: weaker than vm",
-            "cgroups": f"v{self.layout.version}" if self.layout else "unknown",
+            "cgroups": f"v{host.layout.version}" if host.layout else "unknown",
             "pause": "freezer, released to disk with CRIU after ns_release_paused_after s; "
                      "files only: processes end, cold start on resume",
             "network": {"offline": "loopback-only netns",
@@ -575,10 +416,10 @@ class NsRuntime:
             "fork": process,
             "rollback": process,
             "criu": status.describe(),
-            "disk quota": self.disk.describe(),
+            "disk quota": host.disk.describe(),
             "pool_size": self.pool_size,
         }
 
     # ---- helpers for tests and diagnostics ------------------------------------------------------
     def sandbox(self, sandbox_id: str) -> NsSandbox:
-        return self._get(sandbox_id)
+        return self.table.get(sandbox_id)

@@ -55,10 +55,12 @@ from aenv.runtime.base import RuntimeState, SandboxSpec, SnapshotResult
 from aenv.runtime.ns import checkpoint, criu, image_links
 from aenv.runtime.ns.checkpoint import CheckpointError
 from aenv.runtime.ns.disk import remove_tree
+from aenv.runtime.ns.host import LaunchReady, NsHost, Prelaunch, Start
 from aenv.runtime.ns.images_gate import ImagesGate
+from aenv.runtime.ns.restored import Restorer
+from aenv.runtime.ns.table import NsTable
 
 if TYPE_CHECKING:
-    from aenv.runtime.ns.runtime import NsRuntime
     from aenv.runtime.ns.sandbox import NsSandbox
 
 log = logging.getLogger("aenv.runtime.ns")
@@ -189,10 +191,19 @@ def stack_of(snapshot: Path, result: SnapshotResult) -> tuple[tuple[str, ...], t
 
 # ---- the SnapshotCapable implementation --------------------------------------------------------
 class NsSnapshots:
-    """Snapshot/fork/rollback flows over an ``NsRuntime`` (which delegates its protocol methods here)."""
+    """Snapshot/fork/rollback flows (``NsRuntime`` delegates its protocol methods here) over the sandbox
+    table, the host's facts and the ``Restorer``; a restore that starts processes fresh calls back the
+    runtime's ``launch_ready`` (rollback's new sandbox first ``prelaunch``), and a process restore
+    ``start``s the runtime first."""
 
-    def __init__(self, rt: NsRuntime) -> None:
-        self.rt = rt
+    def __init__(self, table: NsTable, host: NsHost, restorer: Restorer, *, start: Start,
+                 launch_ready: LaunchReady, prelaunch: Prelaunch) -> None:
+        self.table = table
+        self.host = host
+        self.restorer = restorer
+        self._start = start
+        self._launch_ready = launch_ready
+        self._prelaunch = prelaunch
         self._cleanups: set[asyncio.Task[None]] = set()
         # Each sandbox's latest full snapshot's CRIU images: what the next one's pages are compared to.
         self._last_images: OrderedDict[str, Path] = OrderedDict()
@@ -200,31 +211,22 @@ class NsSnapshots:
 
     # -- what is possible --
     def criu_status(self) -> criu.CriuStatus:
-        return criu.probe(settings=self.rt.settings)
+        return self.host.criu_status()
 
     def best_mode(self, sbx: NsSandbox) -> SnapshotMode:
-        return SnapshotMode.FULL if self._full_refusal(sbx) is None else SnapshotMode.FILESYSTEM
+        return SnapshotMode.FULL if self.host.full_refusal(sbx) is None else SnapshotMode.FILESYSTEM
 
     async def fork_mode(self, sandbox_id: str) -> SnapshotMode:
-        return await asyncio.to_thread(self.best_mode, self.rt._get(sandbox_id))
-
-    def _full_refusal(self, sbx: NsSandbox) -> str | None:
-        status = self.criu_status()
-        if not status.usable:
-            return f"process snapshots need CRIU >= 4.2 ({status.reason})"
-        if sbx.from_zygote:
-            return ("it was started from the zygote, whose preloaded files CRIU cannot map "
-                    "(AENV_NS_ZYGOTE=1 with CRIU present)")
-        return None
+        return await asyncio.to_thread(self.best_mode, self.table.get(sandbox_id))
 
     # -- snapshot --
     async def snapshot(self, sandbox_id: str, into: Path, mode: SnapshotMode) -> SnapshotResult:
         if mode not in MODES:
             raise InvalidRequest(f"unknown snapshot mode '{mode}': use full or filesystem")
         mode = SnapshotMode(mode)
-        sbx = self.rt._get(sandbox_id)
+        sbx = self.table.get(sandbox_id)
         if mode is SnapshotMode.FULL:
-            why = await asyncio.to_thread(self._full_refusal, sbx)
+            why = await asyncio.to_thread(self.host.full_refusal, sbx)
             if why is not None:
                 raise StateError(
                     f"sandbox {sandbox_id}: the ns runtime can only take filesystem snapshots here: {why}; "
@@ -260,7 +262,7 @@ class NsSnapshots:
         if mode is SnapshotMode.FULL:
             status = self.criu_status()
             data["criu"] = status.describe()
-            data["volume_points"] = sorted(self.rt.volume_points(sbx))  # a restore must bind these again
+            data["volume_points"] = sorted(self.table.volume_points(sbx))  # a restore must bind these again
             layers = (UPPER, CRIU_DIR)
             pending = self._link_unchanged_later(sandbox_id, into / CRIU_DIR, data)
         log.info("sandbox=%s snapshot mode=%s depth=%d compacted=%s frozen=%.1fms",
@@ -301,7 +303,7 @@ class NsSnapshots:
     def _stack(self, sandbox_id: str, sbx: NsSandbox) -> tuple[list[str], int]:
         if sbx.lowers:
             return list(sbx.lowers), sbx.snapshot_depth
-        spec = self.rt._specs.get(sandbox_id)  # adopted from a state written before lowers were recorded
+        spec = self.table.specs.get(sandbox_id)  # adopted from a state written before lowers were recorded
         if spec is None:
             raise StateError(f"sandbox {sandbox_id}: its overlay layers are unknown", sandbox_id=sandbox_id)
         return [str(p) for p in (spec.template.lowers or (spec.template.rootfs,))], 0
@@ -344,7 +346,7 @@ class NsSnapshots:
         status = self.criu_status()
         assert status.exe is not None and sbx.init is not None
         checkpoint.dump(status.exe, sbx.init.pid, images, freezer=sbx.cgroup.dir("freezer"), run_dir=sbx.paths.run,
-                        leave_running=leave_running, volumes=self.rt.volume_points(sbx))
+                        leave_running=leave_running, volumes=self.table.volume_points(sbx))
 
     def _compact(self, into: Path, snapshot_layers_top_first: list[str]) -> None:
         layers = [Path(p) for p in reversed(snapshot_layers_top_first)] + [into / ".capture"]
@@ -363,7 +365,7 @@ class NsSnapshots:
                                      "volumes at exactly those paths (or use a filesystem snapshot)")
             return await self.restore_processes(spec, snapshot, layers, lowers)
         template = replace(spec.template, lowers=lowers)
-        return await self.rt._launch_ready(spec, template, layers)
+        return await self._launch_ready(spec, template, layers)
 
     async def rollback(self, sandbox_id: str, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
         """Same ID, token, directory and cgroup name; files from the snapshot, processes started fresh.
@@ -374,24 +376,24 @@ class NsSnapshots:
         The old root is kept aside (whole: it may be a quota subvolume) until the swap succeeded; if
         anything fails, the sandbox is restarted on its own files and the error is raised."""
         layers, lowers = stack_of(snapshot, result)
-        sbx = self.rt._get(sandbox_id)
+        sbx = self.table.get(sandbox_id)
         root = sbx.paths.root
         old_lowers, old_depth = self._stack(sandbox_id, sbx)
         token = secrets.token_hex(4)
         aside = root.parent / f".rollback-old-{token}"  # in the workdir: removed with the sandbox
         template = replace(spec.template, lowers=lowers)
-        self.rt._sandboxes.pop(sandbox_id, None)
+        self.table.running.pop(sandbox_id, None)
         fresh: asyncio.Task[NsSandbox] | None = None
         new: NsSandbox | None = None
         if result.mode is not SnapshotMode.FULL:
-            fresh = asyncio.create_task(self.rt._prelaunch(
+            fresh = asyncio.create_task(self._prelaunch(
                 f"rb-{token}", root.parent / f".rollback-new-{token}", spec, template, layers))
         try:
             await sbx.stop()
             if fresh is not None:
                 new = await fresh
                 await asyncio.to_thread(os.rename, root, aside)
-                state = await self.rt._launch_ready(spec, template, layers, root=root, prelaunched=new)
+                state = await self._launch_ready(spec, template, layers, root=root, prelaunched=new)
             else:
                 await asyncio.to_thread(os.rename, root, aside)
                 state = await self.restore_processes(spec, snapshot, layers, lowers, root=root)
@@ -401,7 +403,7 @@ class NsSnapshots:
                 await new.aclose()  # idempotent: _launch_ready may have closed it already
             try:
                 await asyncio.to_thread(_take_back, root, aside)
-                await self.rt._launch_ready(
+                await self._launch_ready(
                     spec, replace(spec.template, lowers=tuple(Path(p) for p in old_lowers[old_depth:])),
                     tuple(old_lowers[:old_depth]), root=root)
             except Exception:
@@ -429,7 +431,7 @@ class NsSnapshots:
                                 lowers: tuple[Path, ...], root: Path | None = None,
                                 stacked: bool = True) -> RuntimeState:
         sbx = await self.restore_tree(spec, snapshot, layers, lowers, root, stacked=stacked)
-        return self.rt._state(sbx, spec.workdir)
+        return self.table.state(sbx, spec.workdir)
 
     async def restore_tree(self, spec: SandboxSpec, snapshot: Path, layers: tuple[str, ...],
                            lowers: tuple[Path, ...], root: Path | None = None, live: bool = True,
@@ -444,13 +446,12 @@ class NsSnapshots:
         if not status.usable or status.exe is None:
             raise StateError(f"snapshot {snapshot.name} holds processes but CRIU is not usable here "
                              f"({status.reason}); start it on a host with CRIU >= 4.2")
-        rt = self.rt
-        await rt.start()
-        sbx = rt.restored_sandbox(spec, layers, lowers, root, stacked=stacked)
-        exe, tools = status.exe, rt.tools or Path("/nonexistent")
+        await self._start()
+        sbx = self.restorer.sandbox(spec, layers, lowers, root, stacked=stacked)
+        exe, tools = status.exe, self.host.tools or Path("/nonexistent")
 
         loop = asyncio.get_running_loop()
-        on_netns = rt.filter_while_restoring(sbx, loop)
+        on_netns = self.restorer.filter_while_restoring(sbx, loop)
 
         def prepare_and_restore() -> int:
             return restore_into(sbx, spec, None if stacked else Path(layers[0]), snapshot / CRIU_DIR, exe, tools,
@@ -459,7 +460,7 @@ class NsSnapshots:
         try:
             async with self._images.reading(snapshot / CRIU_DIR):  # its pagemaps never switched mid-restore
                 pid = await loop.run_in_executor(_restore_pool(), prepare_and_restore)
-            await rt.attach_restored(sbx, spec, pid, live=live, filtered=on_netns is not None)
+            await self.restorer.attach(sbx, spec, pid, live=live, filtered=on_netns is not None)
         except BaseException as exc:
             await sbx.aclose(remove_dir=None if root else spec.workdir)
             if isinstance(exc, CheckpointError | OSError):

@@ -30,8 +30,8 @@ def test_the_key_follows_what_the_processes_depend_on() -> None:
 
 def _images(usable: bool, zygote: object = None) -> procimage.ProcImages:
     status = CriuStatus("/criu", (4, 2, 1), usable, "")
-    rt = SimpleNamespace(zygote=zygote, snapshots=SimpleNamespace(criu_status=lambda: status))
-    return procimage.ProcImages(rt)  # type: ignore[arg-type]
+    host = SimpleNamespace(zygote=zygote, criu_status=lambda: status)
+    return procimage.ProcImages(host, SimpleNamespace())  # type: ignore[arg-type]
 
 
 def test_only_exec_started_sandboxes_without_a_start_command(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -54,7 +54,7 @@ async def test_a_pool_entry_cancelled_while_warming_up_is_closed(tmp_path: Path,
 
     rt = NsRuntime(Settings(state_dir=tmp_path / "state", cache_dir=tmp_path / "cache"), pool_size=0,
                    tools_dir=tmp_path)
-    rt.layout = object()  # type: ignore[assignment]
+    rt.host.layout = object()  # type: ignore[assignment]
     closed: list[bool] = []
     warming = asyncio.Event()
 

@@ -9,11 +9,17 @@ from types import SimpleNamespace
 import pytest
 
 from aenv.runtime.ns import release
+from aenv.runtime.ns.table import NsTable
+
+
+def _releaser(host: object, after: float) -> release.NsReleaser:
+    """A releaser over an empty table; ``host`` fakes what ``adopted`` reads of ``NsHost`` (the layout)."""
+    return release.NsReleaser(NsTable(), host, SimpleNamespace(), after=after)  # type: ignore[arg-type]
 
 
 async def test_no_marker_means_paused_in_memory_and_partial_images_go(tmp_path: Path) -> None:
     (tmp_path / release.RELEASED_DIR / "criu").mkdir(parents=True)  # a dump the server died in
-    r = release.NsReleaser(SimpleNamespace(), after=1.0)  # type: ignore[arg-type]
+    r = _releaser(SimpleNamespace(), after=1.0)
     assert await r.adopted("sb1", tmp_path) is False
     assert not (tmp_path / release.RELEASED_DIR).exists() and r.released == {}
 
@@ -36,7 +42,7 @@ async def test_marker_means_released(tmp_path: Path, monkeypatch: pytest.MonkeyP
     from aenv.runtime.ns import cgroups
 
     monkeypatch.setattr(cgroups, "Cgroup", Cg)
-    r = release.NsReleaser(SimpleNamespace(layout=object()), after=1.0)  # type: ignore[arg-type]
+    r = _releaser(SimpleNamespace(layout=object()), after=1.0)
     assert await r.adopted("sb1", tmp_path) is True
     assert killed == ["sb1"]  # a tree restored before the crash is ended: the images are the truth
     assert r.released["sb1"]["lowers"] == ["/rootfs"]
@@ -54,7 +60,7 @@ async def test_a_release_under_way_is_waited_for_not_cancelled(monkeypatch: pyte
     half-way, the release left a sandbox being killed that the resume then thawed."""
     import asyncio
 
-    r = release.NsReleaser(SimpleNamespace(), after=0.0)  # type: ignore[arg-type]
+    r = _releaser(SimpleNamespace(), after=0.0)
     started, go = asyncio.Event(), asyncio.Event()
 
     async def releasing(sandbox_id: str) -> bool:

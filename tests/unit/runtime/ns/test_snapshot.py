@@ -194,12 +194,18 @@ class _FakeCgroup:
         return self.tmp / "cg" / controller / "sb1"
 
 
-def _fake_runtime(tmp: Path, log: list[str], allow_internet: bool = False, from_zygote: bool = False) -> Any:
+def _snapshots(tmp: Path, log: list[str], allow_internet: bool = False, from_zygote: bool = False) -> snap.NsSnapshots:
+    """``NsSnapshots`` over a table holding one fake sandbox ``sb1`` (its cgroup logs what is done to it)
+    and a real ``NsHost`` (its CRIU status is what the test makes ``criu.probe`` say); nothing that
+    starts or restores a sandbox is reached, so those are stand-ins."""
     import contextlib
     from collections.abc import AsyncIterator
     from types import SimpleNamespace
 
+    from aenv.config import Settings
+    from aenv.runtime.ns.host import NsHost
     from aenv.runtime.ns.sandbox import Paths
+    from aenv.runtime.ns.table import NsTable
     from aenv.runtime.process import ProcRef
 
     @contextlib.asynccontextmanager
@@ -214,8 +220,17 @@ def _fake_runtime(tmp: Path, log: list[str], allow_internet: bool = False, from_
     paths.upper.mkdir(parents=True)
     sbx = SimpleNamespace(name="sb1", cgroup=_FakeCgroup(log, tmp), init=ProcRef(4242, 1), paths=paths, quiesce=quiesce,
                           allow_internet=allow_internet, from_zygote=from_zygote, lowers=["/rootfs"],
-                          snapshot_depth=0)
-    return SimpleNamespace(_get=lambda sid: sbx, _specs={}, settings=None, userns=None, volume_points=lambda s: [])
+                          snapshot_depth=0, opts=None)
+    table = NsTable()
+    table.running["sb1"] = sbx  # type: ignore[assignment]
+    host = NsHost(Settings(state_dir=tmp / "state", cache_dir=tmp / "cache"), tools_dir=None, debug_log=False,
+                  launch_timeout=30.0)
+
+    async def unused(*a: Any, **kw: Any) -> Any:
+        raise AssertionError("no sandbox is started here")
+
+    return snap.NsSnapshots(table, host, SimpleNamespace(), start=unused,  # type: ignore[arg-type]
+                            launch_ready=unused, prelaunch=unused)
 
 
 @pytest.fixture
@@ -245,7 +260,7 @@ async def test_full_snapshot_dumps_while_frozen(tmp_path: Path, usable_criu: Non
     monkeypatch.setattr(snap.checkpoint, "dump", dump)
     into = tmp_path / "snap"
     into.mkdir()
-    ns = snap.NsSnapshots(_fake_runtime(tmp_path, log, allow_internet=True))
+    ns = _snapshots(tmp_path, log, allow_internet=True)
     result = await ns.snapshot("sb1", into, "full")
     # no host connection while dumping; the files are copied while still frozen
     assert log == ["quiesce", "freeze", "dump", "cp", "thaw", "streams open"]
@@ -254,10 +269,10 @@ async def test_full_snapshot_dumps_while_frozen(tmp_path: Path, usable_criu: Non
 
 
 async def test_full_snapshot_refusals(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, usable_criu: None) -> None:
-    ns = snap.NsSnapshots(_fake_runtime(tmp_path, [], from_zygote=True))
+    ns = _snapshots(tmp_path, [], from_zygote=True)
     with pytest.raises(StateError, match="zygote"):
         await ns.snapshot("sb1", tmp_path, "full")
-    assert ns.best_mode(ns.rt._get("sb1")) == "filesystem"
+    assert ns.best_mode(ns.table.get("sb1")) == "filesystem"
 
 
 async def test_full_snapshot_dump_failure_is_explicit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -272,7 +287,7 @@ async def test_full_snapshot_dump_failure_is_explicit(tmp_path: Path, monkeypatc
     monkeypatch.setattr(snap.checkpoint, "dump", dump)
     into = tmp_path / "snap"
     into.mkdir()
-    ns = snap.NsSnapshots(_fake_runtime(tmp_path, log))
+    ns = _snapshots(tmp_path, log)
     with pytest.raises(StateError, match=r"cannot be snapshotted: criu dump failed: .*io_uring.*mode=filesystem"):
         await ns.snapshot("sb1", into, "full")
     assert log == ["quiesce", "freeze", "thaw", "streams open"]
@@ -303,7 +318,7 @@ async def test_a_task_criu_could_not_seize_in_time_gets_one_more_try(
     monkeypatch.setattr(snap, "STUCK_TASK_PAUSE_S", 0.0)
     into = tmp_path / "snap"
     into.mkdir()
-    ns = snap.NsSnapshots(_fake_runtime(tmp_path, log))
+    ns = _snapshots(tmp_path, log)
     result = await ns.snapshot("sb1", into, "full")
     assert result.mode == "full"
     assert log == ["quiesce", "freeze", "dump", "thaw", "freeze", "dump", "thaw", "streams open"]
@@ -320,7 +335,7 @@ async def test_full_snapshot_refused_without_criu(tmp_path: Path, monkeypatch: p
     from aenv.runtime.ns import criu
 
     monkeypatch.setattr(criu, "probe", lambda refresh=False, settings=None: criu.evaluate(None))
-    ns = snap.NsSnapshots(_fake_runtime(tmp_path, []))
+    ns = _snapshots(tmp_path, [])
     with pytest.raises(StateError, match="can only take filesystem snapshots here.*CRIU"):
         await ns.snapshot("sb1", tmp_path, "full")
     with pytest.raises(InvalidRequest):

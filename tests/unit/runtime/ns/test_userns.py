@@ -152,19 +152,21 @@ async def test_filter_of_a_user_namespaced_restore_goes_in_after_criu_into_the_s
     from types import SimpleNamespace
 
     from aenv.errors import RuntimeFailure
-    from aenv.runtime.ns import runtime as nsrt
+    from aenv.runtime.ns import restored
+    from aenv.runtime.ns.table import NsTable
 
     sbx = SimpleNamespace(name="s1", allow_internet=True, cgroup=SimpleNamespace(pids=lambda: [5]))
-    rt = SimpleNamespace(userns=SharedUserns(1_300_000_000), host_addrs=[])
-    assert nsrt.NsRuntime.filter_while_restoring(rt, sbx, asyncio.get_running_loop()) is None  # type: ignore[arg-type]
+    host = SimpleNamespace(userns=SharedUserns(1_300_000_000), host_addrs=[])
+    restorer = restored.Restorer(host, NsTable())  # type: ignore[arg-type]
+    assert restorer.filter_while_restoring(sbx, asyncio.get_running_loop()) is None  # type: ignore[arg-type]
     installed: list[int] = []
 
     async def install(sid: str, pid: int, addrs: list[str]) -> None:
         installed.append(pid)
 
-    monkeypatch.setattr(nsrt.ENFORCER, "install", install)
-    await nsrt.NsRuntime._filter_restored(rt, sbx, SimpleNamespace(pid=5, alive=lambda: True))  # type: ignore[arg-type]
+    monkeypatch.setattr(restored.ENFORCER, "install", install)
+    await restorer._filter_restored(sbx, SimpleNamespace(pid=5, alive=lambda: True))  # type: ignore[arg-type]
     assert installed == [5]
     with pytest.raises(RuntimeFailure, match="ended before its filter"):
-        await nsrt.NsRuntime._filter_restored(rt, sbx, SimpleNamespace(pid=6, alive=lambda: True))  # type: ignore[arg-type]
+        await restorer._filter_restored(sbx, SimpleNamespace(pid=6, alive=lambda: True))  # type: ignore[arg-type]
     assert installed == [5]
