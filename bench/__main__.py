@@ -203,8 +203,13 @@ def _run_runtime(runtime: str, names: list[str], args: argparse.Namespace, with_
             from bench.previous import previous_server
 
             with console.status(f"{runtime}: serving {args.against} beside this checkout"):
-                ctx.previous = stack.enter_context(previous_server(args.against, runtime))
-                _warm_up(ctx.previous.url)
+                try:  # a commit that cannot be served here costs its rows, not the run's
+                    ctx.previous = stack.enter_context(previous_server(args.against, runtime))
+                    _warm_up(ctx.previous.url)
+                except Exception as exc:  # noqa: BLE001 - recorded in the run's notes
+                    ctx.previous = None
+                    run.setdefault("notes", []).append(f"--against {args.against} not served: {str(exc)[-600:]}")
+                    console.print(f"[yellow]warning:[/] {runtime}: --against {args.against} not served: {exc}")
         if runtime == "vm" and "create" in names and state_dir is not None:
             from bench.vmboot import QemuColdBoot
 

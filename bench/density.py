@@ -153,6 +153,31 @@ def _unmerged(ctx: Ctx, count: int) -> list[float]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+GIVE_BACK_MB = 128
+
+
+def given_back(ctx: Ctx, sbx: Any) -> list[dict[str, Any]]:
+    """vm: what the host gets back when a guest frees memory. The guest fills ``GIVE_BACK_MB`` of
+    tmpfs and deletes it; its balloon's free-page reporting hands freed 2 MiB blocks to QEMU, which
+    drops them. QEMU's PSS idle, right after the delete, and once reporting has run (it waits ~2 s)."""
+    assert ctx.state_dir is not None
+    pids = vm_pids(ctx.state_dir, sbx.sandbox_id)
+    idle = pss_mb(pids)
+    sbx.commands.run(f"dd if=/dev/zero of=/dev/shm/fill bs=1M count={GIVE_BACK_MB} 2>/dev/null; sync", timeout=300)
+    filled = pss_mb(pids)
+    sbx.commands.run("rm -f /dev/shm/fill", timeout=60)
+    freed = pss_mb(pids)
+    time.sleep(1.0 if ctx.smoke else 8.0)
+    reported = pss_mb(pids)
+    note = f"one idle vm; the guest writes {GIVE_BACK_MB} MB to /dev/shm, then deletes it (balloon free-page reporting)"
+    return [value_row("vm memory given back: QEMU PSS idle", ctx.system, idle, 1, "MB", note=note),
+            value_row("vm memory given back: QEMU PSS, guest filled", ctx.system, filled, 1, "MB", note=note),
+            value_row("vm memory given back: QEMU PSS, right after the delete", ctx.system, freed, 1, "MB", note=note),
+            value_row("vm memory given back: QEMU PSS, after reporting", ctx.system, reported, 1, "MB",
+                      note=f"{1.0 if ctx.smoke else 8.0:.0f} s after the delete: {filled - reported:.0f} MB of the "
+                           f"{filled - idle:.0f} MB the fill took came back")]
+
+
 def _full_scans() -> int:
     return int(Path("/sys/kernel/mm/ksm/full_scans").read_text())
 
@@ -196,6 +221,8 @@ def density(ctx: Ctx) -> dict[str, Any]:
                                  f"{cpu:.1f} s, {100 * cpu / max(waited, 0.1):.0f}% of one CPU); ksm policy on"))
             rows.append(value_row("idle sandboxes in 4 GiB, KSM merged", ctx.system, BUDGET_MB / rows[-1]["p50"],
                                   len(after), "count", note="4096 MB / median PSS after merging"))
+        if ctx.runtime == "vm" and sbxs:
+            rows += given_back(ctx, sbxs[0])
         if ctx.docker is not None:
             bare, shim = docker_pss(ctx.docker, cids)
             rows.append(row("PSS per idle sandbox", "docker", bare, unit="MB",

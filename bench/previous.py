@@ -43,7 +43,8 @@ def previous_server(rev: str, runtime: str) -> Iterator[PreviousServer]:
     try:
         env = {"PYTHONPATH": os.pathsep.join([str(tree / "src"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                "AENV_POOL_SIZE": "4", "AENV_KSM": "auto"}
-        server = start_server(tmp, runtime, env)
+        # vm: an older commit may boot another guest kernel, built on its first start (~6 min on 2 cores)
+        server = start_server(tmp, runtime, env, ready_s=900 if runtime == "vm" else 240)
         served_from = subprocess.run(
             [sys.executable, "-c", "import aenv; print(aenv.__file__)"],
             env={**os.environ, **env}, capture_output=True, text=True, check=False,

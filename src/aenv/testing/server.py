@@ -56,9 +56,11 @@ class Server:
 
 
 def start_server(
-    tmp: Path, runtime: str, extra_env: dict[str, str] | None = None, port: int | None = None, tls: Tls | None = None
+    tmp: Path, runtime: str, extra_env: dict[str, str] | None = None, port: int | None = None, tls: Tls | None = None,
+    ready_s: float = 240,
 ) -> Server:
-    """``tls``: serve HTTPS (the certificate must name 127.0.0.1); the health check trusts ``tls.ca``."""
+    """``tls``: serve HTTPS (the certificate must name 127.0.0.1); the health check trusts ``tls.ca``.
+    ``ready_s``: how long it may take to answer ``/health`` (a first start may build a guest kernel)."""
     port = port or free_port()
     state = tmp / "state"
     log_path = tmp / "server.log"
@@ -91,7 +93,7 @@ def start_server(
         )
     scheme = "https" if tls else "http"
     server = Server(f"{scheme}://127.0.0.1:{port}", state, proc, log_path, env, tls.ca if tls else None)
-    return healthy_or_stopped(server, 240, "aenv serve", stop_server)
+    return healthy_or_stopped(server, ready_s, "aenv serve", stop_server)
 
 
 def healthy_or_stopped(server: Server, seconds: float, what: str, stop: Callable[[Server], None]) -> Server:
