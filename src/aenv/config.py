@@ -73,6 +73,12 @@ class Settings(BaseModel):
         "on = always, off = never (the host's ksmd is left alone)"
     )
     ksm_max_cpu: int = Field(10, ge=1, le=100, description="when merging: the most ksmd may use, % of one CPU (the kernel's scan-time advisor)")
+    ksm_merge_below: float = Field(
+        1.0, gt=0, le=1, description="when merging: ksmd scans only while MemAvailable is below this share of "
+        "MemTotal and is paused (merged pages kept) once it is 0.1 above; 1 = always. Merging costs a create "
+        "and its first command ~3 ms on 2 cores (copy-on-write of merged pages, ksmd's CPU): e.g. 0.5 pays "
+        "that only once memory is short"
+    )
     stop_sandboxes_on_exit: bool = Field(
         False, description="a graceful stop (SIGTERM, Ctrl-C) also kills every sandbox, paused ones included: for "
         "throwaway servers (tests, benchmarks, CI). Off by default: sandboxes outlive a server so that a restart "

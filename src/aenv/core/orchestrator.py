@@ -486,6 +486,8 @@ class Orchestrator:
     async def _sampler(self) -> None:
         while True:
             await asyncio.sleep(METRICS_INTERVAL)
+            with contextlib.suppress(Exception):  # ksm_merge_below: ksmd scans only while memory is short
+                await asyncio.to_thread(self.ksm.adjust)
             for sbx in self.table:
                 if sbx.state is not SandboxState.RUNNING:
                     continue

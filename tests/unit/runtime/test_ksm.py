@@ -107,3 +107,33 @@ def test_vm_guest_ram_is_unmarked_only_where_the_policy_says(tmp_path: Path) -> 
     assert "mem-merge" not in machine  # QEMU's default (on): the argv of every VM before the policy
     off = build_argv(VmConfig(**{**cfg.__dict__, "mem_merge": False}))
     assert "mem-merge=off" in off[off.index("-M") + 1]
+
+
+def test_merge_below_scans_only_while_memory_is_short(tmp_path: Path) -> None:
+    """``ksm_merge_below`` < 1: ksmd starts once MemAvailable is below the share, is paused (merged pages
+    kept: run = 0, never 2) once it is HYSTERESIS above again, and is left as it is in between."""
+    sysfs = _sysfs(tmp_path)
+    k = ksm.Ksm(Settings(state_dir=tmp_path, ksm="on", ksm_merge_below=0.5), sysfs)
+    k.adjust(0.8)
+    assert (sysfs / "run").read_text().strip() == "0" and not k.scanning
+    k.adjust(0.4)
+    assert (sysfs / "run").read_text() == "1" and k.scanning
+    k.adjust(0.55)  # within the hysteresis: still scanning
+    assert (sysfs / "run").read_text() == "1" and k.scanning
+    k.adjust(0.65)
+    assert (sysfs / "run").read_text() == "0" and not k.scanning and "paused" in (k.ksmd or "")
+    assert k.stats()["mergeBelow"] == 0.5
+
+
+def test_the_default_scans_always_and_never_pauses(tmp_path: Path) -> None:
+    sysfs = _sysfs(tmp_path)
+    k = ksm.Ksm(Settings(state_dir=tmp_path, ksm="on"), sysfs)
+    k.start()
+    k.adjust(0.99)
+    assert (sysfs / "run").read_text() == "1" and k.scanning
+
+
+def test_memory_share_reads_meminfo(tmp_path: Path) -> None:
+    (tmp_path / "meminfo").write_text("MemTotal:       1000 kB\nMemFree:  10 kB\nMemAvailable:    250 kB\n")
+    assert ksm.memory_share(tmp_path / "meminfo") == 0.25
+    assert ksm.memory_share(tmp_path / "none") is None
