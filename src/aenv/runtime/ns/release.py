@@ -25,7 +25,7 @@ from aenv.faults import fault_point
 from aenv.runtime.base import SandboxSpec
 from aenv.runtime.ns import checkpoint
 from aenv.runtime.ns.host import NsHost
-from aenv.runtime.ns.restored import Restorer
+from aenv.runtime.ns.restored import Restorer, outlive_cancel
 from aenv.runtime.ns.table import NsTable
 
 if TYPE_CHECKING:
@@ -176,7 +176,7 @@ class NsReleaser:
                                       on_netns=on_netns, userns=self.host.userns, volumes=spec.volumes)
 
         try:
-            pid = await asyncio.to_thread(restore)
+            pid = await outlive_cancel(asyncio.to_thread(restore))  # a cancelled resume leaves no tree behind
             await self.restorer.attach(sbx, spec, pid, filtered=on_netns is not None)
         except BaseException:
             await sbx.stop()  # its processes and cgroup; the files and the images stay: still released

@@ -9,9 +9,11 @@ into), so none of them needs ``runtime.py``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
 
 from aenv.errors import RuntimeFailure
 from aenv.runtime.base import SandboxSpec
@@ -103,3 +105,21 @@ class Restorer:
         if not await asyncio.to_thread(ours):
             raise RuntimeFailure(f"sandbox {sbx.name}: restored init {ref.pid} ended while filtered",
                                  sandbox_id=sbx.name)
+
+
+_T = TypeVar("_T")
+
+
+async def outlive_cancel(work: Awaitable[_T]) -> _T:
+    """The result of ``work`` (a CRIU restore running in a thread). Cancelled meanwhile (the server
+    stopping while a pool refill restores), it first waits for the thread to end, then raises the
+    cancellation, so the caller's clean-up takes down what the thread made: CRIU goes on in its thread,
+    and a tree restored after the clean-up ran was owned by no one (one such pool sandbox outlived its
+    server)."""
+    running = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        with contextlib.suppress(BaseException):
+            await running
+        raise

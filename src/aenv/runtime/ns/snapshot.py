@@ -57,7 +57,7 @@ from aenv.runtime.ns.checkpoint import CheckpointError
 from aenv.runtime.ns.disk import remove_tree
 from aenv.runtime.ns.host import LaunchReady, NsHost, Prelaunch, Start
 from aenv.runtime.ns.images_gate import ImagesGate
-from aenv.runtime.ns.restored import Restorer
+from aenv.runtime.ns.restored import Restorer, outlive_cancel
 from aenv.runtime.ns.table import NsTable
 
 if TYPE_CHECKING:
@@ -459,7 +459,7 @@ class NsSnapshots:
 
         try:
             async with self._images.reading(snapshot / CRIU_DIR):  # its pagemaps never switched mid-restore
-                pid = await loop.run_in_executor(_restore_pool(), prepare_and_restore)
+                pid = await outlive_cancel(loop.run_in_executor(_restore_pool(), prepare_and_restore))
             await self.restorer.attach(sbx, spec, pid, live=live, filtered=on_netns is not None)
         except BaseException as exc:
             await sbx.aclose(remove_dir=None if root else spec.workdir)

@@ -340,3 +340,37 @@ async def test_full_snapshot_refused_without_criu(tmp_path: Path, monkeypatch: p
         await ns.snapshot("sb1", tmp_path, "full")
     with pytest.raises(InvalidRequest):
         await ns.snapshot("sb1", tmp_path, "memory")
+
+
+async def test_a_cancelled_restore_waits_for_its_thread_before_the_clean_up() -> None:
+    """A restore runs CRIU in a thread that a cancellation cannot stop: the caller's clean-up must run
+    after the thread ended, or the tree it restores afterwards is owned by no one."""
+    import asyncio
+    import threading
+    import time as _time
+
+    from aenv.runtime.ns.restored import outlive_cancel
+
+    ended = threading.Event()
+
+    def restore() -> int:
+        _time.sleep(0.3)
+        ended.set()
+        return 4242
+
+    seen: list[bool] = []
+
+    async def caller() -> int:
+        try:
+            return await outlive_cancel(asyncio.get_running_loop().run_in_executor(None, restore))
+        except asyncio.CancelledError:
+            seen.append(ended.is_set())  # where restore_tree's clean-up runs
+            raise
+
+    task = asyncio.create_task(caller())
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert seen == [True]
+    assert await outlive_cancel(asyncio.get_running_loop().run_in_executor(None, lambda: 7)) == 7
