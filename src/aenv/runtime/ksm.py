@@ -184,10 +184,11 @@ class Ksm:
     def adjust(self, available_share: float | None = None) -> None:
         """Start ksmd when memory is short (``MemAvailable`` below ``ksm_merge_below`` of ``MemTotal``, or
         always at 1), pause it when it is ``HYSTERESIS`` above again. Blocking; called periodically."""
-        below = self.settings.ksm_merge_below
         if not self.decision.merge:
             return
-        share = available_share if available_share is not None else memory_share()
+        below = self.settings.ksm_merge_below
+        # at 1 nothing depends on memory: /proc/meminfo is not read every sampler round
+        share = None if below >= 1 else available_share if available_share is not None else memory_share()
         short = below >= 1 or (share is not None and share < below)
         if short and not self.scanning:
             self.ksmd = start_ksmd(self.settings.ksm_max_cpu, self.sysfs)

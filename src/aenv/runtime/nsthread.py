@@ -46,17 +46,21 @@ def _check(ret: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
+def _enter(libc: ctypes.CDLL, pid: int, kind: str) -> None:
+    """Move the calling thread into ``pid``'s ``kind`` namespace (an OSError naming it if it cannot)."""
+    label, flag = KINDS[kind]
+    fd = os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        _check(libc.setns(fd, flag), f"setns into the {label} namespace of {pid}")
+    finally:
+        os.close(fd)
+
+
 def run_in_namespace(pid: int, kind: str, call: Callable[[ctypes.CDLL], T], *, thread_name: str) -> T:
     """``call(libc)`` in ``pid``'s ``kind`` namespace ("net" or "uts"); its result, or its exception
     (a failed ``setns`` is an OSError naming the namespace) raised here."""
-    label, flag = KINDS[kind]
-
     def enter_then_call(libc: ctypes.CDLL) -> T:
-        fd = os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            _check(libc.setns(fd, flag), f"setns into the {label} namespace of {pid}")
-        finally:
-            os.close(fd)
+        _enter(libc, pid, kind)
         return call(libc)
 
     return _on_own_thread(enter_then_call, thread_name)
@@ -88,15 +92,10 @@ class NamespaceWorker:
 
     def _serve(self) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
-        label, flag = KINDS[self.kind]
         while True:
             pid, call, done = self._jobs.get()
             try:
-                fd = os.open(f"/proc/{pid}/ns/{self.kind}", os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    _check(libc.setns(fd, flag), f"setns into the {label} namespace of {pid}")
-                finally:
-                    os.close(fd)
+                _enter(libc, pid, self.kind)
                 done.set_result(call(libc))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 done.set_exception(exc)

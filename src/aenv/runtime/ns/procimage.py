@@ -178,8 +178,8 @@ class ProcImages:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         sbx.cgroup.freeze()
-        checkpoint.dump(status.exe, sbx.init.pid, tmp / CRIU_DIR, freezer=sbx.cgroup.dir("freezer"), run_dir=sbx.paths.run,
-                        leave_running=False)
+        checkpoint.dump(status.exe, sbx.init.pid, tmp / CRIU_DIR, freezer=sbx.cgroup.dir("freezer"),
+                        run_dir=sbx.paths.run, leave_running=False)
         copy_tree(sbx.paths.upper, tmp / UPPER)
         shutil.rmtree(dest, ignore_errors=True)
         os.rename(tmp, dest)

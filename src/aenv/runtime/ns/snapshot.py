@@ -345,8 +345,8 @@ class NsSnapshots:
     def _criu_dump(self, sbx: NsSandbox, images: Path, leave_running: bool = True) -> None:
         status = self.criu_status()
         assert status.exe is not None and sbx.init is not None
-        checkpoint.dump(status.exe, sbx.init.pid, images, freezer=sbx.cgroup.dir("freezer"), run_dir=sbx.paths.run,
-                        leave_running=leave_running, volumes=self.table.volume_points(sbx))
+        checkpoint.dump(status.exe, sbx.init.pid, images, freezer=sbx.cgroup.dir("freezer"),
+                        run_dir=sbx.paths.run, leave_running=leave_running, volumes=self.table.volume_points(sbx))
 
     def _compact(self, into: Path, snapshot_layers_top_first: list[str]) -> None:
         layers = [Path(p) for p in reversed(snapshot_layers_top_first)] + [into / ".capture"]

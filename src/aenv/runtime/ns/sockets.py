@@ -21,6 +21,7 @@ import re
 import select
 import socket
 from collections.abc import Iterator
+from typing import TypeGuard
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _SYS_PIDFD_GETFD = 438  # the same number on every architecture (the unified syscall table)
@@ -87,7 +88,7 @@ def _copy_of(pid: int, fd: int) -> Iterator[socket.socket | None]:
         yield sock
 
 
-def _listening_unix(sock: socket.socket | None) -> bool:
+def _listening_unix(sock: socket.socket | None) -> TypeGuard[socket.socket]:
     return sock is not None and sock.family == socket.AF_UNIX \
         and bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
 
@@ -98,7 +99,7 @@ def unix_listeners(pids: list[int], under: str) -> list[tuple[int, int]]:
     found: list[tuple[int, int]] = []
     for pid, fd, _ in held_sockets(pids):
         with _copy_of(pid, fd) as sock:
-            if sock is not None and _listening_unix(sock):
+            if _listening_unix(sock):
                 name = sock.getsockname()
                 if isinstance(name, str) and os.path.dirname(name) == under:
                     found.append((pid, fd))
@@ -109,7 +110,7 @@ def has_queued(pid: int, fd: int) -> bool:
     """Whether connections wait for ``accept`` on the listening socket at ``pid``'s ``fd`` (False:
     gone, or no longer a listening socket): a listener is readable while its queue holds one."""
     with _copy_of(pid, fd) as sock:
-        if sock is None or not _listening_unix(sock):
+        if not _listening_unix(sock):
             return False
         poll = select.poll()
         poll.register(sock, select.POLLIN)
