@@ -109,8 +109,8 @@ def ppid(pid: int) -> int:
 
 
 def after_ksm(url: str, max_wait: float) -> tuple[float, int, float] | None:
-    """When the server at ``url`` merges sandboxes (``/aenv/info`` ksm): wait for ksmd's next two full
-    scans (two: the first may have begun before the last sandbox came), at most ``max_wait`` s, and say
+    """When the server at ``url`` merges sandboxes (``/aenv/info`` ksm): wait until they are marked
+    (its ``ksm_idle_s``) and for ksmd's next two full scans (two: the first may have begun before the last sandbox came), at most ``max_wait`` s, and say
     how long it took, how many scans ran and ksmd's CPU time meanwhile. None when the server does not
     merge or the host has no ksmd running."""
     import httpx
@@ -121,6 +121,8 @@ def after_ksm(url: str, max_wait: float) -> tuple[float, int, float] | None:
     info = httpx.get(url + "/aenv/info", headers={"X-API-KEY": key}, trust_env=False).json()
     if not info.get("ksm", {}).get("merge") or not info["ksm"].get("running"):
         return None
+    # sandboxes are marked mergeable only once idle this long (ksm_idle_s); then ksmd may merge them
+    time.sleep(float(info["ksm"].get("mergeIdleS") or 0.0) + 0.5)
     scans0, cpu0, t0 = _full_scans(), ksm.ksmd_cpu_seconds() or 0.0, time.monotonic()
     deadline = t0 + max_wait
     while _full_scans() < scans0 + 2 and time.monotonic() < deadline:

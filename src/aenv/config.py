@@ -73,6 +73,12 @@ class Settings(BaseModel):
         "on = always, off = never (the host's ksmd is left alone)"
     )
     ksm_max_cpu: int = Field(10, ge=1, le=100, description="when merging: the most ksmd may use, % of one CPU (the kernel's scan-time advisor)")
+    ksm_idle_s: float = Field(
+        5.0, ge=0, description="when merging (ns): a sandbox's processes become mergeable once envd has served no "
+        "request for this long after the hand-out; pooled and busy sandboxes are never merged (a merged page "
+        "written again costs a copy-on-write fault: ~3 ms on a create and its first command, 2 cores). 0 = "
+        "from the start"
+    )
     ksm_merge_below: float = Field(
         1.0, gt=0, le=1, description="when merging: ksmd scans only while MemAvailable is below this share of "
         "MemTotal and is paused (merged pages kept) once it is 0.1 above; 1 = always. Merging costs a create "

@@ -1,11 +1,13 @@
-"""KSM through the unmodified SDK (ns): a one-tenant server's sandboxes are mergeable down to the
-commands a client runs, also in a fork child (restored by CRIU, which loses the process-wide mark:
-the agent and envd set it again); a server with two API keys marks nothing (``ksm = auto``: merged
+"""KSM through the unmodified SDK (ns): a one-tenant server's sandboxes become mergeable once idle
+(``ksm_idle_s``: not while handed out and working), down to the commands a client runs, and a fork
+child of a marked sandbox at once (restored by CRIU, which loses the process-wide mark: the agent and
+envd set it again); a server with two API keys marks nothing (``ksm = auto``: merged
 pages are a timing side channel between tenants). What ``/aenv/info`` says matches."""
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from aenv.client import AenvClient
 from aenv.testing.server import API_KEY, Server, start_server, stop_server
 
 OTHER_KEY = "e2b_" + "1" * 40
+IDLE_S = 1.0
 MARKS = "grep -h ksm_merge /proc/self/ksm_stat /proc/1/ksm_stat"  # a process envd starts, and the sandbox's PID 1
 
 
@@ -41,7 +44,8 @@ def one_tenant(tmp_path: Path) -> Iterator[Server]:
     """A server with ksm at its default (auto) and one API key (test servers otherwise turn it off)."""
     if os.geteuid() != 0:
         pytest.skip("the ns runtime needs root")
-    srv = start_server(tmp_path, "ns", {"AENV_KSM": "auto", "AENV_API_KEYS": API_KEY, "AENV_POOL_SIZE": "1"})
+    srv = start_server(tmp_path, "ns", {"AENV_KSM": "auto", "AENV_API_KEYS": API_KEY, "AENV_POOL_SIZE": "1",
+                                        "AENV_KSM_IDLE_S": str(IDLE_S)})
     yield srv
     stop_server(srv)
 
@@ -52,14 +56,18 @@ def test_a_one_tenant_server_merges_its_sandboxes_and_their_fork_children(one_te
     server = one_tenant
     conn = {"api_url": server.url, "sandbox_url": server.url, "api_key": API_KEY}
     sandbox = Sandbox.create("base", timeout=300, **conn)  # type: ignore[arg-type]
+    # a command started right after the hand-out inherits envd's mark: none yet, envd is at work
+    assert _marks(sandbox)[:2] == ["no", "no"]
+    time.sleep(IDLE_S + 1.5)  # nothing asked of the sandbox: idle
     assert _marks(sandbox) == ["yes"] * 4  # merge_any and mergeable, both processes
     info = _info(server)
     assert info["merge"] is True and "one tenant" in info["reason"] and info["running"] is True
+    assert info["mergeIdleS"] == IDLE_S
     with AenvClient(server.url, API_KEY) as client:
         forked = client.fork(sandbox.sandbox_id, count=1)
     assert forked.sandbox_ids, forked.errors
     child = Sandbox.connect(forked.sandbox_ids[0], **conn)  # type: ignore[arg-type]
-    assert _marks(child) == ["yes"] * 4
+    assert _marks(child) == ["yes"] * 4  # its parent was marked: so is the child, with no idle wait
     metrics = httpx.get(server.url + "/metrics", trust_env=False).text
     assert "aenv_ksm_merge 1" in metrics and "aenv_ksm_merged_bytes " in metrics
 

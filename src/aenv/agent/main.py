@@ -66,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--checkpointable", action="store_true", help="keep every process CRIU-dumpable (no io_uring)")
     ap.add_argument("--mergeable", action="store_true",
                     help="KSM may merge the pages of this process and of every process of the sandbox")
+    ap.add_argument("--merge-idle", type=float, default=0.0, metavar="S",
+                    help="with --mergeable: only once a process has been idle S seconds (envd: after /init)")
     return ap.parse_args(argv)
 
 
@@ -87,7 +89,8 @@ def envd_args(args: argparse.Namespace) -> list[str]:
         # Beside the mux socket: the ns host reaches envd there without the agent's relay.
         argv += ["--uds", os.path.join(os.path.dirname(path), ENVD_SOCKET)]
     if args.mergeable and envd_module() == "aenv.envd":
-        argv.append("--mergeable")  # envd re-marks itself after a restore, on /init
+        # envd marks itself (once idle) and again after a restore, on /init
+        argv += ["--mergeable", "--merge-idle", str(args.merge_idle)]
     return argv
 
 
@@ -161,7 +164,7 @@ def main(argv: list[str] | None = None, *, envd_by_fork: bool = False) -> int:
     restore_default_signals()
     args = parse_args(argv)
     if args.mergeable:
-        mergeable.enable()  # before envd is forked or spawned: it inherits the mark
+        mergeable.enable(args.merge_idle)  # with no idle wait before envd is forked or spawned: it inherits the mark
     logging.basicConfig(
         level=logging.INFO,
         format="%(asctime)s agent %(levelname)s %(message)s",

@@ -27,11 +27,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-level", default="warning")
     parser.add_argument("--mergeable", action="store_true",
                         help="KSM may merge this process's pages and those of the processes it starts")
+    parser.add_argument("--merge-idle", type=float, default=0.0, metavar="S",
+                        help="with --mergeable: only once no request came for S seconds after /init")
     args = parser.parse_args(argv)
     if args.mergeable:
         from aenv.envd import mergeable
 
-        mergeable.enable()
+        mergeable.enable(args.merge_idle)
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
 

@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 from aenv.envd import limits, mergeable
 from aenv.envd.auth import TokenMiddleware
+from aenv.envd.connect import Receive, Scope, Send
 from aenv.envd.files import FilesRoutes, error_response
 from aenv.envd.filesystem import FilesystemService
 from aenv.envd.identity import MAX_SEED_BYTES, SandboxState, reseed_rng, set_wall_clock
@@ -171,4 +172,11 @@ def build_app(state: SandboxState | None = None, table: ProcessTable | None = No
     app = Starlette(routes=routes)
     app.state.sandbox = state
     app.state.processes = table
-    return TokenMiddleware(app, state)
+    guarded = TokenMiddleware(app, state)
+
+    async def serve(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("path") != "/health":
+            mergeable.touch()  # work: this process is not idle (merged only once it is, mergeable.py)
+        await guarded(scope, receive, send)
+
+    return serve

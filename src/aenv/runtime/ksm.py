@@ -207,7 +207,8 @@ class Ksm:
             log.info("ksm: %s", self.ksmd)
 
     def stats(self) -> dict[str, Any]:
-        return {**stats(self.decision, self.sysfs, self.ksmd), "mergeBelow": self.settings.ksm_merge_below}
+        return {**stats(self.decision, self.sysfs, self.ksmd), "mergeBelow": self.settings.ksm_merge_below,
+                "mergeIdleS": self.settings.ksm_idle_s}
 
     def prometheus(self) -> list[str]:
         return prometheus(self.stats())

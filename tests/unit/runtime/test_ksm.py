@@ -84,6 +84,8 @@ def test_an_ns_process_image_is_never_shared_between_the_two_policies(tmp_path: 
     tpl = SandboxImage(template_id="t", rootfs=tmp_path)
     assert image_key(tpl, True, tmp_path, "criu", True) != image_key(tpl, True, tmp_path, "criu", False)
     assert image_key(tpl, True, tmp_path, "criu") == image_key(tpl, True, tmp_path, "criu", False)  # as before
+    # an idle wait changes what is dumped marked (the agent may be, envd is not)
+    assert image_key(tpl, True, tmp_path, "criu", True, 5.0) != image_key(tpl, True, tmp_path, "criu", True)
 
 
 def test_the_ns_agent_is_started_mergeable_only_when_asked(tmp_path: Path) -> None:
@@ -93,10 +95,11 @@ def test_the_ns_agent_is_started_mergeable_only_when_asked(tmp_path: Path) -> No
 
     tpl = SandboxImage(template_id="t", rootfs=tmp_path)
     common = {"template": tpl, "tools": tmp_path, "allow_internet": False, "default_limits": (1, 256, 64)}
-    assert "--mergeable" in agent_argv(LaunchOptions(**common, mergeable=True))  # type: ignore[arg-type]
+    argv = agent_argv(LaunchOptions(**common, mergeable=True, merge_idle_s=2.5))  # type: ignore[arg-type]
+    assert argv[argv.index("--mergeable") + 1 :][:2] == ["--merge-idle", "2.5"]
     assert "--mergeable" not in agent_argv(LaunchOptions(**common))  # type: ignore[arg-type]
-    args = parse_args(["--channel", "unix-listen:/.aenv-run/mux.sock", "--mergeable"])
-    assert args.mergeable and "--mergeable" in envd_args(args)
+    args = parse_args(["--channel", "unix-listen:/.aenv-run/mux.sock", "--mergeable", "--merge-idle", "2.5"])
+    assert args.mergeable and envd_args(args)[-3:] == ["--mergeable", "--merge-idle", "2.5"]
     assert "--mergeable" not in envd_args(parse_args(["--channel", "unix-listen:/.aenv-run/mux.sock"]))
 
 

@@ -126,7 +126,7 @@ class NsHost:
                              default_limits=limits, debug_log=self.debug_log, nice=nice, zygote=self.zygote,
                              disk=self.disk if self.disk.active else None, userns=self.userns,
                              disk_mb=self.settings.default_disk_mb if disk_mb is None else disk_mb,
-                             mergeable=self.mergeable)
+                             mergeable=self.mergeable, merge_idle_s=self.settings.ksm_idle_s)
 
     def pool_opts(self, template: SandboxImage, allow_internet: bool) -> LaunchOptions:
         """A pool entry's (or a process image's) options: the default limits, the lowest priority."""

@@ -53,13 +53,13 @@ CRIU_DIR = "criu"
 
 
 def image_key(template: SandboxImage, allow_internet: bool, tools: Path | None, exe: str | None,
-              mergeable: bool = False) -> str:
+              mergeable: bool = False, merge_idle_s: float = 0.0) -> str:
     """Everything the image's processes and files depend on: the template's lowers and agent
-    arguments (env, user, ``--mergeable``: its mappings are dumped marked), the tools bundle, the CRIU
+    arguments (env, user, ``--mergeable`` and its idle wait: how its mappings are dumped), the tools bundle, the CRIU
     build and the internet setting."""
     rec = {"lowers": [str(p) for p in (template.lowers or (template.rootfs,))], "env": template.env,
            "user": template.user, "tools": str(tools), "criu": exe, "internet": allow_internet,
-           **({"mergeable": True} if mergeable else {})}
+           **({"mergeable": True} if mergeable else {}), **({"mergeIdle": merge_idle_s} if mergeable and merge_idle_s else {})}
     return hashlib.sha256(json.dumps(rec, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -79,7 +79,7 @@ class ProcImages:
 
     def _key(self, template: SandboxImage, allow_internet: bool) -> str:
         return image_key(template, allow_internet, self.host.tools, self.host.criu_status().exe,
-                         self.host.mergeable)
+                         self.host.mergeable, self.host.settings.ksm_idle_s)
 
     async def start(self, spec: SandboxSpec, template: SandboxImage,
                     snapshot_layers: tuple[str, ...]) -> RuntimeState | None:

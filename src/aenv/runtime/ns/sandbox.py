@@ -153,6 +153,7 @@ class LaunchOptions:
     volumes: tuple[VolumeBind, ...] = ()
     # KSM may merge the sandbox's pages (``runtime/ksm.py``: the ``ksm`` setting and the API keys)
     mergeable: bool = False
+    merge_idle_s: float = 0.0  # ... once idle this long (``envd/mergeable.py``)
 
     def lowers(self) -> list[str]:
         return [*self.snapshot_layers, *_lowers(self.template)]
@@ -174,7 +175,7 @@ def agent_argv(opts: LaunchOptions) -> list[str]:
     if opts.zygote is None:  # started by exec: CRIU can dump it, so keep it dumpable (criu.py)
         argv.append("--checkpointable")
     if opts.mergeable:
-        argv.append("--mergeable")
+        argv += ["--mergeable", "--merge-idle", str(opts.merge_idle_s)]
     if t.start_cmd:
         argv += ["--start-cmd", t.start_cmd]
         if t.start_user:
