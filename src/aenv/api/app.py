@@ -24,6 +24,7 @@ from aenv.api.routes_cluster import router as cluster_router
 from aenv.api.routes_fleet import router as fleet_router
 from aenv.api.routes_leases import router as leases_router
 from aenv.api.routes_sandboxes import router as sandboxes_router
+from aenv.api.routes_secrets import router as secrets_router
 from aenv.api.routes_snapshots import router as snapshots_router
 from aenv.api.routes_templates import router as templates_router
 from aenv.api.routes_volumes import control as volumes_router
@@ -33,6 +34,7 @@ from aenv.config import Settings
 from aenv.core.leases import Leases
 from aenv.core.orchestrator import Orchestrator
 from aenv.core.run_metrics import RunMetrics
+from aenv.core.sandbox_logs import SandboxLogs
 from aenv.core.templates import TemplateCatalog
 from aenv.core.webhooks import Webhooks
 from aenv.runtime.base import Runtime
@@ -102,6 +104,9 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
         orch.on_event.append(leases.on_event)
         runs = RunMetrics(settings.admission_group_key)
         orch.on_event.append(runs.on_event)
+        logs = SandboxLogs(store, settings.gone_retention)
+        orch.on_event.append(logs.on_event)
+        await logs.start()
         orch.admission.on_refused = runs.on_refused
         await orch.start()
         await webhooks.start()  # first what a killed server left pending
@@ -111,6 +116,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
         holder["runs"] = runs
         app.state.webhooks = webhooks
         app.state.leases = leases
+        app.state.sandbox_logs = logs
         app.state.orchestrator = orch
         app.state.handover = handover
         app.state.catalog = catalog
@@ -128,6 +134,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
             if handover is not None:
                 await handover.aclose()
             await orch.close()
+            await logs.close()
             await webhooks.close()
             store.close()
             if directory is not None:
@@ -147,6 +154,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
     api.include_router(webhooks_router)
     api.include_router(volumes_router)
     api.include_router(volume_content_router)
+    api.include_router(secrets_router)
 
     @api.get("/health")
     async def health() -> JSONResponse:

@@ -4,9 +4,11 @@ none there): it carries an HMAC of the files hash, signed with a secret of this 
 
 from __future__ import annotations
 
+import datetime as dt
 import hmac
 import re
-from typing import Any
+import uuid
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
@@ -127,6 +129,33 @@ async def build_status(
     return JSONResponse(out)
 
 
+LEVELS = ("debug", "info", "warn", "error")
+
+
+@router.get("/templates/{template_id}/builds/{build_id}/logs")
+async def build_logs(
+    template_id: str, build_id: str, orch: Orchestrator = Depends(orchestrator),
+    cursor: int | None = Query(None, ge=0), limit: int = Query(100, ge=1, le=1000),
+    direction: Literal["forward", "backward"] = "forward", level: Literal["debug", "info", "warn", "error"] = "debug",
+    source: Literal["temporary", "persistent"] | None = None,
+) -> JSONResponse:
+    """E2B's build log query: ``cursor`` is a time in milliseconds (from it on, or up to it going
+    backward). A build's lines are kept with the build, so both sources read the same lines."""
+    entries = orch.build_status(template_id, build_id).logs
+    wanted = set(LEVELS[LEVELS.index(level):])
+    picked = [e for e in entries if e.get("level", "info") in wanted]
+    if cursor is not None:
+        at = dt.datetime.fromtimestamp(cursor / 1000, dt.UTC)
+        picked = [e for e in picked if (_when(e) >= at if direction == "forward" else _when(e) <= at)]
+    if direction == "backward":
+        picked.reverse()
+    return JSONResponse({"logs": picked[:limit]})
+
+
+def _when(entry: dict[str, Any]) -> dt.datetime:
+    return dt.datetime.fromisoformat(str(entry["timestamp"]).replace("Z", "+00:00"))
+
+
 class AssignTagsBody(_Body):
     target: str = Field(min_length=1, max_length=200)
     tags: list[str] = Field(min_length=1, max_length=16)
@@ -152,3 +181,53 @@ async def remove_tags(body: RemoveTagsBody, orch: Orchestrator = Depends(orchest
 @router.get("/templates/{template_id}/tags")
 async def list_tags(template_id: str, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
     return JSONResponse(orch.builds.tags_of(template_id))
+
+
+# E2B's tag queries. A tag here names one build at a time: its one assignment is that build's.
+@router.get("/templates/{template_id}/tags/count")
+async def count_tags(template_id: str, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
+    return JSONResponse({"total": len(orch.builds.tags_of(template_id))})
+
+
+@router.get("/templates/{template_id}/tags/exists")
+async def tag_exists(template_id: str, tag: str = Query(min_length=1, max_length=200),
+                     orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
+    tags = {t["tag"] for t in orch.builds.tags_of(template_id)}
+    return JSONResponse({"exists": tag in tags, "normalizedTag": tag})
+
+
+@router.get("/templates/{template_id}/tags/groups")
+async def tag_groups(
+    template_id: str, orch: Orchestrator = Depends(orchestrator),
+    assignmentLimit: int = Query(6, ge=1, le=100), tagsLimit: int = Query(25, ge=1, le=100),  # noqa: N803 - E2B's names
+    tagsCursor: str | None = Query(None, max_length=200), search: str | None = Query(None, max_length=200),  # noqa: N803
+    sort: Literal["latest_asc", "latest_desc", "name_asc", "name_desc"] = "latest_desc",
+) -> JSONResponse:
+    tags = [t for t in orch.builds.tags_of(template_id) if not search or search in t["tag"]]
+    key, reverse = ("tag", sort == "name_desc") if sort.startswith("name") else ("createdAt", sort == "latest_desc")
+    tags.sort(key=lambda t: (t[key], t["tag"]), reverse=reverse)
+    start = int(tagsCursor) if tagsCursor and tagsCursor.isdigit() else 0
+    page = tags[start:start + tagsLimit]
+    groups = [{"tag": t["tag"], "assignments": [_assignment(template_id, t)][:assignmentLimit], "hasMore": False}
+              for t in page]  # fmt: skip
+    more = start + tagsLimit < len(tags)
+    return JSONResponse({"tags": groups, "nextCursor": str(start + tagsLimit) if more else None})
+
+
+@router.get("/templates/{template_id}/tags/{tag}/assignments")
+async def tag_assignments(template_id: str, tag: str, orch: Orchestrator = Depends(orchestrator),
+                          cursor: str | None = Query(None, max_length=200),
+                          limit: int = Query(50, ge=1, le=100)) -> JSONResponse:
+    found = [t for t in orch.builds.tags_of(template_id) if t["tag"] == tag]
+    if not found:
+        raise NotFound(f"template '{template_id}' has no tag {tag}", template=template_id)
+    data = [] if cursor else [_assignment(template_id, found[0])]
+    return JSONResponse({"data": data, "nextCursor": None})
+
+
+def _assignment(template_id: str, tag: dict[str, Any]) -> dict[str, Any]:
+    """E2B's ``TemplateTagAssignment`` of a tag's current build (the assignment ID is stable per tag
+    and build)."""
+    assignment = uuid.uuid5(uuid.NAMESPACE_URL, f"aenv:{template_id}:{tag['tag']}:{tag['buildID']}")
+    return {"assignmentID": str(assignment), "buildID": tag["buildID"], "assignedAt": tag["createdAt"],
+            "buildCreatedAt": tag["createdAt"], "buildFinishedAt": tag["createdAt"]}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import unquote_plus
 
 from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
@@ -13,15 +13,18 @@ from aenv.api import serialize
 from aenv.api.auth import presented_key, require_api_key
 from aenv.api.deps import orchestrator
 from aenv.api.models import ConnectBody, NetworkUpdate, NewSandbox, PauseBody, ResumeBody, TimeoutBody
+from aenv.core import sandbox_logs
 from aenv.core.admission import owner_of
 from aenv.core.models import CreateRequest, ListQuery, SandboxState
 from aenv.core.orchestrator import Orchestrator
 from aenv.core.volumes import parse_mounts
-from aenv.errors import InvalidRequest
+from aenv.errors import InvalidRequest, NotFound
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 MAX_LIST_LIMIT = 100
+MAX_BATCH_IDS = 100  # sandboxes in one GET /sandboxes/metrics
+MAX_LOG_LIMIT = 1000
 
 
 def parse_metadata_filter(raw: str | None) -> dict[str, str]:
@@ -151,6 +154,58 @@ async def list_legacy(orch: Orchestrator = Depends(orchestrator), metadata: str 
     )
     page, _ = orch.list_sandboxes(query)
     return JSONResponse([serialize.listed(s) for s in page])
+
+
+@router.get("/sandboxes/metrics")  # before /sandboxes/{sandbox_id}, which would take "metrics" for an ID
+async def batch_metrics(
+    orch: Orchestrator = Depends(orchestrator), sandbox_ids: str = Query("", max_length=MAX_BATCH_IDS * 64)
+) -> JSONResponse:
+    """E2B's ``GET /sandboxes/metrics?sandbox_ids=a,b``: each sandbox's latest sample. An ID that names
+    no running or paused sandbox is left out, as E2B does."""
+    ids = [i for i in dict.fromkeys(x.strip() for x in sandbox_ids.split(",")) if i]
+    if not ids:
+        raise InvalidRequest("sandbox_ids: name at least one sandbox (comma-separated)")
+    if len(ids) > MAX_BATCH_IDS:
+        raise InvalidRequest(f"sandbox_ids: at most {MAX_BATCH_IDS} sandboxes, got {len(ids)}")
+    out: dict[str, Any] = {}
+    for sid in ids:
+        try:
+            samples = await orch.metrics(sid, None, None)
+        except NotFound:
+            continue
+        if samples:
+            out[sid] = serialize.metric(samples[-1])
+    return JSONResponse({"sandboxes": out})
+
+
+@router.get("/sandboxes/{sandbox_id}/logs")
+async def logs_v1(sandbox_id: str, request: Request, orch: Orchestrator = Depends(orchestrator),
+                  start: int | None = Query(None, ge=0), limit: int = Query(1000, ge=1, le=MAX_LOG_LIMIT)) -> JSONResponse:
+    """E2B's sandbox logs (``start``: milliseconds since the epoch): what the server did with the
+    sandbox and why (``core/sandbox_logs.py``), also after it ended."""
+    events = await _logs(request, orch, sandbox_id, limit=limit, cursor=None if start is None else start / 1000)
+    return JSONResponse(sandbox_logs.v1_body(events))
+
+
+@router.get("/v2/sandboxes/{sandbox_id}/logs")
+async def logs_v2(sandbox_id: str, request: Request, orch: Orchestrator = Depends(orchestrator),
+                  cursor: int | None = Query(None, ge=0), limit: int = Query(1000, ge=1, le=MAX_LOG_LIMIT),
+                  direction: Literal["forward", "backward"] = "forward",
+                  level: Literal["debug", "info", "warn", "error"] = "debug",
+                  search: str | None = Query(None, max_length=256)) -> JSONResponse:
+    events = await _logs(request, orch, sandbox_id, limit=limit, forward=direction == "forward",
+                         cursor=None if cursor is None else cursor / 1000, min_level=level, search=search)
+    return JSONResponse({"logs": [sandbox_logs.entry(e) for e in events]})
+
+
+async def _logs(request: Request, orch: Orchestrator, sandbox_id: str, **query: Any) -> list[Any]:
+    try:
+        orch.get(sandbox_id)
+    except NotFound:
+        if orch.gone.find(sandbox_id) is None:  # never heard of: as unknown as any other unknown ID
+            raise
+    logs: sandbox_logs.SandboxLogs = request.app.state.sandbox_logs
+    return await logs.page(sandbox_id, **query)
 
 
 @router.get("/sandboxes/{sandbox_id}")

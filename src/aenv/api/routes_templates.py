@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from aenv.api.auth import require_api_key
 from aenv.api.deps import orchestrator
@@ -18,6 +18,7 @@ from aenv.api.serialize import iso
 from aenv.core.orchestrator import Orchestrator
 from aenv.envd import ENVD_VERSION
 from aenv.errors import AenvError, InvalidRequest, TemplateNotFound
+from aenv.kinds import TemplateKind
 from aenv.store.sqlite import TemplateRow
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -52,6 +53,12 @@ async def list_templates(orch: Orchestrator = Depends(orchestrator)) -> JSONResp
     return JSONResponse([template_json(r) for r in orch.list_templates()])
 
 
+@router.get("/default-templates")
+async def default_templates(orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
+    """E2B's default templates: here the ones this server builds itself (``base``, the code interpreter)."""
+    return JSONResponse([template_json(r) for r in orch.list_templates() if r.kind == TemplateKind.BOOTSTRAP])
+
+
 @router.get("/templates/aliases/{alias}")
 async def get_alias(alias: str, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
     try:
@@ -64,6 +71,24 @@ async def get_alias(alias: str, orch: Orchestrator = Depends(orchestrator)) -> J
 @router.get("/templates/{template_id}")
 async def get_template(template_id: str, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
     return JSONResponse(template_json(orch.get_template(template_id)))
+
+
+class TemplateUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    public: StrictBool
+
+
+NOT_PUBLISHABLE = ("public: templates cannot be published or made private on this server yet: it has no teams, "
+                   "every API key it accepts sees every template")
+
+
+@router.patch("/templates/{template_id}")
+@router.patch("/v2/templates/{template_id}")
+async def update_template(template_id: str, body: TemplateUpdate, orch: Orchestrator = Depends(orchestrator)) -> Response:
+    """E2B's publish/unpublish: a 400 that says why (an unknown template is a 404 first)."""
+    orch.get_template(template_id)
+    raise InvalidRequest(NOT_PUBLISHABLE)
 
 
 @router.delete("/templates/{template_id:path}", status_code=204)

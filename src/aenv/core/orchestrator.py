@@ -281,7 +281,7 @@ class Orchestrator:
             await self.ctx.forget(sbx.row, reason, detail)
         self.snapshots.collect_garbage()
         log.info("sandbox=%s killed", sandbox_id)
-        self._emit("killed", sbx.row)
+        self._emit("killed", sbx.row, reason=reason, detail=detail)
 
     async def kill_matching(self, metadata: dict[str, str], reason: str = REAPED, detail: str | None = None) -> KillReport:
         """Kill every sandbox tagged with all of ``metadata``, even one still starting (``fleet.py``)."""

@@ -126,6 +126,18 @@ CREATE TABLE IF NOT EXISTS gone_sandboxes (
     at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS gone_sandboxes_at ON gone_sandboxes(at);
+-- What happened to each sandbox, for GET /sandboxes/{id}/logs (store/event_log.py): lines written in
+-- batches off the request path, kept as long as tombstones.
+CREATE TABLE IF NOT EXISTS sandbox_events (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    sandbox_id TEXT NOT NULL,
+    at REAL NOT NULL,
+    level TEXT NOT NULL,
+    message TEXT NOT NULL,
+    fields TEXT NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS sandbox_events_sandbox ON sandbox_events(sandbox_id, seq);
+CREATE INDEX IF NOT EXISTS sandbox_events_at ON sandbox_events(at);
 -- E2B volumes (store/volumes.py): a row is written before its directory exists and deleted after
 -- the directory is gone, so a restart finds every volume and removes half-made or half-destroyed ones.
 CREATE TABLE IF NOT EXISTS volumes (
