@@ -67,8 +67,8 @@ def test_proxy_names_the_reason_in_its_502() -> None:
     status, raw = upstream_error("abc", SandboxGone("abc", "expired", "its timeout ran out", "2026-12-02T03:00:00Z"))
     body = json.loads(raw)
     assert status == 502 and body["code"] == 502 and body["reason"] == "expired"
-    assert body["message"].startswith("The sandbox was not found")  # the words the SDKs know come first
-    assert "its timeout ran out" in body["message"]
+    assert body["message"] == "The sandbox was not found"  # E2B's words exactly: the JS SDK's tests compare them
+    assert "its timeout ran out" in body["detail"] and body["endedAt"] == "2026-12-02T03:00:00Z"
 
 
 def test_tombstone_survives_a_restart(settings: Settings, runtime: FakeRuntime, tmp_path: Path) -> None:

@@ -131,9 +131,9 @@ def sandbox_error(sandbox_id: str, message: str, **extra: str) -> tuple[int, byt
 def upstream_error(sandbox_id: str, exc: Exception) -> tuple[int, bytes]:
     """The 502 for a failure to reach the sandbox's port, worded as E2B's proxy words it (the SDKs raise
     SandboxNotRunning / SandboxUnreachable on those words)."""
-    if isinstance(exc, SandboxGone):  # the SDKs' words first, then why (the SDKs only match the prefix)
-        return sandbox_error(sandbox_id, f"The sandbox was not found: it ended at {exc.at} ({exc.reason}: "
-                             f"{exc.detail})", reason=exc.reason, endedAt=exc.at)
+    if isinstance(exc, SandboxGone):  # E2B's words exactly (clients compare them); why, in fields of their own
+        return sandbox_error(sandbox_id, "The sandbox was not found", reason=exc.reason, endedAt=exc.at,
+                             detail=f"it ended at {exc.at} ({exc.reason}: {exc.detail})")
     if isinstance(exc, NotFound):
         return sandbox_error(sandbox_id, "The sandbox was not found")
     if isinstance(exc, (StreamRefused, PortNotOpen)):
