@@ -69,3 +69,36 @@ def test_js_sdk_template_build(e2b_env: dict[str, str]) -> None:
     assert out["out"] == ["js-built", "/opt"] and out["id"] and out["steps"] and out["exists"], out
     assert out["failed"] and "BuildError" in out["failed"] and "exit code 5" in out["failed"], out
     assert out["badExists"] is False
+
+
+ENDED_SCRIPT = r"""
+import { Sandbox } from 'e2b'
+const s = await Sandbox.create('base')
+const cmd = await s.commands.run('sleep 60', { background: true })
+const host = s.getHost(3000)
+await s.kill()
+const err = await cmd.wait().catch((e) => e)
+const res = await fetch(`${process.env.E2B_SANDBOX_URL}`, { headers: { 'E2b-Sandbox-Id': s.sandboxId, 'E2b-Sandbox-Port': '3000' } })
+console.log(JSON.stringify({ error: err?.constructor?.name, message: String(err?.message), status: res.status,
+                             body: await res.json(), host }))
+"""
+
+
+def test_js_sdk_hears_that_a_killed_sandbox_ended(e2b_env: dict[str, str]) -> None:
+    """Over plain HTTP (the README's quick start): a command whose sandbox is killed mid-stream ends with
+    the SDK's "killed or reached its end of life" error (the proxy cuts the stream, the SDK probes
+    /health), and a request to the ended sandbox's port answers E2B's words exactly (the JS SDK's own
+    ``host.test.ts`` and ``sandboxKilledDuringRun.test.ts`` compare them)."""
+    import json
+
+    cache = js_sdk_dir()
+    script = cache / "ended.mjs"
+    script.write_text(ENDED_SCRIPT)
+    node = shutil.which("node") or "node"
+    res = subprocess.run([node, str(script)], cwd=cache, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, **e2b_env})  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["error"] == "TimeoutError" and "sandbox was killed or reached its end of life" in out["message"], out
+    assert out["status"] == 502 and out["body"]["message"] == "The sandbox was not found", out
+    assert out["body"]["code"] == 502 and out["body"]["reason"] == "killed", out

@@ -198,9 +198,8 @@ def test_a_command_whose_sandbox_is_killed_ends_as_not_running(e2b_env: dict[str
     finally:
         killer.join()
     message = str(info.value)
+    # the proxy cuts the stream (connect_end.py); the SDK probes /health, hears "not found" and says so
     assert "killed or reached its end of life" in message, message
-    assert "ended before the stream completed" in message, message
-    assert "error reading" not in message.lower(), message  # not a transport read error
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,7 @@ from .codec import (
     parse_response_head,
     request_head,
 )
-from .connect_end import ConnectStreamEnd, client_speaks_h2
+from .connect_end import client_speaks_h2
 from .pool import IDLE_EXPIRY, MAX_IDLE_PER_TARGET, UpstreamPool
 from .relay import _Exchange, _NoResponse, _pump_and_watch, _relay_response, start_request
 from .routing import (
@@ -146,9 +146,7 @@ class SandboxProxy:
         if tokens and tokens != [b"h2c"]:
             await respond(send, *upgrade_refusal(tokens), close=True)
             return
-        scope, client_h2 = self._client_h2(scope)
-        ender = ConnectStreamEnd(send) if ConnectStreamEnd.applies_to(scope) else None
-        send = ender or send
+        scope, _ = self._client_h2(scope)  # (a gateway's header is not the sandbox's to see)
         started = await start_request(scope, receive)
         if started is None:
             return
@@ -191,12 +189,10 @@ class SandboxProxy:
                 # The client left (envd keeps the process), or the sandbox broke off mid-response:
                 # returning without completing it makes the server drop the client connection.
                 if not ex.gone:
+                    # Cut, on either protocol (connect_end.py): over HTTP/1.1 the chunked body stops short,
+                    # over HTTP/2 the stream is reset (cli/tls_serve.py). Every SDK version probes the
+                    # sandbox's /health on that transport failure and then says it was killed.
                     log.info("sandbox=%s proxy port=%s failed mid-response: %r", sandbox_id, port, exc)
-                    # A Connect stream ends as E2B's does (connect_end.py); over HTTP/2 returning now
-                    # resets the stream (cli/tls_serve.py), the transport failure every SDK probes on.
-                    if ender is not None and not client_h2:
-                        await ender.end_unavailable(f"the connection to sandbox {sandbox_id} ended before "
-                                                    "the stream completed")
             else:
                 if not isinstance(exc, (NotFound, StreamRefused, PortNotOpen)):
                     log.info("sandbox=%s proxy port=%s failed: %r", sandbox_id, port, exc)

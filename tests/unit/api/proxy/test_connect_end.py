@@ -1,5 +1,5 @@
-"""A Connect stream whose sandbox breaks off ends with an ``unavailable`` end-of-stream error when it broke
-between two envelopes (connect_end.py), as E2B's does; anything else is cut as before."""
+"""A response whose sandbox breaks off is cut (connect_end.py), a Connect stream wherever it broke (even
+between two envelopes: the SDKs probe on the cut), any other response too."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import json
 
 import pytest
 
-from aenv.api.proxy.connect_end import ConnectStreamEnd
 from tests.unit.api.proxy.helpers import Exchange, Handler, Rig, read_request
 
 CONNECT = [(b"content-type", b"application/connect+json")]
@@ -39,35 +38,17 @@ def dies_after(*pieces: bytes, content_type: bytes = b"application/connect+json"
 START = envelope({"event": {"start": {"pid": 7}}})
 
 
-async def test_a_stream_cut_between_envelopes_ends_unavailable(rig: Rig) -> None:
-    proxy, _, _ = await rig(dies_after(START, envelope({"event": {"data": {"stdout": "aGk="}}})))
-    ex = Exchange(proxy, "POST", "/process.Process/Start", headers=CONNECT)
-    ex.body(b"")
-    await ex.done()
-    assert ex.complete, "the stream must end, not be cut"
-    sent = envelope({"event": {"start": {"pid": 7}}}) + envelope({"event": {"data": {"stdout": "aGk="}}})
-    body = ex.content
-    assert body.startswith(sent)
-    tail = body[len(sent):]
-    assert tail[0] == 0x02 and int.from_bytes(tail[1:5], "big") == len(tail) - 5
-    end = json.loads(tail[5:])
-    assert end["error"]["code"] == "unavailable"
-    message = end["error"]["message"]
-    assert "sbx" in message and "ended before the stream completed" in message
-    # neither of the proxy's own answers: the SDK must probe the sandbox to tell why
-    assert "was not found" not in message and "port is not open" not in message
-
-
 @pytest.mark.parametrize(
     "pieces",
     [
+        (START, envelope({"event": {"data": {"stdout": "aGk="}}})),  # between two envelopes
         (START[:3],),  # inside an envelope's prefix
         (START, envelope({"x": 1})[:8]),  # inside a payload
         (START, envelope({}, flags=0x02)),  # envd had ended the stream itself: nothing may follow
     ],
-    ids=["mid-prefix", "mid-payload", "after-its-own-end"],
+    ids=["between-envelopes", "mid-prefix", "mid-payload", "after-its-own-end"],
 )
-async def test_anything_else_is_cut_as_before(rig: Rig, pieces: tuple[bytes, ...]) -> None:
+async def test_a_connect_stream_is_cut_wherever_it_broke(rig: Rig, pieces: tuple[bytes, ...]) -> None:
     proxy, _, _ = await rig(dies_after(*pieces))
     ex = Exchange(proxy, "POST", "/process.Process/Start", headers=CONNECT)
     ex.body(b"")
@@ -75,33 +56,12 @@ async def test_anything_else_is_cut_as_before(rig: Rig, pieces: tuple[bytes, ...
     assert not ex.complete and ex.content == b"".join(pieces)
 
 
-async def test_other_responses_are_cut_as_before(rig: Rig) -> None:
+async def test_other_responses_are_cut_too(rig: Rig) -> None:
     proxy, _, _ = await rig(dies_after(b'{"partial": ', content_type=b"application/json"))
     ex = Exchange(proxy, "POST", "/filesystem.Filesystem/ListDir", headers=[(b"content-type", b"application/json")])
     ex.body(b"")
     await ex.done()
     assert not ex.complete and ex.content == b'{"partial": '
-
-
-async def test_envelopes_are_followed_across_any_split() -> None:
-    """Byte by byte or all at once, the tracker knows where envelopes end."""
-    parts = [START, envelope({"event": {"keepalive": {}}}), envelope({"event": {"end": {"exitCode": 0}}})]
-    whole = b"".join(parts)
-    boundaries = {sum(len(p) for p in parts[:k]) for k in range(1, len(parts) + 1)}
-    sent: list[dict[str, object]] = []
-
-    async def send(message: dict[str, object]) -> None:
-        sent.append(message)
-
-    for size in (1, 2, 5, 7, len(whole)):
-        ender = ConnectStreamEnd(send)
-        await ender({"type": "http.response.start", "status": 200, "headers": CONNECT})
-        for i in range(0, len(whole), size):
-            await ender({"type": "http.response.body", "body": whole[i : i + size], "more_body": True})
-            if min(i + size, len(whole)) not in boundaries:
-                assert not await ender.end_unavailable("not between two envelopes")
-        assert await ender.end_unavailable("gone")
-        assert sent[-1]["more_body"] is False and not await ender.end_unavailable("twice")
 
 
 def test_a_gateways_h2_client_is_seen_and_its_header_taken_off() -> None:
