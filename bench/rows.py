@@ -60,14 +60,18 @@ def scenario(title: str, rows: Iterable[Row], notes: Iterable[str] = ()) -> dict
 
 
 def alternate(
-    n: int, systems: list[tuple[str, Callable[[], T]]], limits: dict[str, int] | None = None
+    n: int, systems: list[tuple[str, Callable[[], T]]], limits: dict[str, int] | None = None, settle: float = 0.0
 ) -> dict[str, list[T]]:
     """``n`` rounds; each round samples every system once, the order flipped every other round so drift
     and warm-up effects fall on all systems alike. ``limits`` caps a slow system's samples (it then takes
-    part in the first rounds only). Returns samples per system name."""
+    part in the first rounds only). ``settle``: seconds after each sample before the next system's, so
+    what one system does in the background after a sample (a pool refill, a container's teardown) lands
+    on its own next sample's time, not on another system's. Returns samples per system name."""
     out: dict[str, list[T]] = {name: [] for name, _ in systems}
     for i in range(n):
         for name, fn in systems if i % 2 == 0 else list(reversed(systems)):
             if limits is None or len(out[name]) < limits.get(name, n):
                 out[name].append(fn())
+                if settle:
+                    time.sleep(settle)
     return out
