@@ -47,11 +47,23 @@ TEMPLATE_NAME = "code-interpreter-v1"
 RECIPE_VERSION = 1
 PYTHON_VERSION = "3.11"  # Debian bookworm's python3
 GLIBC_MAX = 36  # bookworm's glibc 2.36: newer manylinux wheels would not load
-PACKAGES: tuple[str, ...] = ("ipykernel", "jupyter_client", "matplotlib", "numpy", "pandas")
+# e2b-charts (PyPI, E2B's own): describes a matplotlib figure as data for ``Result.chart`` (``display.py``)
+PACKAGES: tuple[str, ...] = ("ipykernel", "jupyter_client", "matplotlib", "numpy", "pandas", "e2b-charts")
 SITE_DIR = f"usr/local/lib/python{PYTHON_VERSION}/dist-packages"
 SERVICE_PACKAGE = "aenv_interpreter"
 SERVICE_LOG = "/var/log/aenv-interpreter.log"
-START_CMD = f"exec python3 -m {SERVICE_PACKAGE} --port 49999 --user user --log {SERVICE_LOG}"
+# Supervised (SUPERVISOR, a shell loop of its own name, so a ``pkill -f`` of the service spares it): a
+# service that dies (a crash, a kill -9) is back within about a second, as E2B's systemd unit restarts
+# its own. Kernels run as root, as E2B's do (a context may be made in /root); they start in /home/user.
+SUPERVISOR = "usr/local/bin/aenv-interpreter-supervisor"
+SUPERVISOR_SCRIPT = f"""#!/bin/sh
+# aenv: runs the code-interpreter service, again whenever it ends
+while :; do
+    python3 -m {SERVICE_PACKAGE} "$@"
+    sleep 0.5
+done
+"""
+START_CMD = f"exec /{SUPERVISOR} --port 49999 --user root --log {SERVICE_LOG}"
 # Listening on its port: a vm template is snapshotted only then (runtime/vm/template.wait_ready).
 READY_CMD = "python3 -c \"import socket; socket.create_connection(('127.0.0.1', 49999), 1)\""
 PIP_TIMEOUT = 900
@@ -99,7 +111,7 @@ def service_source() -> Path:
 def service_hash(src: Path | None = None) -> str:
     """Hash of the service sources and the start command, so any edit gives a new layer."""
     src = src or service_source()
-    h = hashlib.sha256(START_CMD.encode())
+    h = hashlib.sha256(START_CMD.encode() + SUPERVISOR_SCRIPT.encode())
     for p in sorted(src.glob("*.py")):
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()[:16]
@@ -249,6 +261,10 @@ def _build_service(tmp: Path, log: Log) -> None:
     for p in sorted(service_source().glob("*.py")):
         shutil.copy2(p, dest / p.name)
     _compile(dest, log)
+    supervisor = tmp / SUPERVISOR
+    supervisor.parent.mkdir(parents=True, exist_ok=True)
+    supervisor.write_text(SUPERVISOR_SCRIPT)
+    supervisor.chmod(0o755)
     logdir = tmp / "var/log"
     logdir.mkdir(parents=True)
     (tmp / ".aenv-recipe.json").write_text(json.dumps({"service": service_hash(), "start_cmd": START_CMD}))

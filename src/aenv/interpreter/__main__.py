@@ -22,6 +22,7 @@ from .kernels import Registry
 from .service import KEEPALIVE_INTERVAL, Service
 
 log = logging.getLogger("aenv_interpreter")
+WARM_UP_TIMEOUT = 120.0  # the default kernel, before the port opens; past it the port opens anyway
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,21 +63,21 @@ async def amain(args: argparse.Namespace) -> None:
     cwd = args.cwd if os.path.isdir(args.cwd) else os.environ.get("HOME", "/")
     service = Service(Registry(env, cwd), envd_port=args.envd_port, keepalive=args.keepalive)
     server = HttpServer(service, args.host, args.port)
+    if not args.no_warm_up:  # the default context exists before the port opens (what readiness probes)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(service.warm_up(), WARM_UP_TIMEOUT)
     await server.start()
     log.info("listening on %s:%d", args.host, server.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    warm = None if args.no_warm_up else asyncio.create_task(service.warm_up())
     serving = asyncio.create_task(server.serve_forever())
     try:
         await stop.wait()
     finally:
         log.info("shutting down")
         serving.cancel()
-        if warm is not None:
-            warm.cancel()
         await server.aclose()
         await service.aclose()
         with contextlib.suppress(BaseException):

@@ -38,6 +38,14 @@ class ContextNotFound(KeyError):
     """No context with that id (the route answers 404 with this text)."""
 
 
+class UnusableCwd(ValueError):
+    """A context asked for in a directory that is not there: the service answers 400."""
+
+
+class ContextStartFailed(RuntimeError):
+    """A kernel that would not start: the service answers 500 with why (never a bare "internal error")."""
+
+
 class UnsupportedLanguage(ValueError):
     """A language with no backend here."""
 
@@ -114,6 +122,11 @@ class Context(ABC):
         await self._restart()
 
 
+# run by every python kernel as it starts (``display.py``): the result fields beyond Jupyter's own; the
+# package's top-level name in the template is ``aenv_interpreter`` (``images/interpreter.py``)
+INSTALL_DISPLAY = f"__import__('{__package__}.display', fromlist=['install']).install()"
+
+
 class PythonContext(Context):
     """An ipykernel process driven through ``jupyter_client``."""
 
@@ -127,7 +140,8 @@ class PythonContext(Context):
         # imported by name: only the template's Python has jupyter_client (the host's type checker does not)
         manager = importlib.import_module("jupyter_client.manager")
         self._km = manager.AsyncKernelManager(kernel_name="python3")
-        await self._km.start_kernel(cwd=self.info.cwd, env=self.env)
+        await self._km.start_kernel(cwd=self.info.cwd, env=self.env,
+                                    extra_arguments=[f"--IPKernelApp.exec_lines={INSTALL_DISPLAY}"])
         await self._connect()
 
     async def _connect(self) -> None:
@@ -309,11 +323,16 @@ class Registry:
     async def create(self, language: str | None, cwd: str | None) -> Context:
         lang = self.normalise(language)
         info = ContextInfo(id=str(uuid.uuid4()), language=lang, cwd=cwd or self.default_cwd)
+        if not os.path.isdir(info.cwd):
+            raise UnusableCwd(f"cwd '{info.cwd}' is not a directory in this sandbox")
         ctx = BACKENDS[lang](info, dict(self.base_env))
         try:
             await ctx.start()
-        except BaseException:
+        except BaseException as exc:
             await asyncio.shield(ctx.aclose())
+            if isinstance(exc, Exception):
+                raise ContextStartFailed(f"could not start a {lang} context in {info.cwd}: "
+                                         f"{type(exc).__name__}: {exc}") from exc
             raise
         self.contexts[info.id] = ctx
         return ctx

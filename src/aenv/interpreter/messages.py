@@ -23,6 +23,9 @@ MIME_FIELDS: dict[str, str] = {
     "text/latex": "latex",
     "application/json": "json",
     "application/javascript": "javascript",
+    # the kernel's own formatters (``display.py``): a DataFrame's columns, a matplotlib figure's chart
+    "e2b/data": "data",
+    "e2b/chart": "chart",
 }
 
 
@@ -49,10 +52,20 @@ def result_line(bundle: dict[str, Any], *, is_main_result: bool) -> Line:
             value = "".join(str(v) for v in value)
         if field in ("png", "jpeg") and isinstance(value, str):
             value = value.replace("\n", "")
+        if field == "text" and isinstance(value, str):
+            value = unquote(value)
         line[field] = value
     if extra:
         line["extra"] = extra
     return line
+
+
+def unquote(text: str) -> str:
+    """A string's repr shown as the string, as E2B's service does (``os.getenv('X')`` → ``bar``, not
+    ``'bar'``): one pair of matching outer quotes goes."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
 
 
 def error_line(name: str, value: str, traceback: list[str] | str) -> Line:

@@ -21,7 +21,7 @@ from typing import Any
 from . import ENVD_PORT
 from . import messages as m
 from .httpserver import BadRequest, Request, Response
-from .kernels import Context, ContextNotFound, Registry, UnsupportedLanguage
+from .kernels import Context, ContextNotFound, ContextStartFailed, Registry, UnsupportedLanguage, UnusableCwd
 
 log = logging.getLogger("aenv_interpreter.service")
 
@@ -78,8 +78,10 @@ class Service:
             await self._route(req, resp)
         except ContextNotFound as exc:
             await resp.send(404, str(exc.args[0]).encode())
-        except UnsupportedLanguage as exc:
+        except (UnsupportedLanguage, UnusableCwd) as exc:
             await resp.send(400, str(exc).encode())
+        except ContextStartFailed as exc:
+            await resp.send(500, str(exc).encode())
 
     async def _route(self, req: Request, resp: Response) -> None:
         path = req.path.rstrip("/") or "/"

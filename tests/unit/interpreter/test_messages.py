@@ -75,3 +75,15 @@ def test_env_prelude_sets_and_restores() -> None:
         os.environ.pop("TEMP", None)
         if home is not None:
             os.environ["HOME"] = home
+
+
+def test_a_string_result_shows_without_its_repr_quotes() -> None:
+    """E2B's service shows ``os.getenv('X')`` as ``bar``; other reprs stay as they are."""
+    for shown, text in (("'bar'", "bar"), ('"it\'s"', "it's"), ("('a', 'b')", "('a', 'b')"), ("'", "'"), ("2", "2")):
+        assert m.result_line({"text/plain": shown}, is_main_result=True)["text"] == text
+
+
+def test_the_kernels_own_formats_become_data_and_chart() -> None:
+    line = m.result_line({"text/plain": "df", "e2b/data": {"a": [1, 2]}, "e2b/chart": {"type": "line"}},
+                         is_main_result=True)  # fmt: skip
+    assert line["data"] == {"a": [1, 2]} and line["chart"] == {"type": "line"} and "extra" not in line
