@@ -47,8 +47,11 @@ TEMPLATE_NAME = "code-interpreter-v1"
 RECIPE_VERSION = 1
 PYTHON_VERSION = "3.11"  # Debian bookworm's python3
 GLIBC_MAX = 36  # bookworm's glibc 2.36: newer manylinux wheels would not load
-# e2b-charts (PyPI, E2B's own): describes a matplotlib figure as data for ``Result.chart`` (``display.py``)
-PACKAGES: tuple[str, ...] = ("ipykernel", "jupyter_client", "matplotlib", "numpy", "pandas", "e2b-charts")
+# The versions E2B's code-interpreter template pins (its template/requirements.txt), so code written for
+# it runs the same (matplotlib 3.11 dropped boxplot's ``labels``, pandas 3 changed defaults); e2b-charts
+# (PyPI, E2B's own) describes a matplotlib figure as data for ``Result.chart`` (``display.py``).
+PACKAGES: tuple[str, ...] = ("ipykernel==6.31.0", "ipython==9.15.0", "jupyter_client", "matplotlib==3.10.9",
+                             "numpy==2.3.5", "pandas==2.2.3", "pillow==12.3.0", "e2b-charts")
 SITE_DIR = f"usr/local/lib/python{PYTHON_VERSION}/dist-packages"
 SERVICE_PACKAGE = "aenv_interpreter"
 SERVICE_LOG = "/var/log/aenv-interpreter.log"
