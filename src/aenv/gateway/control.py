@@ -357,6 +357,23 @@ async def snapshot(request: Request, sandbox_id: str) -> Response:
     return _relay(got)
 
 
+@router.get("/sandboxes/metrics")  # before /sandboxes/{sandbox_id}, which would take "metrics" for an ID
+async def batch_metrics(request: Request) -> Response:
+    """E2B's batch metrics: every live node answers for the sandboxes it holds; the maps are merged."""
+    gw = gateway(request)
+    up, skipped = gw.nodes.up(), gw.nodes.down()
+    results = await asyncio.gather(*(gw.forwarder.send(request, n) for n in up), return_exceptions=True)
+    merged: dict[str, Any] = {}
+    for node, res in zip(up, results, strict=True):
+        if not isinstance(res, Relayed):
+            skipped.append(node)
+        elif res.status != 200:
+            return res.response()  # the request's own fault (a 400): every node says the same
+        else:
+            merged.update((_parsed(res.body) or {}).get("sandboxes", {}))
+    return JSONResponse({"sandboxes": merged}, headers=_down_headers(skipped))
+
+
 @router.api_route("/sandboxes/{sandbox_id}", methods=ALL)
 @router.api_route("/sandboxes/{sandbox_id}/{rest:path}", methods=ALL)
 @router.api_route("/v2/sandboxes/{sandbox_id}/{rest:path}", methods=ALL)
@@ -410,6 +427,9 @@ async def kill_matching(request: Request) -> Response:
 @router.get("/templates")
 @router.get("/v2/templates")
 @router.get("/templates/{rest:path}")
+@router.get("/default-templates")
+@router.api_route("/secrets", methods=ALL)  # (every node answers that it does not serve them)
+@router.api_route("/secrets/{rest:path}", methods=ALL)
 async def template_read(request: Request) -> Response:
     gw = gateway(request)
     for node in sorted(gw.nodes.up(), key=lambda n: n.load):
