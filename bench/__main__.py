@@ -34,7 +34,21 @@ from rich.console import Console
 
 from aenv.testing.procs import unwind_on_signals
 from aenv.testing.server import API_KEY, discard_vm_state, start_server, stop_server
-from bench import builds, cluster, core, density, forks, gateway, lazy, report, rl, scale, volumes, ws
+from bench import (
+    builds,
+    cluster,
+    core,
+    density,
+    forks,
+    gateway,
+    interpreter,
+    lazy,
+    report,
+    rl,
+    scale,
+    volumes,
+    ws,
+)
 from bench.context import Ctx
 
 console = Console(stderr=True)
@@ -59,13 +73,15 @@ SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "gateway": gateway.gateway_overhead,
     "lazy": lazy.lazy_start,
     "cluster": cluster.cluster_local,
+    "interpreter": interpreter.interpreter,
 }
 GROUPS = {
     "core": ["create", "concurrent", "roundtrip", "files", "pause"],
     "snapshots": ["snapshot", "fork", "rollback", "released"],
     # rl-groups' rows are part of rl; lazy brings its own registry and servers (minutes), cluster needs
-    # Ray and root, scale fills half the host's memory (a full run takes many minutes): run those by name
-    "all": [s for s in SCENARIOS if s not in ("rl-groups", "lazy", "cluster", "scale")],
+    # Ray and root, scale fills half the host's memory (a full run takes many minutes), interpreter builds
+    # the code-interpreter template's layers on first use (PyPI): run those by name
+    "all": [s for s in SCENARIOS if s not in ("rl-groups", "lazy", "cluster", "scale", "interpreter")],
 }
 
 

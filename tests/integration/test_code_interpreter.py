@@ -151,6 +151,8 @@ def test_kernel_runs_as_root_in_the_users_home(sbx: Any) -> None:
 
 
 def test_a_dataframe_is_data_and_a_figure_is_a_chart(sbx: Any) -> None:
+    plain = sbx.run_code("1+1").results
+    assert [(r.text, r.data, r.chart) for r in plain] == [("2", None, None)]  # neither for anything else
     frame = sbx.run_code("import pandas as pd\npd.DataFrame({'a': [1, 2], 'b': ['x', 'y']})", timeout=120)
     main = [r for r in frame.results if r.is_main_result]
     assert main and main[0].data == {"a": [1, 2], "b": ["x", "y"]}, frame.results

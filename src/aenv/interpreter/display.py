@@ -50,6 +50,9 @@ def _formatter(shell: Any, mime: str, describe: Any) -> Any:
 
     class Formatter(formatters.BaseFormatter):  # type: ignore[misc,name-defined]
         format_type = traitlets.Unicode(mime)
+        # what the base class looks for on objects this formatter does not describe: its default is
+        # ``__repr__``, which would give every result (``1+1`` too) a data and a chart field
+        print_method = traitlets.ObjectName("_repr_" + mime.replace("/", "_") + "_")
         _return_type = (dict, str)
 
         def __call__(self, obj: Any) -> Any:
