@@ -1,5 +1,5 @@
-"""KSM through the unmodified SDK (ns): a one-tenant server's sandboxes become mergeable once idle
-(``ksm_idle_s``: not while handed out and working), down to the commands a client runs, and a fork
+"""KSM through the unmodified SDK (ns): what a client starts is mergeable from its start, a one-tenant
+server's agent and envd once the sandbox is idle (``ksm_idle_s``: not while handed out and working), and a fork
 child of a marked sandbox at once (restored by CRIU, which loses the process-wide mark: the agent and
 envd set it again); a server with two API keys marks nothing (``ksm = auto``: merged
 pages are a timing side channel between tenants). What ``/aenv/info`` says matches."""
@@ -35,6 +35,18 @@ def _marks(sbx: Any) -> list[str]:
     return [line.split(":")[1].strip() for line in sbx.commands.run(MARKS, user="root").stdout.splitlines()]
 
 
+def _envd_marked(srv: Server, sandbox_id: str) -> str:
+    """envd's ``ksm_merge_any``, read from the host (asking the sandbox would be work for envd)."""
+    from bench.density import ns_pids
+
+    for pid in ns_pids(srv.state_dir, sandbox_id):
+        if b"aenv.envd" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            for line in Path(f"/proc/{pid}/ksm_stat").read_text().splitlines():
+                if line.startswith("ksm_merge_any"):
+                    return line.split(":")[1].strip()
+    raise AssertionError(f"no envd among the processes of {sandbox_id}")
+
+
 def _info(srv: Server, key: str = API_KEY) -> dict[str, Any]:
     return httpx.get(srv.url + "/aenv/info", headers={"X-API-KEY": key}, trust_env=False).json()["ksm"]  # type: ignore[no-any-return]
 
@@ -56,9 +68,11 @@ def test_a_one_tenant_server_merges_its_sandboxes_and_their_fork_children(one_te
     server = one_tenant
     conn = {"api_url": server.url, "sandbox_url": server.url, "api_key": API_KEY}
     sandbox = Sandbox.create("base", timeout=300, **conn)  # type: ignore[arg-type]
-    # a command started right after the hand-out inherits envd's mark: none yet, envd is at work
-    assert _marks(sandbox)[:2] == ["no", "no"]
+    # what a client starts is mergeable from its start (runas --merge); envd, at work, is not marked yet
+    assert _marks(sandbox)[:2] == ["yes", "yes"]
+    assert _envd_marked(server, sandbox.sandbox_id) == "no"
     time.sleep(IDLE_S + 1.5)  # nothing asked of the sandbox: idle
+    assert _envd_marked(server, sandbox.sandbox_id) == "yes"
     assert _marks(sandbox) == ["yes"] * 4  # merge_any and mergeable, both processes
     info = _info(server)
     assert info["merge"] is True and "one tenant" in info["reason"] and info["running"] is True

@@ -67,6 +67,11 @@ def marked() -> bool:
     return _marked
 
 
+def wanted() -> bool:
+    """Whether the host asked for merging (``--mergeable``), marked yet or not."""
+    return _wanted
+
+
 def _schedule(delay: float) -> None:
     global _pending
     if _pending:

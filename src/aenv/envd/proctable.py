@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from aenv.envd import mergeable
 from aenv.envd.errors import Internal, InvalidArgument, NotFound
 from aenv.envd.fields import Message
 from aenv.envd.identity import User
@@ -368,7 +369,16 @@ class ProcessTable:
         }
         argv = [cmd, *req.config.args]
         executable = cmd
-        if os.geteuid() == 0 and (req.user.uid != os.geteuid() or req.user.gid != os.getegid()):
+        # KSM: envd marks itself only once idle (mergeable.py); what a client starts is mergeable from its
+        # start (a prepared process a fork's children share with their parent), through runas --merge
+        merge = mergeable.wanted() and not mergeable.marked() and req.pty_size is None
+        if merge and os.geteuid() == 0 and (helper := runas_helper()) is not None:
+            if not os.access(cmd, os.X_OK):
+                raise InvalidArgument(f"failed to start process '{cmd}': not an executable file")
+            groups = ",".join(str(g) for g in req.user.groups) or "-"
+            argv = [helper, "--merge", str(req.user.uid), str(req.user.gid), groups, cmd, *req.config.args]
+            executable = helper
+        elif os.geteuid() == 0 and (req.user.uid != os.geteuid() or req.user.gid != os.getegid()):
             # Looked up per spawn: a zygote-born envd imported this module before pivot_root moved us.
             helper = runas_helper() if req.pty_size is None else None
             if helper is not None:

@@ -404,18 +404,26 @@ int main(int argc, char **argv) {
 
 
 _RUNAS_C = r"""
-/* /.aenv/bin/runas UID GID GROUPS CMD [ARGS...]: become a user, then exec CMD.
+/* /.aenv/bin/runas [--merge] UID GID GROUPS CMD [ARGS...]: become a user, then exec CMD.
    envd spawns user processes through it so CPython can use vfork (it refuses vfork whenever it has to
    change uid/gid itself, and a full fork of envd costs milliseconds on virtualized hosts).
-   GROUPS is a comma-separated list of gids, or "-" for none. */
+   GROUPS is a comma-separated list of gids, or "-" for none. --merge: CMD is KSM-mergeable from its
+   start (prctl PR_SET_MEMORY_MERGE, kept over exec), for a sandbox whose envd is not marked yet. */
 #include <errno.h>
 #include <grp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 int main(int argc, char **argv) {
-    if (argc < 5) { fprintf(stderr, "usage: runas UID GID GROUPS CMD [ARGS...]\n"); return 127; }
+    if (argc > 1 && strcmp(argv[1], "--merge") == 0) {
+        prctl(67 /* PR_SET_MEMORY_MERGE */, 1, 0, 0, 0);  /* best effort: an older kernel merges nothing */
+        argv[1] = argv[0];
+        argv++;
+        argc--;
+    }
+    if (argc < 5) { fprintf(stderr, "usage: runas [--merge] UID GID GROUPS CMD [ARGS...]\n"); return 127; }
     uid_t uid = (uid_t)strtoul(argv[1], NULL, 10);
     gid_t gid = (gid_t)strtoul(argv[2], NULL, 10);
     gid_t groups[256];
