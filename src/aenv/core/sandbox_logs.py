@@ -44,18 +44,21 @@ class SandboxLogs:
         self.events = EventLog(store)
         self.retention_s = retention_s  # as long as tombstones (``gone_retention``)
         self._pending: list[Event] = []
-        self._lock = threading.Lock()  # the flush runs on a worker thread
+        self._lock = threading.Lock()  # guards _pending: flushes run on worker threads
+        self._writing = threading.Lock()  # one batch written at a time, in order
         self._task: asyncio.Task[None] | None = None
 
     def on_event(self, event: str, row: SandboxRow, extra: dict[str, str]) -> None:
-        """An orchestrator event hook: an append, never blocks."""
+        """An orchestrator event hook: an append, never waits for the database."""
         level, message = _line(event, row, extra)
-        self._pending.append(Event(row.id, time.time(), level, message, {"event": event, **extra}))
+        with self._lock:
+            self._pending.append(Event(row.id, time.time(), level, message, {"event": event, **extra}))
 
     def flush(self) -> None:
         """Blocking: write what is pending (best effort: a failed write is logged and dropped)."""
-        with self._lock:
-            batch, self._pending = self._pending, []
+        with self._writing:
+            with self._lock:
+                batch, self._pending = self._pending, []
             try:
                 self.events.record_many(batch)
             except Exception as exc:  # noqa: BLE001 - a log line never fails anything else
@@ -85,7 +88,9 @@ class SandboxLogs:
         return self.events.prune(before)
 
     async def page(self, sandbox_id: str, **query: Any) -> list[Event]:
-        if any(e.sandbox_id == sandbox_id for e in self._pending):
+        with self._lock:
+            waiting = any(e.sandbox_id == sandbox_id for e in self._pending)
+        if waiting:
             await asyncio.to_thread(self.flush)
         return await asyncio.to_thread(lambda: self.events.page(sandbox_id, **query))
 
