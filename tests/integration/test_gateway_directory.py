@@ -203,8 +203,12 @@ def test_a_node_declared_dead_gets_no_creates_and_its_sandboxes_name_it(cluster:
     body = got.json()
     assert (got.status_code, body["reason"], body["node"]) == (404, "node_down", "n2")
     assert "declared dead by the cluster" in body["message"] and "raylet gone" in body["message"]
-    with pytest.raises(Exception, match="n2"):
+    with pytest.raises(Exception, match="The sandbox was not found"):
         lost.commands.run("true")
+    refused = httpx.get(cluster.gw + "/health", headers={"E2b-Sandbox-Id": lost.sandbox_id, "E2b-Sandbox-Port": "49983"},
+                        trust_env=False).json()  # what the SDK was told: E2B's words, the node and why apart
+    assert (refused["message"], refused["node"]) == ("The sandbox was not found", "n2")
+    assert "declared dead" in refused["detail"]
     assert alive.commands.run("echo still").stdout.strip() == "still"
     fresh = [Sandbox.create("base", timeout=300) for _ in range(3)]
     assert {s.sandbox_id for s in fresh} <= cluster.ids_on(0)

@@ -33,6 +33,8 @@ class HandOutFilter:
         self.name = name
         self.restorer: Restorer | None = None
         self._task: asyncio.Task[None] | None = None
+        self._unused: Restorer | None = None  # a restorer the hand-out did not need, ended a little later
+        self._discard_timer: asyncio.TimerHandle | None = None
         # adopted with nf_tables rules of an older server (``network.foreign_rules``): dropped once a
         # filter of ours is written (``NsRuntime.set_egress``)
         self.foreign = False
@@ -52,9 +54,11 @@ class HandOutFilter:
         if install is None:
             if restorer is not None:
                 # later, not now: its worker thread would take the interpreter from the create's
-                # hand-out and the exit would take a CPU from envd's /init (~0.9 ms a create, 2 cores)
+                # hand-out and the exit would take a CPU from envd's /init (~0.9 ms a create, 2 cores);
+                # until then it is still this filter's to end (``aclose``)
                 loop = asyncio.get_running_loop()
-                loop.call_later(DISCARD_AFTER_S, loop.run_in_executor, None, restorer.discard)
+                self._unused = restorer
+                self._discard_timer = loop.call_later(DISCARD_AFTER_S, self._discard_unused, loop)
             return
 
         pending = install(restorer)  # its blocking part starts now (``Enforcer.start_install``)
@@ -90,11 +94,21 @@ class HandOutFilter:
         if self._task is not None:
             await asyncio.wait([self._task])
 
+    def _discard_unused(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._discard_timer = None
+        if (restorer := self._unused) is not None:
+            self._unused = None
+            loop.run_in_executor(None, restorer.discard)
+
     async def aclose(self) -> None:
-        """The sandbox goes: a restorer never used exits."""
-        if (restorer := self.restorer) is not None:
-            self.restorer = None
-            await asyncio.to_thread(restorer.discard)
+        """The sandbox goes: a restorer never used exits (now, if its later end is still pending)."""
+        if self._discard_timer is not None:
+            self._discard_timer.cancel()
+            self._discard_timer = None
+        for restorer in (self.restorer, self._unused):
+            if restorer is not None:
+                await asyncio.to_thread(restorer.discard)
+        self.restorer = self._unused = None
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:

@@ -118,3 +118,16 @@ async def test_an_older_servers_rules_go_once_ours_are_written(tmp_path: Path, m
 async def test_no_foreign_rules_where_the_backend_is_nf_tables(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(network, "_restore_tool", network.NFT_RESTORE)
     assert not await network.foreign_rules(4242)  # nothing looked at: it writes nf_tables itself
+
+
+async def test_a_sandbox_closed_before_the_late_discard_ends_its_restorer_once() -> None:
+    """The unused restorer's end waits 0.2 s (off the create's path); a close meanwhile ends it at once,
+    and the timer then does nothing: no restorer outlives its sandbox, none is ended twice."""
+    log: list[str] = []
+    f, _ = handout(log)
+    f.hand_out("s1", None, lambda: cut(log))
+    assert log == []  # not on the hand-out's path
+    await f.aclose()
+    assert log == ["discard"]
+    await asyncio.sleep(0.3)
+    assert log == ["discard"]
