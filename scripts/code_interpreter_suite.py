@@ -15,7 +15,6 @@ has. Which SDK ran is printed. Exit status is pytest's.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys
@@ -25,9 +24,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "src"), str(ROOT), str(ROOT / "scripts")]
 
+from e2b_sdk_suite import domain_env, domain_tls  # noqa: E402
+
 from aenv.testing.procs import unwind_on_signals  # noqa: E402
-from aenv.testing.server import API_KEY, free_port, reap_vms, start_server, stop_server  # noqa: E402
-from tests.integration.test_domain_tls import make_tls  # noqa: E402
+from aenv.testing.server import free_port, reap_vms, start_server, stop_server  # noqa: E402
 
 LANGUAGES = ("javascript, typescript, r and java kernels are not in aenv's code-interpreter template yet: "
              "the run answers a 400 naming the language (python and bash are there)")
@@ -77,16 +77,12 @@ def register_template(server_env: dict[str, str]) -> None:
 
 def run(args: argparse.Namespace, tmp: Path) -> int:
     suite = copy_tests(args.checkout, tmp)
-    tls_dir = tmp / "tls"
-    tls_dir.mkdir()
-    tls = make_tls(tls_dir, ["aenv.localhost", "*.aenv.localhost", "localhost"])
+    tls = domain_tls(tmp)
     port = free_port()
     server = start_server(tmp, args.runtime, {"PYTHONPATH": str(ROOT / "src")}, port=port, tls=tls)
     try:
         register_template(server.env)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
-        env |= {"E2B_DOMAIN": f"aenv.localhost:{port}", "E2B_API_KEY": API_KEY, "SSL_CERT_FILE": str(tls.ca),
-                "NO_PROXY": "127.0.0.1,localhost,.localhost", "PYTHONPATH": str(ROOT / "scripts")}
+        env = domain_env(port, tls)
         version = subprocess.run([args.python, "-c", "import e2b, e2b_code_interpreter as c; "
                                   "from importlib.metadata import version as v; "
                                   "print('e2b', v('e2b'), '| e2b-code-interpreter', v('e2b-code-interpreter'), c.__file__)"],

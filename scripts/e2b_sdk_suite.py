@@ -139,23 +139,34 @@ def _created_on(log: Path) -> int:
         return 0
 
 
-def run_suite(args: argparse.Namespace, tmp: Path) -> int:
-    # As E2B's users run the suite: HTTPS and only E2B_DOMAIN, so sandbox hosts are
-    # <port>-<id>.aenv.localhost:PORT (resolved locally) and the SDK's own URL rules apply.
+def domain_tls(tmp: Path) -> Tls:
+    """A throwaway CA and a certificate for ``aenv.localhost`` and its subdomains, under ``tmp/tls``."""
     tls_dir = tmp / "tls"
     tls_dir.mkdir(exist_ok=True)
-    tls = make_tls(tls_dir, ["aenv.localhost", "*.aenv.localhost", "localhost"])
+    return make_tls(tls_dir, ["aenv.localhost", "*.aenv.localhost", "localhost"])
+
+
+def domain_env(port: int, tls: Tls) -> dict[str, str]:
+    """The tests' environment as E2B's users run a suite: HTTPS and only E2B_DOMAIN, so sandbox hosts are
+    <port>-<id>.aenv.localhost:PORT (resolved locally by ``-p e2b_sdk_localhost``) and the SDK's own URL
+    rules apply."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
+    env |= {
+        "E2B_DOMAIN": f"aenv.localhost:{port}",
+        "E2B_API_KEY": API_KEY,
+        "SSL_CERT_FILE": str(tls.ca),
+        "NO_PROXY": "127.0.0.1,localhost,.localhost",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "scripts"), os.environ.get("PYTHONPATH")])),
+    }
+    return env
+
+
+def run_suite(args: argparse.Namespace, tmp: Path) -> int:
+    tls = domain_tls(tmp)
     port = free_port()
     endpoint = cluster if args.cluster else one_node
     with endpoint(args, tmp, tls, port) as logs:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
-        env |= {
-            "E2B_DOMAIN": f"aenv.localhost:{port}",
-            "E2B_API_KEY": API_KEY,
-            "SSL_CERT_FILE": str(tls.ca),
-            "NO_PROXY": "127.0.0.1,localhost,.localhost",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "scripts"), os.environ.get("PYTHONPATH")])),
-        }
+        env = domain_env(port, tls)
         deselect = [] if args.no_exempt else [f"--deselect={node}" for node in EXEMPT]
         known = {node: why for node, (where, why) in KNOWN.items() if args.runtime in where}
         env["AENV_SDK_XFAIL"] = json.dumps(known)

@@ -20,6 +20,7 @@ from aenv.api.models import _Body
 from aenv.core.build_spec import FILES_HASH, BuildSpec, Step
 from aenv.core.orchestrator import Orchestrator
 from aenv.errors import InvalidRequest, NotFound
+from aenv.store.event_log import LEVELS
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 uploads = APIRouter()  # signed links, no API key
@@ -127,9 +128,6 @@ async def build_status(
     if rec.reason is not None:
         out["reason"] = rec.reason
     return JSONResponse(out)
-
-
-LEVELS = ("debug", "info", "warn", "error")
 
 
 @router.get("/templates/{template_id}/builds/{build_id}/logs")

@@ -372,13 +372,8 @@ class ProcessTable:
         # KSM: envd marks itself only once idle (mergeable.py); what a client starts is mergeable from its
         # start (a prepared process a fork's children share with their parent), through runas --merge
         merge = mergeable.wanted() and not mergeable.marked() and req.pty_size is None
-        if merge and os.geteuid() == 0 and (helper := runas_helper()) is not None:
-            if not os.access(cmd, os.X_OK):
-                raise InvalidArgument(f"failed to start process '{cmd}': not an executable file")
-            groups = ",".join(str(g) for g in req.user.groups) or "-"
-            argv = [helper, "--merge", str(req.user.uid), str(req.user.gid), groups, cmd, *req.config.args]
-            executable = helper
-        elif os.geteuid() == 0 and (req.user.uid != os.geteuid() or req.user.gid != os.getegid()):
+        other_user = req.user.uid != os.geteuid() or req.user.gid != os.getegid()
+        if os.geteuid() == 0 and (other_user or merge):
             # Looked up per spawn: a zygote-born envd imported this module before pivot_root moved us.
             helper = runas_helper() if req.pty_size is None else None
             if helper is not None:
@@ -386,9 +381,10 @@ class ProcessTable:
                 if not os.access(cmd, os.X_OK):
                     raise InvalidArgument(f"failed to start process '{cmd}': not an executable file")
                 groups = ",".join(str(g) for g in req.user.groups) or "-"
-                argv = [helper, str(req.user.uid), str(req.user.gid), groups, cmd, *req.config.args]
+                argv = [helper, *(["--merge"] if merge else []), str(req.user.uid), str(req.user.gid), groups,
+                        cmd, *req.config.args]  # fmt: skip
                 executable = helper
-            else:
+            elif other_user:
                 kwargs.update(user=req.user.uid, group=req.user.gid, extra_groups=list(req.user.groups))
         elif os.geteuid() != 0 and req.user.uid != os.geteuid():
             raise Internal(f"envd is not root and cannot run processes as '{req.user.name}'")
