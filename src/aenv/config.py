@@ -166,6 +166,18 @@ class Settings(BaseModel):
         "10.0.2.3 are redirected to it, and the egress proxy resolves domain rules with it); unset = the "
         "host's resolver, through slirp4netns"
     )
+    private_egress: list[str] = Field(
+        default_factory=list, description="private destinations sandboxes may reach (README, Security): "
+        "[named:]DEST[:PORT] with DEST an IPv4 address, CIDR or host name (resolved by the host at start), "
+        "or localhost:PORT for a service on this host, reached from sandboxes at 10.0.2.2:PORT; named: = "
+        "only sandboxes whose allowOut names it, else every sandbox. Empty: none (every private range and "
+        "the host refused)"
+    )
+    package_mirrors: dict[str, str] = Field(
+        default_factory=dict, description="the operator's package mirrors, written into every sandbox at "
+        "create: pip = an index URL (PIP_INDEX_URL), npm = a registry URL (NPM_CONFIG_REGISTRY), apt = a "
+        "Debian mirror URL (/etc/apt/sources.list); reachable from sandboxes through private_egress"
+    )
     ws_max_message: int = Field(
         16 * 1024 * 1024, gt=0, description="largest WebSocket message relayed into or out of a sandbox, bytes"
     )
@@ -193,6 +205,16 @@ class Settings(BaseModel):
             raise ValueError("lazy_store is a path, file:///dir or s3://bucket[/prefix]")
         if v.startswith("s3://") and (not v[5:].strip("/").partition("/")[0] or "@" in v):
             raise ValueError("lazy_store s3://bucket[/prefix]: keys go in the environment, not the URL")
+        return v
+
+    @field_validator("package_mirrors", mode="after")
+    @classmethod
+    def _mirror_kinds(cls, v: dict[str, str]) -> dict[str, str]:
+        for kind, url in v.items():
+            if kind not in MIRROR_KINDS:
+                raise ValueError(f"package_mirrors: {kind!r} is not one of {', '.join(MIRROR_KINDS)}")
+            if not url.startswith(("http://", "https://")) or any(c.isspace() for c in url):
+                raise ValueError(f"package_mirrors: {kind} = {url!r} is not an http(s) URL")
         return v
 
     @model_validator(mode="after")
@@ -233,9 +255,10 @@ class Settings(BaseModel):
 
 
 VOLUMES_NAME = ".volumes"  # under the sandboxes dir (``Settings.volumes_dir``)
+MIRROR_KINDS = ("pip", "npm", "apt")  # ``package_mirrors``' keys
 
-_LIST_FIELDS = {"api_keys", "insecure_registries", "webhook_urls"}
-_DICT_FIELDS = {"registry_mirrors", "key_quotas"}
+_LIST_FIELDS = {"api_keys", "insecure_registries", "webhook_urls", "private_egress"}
+_DICT_FIELDS = {"registry_mirrors", "key_quotas", "package_mirrors"}
 
 
 def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from aenv.api.routes_volumes import control as volumes_router
 from aenv.api.routes_volumes import router as volume_content_router
 from aenv.api.routes_webhooks import router as webhooks_router
 from aenv.config import Settings
+from aenv.core import network as net
 from aenv.core.leases import Leases
 from aenv.core.orchestrator import Orchestrator
 from aenv.core.run_metrics import RunMetrics
@@ -177,7 +178,8 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
     @api.get("/aenv/info", dependencies=[Depends(require_api_key)])
     async def info() -> JSONResponse:
         orch = holder["orch"]
-        out = {"version": __version__, **orch.stats(), "capabilities": orch.capabilities(), "ksm": orch.ksm.stats()}
+        out = {"version": __version__, **orch.stats(), "capabilities": orch.capabilities(), "ksm": orch.ksm.stats(),
+               "network": net.private_info(settings)}
         if (directory := holder.get("directory")) is not None:
             out["cluster"] = {"nodeID": directory.node_id, "incarnation": directory.incarnation}
         return JSONResponse(out)

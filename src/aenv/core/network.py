@@ -13,6 +13,7 @@ QEMUs, cold starts) and ``update`` replaces it live. The orchestrator only calls
 from __future__ import annotations
 
 import logging
+import socket
 from dataclasses import replace
 from typing import Any
 
@@ -20,19 +21,39 @@ from aenv.config import Settings
 from aenv.core.ids import new_token
 from aenv.core.models import NetworkRequest, SandboxState, require_state
 from aenv.errors import InvalidRequest
+from aenv.runtime import allowlist
 from aenv.runtime.base import EgressCapable, Runtime, RuntimeState, SandboxSpec
 from aenv.runtime.netpolicy import EgressPolicy, from_record, parse
-from aenv.runtime.network import BLOCKED_RANGES, configure_dns
+from aenv.runtime.network import BLOCKED_RANGES, configure_dns, configure_private, private_allowlist
 from aenv.store.sqlite import SandboxRow
 
-__all__ = ["NetworkRequest", "adopt", "configure", "egress_of", "enforce", "ingress_of", "row_fields", "update"]
+__all__ = ["NetworkRequest", "adopt", "configure", "egress_of", "enforce", "ingress_of", "private_info", "row_fields",
+           "update"]
 
 log = logging.getLogger("aenv.network")
 
 
 def configure(settings: Settings) -> None:
-    """The server's ``sandbox_dns``: where every sandbox's queries go, and the egress proxy asks."""
+    """The server's ``sandbox_dns`` (where every sandbox's queries go, and the egress proxy asks) and
+    ``private_egress`` (what sandboxes may reach beyond the internet; host names resolved now). A bad
+    entry is an ``AllowlistError`` naming it: the server does not start."""
     configure_dns(settings.sandbox_dns)
+    configure_private(allowlist.parse(settings.private_egress, settings.port, _resolve))
+
+
+def private_info(settings: Settings) -> dict[str, Any]:
+    """What ``/aenv/info`` shows of the allowlist in force and the package mirrors."""
+    return {"privateEgress": private_allowlist().describe(), "hostServices": allowlist.HOST_SERVICES,
+            "packageMirrors": dict(settings.package_mirrors)}
+
+
+def _resolve(name: str) -> list[str]:
+    """A host name's IPv4 addresses, as the host resolves it (an allowlist entry)."""
+    try:
+        infos = socket.getaddrinfo(name, None, family=socket.AF_INET, type=socket.SOCK_STREAM)
+    except OSError:
+        return []
+    return [str(i[4][0]) for i in infos]
 
 
 def row_fields(req: NetworkRequest | None, allow_internet: bool) -> dict[str, Any]:
@@ -52,7 +73,7 @@ def record_of(req: NetworkRequest | None, keep: dict[str, Any] | None = None) ->
     the settings of the old record an update does not touch (inbound ones)."""
     if req is None:
         return {}
-    policy = parse(req.allow_out, req.deny_out, req.dns_servers, BLOCKED_RANGES)
+    policy = parse(req.allow_out, req.deny_out, req.dns_servers, BLOCKED_RANGES, private=private_allowlist())
     out: dict[str, Any] = {}
     if req.allow_out is not None:
         out["allowOut"] = policy.record["allowOut"]
@@ -84,7 +105,7 @@ def egress_of(row: SandboxRow) -> EgressPolicy | None:
     """The policy the runtime enforces for ``row``; None for none (nothing denied). Without
     internet access it denies everything: a sandbox that has a network (it was made with one, and an
     update took it away) keeps only what ``allowOut`` names."""
-    policy = from_record(row.network, BLOCKED_RANGES)
+    policy = from_record(row.network, BLOCKED_RANGES, private_allowlist())
     if not row.allow_internet:
         policy = policy.with_deny_all()
     return None if policy.empty else policy

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from aenv.config import Settings
+from aenv.core import mirrors
 from aenv.core import network as net
 from aenv.core.admission import Admission
 from aenv.core.build_spec import BuildSpec
@@ -229,7 +230,7 @@ class Orchestrator:
                 auto_resume=req.auto_resume,
                 **net.row_fields(req.network, req.allow_internet),
                 metadata=dict(req.metadata),
-                env_vars=dict(req.env_vars),
+                env_vars={**mirrors.env_for(self.settings), **req.env_vars},
                 access_token=new_token() if req.secure else None,
                 idempotency_key=req.idempotency_key,
                 created_seq=self.table.next_seq(),
@@ -250,6 +251,7 @@ class Orchestrator:
                     state = await self.snapshots.runtime.create_from_snapshot(spec, Path(snapshot.dir), result_of(snapshot))
                 else:
                     state = await self.runtime.create(spec)
+                await mirrors.write_apt_sources(self.settings, self.runtime, sandbox_id, row.access_token)
             except BaseException:
                 await self.ctx.forget(row)
                 raise

@@ -27,13 +27,14 @@ from pathlib import Path
 from aenv.config import Settings
 from aenv.images.errors import BootstrapError
 
-RECIPE_VERSION = 2  # 2: /etc/profile reads $EUID instead of forking id(1)
+RECIPE_VERSION = 3  # 2: /etc/profile reads $EUID instead of forking id(1); 3: pip usable system-wide
 SUITE = "bookworm"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 BASE_PACKAGES: tuple[str, ...] = (
     "bash",
     "python3",
     "python-is-python3",  # `python`, as E2B's base has (the SDK suite's test_ping_server runs `python -m http.server`)
+    "python3-pip",  # `pip install x`, as in E2B's templates (smolagents installs a tool's requirements so)
     "git",
     "curl",
     "ca-certificates",
@@ -120,6 +121,9 @@ def mmdebstrap_argv(target: Path, mirror: str, packages: Sequence[str] = BASE_PA
         # forks `id -u` each time: ~1 ms natively, ~50 ms in a TCG guest. bash knows $EUID; other
         # shells (dash as `sh -l`) lack it and still fall back to id.
         "--customize-hook=sed -i 's/\"$(id -u)\"/\"${EUID:-$(id -u)}\"/g' \"$1/etc/profile\"",
+        # A sandbox is a throwaway machine, as E2B's: `pip install x` installs (as root into the
+        # system, as `user` with --user) instead of refusing with PEP 668's externally-managed error.
+        '--customize-hook=rm -f "$1"/usr/lib/python3*/EXTERNALLY-MANAGED',
         SUITE,
         str(target),
         mirror,

@@ -87,6 +87,28 @@ def _ksm(settings: Settings) -> str:
             f"{(stat['profitBytes'] or 0) / 2**20:.0f} MiB saved, ksmd CPU {stat['ksmdCpuSeconds'] or 0:.1f} s")
 
 
+def _private_egress(settings: Settings) -> str:
+    """The allowlist as the server would enforce it (host names resolved now), or why it would not start."""
+    import socket
+
+    from aenv.runtime import allowlist
+
+    def resolve(name: str) -> list[str]:
+        try:
+            return [str(i[4][0]) for i in socket.getaddrinfo(name, None, family=socket.AF_INET)]
+        except OSError:
+            return []
+
+    try:
+        allowed = allowlist.parse(settings.private_egress, settings.port, resolve)
+    except allowlist.AllowlistError as exc:
+        return f"invalid, the server will not start: {exc}"
+    if allowed.empty:
+        return "none (private_egress empty): sandboxes reach no private range and not the host"
+    return "; ".join(f"{d['entry']} → {d['reach']} ({'every sandbox' if d['sandboxes'] == 'all' else 'named in allowOut'})"
+                     for d in allowed.describe())
+
+
 def collect(settings: Settings) -> dict[str, Any]:
     from aenv.runtime.select import auto_choice, vm_unavailable_reason
 
@@ -106,6 +128,8 @@ def collect(settings: Settings) -> dict[str, Any]:
         "ns user namespace": _userns(settings),
         "lazy images": _lazy(settings),
         "ksm": _ksm(settings),
+        "private egress": _private_egress(settings),
+        "package mirrors": ", ".join(f"{k} {v}" for k, v in sorted(settings.package_mirrors.items())) or "none",
         "isolation note": "ns sandboxes share the host kernel (weaker isolation than vm); see README SECURITY",
         "state dir": str(settings.state_dir),
         "cache dir": str(settings.cache_dir),

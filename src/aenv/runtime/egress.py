@@ -151,14 +151,14 @@ class Enforcer:
         if lst is not None:
             lst.close()
 
-    async def ensure(self, key: str, pid: int, host_addrs: list[str]) -> None:
+    async def ensure(self, key: str, pid: int, host_addrs: list[str], jail: bool = False) -> None:
         """``install`` unless ``pid``'s namespace already has ``key``'s filter."""
         try:
             if self._installed.get(key) == _netns_inode(pid):
                 return
         except OSError:
             return  # gone: nothing to filter
-        await self.install(key, pid, host_addrs)
+        await self.install(key, pid, host_addrs, jail=jail)
 
     def close(self) -> None:
         """Server stop: the listeners end (a sandbox's redirected connections then fail, closed)."""
@@ -166,10 +166,15 @@ class Enforcer:
             self._listeners.pop(key).close()
 
     async def install(self, key: str, pid: int, host_addrs: list[str],
-                      restorer: network.Restorer | None = None) -> None:
+                      restorer: network.Restorer | None = None, jail: bool = False) -> None:
         """Write the filter of ``pid``'s namespace with ``key``'s policy (the base filter without one),
-        through ``restorer`` if one was started there."""
+        through ``restorer`` if one was started there. ``jail``: a vm's QEMU namespace, whose loopback
+        is made ready first where host services are exposed (its guest's 10.0.2.2 is that loopback,
+        which the filter forwards to slirp4netns's gateway: ``netpolicy.render``)."""
         policy = self.policies.get(key)
+        if jail and network.private_allowlist().host_ports:
+            await asyncio.to_thread(run_in_namespace, pid, "net", lambda _libc: _loopback_ready(),
+                                    thread_name=f"netns-{pid}")
         self._host_addrs.update(host_addrs)
         port = None
         if policy is not None and policy.needs_proxy:
@@ -178,7 +183,7 @@ class Enforcer:
             lst = self._listeners.pop(key, None)
             if lst is not None:
                 lst.close()
-        await network.install_firewall(pid, host_addrs, policy, port, restorer)
+        await network.install_firewall(pid, host_addrs, policy, port, restorer, jail)
         if key:
             self._installed[key] = _netns_inode(pid)
 

@@ -260,12 +260,14 @@ def _envelopes(stream_body: bytes) -> list[tuple[int, dict[str, Any]]]:
     return out
 
 
-async def upload(stream: _Stream, path: str, data: bytes, user: str = "root") -> None:
-    """Write ``data`` to ``path`` in the sandbox through envd's ``/files`` (octet-stream upload)."""
+async def upload(stream: _Stream, path: str, data: bytes, user: str = "root", token: str | None = None) -> None:
+    """Write ``data`` to ``path`` in the sandbox through envd's ``/files`` (octet-stream upload);
+    ``token``: the sandbox's envd access token, if it has one."""
     from urllib.parse import quote
 
+    headers = as_user(user) | ({"X-Access-Token": token} if token else {})
     raw_request = build_request("POST", f"/files?path={quote(path)}&username={quote(user)}", data,
-                                as_user(user), "application/octet-stream")
+                                headers, "application/octet-stream")
     response = await exchange(stream, raw_request)
     if not 200 <= response.status < 300:
         raise EnvdError(f"upload to {path} failed: envd answered {response.status}", response.status, response.body)

@@ -14,7 +14,9 @@ Semantics, as E2B documents them:
   without the field, the sandbox's own resolver is, so allowed names still resolve.
 
 Underneath, always: the base filter of ``network.py`` (no host address, no private or special range).
-An allow rule never opens those; :func:`parse` refuses one that could only name them.
+An allow rule never opens those, except what the operator's allowlist (``allowlist.py``) lets a
+sandbox name; :func:`parse` refuses one that could only name anything else, saying how an operator
+allows it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aenv.errors import InvalidRequest
+from aenv.runtime.allowlist import HOST_SERVICES, TAP_ADDR, Allowlist
 
 ALL_TRAFFIC = "0.0.0.0/0"
 MAX_ENTRIES = 256  # per list: every entry is an iptables rule on a sandbox's path out
@@ -44,12 +47,13 @@ class EgressPolicy:
     allow_domains: tuple[str, ...] = ()  # lowercase, without a trailing dot; "*.x" = below x
     deny_nets: tuple[Net, ...] = ()
     dns_servers: tuple[str, ...] | None = None  # None: the field was not given (the resolver is allowed)
+    private_nets: tuple[Net, ...] = ()  # allowOut's private entries, each inside the operator's allowlist
     # The wire form it was parsed from (allowOut/denyOut as sent, normalised), for the detail and the store.
     record: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
     def empty(self) -> bool:
-        return not self.deny_nets
+        return not self.deny_nets and not self.private_nets
 
     @property
     def needs_proxy(self) -> bool:
@@ -83,7 +87,7 @@ class EgressPolicy:
         if Net(ALL_TRAFFIC) in self.deny_nets:
             return self
         return EgressPolicy(self.allow_nets, self.allow_domains, (*self.deny_nets, Net(ALL_TRAFFIC)),
-                            self.dns_servers, self.record)
+                            self.dns_servers, self.private_nets, self.record)
 
 
 def domain_matches(pattern: str, name: str) -> bool:
@@ -119,11 +123,16 @@ def _strings(value: Any, where: str, limit: int) -> list[str]:
     return [v.strip() for v in value]
 
 
-def parse(allow_out: Any, deny_out: Any, dns_servers: Any, blocked: Iterable[str], prefix: str = "network.") -> EgressPolicy:
+def parse(allow_out: Any, deny_out: Any, dns_servers: Any, blocked: Iterable[str], prefix: str = "network.",
+          private: Allowlist | None = None, lenient: bool = False) -> EgressPolicy:
     """Validate E2B's lists. Anything aenv could not enforce is a 400 naming it: IPv6, a domain in
-    ``denyOut``, or an allow entry that only names ranges sandboxes never reach (``blocked``)."""
+    ``denyOut``, or an allow entry that only names ranges sandboxes never reach (``blocked``) and
+    the operator's allowlist (``private``) does not cover. ``lenient``: such an entry is left out
+    instead (a stored record, from before the operator narrowed the allowlist)."""
     blocked_nets = [Net(b) for b in blocked]
+    private = private or Allowlist()
     allow_nets: list[Net] = []
+    private_nets: list[Net] = []
     domains: list[str] = []
     for entry in _strings(allow_out, f"{prefix}allowOut", MAX_ENTRIES):
         net = _net(entry, f"{prefix}allowOut")
@@ -134,8 +143,12 @@ def parse(allow_out: Any, deny_out: Any, dns_servers: Any, blocked: Iterable[str
                                      "nor a domain name (example.com, *.example.com)")
             domains.append(name)
         elif _blocked(net, blocked_nets):
-            raise InvalidRequest(f"{prefix}allowOut: {entry!r} is a private or special range; aenv "
-                                 "sandboxes never reach those, nor the host")
+            if private.covers(net):
+                private_nets.append(net)
+            elif not lenient:
+                raise InvalidRequest(f"{prefix}allowOut: {entry!r} is a private or special range that this "
+                                     "server's operator has not allowed; aenv sandboxes reach only the private "
+                                     f"destinations an operator allows, and never the host: {private.hint()}")
         else:
             allow_nets.append(net)
     deny_nets: list[Net] = []
@@ -157,38 +170,51 @@ def parse(allow_out: Any, deny_out: Any, dns_servers: Any, blocked: Iterable[str
                                      "aenv sandboxes never reach those")
             found.append(str(net.network_address))
         servers = tuple(found)
-    record: dict[str, Any] = {"allowOut": [*map(_show, allow_nets), *domains], "denyOut": [*map(_show, deny_nets)]}
+    record: dict[str, Any] = {"allowOut": [*map(_show, allow_nets), *map(_show, private_nets), *domains],
+                              "denyOut": [*map(_show, deny_nets)]}
     if servers is not None:
         record["dnsServers"] = list(servers)
-    return EgressPolicy(tuple(allow_nets), tuple(domains), tuple(deny_nets), servers, record)
+    return EgressPolicy(tuple(allow_nets), tuple(domains), tuple(deny_nets), servers, tuple(private_nets), record)
 
 
 def _show(net: Net) -> str:
     return str(net.network_address) if net.prefixlen == 32 else str(net)
 
 
-def from_record(record: dict[str, Any] | None, blocked: Iterable[str]) -> EgressPolicy:
-    """The policy a stored record describes (the record came out of :func:`parse`)."""
+def from_record(record: dict[str, Any] | None, blocked: Iterable[str], private: Allowlist | None = None) -> EgressPolicy:
+    """The policy a stored record describes (the record came out of :func:`parse`); a private entry
+    the allowlist no longer covers is left out (closed)."""
     r = record or {}
-    return parse(r.get("allowOut"), r.get("denyOut"), r.get("dnsServers"), blocked)
+    return parse(r.get("allowOut"), r.get("denyOut"), r.get("dnsServers"), blocked, private=private, lenient=True)
 
 
 def render(host_addrs: Iterable[str], blocked: Sequence[str], resolver: str, slirp_dns: str,
-           policy: EgressPolicy | None = None, proxy_port: int | None = None) -> str:
+           policy: EgressPolicy | None = None, proxy_port: int | None = None,
+           private: Allowlist | None = None, jail: bool = False) -> str:
     """``iptables-restore`` input for a sandbox's namespace: both tables, replaced atomically.
 
     filter/OUTPUT: loopback; DNS to the resolver (accepted or rejected per the policy); the host's
-    addresses and ``blocked`` rejected; then the policy: allowed nets accepted before denied ones are
-    rejected (allow wins); the rest accepted. nat/OUTPUT: queries to slirp's resolver go to
-    ``resolver`` when that is another server; with a proxy, TCP to denied nets is redirected to it
-    (allowed and always-blocked addresses are left alone: the filter decides those at once)."""
+    addresses rejected; what the operator's allowlist opens to this sandbox (``private``); ``blocked``
+    rejected; then the policy: allowed nets accepted before denied ones are rejected (allow wins); the
+    rest accepted. nat/OUTPUT: queries to slirp's resolver go to ``resolver`` when that is another
+    server; in a vm's QEMU jail (``jail``), the guest's host services (QEMU dials them on the jail's
+    127.0.0.1) go to slirp4netns's gateway, the host's loopback; with a proxy, TCP to denied nets is
+    redirected to it (allowed and always-blocked addresses are left alone: the filter decides those
+    at once)."""
     policy = policy or EgressPolicy()
+    private = private or Allowlist()
     hosts = sorted({a for a in host_addrs if ipaddress.ip_address(a).version == 4})
     nat = ["*nat", ":PREROUTING ACCEPT [0:0]", ":INPUT ACCEPT [0:0]", ":OUTPUT ACCEPT [0:0]",
            ":POSTROUTING ACCEPT [0:0]"]  # fmt: skip
     if resolver != slirp_dns:
         for proto in ("udp", "tcp"):
             nat.append(f"-A OUTPUT -d {slirp_dns}/32 -p {proto} --dport 53 -j DNAT --to-destination {resolver}:53")
+    if jail:
+        for port in private.host_ports:
+            nat.append(f"-A OUTPUT -o lo -d 127.0.0.1/32 -p tcp --dport {port} -j DNAT "
+                       f"--to-destination {HOST_SERVICES}:{port}")
+        if private.host_ports:
+            nat.append(f"-A POSTROUTING -s 127.0.0.0/8 -d {HOST_SERVICES}/32 -j SNAT --to-source {TAP_ADDR}")
     if proxy_port is not None and policy.needs_proxy:
         nat.append("-A OUTPUT -o lo -j RETURN")
         for net in (*policy.allowed_nets(), *(Net(f"{a}/32") for a in hosts), *map(Net, blocked)):
@@ -200,10 +226,11 @@ def render(host_addrs: Iterable[str], blocked: Sequence[str], resolver: str, sli
     flt = ["*filter", ":INPUT ACCEPT [0:0]", ":FORWARD DROP [0:0]", ":OUTPUT ACCEPT [0:0]",
            "-A OUTPUT -o lo -j ACCEPT"]  # fmt: skip
     if proxy_port is not None and policy.needs_proxy:  # redirected to the proxy (still routed out here)
-        flt.append("-A OUTPUT -m conntrack --ctstate DNAT -j ACCEPT")
+        flt.append("-A OUTPUT -d 127.0.0.1/32 -m conntrack --ctstate DNAT -j ACCEPT")
     for proto in ("udp", "tcp"):
         flt.append(f"-A OUTPUT -d {resolver}/32 -p {proto} --dport 53 -j {dns}")
     flt += [f"-A OUTPUT -d {a}/32 -j REJECT" for a in hosts]
+    flt += private.accepts(policy.private_nets, policy.deny_nets)
     flt += [f"-A OUTPUT -d {cidr} -j REJECT" for cidr in blocked]
     flt += [f"-A OUTPUT -d {net} -j ACCEPT" for net in policy.allowed_nets()]
     flt += [f"-A OUTPUT -d {net} -j REJECT" for net in policy.deny_nets]

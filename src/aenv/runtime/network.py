@@ -13,6 +13,11 @@ Two modes, chosen per sandbox by ``allow_internet``:
   host's own addresses and private ranges through ordinary sockets, an iptables ``OUTPUT`` filter is
   installed *inside* the sandbox's netns (by the host, via nsenter) that rejects them. The sandbox
   cannot remove it: its root has no CAP_NET_ADMIN (dropped from the bounding set by the launcher).
+
+The operator's allowlist (``allowlist.py``, ``configure_private``) opens named private destinations in
+that same filter. Where it exposes host services (``localhost:PORT``), slirp4netns starts without
+``--disable-host-loopback``, so that its gateway 10.0.2.2 maps to the host's loopback; the filter then
+accepts 10.0.2.2 at those ports alone and rejects the rest of it, before any other rule could open it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from aenv.runtime.allowlist import TAP_ADDR, Allowlist
 from aenv.runtime.netpolicy import EgressPolicy, render
 from aenv.runtime.nsthread import run_in_namespace
 from aenv.runtime.process import ProcRef, Reaped
@@ -35,7 +41,7 @@ from aenv.runtime.process import ProcRef, Reaped
 log = logging.getLogger("aenv.runtime.network")
 
 SLIRP_GATEWAY = "10.0.2.2"
-SLIRP_TAP_ADDR = "10.0.2.100"  # what slirp4netns --configure gives the tap
+SLIRP_TAP_ADDR = TAP_ADDR  # what slirp4netns --configure gives the tap
 SLIRP_DNS = "10.0.2.3"
 RESOLV_CONF = f"nameserver {SLIRP_DNS}\n"
 BLOCKED_RANGES = (
@@ -78,11 +84,26 @@ def resolver() -> str:
     return _resolver
 
 
-def firewall_rules(host_addrs: list[str], policy: EgressPolicy | None = None, proxy_port: int | None = None) -> str:
+# The operator's allowlist of private destinations (``private_egress``), the same for every sandbox.
+_private = Allowlist()
+
+
+def configure_private(allowlist: Allowlist) -> None:
+    """Every filter written from now on opens what ``allowlist`` allows (set once, at start-up)."""
+    global _private
+    _private = allowlist
+
+
+def private_allowlist() -> Allowlist:
+    return _private
+
+
+def firewall_rules(host_addrs: list[str], policy: EgressPolicy | None = None, proxy_port: int | None = None,
+                   jail: bool = False) -> str:
     """iptables-restore input for the sandbox netns: loopback and DNS allowed, the host and every
-    private/special range rejected, the rest (the internet) allowed, unless ``policy`` says otherwise
-    (``netpolicy.render``)."""
-    return render(host_addrs, BLOCKED_RANGES, _resolver, SLIRP_DNS, policy, proxy_port)
+    private/special range rejected but for what the operator allows, the rest (the internet) allowed,
+    unless ``policy`` says otherwise (``netpolicy.render``). ``jail``: a vm's QEMU namespace."""
+    return render(host_addrs, BLOCKED_RANGES, _resolver, SLIRP_DNS, policy, proxy_port, _private, jail)
 
 
 # The iptables backend every sandbox namespace of this server is written with (``restore_tool``).
@@ -193,10 +214,10 @@ def known_tool() -> str | None:
 
 
 def write_firewall(tool: str, pid: int, host_addrs: list[str], policy: EgressPolicy | None = None,
-                   proxy_port: int | None = None, restorer: Restorer | None = None) -> None:
+                   proxy_port: int | None = None, restorer: Restorer | None = None, jail: bool = False) -> None:
     """Blocking: replace the filter of ``pid``'s network namespace (both tables) with ``tool``, through
     ``restorer`` if one was started there (a fresh restore if it fails: it may have been killed)."""
-    rules = firewall_rules(host_addrs, policy, proxy_port)
+    rules = firewall_rules(host_addrs, policy, proxy_port, jail)
     code, err = -1, ""
     if restorer is not None:
         with contextlib.suppress(OSError, ValueError):
@@ -211,10 +232,11 @@ def write_firewall(tool: str, pid: int, host_addrs: list[str], policy: EgressPol
 
 
 async def install_firewall(pid: int, host_addrs: list[str], policy: EgressPolicy | None = None,
-                           proxy_port: int | None = None, restorer: Restorer | None = None) -> None:
+                           proxy_port: int | None = None, restorer: Restorer | None = None,
+                           jail: bool = False) -> None:
     """``write_firewall`` with the backend of every namespace, on a worker thread."""
     tool = await restore_tool()
-    await asyncio.to_thread(write_firewall, tool, pid, host_addrs, policy, proxy_port, restorer)
+    await asyncio.to_thread(write_firewall, tool, pid, host_addrs, policy, proxy_port, restorer, jail)
 
 
 @dataclass
@@ -231,10 +253,11 @@ class Slirp:
         read end of a pipe; slirp4netns exits when its last write end closes (vm: QEMU holds it)."""
         rfd, wfd = os.pipe()
         extra = [] if exit_fd is None else ["--exit-fd", str(exit_fd)]
+        if not _private.host_ports:  # else 10.0.2.2 is the host's loopback, open only at those ports
+            extra.append("--disable-host-loopback")
         try:
             child = Reaped.spawn(
-                ["slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback",
-                 "--ready-fd", str(wfd), *extra, str(pid), "tap0"],
+                ["slirp4netns", "--configure", "--mtu=65520", "--ready-fd", str(wfd), *extra, str(pid), "tap0"],
                 pass_fds=(wfd,) if exit_fd is None else (wfd, exit_fd), stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )

@@ -29,7 +29,8 @@ def test_mirror_from_deb822_and_one_line(tmp_path: Path) -> None:
 def test_argv_and_hash() -> None:
     argv = bootstrap.mmdebstrap_argv(Path("/t"), "http://m/debian")
     assert argv[:3] == ["mmdebstrap", "--mode=root", "--variant=minbase"]
-    assert "--include=bash,python3,python-is-python3,git,curl,ca-certificates,procps,sudo" in argv
+    assert "--include=bash,python3,python-is-python3,python3-pip,git,curl,ca-certificates,procps,sudo" in argv
+    assert any("EXTERNALLY-MANAGED" in a for a in argv)  # pip installs, as in E2B's templates
     assert "--dpkgopt=path-exclude=/usr/share/man/*" in argv
     assert argv[-3:] == ["bookworm", "/t", "http://m/debian"]
     assert any("useradd" in a and "--uid 1000" in a for a in argv)

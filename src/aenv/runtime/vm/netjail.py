@@ -6,7 +6,8 @@ loopback (the aenv API, a registry, anything listening) and every host address. 
 therefore starts under ``unshare --net``: its only way out is a slirp4netns with
 ``--disable-host-loopback`` behind the same in-namespace ``OUTPUT`` filter as an ns sandbox (no host
 address, no private or special range), and the guest's 10.0.2.2 lands on that namespace's empty
-loopback. The guest and its device state are unchanged (the netdev stays ``user``), so templates,
+loopback (or, for the ports the operator exposes as host services, is forwarded by the filter to
+slirp4netns's gateway, the host's loopback: ``allowlist.py``). The guest and its device state are unchanged (the netdev stays ``user``), so templates,
 snapshots and forks stay compatible; restores, forks and resumes are new QEMUs and get their own jail.
 
 DNS: libslirp forwards the guest's queries to the nameserver in ``/etc/resolv.conf`` as QEMU sees
@@ -82,7 +83,7 @@ async def connect(pid: int, exit_fd: int, key: str = "", timeout: float = 5.0) -
                     raise JailError(f"process {pid} exited before entering its network namespace")
                 await asyncio.sleep(0.001)
         addrs = await asyncio.to_thread(host_addresses)
-        await ENFORCER.install(key, pid, addrs)
+        await ENFORCER.install(key, pid, addrs, jail=True)
         return await Slirp.start(pid, exit_fd=exit_fd)
     except TimeoutError as exc:
         raise JailError(f"process {pid} did not enter its own network namespace in {timeout:.0f} s") from exc

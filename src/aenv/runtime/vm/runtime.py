@@ -499,12 +499,14 @@ class VmRuntime:
         ENFORCER.register(sandbox_id, policy)
         sbx = self.table.running.get(sandbox_id)
         if sbx is not None and sbx.machine.cfg.network == "user" and sbx.machine.alive:
-            await ENFORCER.install(sandbox_id, sbx.machine.proc.pid, await asyncio.to_thread(netjail.host_addresses))
+            await ENFORCER.install(sandbox_id, sbx.machine.proc.pid, await asyncio.to_thread(netjail.host_addresses),
+                                   jail=True)
 
     async def _egress_ensure(self, sandbox_id: str) -> None:
         sbx = self.table.running.get(sandbox_id)
         if sbx is not None and sbx.machine.cfg.network == "user" and ENFORCER.has(sandbox_id):
-            await ENFORCER.ensure(sandbox_id, sbx.machine.proc.pid, await asyncio.to_thread(netjail.host_addresses))
+            await ENFORCER.ensure(sandbox_id, sbx.machine.proc.pid, await asyncio.to_thread(netjail.host_addresses),
+                                  jail=True)
 
     def capabilities(self) -> dict[str, Any]:
         return {

@@ -359,7 +359,7 @@ class VmSnapshots:
                     if blank.machine.cfg.network == "user" and ENFORCER.has(sid):
                         # jailed under its pool name: the sandbox's policy before its guest runs
                         await ENFORCER.install(sid, blank.machine.proc.pid,
-                                               await asyncio.to_thread(netjail.host_addresses))
+                                               await asyncio.to_thread(netjail.host_addresses), jail=True)
                     # Spawned ahead of time on the template's disk: re-point it at the snapshot's.
                     await asyncio.to_thread(disk.retarget_overlay, run_paths(run_dir)["root"], snapshot / SNAP_DISK)
                     await blank.machine.retarget_root("root", snapshot / SNAP_DISK)
