@@ -12,7 +12,6 @@ host ports, the aenv API); a default server refuses all of them. Marked ``sdk``:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -25,6 +24,7 @@ import pytest
 from e2b import Sandbox
 
 from aenv.runtime.allowlist import HOST_SERVICES
+from aenv.testing.gateway import sdk_env
 from aenv.testing.server import API_KEY, Server, discard_vm_state, start_server, stop_server
 from tests.fixtures.privatehosts import (
     INDEX,
@@ -77,22 +77,6 @@ def hosts(tmp_path_factory: pytest.TempPathFactory, runtime_name: str) -> Iterat
         yield h
 
 
-@contextlib.contextmanager
-def _pointing_at(srv: Server) -> Iterator[None]:
-    """The SDKs' environment aimed at ``srv`` (restored afterwards)."""
-    keys = ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")
-    old = {k: os.environ.get(k) for k in keys}
-    os.environ.update({"E2B_API_URL": srv.url, "E2B_SANDBOX_URL": srv.url, "E2B_API_KEY": API_KEY})
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _env(h: PrivateHosts) -> dict[str, str]:
     return {"AENV_PRIVATE_EGRESS": f"{INDEX}:{PORT},named:{MODEL}:{PORT},localhost:{h.host_port}",
             "AENV_PACKAGE_MIRRORS": f"pip={h.index_url}"}
@@ -102,7 +86,7 @@ def _env(h: PrivateHosts) -> dict[str, str]:
 def allow_server(tmp_path_factory: pytest.TempPathFactory, runtime_name: str, hosts: PrivateHosts) -> Iterator[Server]:
     srv = start_server(tmp_path_factory.mktemp("aenv-allow"), runtime_name, extra_env=_env(hosts))
     try:
-        with _pointing_at(srv):
+        with sdk_env(srv.url):
             yield srv
     finally:
         stop_server(srv)
@@ -223,7 +207,7 @@ def test_a_default_server_refuses_private_ranges_and_the_host(
         tmp_path_factory: pytest.TempPathFactory, runtime_name: str, hosts: PrivateHosts) -> None:
     srv = start_server(tmp_path_factory.mktemp("aenv-default"), runtime_name)
     try:
-        with _pointing_at(srv):
+        with sdk_env(srv.url):
             sbx = Sandbox.create("base", timeout=300)
             try:
                 assert _reached(_probe(sbx, _everything(hosts, _port(srv)))) == set()
