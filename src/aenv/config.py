@@ -6,6 +6,7 @@ Precedence (last wins): built-in defaults < TOML file (``AENV_CONFIG`` or ``<sta
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tomllib
 from pathlib import Path
@@ -245,6 +246,20 @@ class Settings(BaseModel):
     @property
     def snapshots_dir(self) -> Path:
         return self.state_dir / "snapshots"
+
+    @property
+    def service_ports(self) -> tuple[int, ...]:
+        """aenv's own ports, which ``private_egress`` never opens: the API's and, in a cluster, the
+        directory's (Redis) and this node's URL's."""
+        from urllib.parse import urlsplit
+
+        ports = {self.port}
+        for url in (self.cluster_redis, self.cluster_url):
+            if url and url.startswith(("redis://", "rediss://", "http://", "https://")):
+                with contextlib.suppress(ValueError):
+                    parts = urlsplit(url)
+                    ports.add(parts.port or {"redis": 6379, "rediss": 6379, "http": 80, "https": 443}[parts.scheme])
+        return tuple(sorted(ports))
 
     @property
     def snapshot_store_url(self) -> str | None:

@@ -38,7 +38,7 @@ def configure(settings: Settings) -> None:
     ``private_egress`` (what sandboxes may reach beyond the internet; host names resolved now). A bad
     entry is an ``AllowlistError`` naming it: the server does not start."""
     configure_dns(settings.sandbox_dns)
-    configure_private(allowlist.parse(settings.private_egress, settings.port, _resolve))
+    configure_private(allowlist.parse(settings.private_egress, settings.service_ports, _resolve))
 
 
 def private_info(settings: Settings) -> dict[str, Any]:

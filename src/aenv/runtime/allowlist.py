@@ -15,7 +15,8 @@ Each entry is ``[named:]DEST[:PORT]``:
   unless its ``denyOut`` overlaps the entry (then it too must name it).
 
 Never opened, whatever an entry says: the host's own addresses (its services only through a named
-port at ``10.0.2.2``), the aenv API's port there, the API's port on a whole range an entry opens,
+port at ``10.0.2.2``), aenv's own ports there (the API's; in a cluster the directory's and the node
+URLs'), those ports on a whole range an entry opens,
 the sandbox's own virtual network ``10.0.2.0/24`` (slirp's gateway and resolver), and link-local,
 multicast and reserved ranges (refused at start-up).
 """
@@ -66,7 +67,7 @@ class Allowlist:
     """Every entry, validated, and the API port nothing may open. Empty: today's base filter."""
 
     entries: tuple[Entry, ...] = ()
-    api_port: int | None = None
+    protected: tuple[int, ...] = ()  # aenv's own ports (its API; a cluster's directory and node URLs)
 
     @property
     def empty(self) -> bool:
@@ -95,8 +96,8 @@ class Allowlist:
             if e.host_service:
                 continue
             opened = self._opened(e, allow_nets, deny_nets)
-            if opened and e.port is None and self.api_port is not None:
-                out += [f"-A OUTPUT -d {net} -p tcp --dport {self.api_port} -j REJECT" for net in opened]
+            if e.port is None:
+                out += [f"-A OUTPUT -d {net} -p tcp --dport {p} -j REJECT" for net in opened for p in self.protected]
             out += [f"-A OUTPUT -d {net}{match} -j ACCEPT" for net in opened for match in e.ports()]
         return out
 
@@ -138,8 +139,10 @@ def _split(raw: str) -> tuple[str, int | None]:
     return dest, int(port_s)
 
 
-def parse(values: Iterable[str], api_port: int | None, resolve: Resolve) -> Allowlist:
-    """Validate the operator's entries (host names resolved by ``resolve``); an error names the entry."""
+def parse(values: Iterable[str], protected: int | Sequence[int], resolve: Resolve) -> Allowlist:
+    """Validate the operator's entries (host names resolved by ``resolve``); an error names the entry.
+    ``protected``: aenv's own ports, which no host service may be and no whole range opens."""
+    guarded = (protected,) if isinstance(protected, int) else tuple(sorted(set(protected)))
     entries: list[Entry] = []
     for value in values:
         raw = value.strip()
@@ -149,8 +152,8 @@ def parse(values: Iterable[str], api_port: int | None, resolve: Resolve) -> Allo
         if dest == "localhost" or _is_loopback(dest):
             if port is None:
                 raise AllowlistError(f"private_egress: {value!r}: a host service needs its port (localhost:PORT)")
-            if port == api_port:
-                raise AllowlistError(f"private_egress: {value!r}: that is the aenv API's port, never exposed")
+            if port in guarded:
+                raise AllowlistError(f"private_egress: {value!r}: that is one of aenv's own ports (its API; a cluster's directory or node URL), never exposed")
             entries.append(Entry(value, Net(f"{HOST_SERVICES}/32"), port, named, host_service=True))
             continue
         for net in _nets(value, dest, resolve):
@@ -158,7 +161,7 @@ def parse(values: Iterable[str], api_port: int | None, resolve: Resolve) -> Allo
                 raise AllowlistError(f"private_egress: {value!r}: {net} is loopback, link-local, multicast "
                                      "or reserved; sandboxes never reach those")
             entries.append(Entry(value, net, port, named))
-    return Allowlist(tuple(entries), api_port)
+    return Allowlist(tuple(entries), guarded)
 
 
 def _is_loopback(dest: str) -> bool:

@@ -100,7 +100,7 @@ def _private_egress(settings: Settings) -> str:
             return []
 
     try:
-        allowed = allowlist.parse(settings.private_egress, settings.port, resolve)
+        allowed = allowlist.parse(settings.private_egress, settings.service_ports, resolve)
     except allowlist.AllowlistError as exc:
         return f"invalid, the server will not start: {exc}"
     if allowed.empty:

@@ -42,7 +42,7 @@ def test_entries_parse_with_ports_scopes_names_and_host_services() -> None:
 
 @pytest.mark.parametrize(("entry", "says"), [
     ("localhost", "needs its port"),
-    ("localhost:8000", "API's port"),
+    ("localhost:8000", "aenv's own ports"),
     ("169.254.169.254", "link-local"),
     ("10.0.0.0/8:0", "port must be"),
     ("10.0.0.1:http", "port must be"),
@@ -115,3 +115,17 @@ def test_stored_records_drop_what_the_allowlist_no_longer_covers() -> None:
     assert [str(n) for n in kept.private_nets] == ["10.1.2.3/32"]
     dropped = from_record(record, BLOCKED_RANGES, parse([], 8000, _resolve))
     assert dropped.private_nets == () and [str(n) for n in dropped.allow_nets] == ["1.1.1.1/32"]
+
+
+def test_aenvs_own_ports_in_a_cluster_are_protected_too() -> None:
+    from aenv.config import Settings
+
+    s = Settings(port=8000, cluster_redis="redis://10.1.0.1:6380", cluster_url="http://10.1.0.2:8001")
+    assert s.service_ports == (6380, 8000, 8001)
+    a = parse(["10.1.0.0/16"], s.service_ports, _resolve)
+    flt = _filter(render([], BLOCKED_RANGES, SLIRP_DNS, SLIRP_DNS, None, None, a).splitlines())
+    for port in (6380, 8000, 8001):
+        assert flt.index(f"-A OUTPUT -d 10.1.0.0/16 -p tcp --dport {port} -j REJECT") < flt.index(
+            "-A OUTPUT -d 10.1.0.0/16 -j ACCEPT")
+    with pytest.raises(AllowlistError, match="aenv's own ports"):
+        parse(["localhost:6380"], s.service_ports, _resolve)
