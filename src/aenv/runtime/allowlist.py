@@ -81,17 +81,25 @@ class Allowlist:
         """Whether a sandbox's ``allowOut`` may name ``net``: it lies inside one entry."""
         return any(net.subnet_of(e.net) for e in self.entries)
 
+    def gateway_rules(self, allow_nets: Sequence[Net], deny_nets: Sequence[Net]) -> list[str]:
+        """The filter lines for the host services at ``HOST_SERVICES``, placed first, before loopback is
+        accepted: in a vm's jail they arrive DNATed from loopback, and netfilter still matches them as
+        leaving through ``lo``. The ports this sandbox may reach, then nothing else there."""
+        if not self.host_ports:
+            return []
+        return [*(f"-A OUTPUT -d {net} -p tcp --dport {e.port} -j ACCEPT"
+                  for e in self.entries if e.host_service for net in self._opened(e, allow_nets, deny_nets)),
+                f"-A OUTPUT -d {HOST_SERVICES}/32 -j REJECT"]
+
     def accepts(self, allow_nets: Sequence[Net], deny_nets: Sequence[Net]) -> list[str]:
-        """The filter lines (``-A OUTPUT ...``) for a sandbox with these ``allowOut`` and ``denyOut``
-        nets, placed after the host's addresses are rejected and before the private ranges are.
-        First what is never opened (the API's port, slirp's network), then each entry the sandbox
+        """The filter lines (``-A OUTPUT ...``) for a sandbox with these ``allowOut`` (private) and
+        ``denyOut`` nets, placed after the host's addresses are rejected and before the private ranges
+        are. First what is never opened (aenv's ports, slirp's network), then each entry the sandbox
         may reach: every-sandbox ones it does not deny, and those its ``allowOut`` names (only the
         part it names)."""
         if self.empty:
             return []
-        out = [f"-A OUTPUT -d {net} -p tcp --dport {e.port} -j ACCEPT"
-               for e in self.entries if e.host_service for net in self._opened(e, allow_nets, deny_nets)]
-        out.append(f"-A OUTPUT -d {SLIRP_NET} -j REJECT")
+        out = [f"-A OUTPUT -d {SLIRP_NET} -j REJECT"]
         for e in self.entries:
             if e.host_service:
                 continue

@@ -193,7 +193,8 @@ def render(host_addrs: Iterable[str], blocked: Sequence[str], resolver: str, sli
            private: Allowlist | None = None, jail: bool = False) -> str:
     """``iptables-restore`` input for a sandbox's namespace: both tables, replaced atomically.
 
-    filter/OUTPUT: loopback; DNS to the resolver (accepted or rejected per the policy); the host's
+    filter/OUTPUT: the host services the operator exposes (``private``; first: a vm jail's come DNATed
+    from loopback); loopback; DNS to the resolver (accepted or rejected per the policy); the host's
     addresses rejected; what the operator's allowlist opens to this sandbox (``private``); ``blocked``
     rejected; then the policy: allowed nets accepted before denied ones are rejected (allow wins); the
     rest accepted. nat/OUTPUT: queries to slirp's resolver go to ``resolver`` when that is another
@@ -224,7 +225,7 @@ def render(host_addrs: Iterable[str], blocked: Sequence[str], resolver: str, sli
     nat.append("COMMIT")
     dns = "ACCEPT" if policy.resolver_allowed(resolver) else "REJECT"
     flt = ["*filter", ":INPUT ACCEPT [0:0]", ":FORWARD DROP [0:0]", ":OUTPUT ACCEPT [0:0]",
-           "-A OUTPUT -o lo -j ACCEPT"]  # fmt: skip
+           *private.gateway_rules(policy.private_nets, policy.deny_nets), "-A OUTPUT -o lo -j ACCEPT"]  # fmt: skip
     if proxy_port is not None and policy.needs_proxy:  # redirected to the proxy (still routed out here)
         flt.append("-A OUTPUT -d 127.0.0.1/32 -m conntrack --ctstate DNAT -j ACCEPT")
     for proto in ("udp", "tcp"):
