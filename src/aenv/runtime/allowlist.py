@@ -64,7 +64,7 @@ class Entry:
 
 @dataclass(frozen=True)
 class Allowlist:
-    """Every entry, validated, and the API port nothing may open. Empty: today's base filter."""
+    """Every entry, validated, and aenv's own ports, which nothing opens. Empty: today's base filter."""
 
     entries: tuple[Entry, ...] = ()
     protected: tuple[int, ...] = ()  # aenv's own ports (its API; a cluster's directory and node URLs)
