@@ -168,7 +168,8 @@ async def test_verifiers_routes_model_calls_to_an_allowed_address_and_a_host_por
     pytest.importorskip("verifiers.v1.runtimes.e2b", reason=(
         "verifiers is not installed: pip install 'verifiers[e2b]>=0.4,<0.5', then pip install 'e2b>=2.63,<3' "
         "'connectrpc>=0.12,<0.13' (its prime-sandboxes pins connectrpc<0.12, which verifiers' E2B runtime "
-        "does not use; pyproject.toml says why it is not in the test extra)"))
+        "does not use), and uninstall it again before the unit tests (its httpx2 moves starlette's "
+        "TestClient); pyproject.toml says why it is not in the test extra"))
     from e2b import AsyncSandbox
     from verifiers.v1.runtimes.e2b import E2BConfig, E2BRuntime
 
