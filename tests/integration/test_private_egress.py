@@ -40,6 +40,8 @@ from tests.fixtures.privatehosts import (
 
 pytestmark = pytest.mark.sdk
 
+APT_MIRROR = f"http://{INDEX}:{PORT}/debian"  # written into sandboxes, not served (apt is not run here)
+
 # The sandbox's side: connect to each ADDR:PORT, send an HTTP request, print what came back per target.
 _PROBE = r"""
 import json, socket, sys
@@ -79,7 +81,7 @@ def hosts(tmp_path_factory: pytest.TempPathFactory, runtime_name: str) -> Iterat
 
 def _env(h: PrivateHosts) -> dict[str, str]:
     return {"AENV_PRIVATE_EGRESS": f"{INDEX}:{PORT},named:{MODEL}:{PORT},localhost:{h.host_port}",
-            "AENV_PACKAGE_MIRRORS": f"pip={h.index_url}"}
+            "AENV_PACKAGE_MIRRORS": f"pip={h.index_url},apt={APT_MIRROR}"}
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +146,7 @@ def test_info_and_doctor_show_the_allowlist(allow_server: Server, hosts: Private
     shown = {(e["reach"], e["sandboxes"]) for e in info["network"]["privateEgress"]}
     assert shown == {(f"{INDEX}:{PORT}", "all"), (f"{MODEL}:{PORT}", "named in allowOut"),
                      (f"{HOST_SERVICES}:{hosts.host_port}", "all")}
-    assert info["network"]["packageMirrors"] == {"pip": hosts.index_url}
+    assert info["network"]["packageMirrors"] == {"pip": hosts.index_url, "apt": APT_MIRROR}
     env = {**os.environ, **_env(hosts), "AENV_STATE_DIR": str(allow_server.state_dir)}
     out = subprocess.run([sys.executable, "-m", "aenv.cli.main", "doctor", "-o", "json"], env=env,
                          capture_output=True, text=True, timeout=120, check=True).stdout
@@ -153,12 +155,13 @@ def test_info_and_doctor_show_the_allowlist(allow_server: Server, hosts: Private
     assert hosts.index_url in doctor["package mirrors"]
 
 
-def test_pip_installs_from_the_operators_mirror_in_the_base_template(allow_server: Server, hosts: PrivateHosts) -> None:
+def test_pip_installs_from_the_operators_mirror_in_the_base_template_and_apt_is_pointed_there(allow_server: Server, hosts: PrivateHosts) -> None:
     sbx = Sandbox.create("base", timeout=300)
     try:
         result = sbx.commands.run(f"python3 -m pip install --no-cache-dir {TOOL} && "
                                   "python3 -c 'import aenv_probe_tool as t; print(t.VALUE)'", timeout=300)
         assert result.stdout.strip().endswith(TOOL_VALUE), result
+        assert sbx.files.read("/etc/apt/sources.list.d/aenv-mirror.list") == f"deb {APT_MIRROR} bookworm main\n"
     finally:
         sbx.kill()
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from aenv.config import Settings
 from aenv.images.errors import BootstrapError
 
-RECIPE_VERSION = 3  # 2: /etc/profile reads $EUID instead of forking id(1); 3: pip usable system-wide
+RECIPE_VERSION = 4  # 2: /etc/profile reads $EUID instead of forking id(1); 3: pip; 4: without its .pyc
 SUITE = "bookworm"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 BASE_PACKAGES: tuple[str, ...] = (
@@ -124,6 +124,9 @@ def mmdebstrap_argv(target: Path, mirror: str, packages: Sequence[str] = BASE_PA
         # A sandbox is a throwaway machine, as E2B's: `pip install x` installs (as root into the
         # system, as `user` with --user) instead of refusing with PEP 668's externally-managed error.
         '--customize-hook=rm -f "$1"/usr/lib/python3*/EXTERNALLY-MANAGED',
+        # pip, setuptools and wheel's byte code is half their 25 MB, and a vm's root disk holds the
+        # whole base (a 256 MB disk must keep room): Python compiles them again when they are run.
+        '--customize-hook=find "$1"/usr/lib/python3/dist-packages -name __pycache__ -prune -exec rm -rf {} +',
         SUITE,
         str(target),
         mirror,
