@@ -13,7 +13,6 @@ QEMUs, cold starts) and ``update`` replaces it live. The orchestrator only calls
 from __future__ import annotations
 
 import logging
-import socket
 from dataclasses import replace
 from typing import Any
 
@@ -38,22 +37,13 @@ def configure(settings: Settings) -> None:
     ``private_egress`` (what sandboxes may reach beyond the internet; host names resolved now). A bad
     entry is an ``AllowlistError`` naming it: the server does not start."""
     configure_dns(settings.sandbox_dns)
-    configure_private(allowlist.parse(settings.private_egress, settings.service_ports, _resolve))
+    configure_private(allowlist.parse(settings.private_egress, settings.service_ports, allowlist.resolve_on_host))
 
 
 def private_info(settings: Settings) -> dict[str, Any]:
     """What ``/aenv/info`` shows of the allowlist in force and the package mirrors."""
     return {"privateEgress": private_allowlist().describe(), "hostServices": allowlist.HOST_SERVICES,
             "packageMirrors": dict(settings.package_mirrors)}
-
-
-def _resolve(name: str) -> list[str]:
-    """A host name's IPv4 addresses, as the host resolves it (an allowlist entry)."""
-    try:
-        infos = socket.getaddrinfo(name, None, family=socket.AF_INET, type=socket.SOCK_STREAM)
-    except OSError:
-        return []
-    return [str(i[4][0]) for i in infos]
 
 
 def row_fields(req: NetworkRequest | None, allow_internet: bool) -> dict[str, Any]:

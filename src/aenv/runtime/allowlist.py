@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -198,3 +199,12 @@ def _resolved(value: str, dest: str, resolve: Resolve) -> list[Net]:
     if not addrs:
         raise AllowlistError(f"private_egress: {value!r}: {dest} does not resolve on this host")
     return [Net(f"{a}/32") for a in sorted(set(addrs))]
+
+
+def resolve_on_host(name: str) -> list[str]:
+    """A host name's IPv4 addresses as this host resolves it (what an entry naming it opens)."""
+    try:
+        infos = socket.getaddrinfo(name, None, family=socket.AF_INET, type=socket.SOCK_STREAM)
+    except OSError:
+        return []
+    return [str(i[4][0]) for i in infos]

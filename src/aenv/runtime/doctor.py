@@ -89,18 +89,10 @@ def _ksm(settings: Settings) -> str:
 
 def _private_egress(settings: Settings) -> str:
     """The allowlist as the server would enforce it (host names resolved now), or why it would not start."""
-    import socket
-
     from aenv.runtime import allowlist
 
-    def resolve(name: str) -> list[str]:
-        try:
-            return [str(i[4][0]) for i in socket.getaddrinfo(name, None, family=socket.AF_INET)]
-        except OSError:
-            return []
-
     try:
-        allowed = allowlist.parse(settings.private_egress, settings.service_ports, resolve)
+        allowed = allowlist.parse(settings.private_egress, settings.service_ports, allowlist.resolve_on_host)
     except allowlist.AllowlistError as exc:
         return f"invalid, the server will not start: {exc}"
     if allowed.empty:

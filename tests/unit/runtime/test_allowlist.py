@@ -134,3 +134,10 @@ def test_aenvs_own_ports_in_a_cluster_are_protected_too() -> None:
             "-A OUTPUT -d 10.1.0.0/16 -j ACCEPT")
     with pytest.raises(AllowlistError, match="aenv's own ports"):
         parse(["localhost:6380"], s.service_ports, _resolve)
+
+
+def test_host_names_resolve_on_the_host() -> None:
+    from aenv.runtime.allowlist import resolve_on_host
+
+    assert "127.0.0.1" in resolve_on_host("localhost")
+    assert resolve_on_host("no-such-name.invalid") == []
