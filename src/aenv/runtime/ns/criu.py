@@ -414,7 +414,7 @@ def restore_argv(exe: str, images: Path, *, root: Path, pidfile: Path, tools: Pa
     if dev is not None:
         net += ["--external", f"mnt[{EXT_DEV}]:{dev}"]
     masked = masked_here() if masked is None else masked
-    return [exe, "restore", "-D", str(images), "-o", log, os.environ.get("AENV_CRIU_V", "-v2"), "--network-lock", "skip", "--restore-detached",
+    return [exe, "restore", "-D", str(images), "-o", log, "-v2", "--network-lock", "skip", "--restore-detached",
             "--pidfile", str(pidfile), "--root", str(root), "--tcp-established", "--ext-unix-sk",
             "--file-locks", "--manage-cgroups=ignore", *_externals_restore(tools, run_dir, boot_id, masked),
             "--action-script", ro_remount_action(masked, volumes=read_only_volumes, lo_up=empty_net), *net, *_volumes_restore(volumes),
