@@ -29,17 +29,8 @@ from e2b_sdk_suite import domain_env, domain_tls  # noqa: E402
 from aenv.testing.procs import unwind_on_signals  # noqa: E402
 from aenv.testing.server import free_port, reap_vms, start_server, stop_server  # noqa: E402
 
-JAVA = ("no Java kernel in aenv's code-interpreter template: E2B's is IJava from GitHub releases, out of reach "
-        "here; a java run answers a 400 that says so (python, javascript, typescript, r and bash are there)")
-S, A = "tests/sync", "tests/async"
-
 # Deselected: node ID (or file) -> reason.
-EXEMPT: dict[str, str] = {
-    **{f"{d}/env_vars/test_java.py": JAVA for d in (S, A)},
-    f"{S}/test_cwd.py::test_cwd_java": JAVA,
-    f"{A}/test_async_cwd.py::test_cwd_java": JAVA,
-    f"{S}/test_default_kernels.py::test_java_kernel": JAVA,
-}
+EXEMPT: dict[str, str] = {}  # every test of the suite runs: all five languages are in the template
 
 
 def copy_tests(checkout: Path, into: Path) -> Path:

@@ -223,11 +223,24 @@ def test_r_env_vars_for_one_run_and_for_good(sbx: Any) -> None:
     assert sbx.run_code("getwd()", context=ctx).results[0].text.strip() == '[1] "/tmp"'
 
 
-def test_a_language_this_template_lacks_is_a_400_that_says_why(sbx: Any) -> None:
+def test_java_is_jshell_with_properties_for_envs(sbx: Any) -> None:
+    """language='java' is aenv's JShell kernel on Debian's OpenJDK; E2B's "envs" are system properties."""
+    printed = sbx.run_code('System.out.println("Hello, World!")', language="java")
+    assert printed.logs.stdout[0] == "Hello, World!" and printed.error is None  # as the SDK's suite reads it
+    assert sbx.run_code('System.getProperty("user.dir")', language="java").text == "/home/user"
+    assert sbx.run_code('System.getProperty("FOO")', language="java", envs={"FOO": "bar"}).text == "bar"
+    assert sbx.run_code('System.getProperty("FOO", "default")', language="java").text == "default"
+    sbx.run_code("int base = 41;", language="java")
+    assert sbx.run_code("base + 1", language="java").text == "42"
+    failed = sbx.run_code("1 / 0", language="java")
+    assert failed.error is not None and failed.error.name == "ArithmeticException"
+
+
+def test_an_unknown_language_is_a_400_that_names_those_there_are(sbx: Any) -> None:
     from e2b import SandboxException
 
-    with pytest.raises(SandboxException, match="(?i)java.*GitHub"):
-        sbx.run_code('System.out.println("hi")', language="java")
+    with pytest.raises(SandboxException, match="(?i)cobol.*python, javascript, typescript, r, java, bash"):
+        sbx.run_code("DISPLAY 'HI'.", language="cobol")
 
 
 def test_javascript_keeps_state_awaits_imports_and_fails_clearly(sbx: Any) -> None:

@@ -55,13 +55,14 @@ PACKAGES: tuple[str, ...] = ("ipykernel==6.31.0", "ipython==9.15.0", "jupyter_cl
 # More languages, from Debian, in the base tree itself (mmdebstrap runs their maintainer scripts: BLAS
 # alternatives, ldconfig), so the template's bottom layer is a base rootfs of its own: R and IRkernel for
 # ``language="r"`` (its ``ir`` kernelspec in /usr/share/jupyter/kernels), Node.js for javascript and
-# typescript (aenv's own kernel, ``interpreter/js_kernel.js``). Java: see ``registry.UNAVAILABLE``.
+# typescript (aenv's own kernel, ``interpreter/js_kernel.js``), the JDK for java (``JavaKernel.java``).
 R_PACKAGES: tuple[str, ...] = ("r-base-core", "r-cran-irkernel")
 NODE_PACKAGES: tuple[str, ...] = ("nodejs",)
+JAVA_PACKAGES: tuple[str, ...] = ("openjdk-17-jdk-headless",)  # JShell is the JDK's (jdk.jshell), not the JRE's
 # The TypeScript compiler the typescript contexts transpile with (pure JavaScript; 5.x: 7 is a native port),
 # installed by the host's npm into the packages layer; without npm the template has no typescript.
 NPM_PACKAGES: tuple[str, ...] = ("typescript@5.9.3",)
-NODE_PREFIX = "usr/local/lib/aenv-node"  # interpreter/js.py: TYPESCRIPT
+NODE_PREFIX = "usr/local/lib/aenv-node"  # interpreter/pipe_kernels.py: TYPESCRIPT
 SITE_DIR = f"usr/local/lib/python{PYTHON_VERSION}/dist-packages"
 SERVICE_PACKAGE = "aenv_interpreter"
 SERVICE_LOG = "/var/log/aenv-interpreter.log"
@@ -124,8 +125,8 @@ def service_source() -> Path:
 
 
 def service_files(src: Path) -> list[Path]:
-    """The service's Python modules and its Node kernel."""
-    return sorted([*src.glob("*.py"), *src.glob("*.js")])
+    """The service's Python modules and its Node and Java kernels."""
+    return sorted([*src.glob("*.py"), *src.glob("*.js"), *src.glob("*.java")])
 
 
 def service_hash(src: Path | None = None) -> str:
@@ -318,7 +319,7 @@ def base_packages(with_languages: bool) -> tuple[str, ...]:
     """The Debian packages of the template's base tree."""
     from aenv.images.bootstrap import BASE_PACKAGES
 
-    return BASE_PACKAGES + (R_PACKAGES + NODE_PACKAGES if with_languages else ())
+    return BASE_PACKAGES + (R_PACKAGES + NODE_PACKAGES + JAVA_PACKAGES if with_languages else ())
 
 
 def ensure_interpreter_layers(
@@ -338,7 +339,8 @@ def ensure_interpreter_layers(
             "building the code-interpreter layers needs root (files must be root-owned in the sandbox)",
             path=str(packages_layer_path(settings, packages)),
         )
-    log("[1/3] base rootfs" + (f" with {', '.join(R_PACKAGES + NODE_PACKAGES)}" if with_languages else ""))
+    log("[1/3] base rootfs" + (f" with {', '.join(R_PACKAGES + NODE_PACKAGES + JAVA_PACKAGES)}"
+                               if with_languages else ""))
     base = ensure_base_rootfs(settings, packages=base_packages(with_languages))
     log(f"  → {base}")
     log("[2/3] python packages layer")

@@ -7,7 +7,6 @@ import contextlib
 import os
 import uuid
 
-from .js import JsContext, TsContext
 from .kernels import (
     BashContext,
     Context,
@@ -19,9 +18,11 @@ from .kernels import (
     UnsupportedLanguage,
     UnusableCwd,
 )
+from .pipe_kernels import JavaContext, JsContext, TsContext
 
 BACKENDS: dict[str, type[Context]] = {
-    "python": PythonContext, "javascript": JsContext, "typescript": TsContext, "r": RContext, "bash": BashContext,
+    "python": PythonContext, "javascript": JsContext, "typescript": TsContext, "r": RContext, "java": JavaContext,
+    "bash": BashContext,
 }
 ALIASES = {"python3": "python", "ipython": "python", "sh": "bash", "shell": "bash", "js": "javascript",
            "node": "javascript", "ts": "typescript"}
@@ -30,7 +31,7 @@ UNAVAILABLE = {
     "r": "this template was built without R",
     "javascript": "this template was built without Node.js",
     "typescript": "this template has no TypeScript compiler (typescript, from npm)",
-    "java": "no Java kernel: IJava comes from GitHub releases, which this host cannot reach",
+    "java": "this template was built without a JDK",
 }
 
 

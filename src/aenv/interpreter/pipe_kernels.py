@@ -1,13 +1,18 @@
-"""JavaScript and TypeScript contexts: aenv's own Node kernel (``js_kernel.js``), no Jupyter.
+"""Contexts whose kernel is a process of aenv's own over two pipes, no Jupyter: JavaScript and TypeScript
+(``js_kernel.js``, on Node's REPL evaluator) and Java (``JavaKernel.java``, on the JDK's JShell).
 
-Why not a Jupyter kernel: the npm ones (ijavascript, tslab) need ZeroMQ's native addon, whose prebuilt
-binaries come from GitHub releases (not reachable from the hosts this was built on), and E2B's own is a
-GitHub fork. Node's REPL evaluator does what a cell needs; ``js_kernel.js`` drives it.
+Why not Jupyter kernels: the npm ones (ijavascript, tslab) need ZeroMQ's native addon, whose prebuilt
+binaries come from GitHub releases, E2B's JavaScript kernel is a GitHub fork and IJava is published as
+GitHub releases: none reachable from the hosts this was built on. Both runtimes have a REPL evaluator
+that does what a cell needs. The protocol: requests on the process's stdin (one line each, in the
+kernel's encoding), events back on a pipe of their own (one JSON object per line; the process's own
+stdout/stderr are what child processes that inherited them write).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -24,13 +29,20 @@ JS_KERNEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "js_kernel.
 TYPESCRIPT = "/usr/local/lib/aenv-node/node_modules/typescript"
 
 
-class JsContext(Context):
-    """A Node process running ``js_kernel.js``: Node's own REPL evaluator (top-level await, the last
-    expression's value, declarations that persist), driven over a request pipe and an event pipe. An
-    interrupt ends the process (Node has no safe way to stop running JavaScript): the next run starts a
-    fresh one and says so."""
+class PipeKernelContext(Context):
+    """A kernel process driven over a request pipe and an event pipe. An interrupt ends the process
+    (neither Node nor the JVM has a safe way to stop running code): the next run starts a fresh one and
+    says so."""
 
-    LANGUAGE = "javascript"
+    LANGUAGE = ""
+    RUNTIME = ""  # what the 400 and the errors call the process
+
+    def argv(self) -> list[str]:
+        raise NotImplementedError
+
+    def request(self, code: str, env: dict[str, str], temp: dict[str, str]) -> bytes:
+        """One request line in the kernel's encoding."""
+        return (json.dumps({"code": code, "language": self.LANGUAGE, "env": env, "temp": temp}) + "\n").encode()
 
     def __init__(self, info: ContextInfo, env: dict[str, str]) -> None:
         super().__init__(info, env)
@@ -41,15 +53,11 @@ class JsContext(Context):
         self._count = 0
         self._interrupted = False
 
-    @classmethod
-    def available(cls) -> bool:
-        return shutil.which("node") is not None and os.path.exists(JS_KERNEL)
-
     async def start(self) -> None:
         read_end, write_end = os.pipe()
         try:
             self._proc = proc = await asyncio.create_subprocess_exec(
-                "node", JS_KERNEL, cwd=self.info.cwd, env={**self.env, "AENV_EVENTS_FD": str(write_end)},
+                *self.argv(), cwd=self.info.cwd, env={**self.env, "AENV_EVENTS_FD": str(write_end)},
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                 pass_fds=(write_end,), start_new_session=True, preexec_fn=default_sigint,
             )
@@ -67,7 +75,7 @@ class JsContext(Context):
                        asyncio.create_task(self._pump(proc.stderr, "stderr"))]
         ready = await asyncio.wait_for(self._next(), KERNEL_READY_TIMEOUT)
         if ready is None or ready.get("type") != "ready":
-            raise RuntimeError(f"node ended before its kernel was ready (exit {await proc.wait()})")
+            raise RuntimeError(f"{self.RUNTIME} ended before its kernel was ready (exit {await proc.wait()})")
         self._interrupted = False
 
     async def _pump(self, stream: asyncio.StreamReader, name: str) -> None:
@@ -91,10 +99,9 @@ class JsContext(Context):
         assert self._proc is not None and self._proc.stdin is not None
         self._count += 1
         sink(m.count_line(self._count))
-        request = {"code": code, "language": self.LANGUAGE, "env": persistent_env, "temp": temp_env}
         self._sink = sink
         try:
-            self._proc.stdin.write((json.dumps(request) + "\n").encode())
+            self._proc.stdin.write(self.request(code, persistent_env, temp_env))
             await self._proc.stdin.drain()
             if self.interrupt_pending:
                 await self.interrupt()
@@ -110,13 +117,13 @@ class JsContext(Context):
                     sink(m.error_line(str(event.get("name", "Error")), str(event.get("value", "")),
                                       str(event.get("traceback", ""))))
             if self._interrupted:
-                sink(m.error_line("KeyboardInterrupt", "interrupted: the context's Node process was ended "
-                                  "(its state is gone; the next run starts a fresh one)", []))
+                sink(m.error_line("KeyboardInterrupt", f"interrupted: the context's {self.RUNTIME} process was "
+                                  "ended (its state is gone; the next run starts a fresh one)", []))
             else:
-                sink(m.error_line("DeadKernelError", "the Node process ended during execution "
+                sink(m.error_line("DeadKernelError", f"the {self.RUNTIME} process ended during execution "
                                   "(restarted for the next run)", []))
         except (BrokenPipeError, ConnectionResetError):
-            sink(m.error_line("DeadKernelError", "the Node process ended (restarted for the next run)", []))
+            sink(m.error_line("DeadKernelError", f"the {self.RUNTIME} process ended (restarted for the next run)", []))
         finally:
             self._sink = None
         await self.aclose()  # reached only when the process is gone: the next run starts a new one
@@ -143,6 +150,21 @@ class JsContext(Context):
         self._pumps = []
 
 
+class JsContext(PipeKernelContext):
+    """Node running ``js_kernel.js``: Node's own REPL evaluator (top-level await, the last expression's
+    value, declarations that persist)."""
+
+    LANGUAGE = "javascript"
+    RUNTIME = "Node"
+
+    @classmethod
+    def available(cls) -> bool:
+        return shutil.which("node") is not None and os.path.exists(JS_KERNEL)
+
+    def argv(self) -> list[str]:
+        return ["node", JS_KERNEL]
+
+
 class TsContext(JsContext):
     """TypeScript: each run transpiled by the ``typescript`` package (types stripped, nothing checked), then
     run as JavaScript, as E2B's kernel does."""
@@ -152,3 +174,31 @@ class TsContext(JsContext):
     @classmethod
     def available(cls) -> bool:
         return super().available() and os.path.isdir(TYPESCRIPT)
+
+
+JAVA_KERNEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "JavaKernel.java")
+# A small heap and the quick JIT tier: a kernel per context, short cells; the source launcher compiles
+# JavaKernel.java as the JVM starts (no build step, no javac on the host that builds the template).
+JAVA_OPTIONS = ("-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1", "-Xss4m")
+
+
+def _pairs(values: dict[str, str]) -> str:
+    return base64.b64encode("".join(f"{k}\0{v}\0" for k, v in values.items()).encode()).decode()
+
+
+class JavaContext(PipeKernelContext):
+    """A JVM running ``JavaKernel.java``: JShell in process (declarations, imports and methods persist, an
+    expression's value is the result). Its "envs" are system properties, as in E2B's template."""
+
+    LANGUAGE = "java"
+    RUNTIME = "JVM"
+
+    @classmethod
+    def available(cls) -> bool:
+        return shutil.which("java") is not None and os.path.exists(JAVA_KERNEL)
+
+    def argv(self) -> list[str]:
+        return ["java", *JAVA_OPTIONS, JAVA_KERNEL]
+
+    def request(self, code: str, env: dict[str, str], temp: dict[str, str]) -> bytes:
+        return f"{base64.b64encode(code.encode()).decode()} {_pairs(env)} {_pairs(temp)}\n".encode()
