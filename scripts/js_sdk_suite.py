@@ -40,9 +40,24 @@ from aenv.testing.procs import unwind_on_signals  # noqa: E402
 from aenv.testing.server import free_port  # noqa: E402
 
 PROJECTS = ("unit", "template", "connectionConfig")
-PUBLIC = "needs the public internet (this machine has none): "
-# test full name (vitest's "describe > test" path joined by " ") -> reason
-KNOWN: dict[str, str] = {}
+PUBLIC = ("needs the public internet; this machine has none (its host's egress is a TLS-intercepting proxy: "
+          "curl https://1.1.1.1 fails with exit 60, certificate 'sandboxing-tproxy-egress'): ")
+# test full name (vitest's describe and test titles joined by spaces) -> reason. The same rules are
+# enforced against test hosts of aenv's own in tests/integration/test_network_policy.py.
+KNOWN: dict[str, str] = {
+    "MCP gateway start failure kills the created sandbox": PUBLIC + "E2B's hosted MCP gateway image",
+    "internet access enabled internet access enabled": PUBLIC + "curl to a public site",
+    "internet access default internet access default": PUBLIC + "curl to a public site",
+    "allow only 1.1.1.1 allow specific IP with deny all traffic": PUBLIC + "https://1.1.1.1 must answer",
+    "deny specific IP address deny specific IP address": PUBLIC + "a public address must answer first",
+    "allow takes precedence over deny allow takes precedence over deny": PUBLIC + "https://1.1.1.1 must answer",
+    "firewall transform injects headers injected header is reflected by the httpbin sidecar":
+        PUBLIC + "E2B's hosted httpbin template",
+    "updateNetwork applies new egress rules denies a previously reachable IP after update":
+        PUBLIC + "a public address must be reachable before the update",
+    "updateNetwork clears existing rules when fields are omitted omitting fields replaces all egress rules":
+        PUBLIC + "a public address must be reachable after the rules are cleared",
+}
 
 
 def cache_dir() -> Path:
