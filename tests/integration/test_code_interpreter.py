@@ -276,3 +276,42 @@ def test_an_interrupted_javascript_context_starts_again(sbx: Any) -> None:
         sbx.run_code("while (true) {}", context=ctx, timeout=2)
     after = sbx.run_code("typeof globalThis.kept", context=ctx)
     assert after.text == "undefined"  # a fresh process: the old one could not be stopped otherwise
+
+
+def test_kernel_state_survives_pause_fork_and_snapshot(e2b_env: dict[str, str], interpreter_template: str) -> None:
+    """A variable set before a pause, a fork or a full snapshot is there after it, in every copy and in
+    every language's kernel: they are processes of the sandbox, and those operations keep processes (ns:
+    CRIU, the kernels' loopback ZeroMQ connections and pipes included; vm: the RAM)."""
+    from e2b_code_interpreter import Sandbox
+
+    sbx = Sandbox.create(interpreter_template, timeout=600, request_timeout=900)
+    copies: list[Any] = []
+    try:
+        sbx.run_code("x = 41")
+        sbx.run_code("globalThis.k = 'kept'", language="js")
+        sbx.run_code("r <- 40", language="r")
+        sbx.run_code("int j = 39;", language="java")
+
+        def holds(box: Any) -> None:
+            assert box.run_code("x + 1").text == "42"
+            assert box.run_code("globalThis.k", language="js").text == "kept"
+            assert box.run_code("r + 2", language="r").results[0].text.strip() == "[1] 42"
+            assert box.run_code("j + 3", language="java").text == "42"
+
+        sbx.pause()
+        resumed = Sandbox.connect(sbx.sandbox_id, timeout=600)
+        holds(resumed)
+        children = resumed.fork(count=2)
+        copies += [c for c in children if not isinstance(c, Exception)]
+        assert len(copies) == 2, children
+        for child in copies:
+            holds(child)
+        snap = resumed.create_snapshot(mode="full")
+        restored = Sandbox.create(snap.snapshot_id, timeout=600, request_timeout=900)
+        copies.append(restored)
+        holds(restored)
+        holds(resumed)  # the source runs on after all of it
+    finally:
+        for box in (*copies, sbx):
+            with contextlib.suppress(Exception):
+                box.kill()
