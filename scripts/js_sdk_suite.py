@@ -13,7 +13,7 @@ docker.io mirror, ``aenv serve`` on the runtime over HTTPS, the tests given only
   ``--ignore-scripts``: no install script runs) into the cache, ``<cache>/js-sdk-suite/<digest>``.
 - **DNS and TLS**: ``node_localhost.cjs`` is preloaded so ``<port>-<id>.aenv.localhost`` resolves to
   127.0.0.1 (E2B's wildcard record, which glibc lacks); ``NODE_EXTRA_CA_CERTS`` trusts the run's CA.
-- **Projects**: ``unit``, ``template`` and ``connectionConfig``. The ``browser`` project (4 files) is
+- **Projects**: ``unit``, ``template`` and ``connectionConfig``. The ``browser`` project (one file) is
   left out: its config asks Playwright for its own Chromium build, from Playwright's CDN, which this
   machine cannot reach (Debian's ``chromium`` could stand in through a config of the runner's own: not
   done yet).
