@@ -15,7 +15,6 @@ has. Which SDK ran is printed. Exit status is pytest's.
 from __future__ import annotations
 
 import argparse
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,42 +23,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "src"), str(ROOT), str(ROOT / "scripts")]
 
-from e2b_sdk_suite import domain_env, domain_tls  # noqa: E402
+from e2b_sdk_suite import copy_tests, domain_env, domain_tls  # noqa: E402
 
 from aenv.testing.procs import unwind_on_signals  # noqa: E402
 from aenv.testing.server import free_port, reap_vms, start_server, stop_server  # noqa: E402
 
-LANGUAGES = ("javascript, typescript, r and java kernels are not in aenv's code-interpreter template yet: "
-             "the run answers a 400 naming the language (python and bash are there)")
-S, A = "tests/sync", "tests/async"
-
 # Deselected: node ID (or file) -> reason.
-EXEMPT: dict[str, str] = {
-    **{f"{d}/env_vars/test_{lang}.py": LANGUAGES for d in (S, A) for lang in ("js", "r", "java")},
-    **{f"{S}/test_cwd.py::test_cwd_{lang}": LANGUAGES for lang in ("javascript", "typescript", "r", "java")},
-    **{f"{A}/test_async_cwd.py::test_cwd_{lang}": LANGUAGES for lang in ("javascript", "typescript", "r", "java")},
-    **{f"{S}/test_default_kernels.py::{t}": LANGUAGES
-       for t in ("test_js_kernel", "test_js_esm_imports", "test_js_top_level_await", "test_ts_kernel",
-                 "test_r_kernel", "test_java_kernel")},
-    **{f"{A}/test_async_default_kernels.py::{t}": LANGUAGES
-       for t in ("test_js_kernel", "test_js_esm_imports", "test_js_top_level_await", "test_ts_kernel")},
-    **{f"{S}/test_contexts.py::{t}": "expects a default javascript context; " + LANGUAGES
-       for t in ("test_list_contexts", "test_list_contexts_secure_traffic")},
-    **{f"{A}/test_async_contexts.py::{t}": "expects a default javascript context; " + LANGUAGES
-       for t in ("test_list_contexts", "test_list_contexts_secure_traffic")},
-}
-
-
-def copy_tests(checkout: Path, into: Path) -> Path:
-    """The suite's ``tests`` and ``pytest.ini``, without the package beside them (see the docstring)."""
-    src = checkout / "python"
-    if not (src / "tests").is_dir():
-        raise SystemExit(f"{checkout}: no python/tests (a checkout of e2b-dev/code-interpreter?)")
-    dest = into / "suite"
-    shutil.copytree(src / "tests", dest / "tests")
-    if (src / "pytest.ini").exists():
-        shutil.copy2(src / "pytest.ini", dest / "pytest.ini")
-    return dest
+EXEMPT: dict[str, str] = {}  # every test of the suite runs: all five languages are in the template
 
 
 def register_template(server_env: dict[str, str]) -> None:
@@ -76,7 +46,7 @@ def register_template(server_env: dict[str, str]) -> None:
 
 
 def run(args: argparse.Namespace, tmp: Path) -> int:
-    suite = copy_tests(args.checkout, tmp)
+    suite = copy_tests(args.checkout / "python", tmp)
     tls = domain_tls(tmp)
     port = free_port()
     server = start_server(tmp, args.runtime, {"PYTHONPATH": str(ROOT / "src")}, port=port, tls=tls)

@@ -6,7 +6,7 @@
 It starts a local registry with aenv's fixture images under the names the SDK's template tests
 build FROM (no internet needed), starts ``aenv serve`` on the runtime with that registry as the
 docker.io mirror (or, with ``--cluster N``, a whole ``aenv cluster local`` whose gateway is the
-endpoint), and runs pytest in the SDK checkout with the exemptions below deselected. The
+endpoint), and runs pytest on a copy of the SDK's tests (see ``copy_tests``) with the exemptions below deselected. The
 SDK tests are not modified: the exemptions are node IDs, each with its reason. Exit status is
 pytest's.
 """
@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -161,7 +162,21 @@ def domain_env(port: int, tls: Tls) -> dict[str, str]:
     return env
 
 
+def copy_tests(sdk: Path, into: Path) -> Path:
+    """An SDK's ``tests`` and ``pytest.ini``, without its package beside them: run in the checkout,
+    ``python -m pytest`` puts the checkout's own package ahead of the one ``--python`` has, and the SDK
+    under test would silently be the checkout's (what every run of this suite before the copy measured)."""
+    if not (sdk / "tests").is_dir():
+        raise SystemExit(f"{sdk}: no tests here (the SDK's directory of a checkout?)")
+    dest = into / "suite"
+    shutil.copytree(sdk / "tests", dest / "tests")
+    if (sdk / "pytest.ini").exists():
+        shutil.copy2(sdk / "pytest.ini", dest / "pytest.ini")
+    return dest
+
+
 def run_suite(args: argparse.Namespace, tmp: Path) -> int:
+    suite = copy_tests(args.sdk, tmp)
     tls = domain_tls(tmp)
     port = free_port()
     endpoint = cluster if args.cluster else one_node
@@ -176,11 +191,14 @@ def run_suite(args: argparse.Namespace, tmp: Path) -> int:
         print(f"aenv {args.runtime}: {where} at https://127.0.0.1:{port}; logs {logs}", file=sys.stderr)
         # One sandbox first: on vm the template's first boot under TCG outlasts the suite's 30 s
         # pytest timeout, which would fail whichever test comes first.
-        warm = "from e2b import Sandbox; Sandbox.create('base', timeout=120).kill()"
-        subprocess.run([args.python, "-c", warm], cwd=args.sdk, env=env, check=True, timeout=600)
+        warm = ("import e2b; from importlib.metadata import version; from e2b import Sandbox; "
+                "Sandbox.create('base', timeout=120).kill(); print('e2b', version('e2b'), e2b.__file__)")
+        sdk = subprocess.run([args.python, "-c", warm], cwd=suite, env=env, check=True, timeout=600,
+                             capture_output=True, text=True).stdout.strip()
+        print(f"SDK under test: {sdk}", file=sys.stderr)
         if args.exec:  # anything else against the same server and environment (a reproduction)
-            return subprocess.call(args.exec, shell=True, cwd=args.sdk, env=env)
-        return subprocess.call(cmd, cwd=args.sdk, env=env)
+            return subprocess.call(args.exec, shell=True, cwd=suite, env=env)
+        return subprocess.call(cmd, cwd=suite, env=env)
 
 
 def main() -> int:
@@ -193,7 +211,7 @@ def main() -> int:
                     help="through the gateway of `aenv cluster local --nodes N` (Redis, Ray, N nodes in network "
                          "namespaces) instead of one aenv serve")
     ap.add_argument("--keep", type=Path, help="state directory to keep (default: a temp dir)")
-    ap.add_argument("--exec", help="run this shell command (in the SDK checkout) instead of pytest")
+    ap.add_argument("--exec", help="run this shell command (in the copy of the tests) instead of pytest")
     ap.add_argument("--list-exempt", action="store_true", help="print the exemptions and exit")
     ap.add_argument("pytest_args", nargs="*", help="after --: passed to pytest (default: tests)")
     args = ap.parse_args()

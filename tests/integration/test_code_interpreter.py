@@ -200,3 +200,118 @@ def test_the_service_comes_back_after_a_kill(sbx: Any) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
+
+
+def test_r_prints_runs_in_the_users_home_and_keeps_state(sbx: Any) -> None:
+    """language='r' is IRkernel (Debian's r-cran-irkernel, in the template's base tree)."""
+    assert sbx.run_code('print("Hello, World!")', language="r").logs.stdout == ['[1] "Hello, World!"\n']
+    assert sbx.run_code("getwd()", language="r").results[0].text.strip() == '[1] "/home/user"'
+    sbx.run_code("n <- 41", language="r")
+    assert sbx.run_code("n + 1", language="r").results[0].text.strip() == "[1] 42"
+    failed = sbx.run_code("stop('no way')", language="r")
+    assert failed.error is not None and "no way" in failed.error.value
+
+
+def test_r_env_vars_for_one_run_and_for_good(sbx: Any) -> None:
+    """Values with quotes, backslashes and non-ASCII text reach R intact; a run's envs end with it."""
+    odd = 'a "q" \\ é'
+    got = sbx.run_code("cat(Sys.getenv('AENV_R_ODD'))", language="r", envs={"AENV_R_ODD": odd})
+    assert got.logs.stdout == [odd]
+    after = sbx.run_code("Sys.getenv('AENV_R_ODD', unset = 'default')", language="r")
+    assert after.results[0].text.strip() == '[1] "default"'
+    ctx = sbx.create_code_context(language="r", cwd="/tmp")
+    assert sbx.run_code("getwd()", context=ctx).results[0].text.strip() == '[1] "/tmp"'
+
+
+def test_java_is_jshell_with_properties_for_envs(sbx: Any) -> None:
+    """language='java' is aenv's JShell kernel on Debian's OpenJDK; E2B's "envs" are system properties."""
+    printed = sbx.run_code('System.out.println("Hello, World!")', language="java")
+    assert printed.logs.stdout[0] == "Hello, World!" and printed.error is None  # as the SDK's suite reads it
+    assert sbx.run_code('System.getProperty("user.dir")', language="java").text == "/home/user"
+    assert sbx.run_code('System.getProperty("FOO")', language="java", envs={"FOO": "bar"}).text == "bar"
+    assert sbx.run_code('System.getProperty("FOO", "default")', language="java").text == "default"
+    sbx.run_code("int base = 41;", language="java")
+    assert sbx.run_code("base + 1", language="java").text == "42"
+    failed = sbx.run_code("1 / 0", language="java")
+    assert failed.error is not None and failed.error.name == "ArithmeticException"
+
+
+def test_an_unknown_language_is_a_400_that_names_those_there_are(sbx: Any) -> None:
+    from e2b import SandboxException
+
+    with pytest.raises(SandboxException, match="(?i)cobol.*python, javascript, typescript, r, java, bash"):
+        sbx.run_code("DISPLAY 'HI'.", language="cobol")
+
+
+def test_javascript_keeps_state_awaits_imports_and_fails_clearly(sbx: Any) -> None:
+    """language='javascript' is aenv's Node kernel: Node's REPL evaluator over two pipes."""
+    assert sbx.run_code("console.log('Hello, World!')", language="js").logs.stdout == ["Hello, World!\n"]
+    assert sbx.run_code("process.cwd()", language="javascript").text == "/home/user"
+    assert sbx.run_code("const n = await Promise.resolve(41)", language="js").error is None
+    assert sbx.run_code("n + 1", language="js").text == "42"
+    imported = sbx.run_code("import { readFileSync } from 'fs'\nimport * as path from 'path'\n"
+                            "console.log(typeof readFileSync, path.sep)", language="js")
+    assert imported.logs.stdout == ["function /\n"]
+    failed = sbx.run_code("throw new RangeError('no way')", language="js")
+    assert failed.error is not None and (failed.error.name, failed.error.value) == ("RangeError", "no way")
+    env = sbx.run_code("process.env.AENV_JS", language="js", envs={"AENV_JS": "once"})
+    assert env.text == "once" and sbx.run_code("process.env.AENV_JS || 'gone'", language="js").text == "gone"
+    child = sbx.run_code("require('child_process').execSync('echo from a child', {stdio: 'inherit'}); 1",
+                         language="js")
+    assert child.logs.stdout == ["from a child\n"] and child.text == "1"
+
+
+def test_typescript_is_transpiled_and_javascript_is_a_default_context(sbx: Any) -> None:
+    out = sbx.run_code("const message: string = 'Hello, World!'; console.log(message)", language="ts")
+    assert out.logs.stdout == ["Hello, World!\n"] and out.error is None
+    assert {"python", "javascript"} <= {c.language for c in sbx.list_code_contexts()}
+
+
+def test_an_interrupted_javascript_context_starts_again(sbx: Any) -> None:
+    from e2b import TimeoutException
+
+    ctx = sbx.create_code_context(language="js")
+    sbx.run_code("globalThis.kept = 1", context=ctx)
+    with pytest.raises(TimeoutException):
+        sbx.run_code("while (true) {}", context=ctx, timeout=2)
+    after = sbx.run_code("typeof globalThis.kept", context=ctx)
+    assert after.text == "undefined"  # a fresh process: the old one could not be stopped otherwise
+
+
+def test_kernel_state_survives_pause_fork_and_snapshot(e2b_env: dict[str, str], interpreter_template: str) -> None:
+    """A variable set before a pause, a fork or a full snapshot is there after it, in every copy and in
+    every language's kernel: they are processes of the sandbox, and those operations keep processes (ns:
+    CRIU, the kernels' loopback ZeroMQ connections and pipes included; vm: the RAM)."""
+    from e2b_code_interpreter import Sandbox
+
+    sbx = Sandbox.create(interpreter_template, timeout=600, request_timeout=900)
+    copies: list[Any] = []
+    try:
+        sbx.run_code("x = 41")
+        sbx.run_code("globalThis.k = 'kept'", language="js")
+        sbx.run_code("r <- 40", language="r")
+        sbx.run_code("int j = 39;", language="java")
+
+        def holds(box: Any) -> None:
+            assert box.run_code("x + 1").text == "42"
+            assert box.run_code("globalThis.k", language="js").text == "kept"
+            assert box.run_code("r + 2", language="r").results[0].text.strip() == "[1] 42"
+            assert box.run_code("j + 3", language="java").text == "42"
+
+        sbx.pause()
+        resumed = Sandbox.connect(sbx.sandbox_id, timeout=600)
+        holds(resumed)
+        children = resumed.fork(count=2)
+        copies += [c for c in children if not isinstance(c, Exception)]
+        assert len(copies) == 2, children
+        for child in copies:
+            holds(child)
+        snap = resumed.create_snapshot(mode="full")
+        restored = Sandbox.create(snap.snapshot_id, timeout=600, request_timeout=900)
+        copies.append(restored)
+        holds(restored)
+        holds(resumed)  # the source runs on after all of it
+    finally:
+        for box in (*copies, sbx):
+            with contextlib.suppress(Exception):
+                box.kill()

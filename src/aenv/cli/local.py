@@ -206,12 +206,17 @@ def bench(ctx: typer.Context) -> None:
 def template_build(
     name: str = typer.Argument(..., help="what to build: code-interpreter"),
     register: bool = typer.Option(True, help="register the template in this machine's state dir"),
+    with_languages: bool = typer.Option(
+        True, "--with-languages/--python-only",
+        help="R (IRkernel) and Node.js (javascript, typescript) in the template: Debian packages, ~160 MB"),
 ) -> None:
-    """Build a built-in template on this machine (needs root and PyPI), then register it.
+    """Build a built-in template on this machine (needs root, PyPI and the Debian mirror), then register it.
 
-    `code-interpreter` makes `code-interpreter-v1` (the default of `e2b-code-interpreter`): the base rootfs
-    plus overlay layers with ipykernel, jupyter_client, matplotlib, numpy and pandas, and the service on port
-    49999. Layers are cached under <cache_dir>/rootfs/interpreter-*; a running server sees the template at once.
+    `code-interpreter` makes `code-interpreter-v1` (the default of `e2b-code-interpreter`): a Debian rootfs
+    (the base's packages plus R, IRkernel and Node.js) with overlay layers holding ipykernel, jupyter_client,
+    matplotlib, numpy, pandas and the TypeScript compiler, and the service on port 49999. Languages: python,
+    javascript, typescript, r and bash (python and bash with --python-only); no Java (no kernel reachable).
+    Layers are cached under <cache_dir>/rootfs/; a running server sees the template at once.
     """
     from aenv.config import load_settings
     from aenv.core.templates import TemplateCatalog
@@ -225,9 +230,10 @@ def template_build(
     settings = load_settings()
     t0 = time.monotonic()
     try:
-        layers = ensure_interpreter_layers(settings, log=lambda line: printer.err.print(line, markup=False, highlight=False))
+        layers = ensure_interpreter_layers(settings, with_languages=with_languages,
+                                           log=lambda line: printer.err.print(line, markup=False, highlight=False))
     except BootstrapError as exc:
-        printer.fail("building code-interpreter-v1 failed", causes=[str(exc)], hint="run as root with PyPI reachable")
+        printer.fail("building code-interpreter-v1 failed", causes=[str(exc)], hint="run as root with PyPI and the Debian mirror reachable")
     printer.info(f"layers ready in {time.monotonic() - t0:.1f}s")
     if register:
         settings.state_dir.mkdir(parents=True, exist_ok=True)

@@ -106,6 +106,10 @@ def recipe_hash(rec: dict[str, object]) -> str:
 def mmdebstrap_argv(target: Path, mirror: str, packages: Sequence[str] = BASE_PACKAGES) -> list[str]:
     """The mmdebstrap command line (pure, unit-tested)."""
     argv = ["mmdebstrap", "--mode=root", "--variant=minbase", f"--include={','.join(packages)}"]
+    if any(p.startswith("openjdk-") for p in packages):
+        # OpenJDK's maintainer scripts register alternatives for man pages, whose directory path-exclude
+        # below keeps empty of files but must exist (Debian bug #863199)
+        argv.append('--setup-hook=mkdir -p "$1/usr/share/man/man1"')
     for pattern in EXCLUDES:
         argv.append(f"--dpkgopt=path-exclude={pattern}")
     # keep copyright files: licences must travel with the binaries

@@ -52,6 +52,17 @@ GLIBC_MAX = 36  # bookworm's glibc 2.36: newer manylinux wheels would not load
 # (PyPI, E2B's own) describes a matplotlib figure as data for ``Result.chart`` (``display.py``).
 PACKAGES: tuple[str, ...] = ("ipykernel==6.31.0", "ipython==9.15.0", "jupyter_client", "matplotlib==3.10.9",
                              "numpy==2.3.5", "pandas==2.2.3", "pillow==12.3.0", "e2b-charts")
+# More languages, from Debian, in the base tree itself (mmdebstrap runs their maintainer scripts: BLAS
+# alternatives, ldconfig), so the template's bottom layer is a base rootfs of its own: R and IRkernel for
+# ``language="r"`` (its ``ir`` kernelspec in /usr/share/jupyter/kernels), Node.js for javascript and
+# typescript (aenv's own kernel, ``interpreter/js_kernel.js``), the JDK for java (``JavaKernel.java``).
+R_PACKAGES: tuple[str, ...] = ("r-base-core", "r-cran-irkernel")
+NODE_PACKAGES: tuple[str, ...] = ("nodejs",)
+JAVA_PACKAGES: tuple[str, ...] = ("openjdk-17-jdk-headless",)  # JShell is the JDK's (jdk.jshell), not the JRE's
+# The TypeScript compiler the typescript contexts transpile with (pure JavaScript; 5.x: 7 is a native port),
+# installed by the host's npm into the packages layer; without npm the template has no typescript.
+NPM_PACKAGES: tuple[str, ...] = ("typescript@5.9.3",)
+NODE_PREFIX = "usr/local/lib/aenv-node"  # interpreter/pipe_kernels.py: TYPESCRIPT
 SITE_DIR = f"usr/local/lib/python{PYTHON_VERSION}/dist-packages"
 SERVICE_PACKAGE = "aenv_interpreter"
 SERVICE_LOG = "/var/log/aenv-interpreter.log"
@@ -99,6 +110,8 @@ def package_recipe(packages: Sequence[str] = PACKAGES) -> dict[str, object]:
         "glibc_max": GLIBC_MAX,
         "packages": sorted(packages),
         "site": SITE_DIR,
+        "npm": list(NPM_PACKAGES),
+        "node_prefix": NODE_PREFIX,
     }
 
 
@@ -111,11 +124,16 @@ def service_source() -> Path:
     return Path(__file__).resolve().parent.parent / "interpreter"
 
 
+def service_files(src: Path) -> list[Path]:
+    """The service's Python modules and its Node and Java kernels."""
+    return sorted([*src.glob("*.py"), *src.glob("*.js"), *src.glob("*.java")])
+
+
 def service_hash(src: Path | None = None) -> str:
     """Hash of the service sources and the start command, so any edit gives a new layer."""
     src = src or service_source()
     h = hashlib.sha256(START_CMD.encode() + SUPERVISOR_SCRIPT.encode())
-    for p in sorted(src.glob("*.py")):
+    for p in service_files(src):
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 
@@ -229,7 +247,8 @@ def _build_packages(tmp: Path, packages: Sequence[str], log: Log) -> None:
     _move_scripts(site, tmp / "usr/local/bin")
     log("  byte-compiling")
     _compile(site, log)
-    versions = sorted(p.name.removesuffix(".dist-info") for p in site.glob("*.dist-info"))
+    npm = _install_npm(tmp / NODE_PREFIX, logpath, log)
+    versions = sorted(p.name.removesuffix(".dist-info") for p in site.glob("*.dist-info")) + npm
     (tmp / ".aenv-recipe.json").write_text(
         json.dumps(
             {
@@ -239,6 +258,29 @@ def _build_packages(tmp: Path, packages: Sequence[str], log: Log) -> None:
             }
         )
     )
+
+
+def _install_npm(prefix: Path, logpath: Path, log: Log) -> list[str]:
+    """``NPM_PACKAGES`` into ``prefix`` with the host's npm (pure JavaScript: nothing is built for the
+    host). Without npm, or with the registry out of reach, the template has no TypeScript, said here
+    and by the 400 of a typescript run; everything else is built."""
+    npm = shutil.which("npm")
+    if npm is None:
+        log("  npm not found on this host: the template will have no typescript")
+        return []
+    argv = [npm, "install", "--prefix", str(prefix), "--no-audit", "--no-fund", "--no-save", "--omit=dev",
+            "--no-package-lock", *NPM_PACKAGES]
+    log(f"  npm install {' '.join(NPM_PACKAGES)} into /{NODE_PREFIX}")
+    with open(logpath, "a") as lf:
+        try:
+            done = subprocess.run(argv, stdout=lf, stderr=subprocess.STDOUT, timeout=PIP_TIMEOUT, check=False)
+        except subprocess.TimeoutExpired:
+            done = None
+    if done is None or done.returncode != 0:
+        shutil.rmtree(prefix, ignore_errors=True)
+        log(f"  npm install failed (log: {logpath}): the template will have no typescript")
+        return []
+    return [f"npm:{name}" for name in NPM_PACKAGES]
 
 
 def _move_scripts(site: Path, bindir: Path) -> None:
@@ -261,7 +303,7 @@ def _move_scripts(site: Path, bindir: Path) -> None:
 def _build_service(tmp: Path, log: Log) -> None:
     dest = tmp / SITE_DIR / SERVICE_PACKAGE
     dest.mkdir(parents=True)
-    for p in sorted(service_source().glob("*.py")):
+    for p in service_files(service_source()):
         shutil.copy2(p, dest / p.name)
     _compile(dest, log)
     supervisor = tmp / SUPERVISOR
@@ -273,10 +315,19 @@ def _build_service(tmp: Path, log: Log) -> None:
     (tmp / ".aenv-recipe.json").write_text(json.dumps({"service": service_hash(), "start_cmd": START_CMD}))
 
 
+def base_packages(with_languages: bool) -> tuple[str, ...]:
+    """The Debian packages of the template's base tree."""
+    from aenv.images.bootstrap import BASE_PACKAGES
+
+    return BASE_PACKAGES + (R_PACKAGES + NODE_PACKAGES + JAVA_PACKAGES if with_languages else ())
+
+
 def ensure_interpreter_layers(
-    settings: Settings, *, packages: Sequence[str] = PACKAGES, log: Log = _stderr_log
+    settings: Settings, *, packages: Sequence[str] = PACKAGES, log: Log = _stderr_log, with_languages: bool = True
 ) -> InterpreterLayers:
-    """Return the template's layers, building what is missing (cold: base 30–80 s + pip ~20–60 s; warm: 0 s).
+    """Return the template's layers, building what is missing (cold: base with R and Node ~1 min + pip
+    ~20–60 s; warm: 0 s). ``with_languages=False``: the plain ``base`` tree underneath (python and bash
+    only).
 
     Blocking and needs root (the base rootfs build and root-owned layer files); raises
     ``InterpreterBuildError`` (a ``BootstrapError``) with the pip log's tail when PyPI is unreachable.
@@ -288,8 +339,9 @@ def ensure_interpreter_layers(
             "building the code-interpreter layers needs root (files must be root-owned in the sandbox)",
             path=str(packages_layer_path(settings, packages)),
         )
-    log("[1/3] base rootfs")
-    base = ensure_base_rootfs(settings)
+    log("[1/3] base rootfs" + (f" with {', '.join(R_PACKAGES + NODE_PACKAGES + JAVA_PACKAGES)}"
+                               if with_languages else ""))
+    base = ensure_base_rootfs(settings, packages=base_packages(with_languages))
     log(f"  → {base}")
     log("[2/3] python packages layer")
     pkgs = _locked_build(
@@ -301,13 +353,16 @@ def ensure_interpreter_layers(
 
 
 def interpreter_layers_if_built(settings: Settings) -> InterpreterLayers | None:
-    """The layers when all three already exist (no building): for a server that registers lazily."""
+    """The layers when all three already exist (no building): for a server that registers lazily; the
+    base with R and Node where that was built, else the plain one."""
     from aenv.images.bootstrap import base_rootfs_path
 
-    layers = InterpreterLayers(
-        service_layer_path(settings), packages_layer_path(settings), base_rootfs_path(settings)
-    )
-    return layers if all(p.is_dir() for p in layers.lowers) else None
+    for with_languages in (True, False):
+        layers = InterpreterLayers(service_layer_path(settings), packages_layer_path(settings),
+                                   base_rootfs_path(settings, base_packages(with_languages)))
+        if all(p.is_dir() for p in layers.lowers):
+            return layers
+    return None
 
 
 def tree_size(path: Path) -> int:

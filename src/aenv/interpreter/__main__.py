@@ -18,7 +18,7 @@ import sys
 
 from . import DEFAULT_CWD, DEFAULT_PORT, ENVD_PORT
 from .httpserver import HttpServer
-from .kernels import Registry
+from .registry import Registry
 from .service import KEEPALIVE_INTERVAL, Service
 
 log = logging.getLogger("aenv_interpreter")

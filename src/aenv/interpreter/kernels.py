@@ -5,9 +5,11 @@ pushes lines into a sink, holding the context's lock the whole time. The HTTP si
 client goes away the service calls ``interrupt`` and stops listening, while ``run`` keeps draining until
 the kernel is idle, so the next execution never sees the tail of the previous one.
 
-Python contexts use ``jupyter_client``'s ``AsyncKernelManager`` with ipykernel's built-in ``python3`` spec
-(imported lazily: the host-side unit tests import this module without Jupyter). Bash contexts run each
-code block as ``bash -c`` in the context's cwd; they keep no shell state between runs (a known limit).
+Python and R contexts use ``jupyter_client``'s ``AsyncKernelManager``, with ipykernel's built-in ``python3``
+spec and IRkernel's ``ir`` spec (Debian's ``r-cran-irkernel``, in the template where it was built with R;
+``jupyter_client`` is imported lazily: the host-side unit tests import this module without Jupyter). Bash
+contexts run each code block as ``bash -c`` in the context's cwd; they keep no shell state between runs (a
+known limit). Each language sets environment variables in its own words (``env_prelude``, ``r_env_prelude``).
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import json
 import logging
 import os
 import queue
 import signal
-import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,6 +80,27 @@ def env_prelude(persistent: dict[str, str], temporary: dict[str, str]) -> tuple[
     return before, after
 
 
+def r_env_prelude(persistent: dict[str, str], temporary: dict[str, str]) -> tuple[str, str]:
+    """``env_prelude`` in R. Strings are written as JSON literals, which R reads the same (``\\uXXXX``
+    escapes included); names may be anything, so values are set through a named list."""
+    def sets(env: dict[str, str]) -> str:
+        return "".join(f".aenv_set({json.dumps(k)}, {json.dumps(v)})\n" for k, v in env.items())
+
+    before = (
+        ".aenv_set <- function(k, v) { a <- list(v); names(a) <- k; do.call(Sys.setenv, a) }\n"
+        f"{sets(persistent)}"
+        f".aenv_saved <- Sys.getenv(c({', '.join(json.dumps(k) for k in sorted(temporary))}), unset = NA, names = TRUE)\n"
+        f"{sets(temporary)}"
+    )
+    after = (
+        "for (.aenv_k in names(.aenv_saved)) {\n"
+        "  if (is.na(.aenv_saved[[.aenv_k]])) Sys.unsetenv(.aenv_k) else .aenv_set(.aenv_k, .aenv_saved[[.aenv_k]])\n"
+        "}\n"
+        "rm(.aenv_saved)\n"
+    )
+    return before, after
+
+
 class Context(ABC):
     """One execution context. ``run`` is serialised by ``lock``; ``aclose`` is idempotent."""
 
@@ -89,6 +112,11 @@ class Context(ABC):
         # Set by ``abandon``: an interrupt that arrived while ``run`` was still starting its code
         # (no process or execute request yet) is delivered as soon as there is something to stop.
         self.interrupt_pending = False
+
+    @classmethod
+    def available(cls) -> bool:
+        """Whether this template can run the language at all (answered before a context is made)."""
+        return True
 
     @abstractmethod
     async def start(self) -> None: ...
@@ -127,8 +155,15 @@ class Context(ABC):
 INSTALL_DISPLAY = f"__import__('{__package__}.display', fromlist=['install']).install()"
 
 
-class PythonContext(Context):
-    """An ipykernel process driven through ``jupyter_client``."""
+_FOUND_KERNELS: set[str] = set()
+
+
+class JupyterContext(Context):
+    """A Jupyter kernel process driven through ``jupyter_client``: ``KERNEL`` names its spec."""
+
+    KERNEL = ""
+    EXTRA_ARGUMENTS: tuple[str, ...] = ()
+    PRELUDE = staticmethod(env_prelude)
 
     def __init__(self, info: ContextInfo, env: dict[str, str]) -> None:
         super().__init__(info, env)
@@ -136,12 +171,25 @@ class PythonContext(Context):
         self._kc: Any = None
         self._applied: dict[str, str] = {}  # persistent env already set in the kernel
 
+    @classmethod
+    def available(cls) -> bool:
+        """Whether this template has the kernel (a template built without R has no ``ir`` spec); a
+        kernel found stays found, one missing is looked for again (R installed in the sandbox later)."""
+        if cls.KERNEL in _FOUND_KERNELS:
+            return True
+        try:
+            spec = importlib.import_module("jupyter_client.kernelspec")
+            spec.KernelSpecManager().get_kernel_spec(cls.KERNEL)
+        except Exception:
+            return False
+        _FOUND_KERNELS.add(cls.KERNEL)
+        return True
+
     async def start(self) -> None:
         # imported by name: only the template's Python has jupyter_client (the host's type checker does not)
         manager = importlib.import_module("jupyter_client.manager")
-        self._km = manager.AsyncKernelManager(kernel_name="python3")
-        await self._km.start_kernel(cwd=self.info.cwd, env=self.env,
-                                    extra_arguments=[f"--IPKernelApp.exec_lines={INSTALL_DISPLAY}"])
+        self._km = manager.AsyncKernelManager(kernel_name=self.KERNEL)
+        await self._km.start_kernel(cwd=self.info.cwd, env=self.env, extra_arguments=list(self.EXTRA_ARGUMENTS))
         await self._connect()
 
     async def _connect(self) -> None:
@@ -171,7 +219,7 @@ class PythonContext(Context):
         persistent = {k: v for k, v in persistent_env.items() if self._applied.get(k) != v}
         after = ""
         if persistent or temp_env:
-            before, after = env_prelude(persistent, temp_env)
+            before, after = self.PRELUDE(persistent, temp_env)
             await self._execute(before, silent=True, sink=None)
             self._applied.update(persistent)
         try:
@@ -223,7 +271,25 @@ class PythonContext(Context):
                 await km.shutdown_kernel(now=True)
 
 
-def _default_sigint() -> None:
+class PythonContext(JupyterContext):
+    """ipykernel, with the formatters of ``display.py`` installed as it starts."""
+
+    KERNEL = "python3"
+    EXTRA_ARGUMENTS = (f"--IPKernelApp.exec_lines={INSTALL_DISPLAY}",)
+
+    @classmethod
+    def available(cls) -> bool:
+        return True  # ipykernel is the template's own: a missing one is a failed start, said as such
+
+
+class RContext(JupyterContext):
+    """IRkernel (``R``): results as R prints them (``[1] "x"``), environment through ``Sys.setenv``."""
+
+    KERNEL = "ir"
+    PRELUDE = staticmethod(r_env_prelude)
+
+
+def default_sigint() -> None:
     """In the child before exec: SIGINT back to its default. A process started in the background
     of a shell (``cmd &``, as CI runners and nohup do) inherits SIGINT *ignored*, through exec, and
     then an interrupt would not stop the user's code."""
@@ -232,6 +298,7 @@ def _default_sigint() -> None:
 
 class BashContext(Context):
     """``bash -c`` per run in the context's cwd; output streamed line by line."""
+
 
     def __init__(self, info: ContextInfo, env: dict[str, str]) -> None:
         super().__init__(info, env)
@@ -267,7 +334,7 @@ class BashContext(Context):
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
-            preexec_fn=_default_sigint,
+            preexec_fn=default_sigint,
         )
         if self.interrupt_pending:  # abandoned while the process was being spawned
             with contextlib.suppress(ProcessLookupError):
@@ -295,71 +362,3 @@ class BashContext(Context):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
-
-
-BACKENDS: dict[str, type[Context]] = {"python": PythonContext, "bash": BashContext}
-ALIASES = {"python3": "python", "ipython": "python", "sh": "bash", "shell": "bash"}
-
-
-class Registry:
-    """All contexts by id, plus one default per language (created on first use)."""
-
-    def __init__(self, base_env: dict[str, str], default_cwd: str) -> None:
-        self.base_env = base_env
-        self.default_cwd = default_cwd
-        self.contexts: dict[str, Context] = {}
-        self.defaults: dict[str, str] = {}
-        self._default_lock = asyncio.Lock()
-
-    @staticmethod
-    def normalise(language: str | None) -> str:
-        lang = ALIASES.get((language or "python").lower(), (language or "python").lower())
-        if lang not in BACKENDS:
-            raise UnsupportedLanguage(
-                f"language '{language}' is not supported here (available: {', '.join(BACKENDS)})"
-            )
-        return lang
-
-    async def create(self, language: str | None, cwd: str | None) -> Context:
-        lang = self.normalise(language)
-        info = ContextInfo(id=str(uuid.uuid4()), language=lang, cwd=cwd or self.default_cwd)
-        if not os.path.isdir(info.cwd):
-            raise UnusableCwd(f"cwd '{info.cwd}' is not a directory in this sandbox")
-        ctx = BACKENDS[lang](info, dict(self.base_env))
-        try:
-            await ctx.start()
-        except BaseException as exc:
-            await asyncio.shield(ctx.aclose())
-            if isinstance(exc, Exception):
-                raise ContextStartFailed(f"could not start a {lang} context in {info.cwd}: "
-                                         f"{type(exc).__name__}: {exc}") from exc
-            raise
-        self.contexts[info.id] = ctx
-        return ctx
-
-    async def default(self, language: str | None) -> Context:
-        lang = self.normalise(language)
-        async with self._default_lock:
-            cid = self.defaults.get(lang)
-            if cid is None or cid not in self.contexts:
-                ctx = await self.create(lang, None)
-                self.defaults[lang] = ctx.info.id
-            return self.contexts[self.defaults[lang]]
-
-    def get(self, context_id: str) -> Context:
-        try:
-            return self.contexts[context_id]
-        except KeyError:
-            raise ContextNotFound(f"Context {context_id} not found") from None
-
-    async def remove(self, context_id: str) -> None:
-        ctx = self.get(context_id)
-        del self.contexts[context_id]
-        if ctx.current is not None:
-            ctx.current.cancel()
-        await ctx.aclose()
-
-    async def aclose(self) -> None:
-        for cid in list(self.contexts):
-            with contextlib.suppress(Exception):
-                await self.remove(cid)

@@ -21,7 +21,8 @@ from typing import Any
 from . import ENVD_PORT
 from . import messages as m
 from .httpserver import BadRequest, Request, Response
-from .kernels import Context, ContextNotFound, ContextStartFailed, Registry, UnsupportedLanguage, UnusableCwd
+from .kernels import Context, ContextNotFound, ContextStartFailed, UnsupportedLanguage, UnusableCwd
+from .registry import Registry, languages
 
 log = logging.getLogger("aenv_interpreter.service")
 
@@ -59,11 +60,15 @@ class Service:
         self._tasks: set[asyncio.Task[Any]] = set()
 
     async def warm_up(self) -> None:
-        """Start the default python kernel now, so the first ``run_code`` does not pay for it."""
-        try:
-            await self.registry.default("python")
-        except Exception:
-            log.exception("could not start the default python context (it is retried on first use)")
+        """Start the default python and javascript contexts now (E2B's service has both from the start),
+        so the first ``run_code`` does not pay for them; javascript only where the template has Node."""
+        for language in ("python", "javascript"):
+            if language not in languages():
+                continue
+            try:
+                await self.registry.default(language)
+            except Exception:
+                log.exception("could not start the default %s context (it is retried on first use)", language)
 
     async def aclose(self) -> None:
         for t in list(self._tasks):

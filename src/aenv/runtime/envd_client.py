@@ -10,8 +10,10 @@ one bounded reader; :func:`init_payload` is the ``/init`` body both runtimes sen
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -203,6 +205,15 @@ async def run_process(stream: _Stream, cmd: str, args: list[str], user: str = "r
         return None
     chunked = "chunked" in response.headers.get("transfer-encoding", "").lower()
     return exit_code(dechunk(response.body) if chunked else response.body)
+
+
+async def until_ready(open_stream: Callable[[], Awaitable[_Stream]], ready_cmd: str, timeout: float,
+                      interval: float, token: str | None = None) -> None:
+    """Run a template's ready command (``/bin/sh -c``, as root) until it exits 0: what E2B promises of a
+    sandbox whose template has one. ``TimeoutError`` past ``timeout`` s."""
+    async with asyncio.timeout(timeout):
+        while await run_process(await open_stream(), "/bin/sh", ["-c", ready_cmd], token=token) != 0:
+            await asyncio.sleep(interval)
 
 
 @dataclass(frozen=True)

@@ -256,9 +256,9 @@ def build_bundle(dest: Path) -> None:
     elfs = [py_real, *sorted((dest_stdlib / "lib-dynload").glob("*.so")), *sorted(site.rglob("*.so"))]
     libs = _copy_shared_libs(elfs, lib)
     _compile(site)
-    launcher = _build_static(_LAUNCHER_C, dest / "bin" / "python")
-    runas = _build_static(_RUNAS_C, dest / "bin" / "runas")
-    reap = _build_static(_REAP_C, dest / "bin" / "reap")
+    launcher = build_static(_LAUNCHER_C, dest / "bin" / "python")
+    runas = build_static(_RUNAS_C, dest / "bin" / "runas")
+    reap = build_static(_REAP_C, dest / "bin" / "reap")
 
     manifest = {
         "format": BUNDLE_FORMAT,
@@ -459,7 +459,7 @@ int main(int argc, char **argv) {
 """
 
 
-def _build_static(source: str, dest: Path) -> bool:
+def build_static(source: str, dest: Path) -> bool:
     """Compile a small static helper if a C compiler and a static libc are available; optional."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:

@@ -12,7 +12,7 @@ import pytest
 import pytest_asyncio
 
 from aenv.interpreter.httpserver import HttpServer
-from aenv.interpreter.kernels import Registry
+from aenv.interpreter.registry import Registry
 from aenv.interpreter.service import Service
 
 

@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING
 
 from aenv.agent.launch import DEV_NODES, MS_NODEV, MS_NOEXEC, MS_NOSUID, PROC_MASKED
 from aenv.runtime.network import SLIRP_TAP_ADDR
+from aenv.runtime.ns.criu_action import compiled_action, conf_text
 
 if TYPE_CHECKING:
     from aenv.config import Settings
@@ -321,14 +322,19 @@ def _read_only_binds(sources: Sequence[tuple[str, int]]) -> str:
     return "".join(out)
 
 
-def _check_script(masked: Sequence[str], volumes: Sequence[str] = ()) -> str:
-    """Shell that runs through the restored tree's mount table and calls the remount (``fix``) at
-    the first host bind that lacks read-only or one of its flags, or when it cannot read the table."""
+def _needs(masked: Sequence[str], volumes: Sequence[str] = ()) -> dict[str, list[str]]:
+    """The read-only binds' mount points grouped by the options each must show (space-separated)."""
     need: dict[str, list[str]] = {}
     for arg in read_only_points(masked, volumes):
         point, _, flags = arg.rpartition(":")
         need.setdefault(" ".join(mount_options(int(flags))), []).append(point)
-    arms = "".join(f"    {'|'.join(points)}) need='{opts}' ;;\n" for opts, points in need.items())
+    return need
+
+
+def _check_script(masked: Sequence[str], volumes: Sequence[str] = ()) -> str:
+    """Shell that runs through the restored tree's mount table and calls the remount (``fix``) at
+    the first host bind that lacks read-only or one of its flags, or when it cannot read the table."""
+    arms = "".join(f"    {'|'.join(points)}) need='{opts}' ;;\n" for opts, points in _needs(masked, volumes).items())
     return ('table="/proc/$CRTOOLS_INIT_PID/mountinfo"\n'
             '[ -r "$table" ] || fix\n'
             'seen=0\n'
@@ -352,25 +358,32 @@ LO_UP = (f'[ "$CRTOOLS_SCRIPT_ACTION" = {SETUP_NAMESPACES} ] && exec nsenter -t 
 
 
 def ro_remount_action(masked: Sequence[str], base: Path = KDAT_BASE, volumes: Sequence[str] = (),
-                      lo_up: bool = False) -> str:
+                      lo_up: bool = False, compiled: bool = True) -> str:
     """The ``--action-script`` that makes sure of it: CRIU execs a file (no arguments), written once
     into a root-only directory of the host (a sandbox's ``/.aenv-run`` would let the sandbox rewrite
     what the host runs as root). CRIU runs it at each of its seven stages and waits for it, so the
     shell does nothing but at ``pre-resume``, and there only checks the restored tree's mount table
     (the binds are born read-only: ``read_only_sources``); ``ro_remount.py`` remounts them should any
     be writable (a CRIU that binds otherwise). Each Python start is ~25 ms: seven of them were
-    ~160 ms of a ~220 ms restore."""
+    ~160 ms of a ~220 ms restore. Where a C compiler is around the same checks are a static program
+    (``criu_action.py``): the shell's forks and ``ip`` runs were 23 ms of an 83 ms restore.
+    ``compiled=False``: the shell form even so (tests compare the two)."""
     script = Path(__file__).with_name("ro_remount.py")
-    fix = " ".join(shlex.quote(a) for a in (sys.executable, "-I", "-S", str(script),
-                                            *read_only_points(masked, volumes)))
+    fix_argv = (sys.executable, "-I", "-S", str(script), *read_only_points(masked, volumes))
+    directory = base / f"aenv-criu-actions-{os.geteuid()}"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    if directory.stat().st_uid != os.geteuid() or directory.stat().st_mode & 0o077:
+        raise RuntimeError(f"{directory} is not this user's private directory")
+    if compiled:
+        needs = [(point, opts.split()) for opts, points in _needs(masked, volumes).items() for point in points]
+        program = compiled_action(directory, conf_text(needs, fix_argv, (SLIRP_TAP_ADDR, OUTSIDE_TCP_MARK) if lo_up else None))
+        if program is not None:
+            return str(program)
+    fix = " ".join(shlex.quote(a) for a in fix_argv)
     body = (f'#!/bin/sh\n{LO_UP if lo_up else ""}[ "$CRTOOLS_SCRIPT_ACTION" = {PRE_RESUME} ] || exit 0\n'
             f'fix() {{ exec {fix}; }}\n{_check_script(masked, volumes)}')
-    directory = base / f"aenv-criu-actions-{os.geteuid()}"
     path = directory / f"ro-remount-{hashlib.sha256(body.encode()).hexdigest()[:12]}.sh"
     if not path.exists():
-        directory.mkdir(mode=0o700, exist_ok=True)
-        if directory.stat().st_uid != os.geteuid() or directory.stat().st_mode & 0o077:
-            raise RuntimeError(f"{directory} is not this user's private directory")
         tmp = path.with_suffix(f".{os.getpid()}.{secrets.token_hex(4)}.tmp")  # restores in parallel threads
         tmp.write_text(body)
         tmp.chmod(0o700)

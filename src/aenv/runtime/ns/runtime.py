@@ -41,7 +41,7 @@ from aenv.kinds import SnapshotMode
 from aenv.mux import ByteStream, MuxError
 from aenv.runtime.base import ResourceSample, RuntimeState, SandboxImage, SandboxSpec, SnapshotResult
 from aenv.runtime.egress import ENFORCER
-from aenv.runtime.envd_client import EnvdError, init_payload
+from aenv.runtime.envd_client import ENVD_PORT, EnvdError, init_payload, until_ready
 from aenv.runtime.netpolicy import EgressPolicy
 from aenv.runtime.network import (
     close_orphaned_slirps,
@@ -69,6 +69,8 @@ from aenv.runtime.tools import ensure_tools
 log = logging.getLogger("aenv.runtime.ns")
 
 LEGACY_POOL_DIR = "ns-pool"  # <state>/ns-pool before the pool moved onto the sandboxes volume
+READY_TIMEOUT_S = 120.0  # a template's ready command, from the launch (vm: from the template boot)
+READY_INTERVAL_S = 0.05  # between its runs: a start command on ns is up in a second or two
 
 
 def _disk_usage(path: Path) -> int:
@@ -205,12 +207,25 @@ class NsRuntime:
             sbx = await host.launch(name, host.pool_dir / name, opts)
         try:
             await sbx.warm_up()
+            await self._until_ready(sbx, template)
             if sbx.allow_internet and sbx.init is not None:
                 await sbx.egress.prepare(sbx.init.pid)
         except BaseException:  # cancelled (the pool closes): nobody would own it, so it ends here
             await sbx.aclose()
             raise
         return sbx
+
+    async def _until_ready(self, sbx: NsSandbox, template: SandboxImage, token: str | None = None) -> None:
+        """The template's ready command passes before the sandbox is handed out or returned: a create
+        that found the pool empty used to answer while its start command (the code interpreter's
+        service: ~1.5 s) was still coming up."""
+        if template.ready_cmd:
+            try:
+                await until_ready(lambda: sbx.open_stream(ENVD_PORT), template.ready_cmd, READY_TIMEOUT_S,
+                                  interval=READY_INTERVAL_S, token=token)
+            except TimeoutError:
+                raise RuntimeFailure(f"sandbox {sbx.name}: the template's ready command did not pass in "
+                                     f"{READY_TIMEOUT_S:g} s: {template.ready_cmd}") from None
 
     # ---- VolumeCapable ----------------------------------------------------------------------------
     def make_volume_dir(self, path: Path, limit_mb: int) -> None:
@@ -283,6 +298,8 @@ class NsRuntime:
                                snapshot_layers=snapshot_layers, hostname=sid, volumes=spec.volumes)
                 sbx = await host.launch(sid, root, opts, keep_root=in_place)
             await sbx.init_envd(init_payload(spec), meanwhile=hand_out)
+            if hand_out is None:  # launched for this create (a pooled one was ready before it was pooled)
+                await self._until_ready(sbx, template, spec.access_token)
         except BaseException as exc:
             if sbx is not None:
                 sbx.keep_root = sbx.keep_root or in_place  # its upper holds the sandbox's files

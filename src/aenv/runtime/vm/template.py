@@ -38,7 +38,7 @@ from typing import Any
 
 from aenv.errors import RuntimeFailure
 from aenv.runtime.base import SandboxImage
-from aenv.runtime.envd_client import ENVD_PORT, run_process
+from aenv.runtime.envd_client import ENVD_PORT, run_process, until_ready
 
 from . import compat, disk
 from .accel import AccelChoice
@@ -319,16 +319,9 @@ async def wait_ready(sbx: VmSandbox, ready_cmd: str, timeout: float) -> None:
     sandbox restores the snapshot, so a start command that was still coming up (a code
     interpreter service: ~40 s under TCG) would come up again, from the same point, in each of
     them; a ready one is listening in all of them at once."""
-    last: int | None = None
     t0 = time.perf_counter()
-    async with asyncio.timeout(timeout):
-        while True:
-            stream = await sbx.open_stream(ENVD_PORT)
-            last = await run_process(stream, "/bin/sh", ["-c", ready_cmd])
-            if last == 0:
-                log.info("template ready command passed after %.1f s", time.perf_counter() - t0)
-                return
-            await asyncio.sleep(0.5)
+    await until_ready(lambda: sbx.open_stream(ENVD_PORT), ready_cmd, timeout, interval=0.5)
+    log.info("template ready command passed after %.1f s", time.perf_counter() - t0)
 
 
 class TemplateBootError(RuntimeError):

@@ -93,9 +93,11 @@ def test_restore_argv_maps_externals_back() -> None:
                                      run_dir=Path("/w/ns/run"), boot_id=Path("/w/ns/boot_id"))
     assert "mnt[aenv-boot-id]:/w/ns/boot_id" in with_boot_id
     action = Path(argv[argv.index("--action-script") + 1])  # the host binds read-only again before resume
-    body = action.read_text()
-    assert body.startswith("#!/bin/sh\n") and "ro_remount.py" in body and "/dev/null:0" in body
-    assert "/.aenv:6" in body and action.stat().st_mode & 0o777 == 0o700
+    conf = Path(f"{action}.conf")  # the compiled form's configuration, where a compiler is around
+    body = conf.read_text() if conf.exists() else action.read_text()
+    assert body.startswith("lo_up" if conf.exists() else "#!/bin/sh\n") or body.startswith("fix")
+    assert "ro_remount.py" in body and "/dev/null:0" in body and "/.aenv:6" in body
+    assert action.parent.stat().st_mode & 0o777 == 0o700 and (conf if conf.exists() else action).stat().st_mode & 0o077 == 0
 
 
 def _fake_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
@@ -111,10 +113,18 @@ def _run_action(action: str, stage: str, pid: int) -> None:
     subprocess.run([action], env={"CRTOOLS_SCRIPT_ACTION": stage, "CRTOOLS_INIT_PID": str(pid)}, check=True)
 
 
-def test_ro_remount_action_only_acts_at_pre_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+COMPILED = pytest.param(True, marks=pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: shell form only"),
+                        id="compiled")
+BOTH_FORMS = pytest.mark.parametrize("compiled", [COMPILED, pytest.param(False, id="shell")])
+
+
+@BOTH_FORMS
+def test_ro_remount_action_only_acts_at_pre_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    compiled: bool) -> None:
     # CRIU runs the script at every stage and waits: a Python start at each would cost ~25 ms apiece
     ran = _fake_python(tmp_path, monkeypatch)
-    action = criu.ro_remount_action(("keys",), base=tmp_path)
+    action = criu.ro_remount_action(("keys",), base=tmp_path, compiled=compiled)
+    assert action.endswith(".sh") is not compiled
     for stage in ("pre-restore", "setup-namespaces", "post-setup-namespaces", "post-restore", "network-unlock",
                   "post-resume"):
         _run_action(action, stage, 1 << 30)  # no such pid: it would remount if it looked
@@ -126,12 +136,13 @@ def test_ro_remount_action_only_acts_at_pre_resume(tmp_path: Path, monkeypatch: 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root for a mount namespace")
 @pytest.mark.parametrize(("options", "remounts"), [("ro", False), ("rw", True)])
+@BOTH_FORMS
 def test_ro_remount_action_remounts_only_a_writable_bind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                         options: str, remounts: bool) -> None:
+                                                         options: str, remounts: bool, compiled: bool) -> None:
     """The binds are born read-only (``read_only_sources``); the script checks the restored tree's
     mount table and starts ``ro_remount.py`` only where one is not."""
     ran = _fake_python(tmp_path, monkeypatch)
-    action = criu.ro_remount_action((), base=tmp_path)
+    action = criu.ro_remount_action((), base=tmp_path, compiled=compiled)
     # a stand-in for the restored tree: a mount namespace of its own with a host bind at /dev/null
     script = (f"mount --bind -o {options} /dev/null /dev/null && "
               f"CRTOOLS_SCRIPT_ACTION=pre-resume CRTOOLS_INIT_PID=$$ {action}")
@@ -279,8 +290,8 @@ def test_an_empty_network_namespace_gets_its_loopback_from_the_action_script(tmp
     setup-namespaces (before sockets bound to 127.0.0.1 are restored) and does nothing else then."""
     import subprocess
 
-    plain = Path(criu.ro_remount_action((), base=tmp_path)).read_text()
-    lo = Path(criu.ro_remount_action((), base=tmp_path, lo_up=True)).read_text()
+    plain = Path(criu.ro_remount_action((), base=tmp_path, compiled=False)).read_text()
+    lo = Path(criu.ro_remount_action((), base=tmp_path, lo_up=True, compiled=False)).read_text()
     assert criu.SETUP_NAMESPACES not in plain and lo.splitlines()[1].startswith(f'[ "$CRTOOLS_SCRIPT_ACTION" = {criu.SETUP_NAMESPACES} ]')
     script = tmp_path / "probe.sh"
     script.write_text(lo.replace("exec nsenter", "echo nsenter"))
@@ -296,7 +307,8 @@ def test_an_empty_network_namespace_gets_its_loopback_from_the_action_script(tmp
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root: unshare --net")
-def test_a_restore_may_bind_and_connect_sockets_before_the_tree_has_a_network(tmp_path: Path) -> None:
+@BOTH_FORMS
+def test_a_restore_may_bind_and_connect_sockets_before_the_tree_has_a_network(tmp_path: Path, compiled: bool) -> None:
     """A socket dumped bound to the tap's address, or connecting to a peer outside, is bound and
     connected again before the restored tree has a tap: its network namespace allows binding to absent
     addresses while CRIU runs (the fresh one's wrapper; the action script's ``LO_UP`` in a
@@ -313,8 +325,7 @@ def test_a_restore_may_bind_and_connect_sockets_before_the_tree_has_a_network(tm
     images = tmp_path / "images"
     images.mkdir()
     (images / criu.OUTSIDE_TCP_MARK).touch()
-    probe = tmp_path / "probe.sh"
-    probe.write_text(Path(criu.ro_remount_action((), base=tmp_path, lo_up=True)).read_text())
+    action = criu.ro_remount_action((), base=tmp_path, lo_up=True, compiled=compiled)
     tree = subprocess.Popen(["unshare", "--net", "sleep", "30"])
     try:
         for _ in range(100):  # until sleep runs in its namespace
@@ -323,7 +334,7 @@ def test_a_restore_may_bind_and_connect_sockets_before_the_tree_has_a_network(tm
             time.sleep(0.01)
         env = {"PATH": os.environ["PATH"], "CRTOOLS_INIT_PID": str(tree.pid), "CRTOOLS_IMAGE_DIR": str(images),
                "CRTOOLS_SCRIPT_ACTION": criu.SETUP_NAMESPACES}
-        subprocess.run(["sh", str(probe)], env=env, check=True)
+        subprocess.run(["sh", "-c", action], env=env, check=True)  # as CRIU runs it
 
         def inside(*argv: str) -> str:
             return subprocess.run(["nsenter", "-t", str(tree.pid), "-n", *argv], capture_output=True, text=True,
@@ -345,7 +356,7 @@ def test_a_restore_may_bind_and_connect_sockets_before_the_tree_has_a_network(tm
         assert criu.STAND_IN_ADDR.split("/")[0] not in inside("ip", "-4", "addr", "show", "dev", "lo")
         checkpoint.end_restore_network(tree.pid)  # nothing left to undo: no error
         (images / criu.OUTSIDE_TCP_MARK).unlink()
-        subprocess.run(["sh", str(probe)], env=env, check=True)
+        subprocess.run(["sh", "-c", action], env=env, check=True)  # as CRIU runs it
         assert inside("ip", "route") == ""
     finally:
         tree.kill()
