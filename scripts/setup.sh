@@ -92,6 +92,8 @@ fi
 # machine's aenv cache; not for `serve`. Where it cannot be had the script says why and the test skips.
 if [ "$mode" != serve ]; then
   ./scripts/install-harbor.sh >/dev/null || say "Harbor not installed: tests/integration/test_harbor.py will try again"
+  # verifiers for the private-egress test, also in a venv of its own (its pins would drag .venv's E2B SDK back)
+  ./scripts/install-verifiers.sh >/dev/null || say "verifiers not installed: tests/integration/test_private_egress.py will try again"
 fi
 
 if [ "$(id -u)" -eq 0 ]; then

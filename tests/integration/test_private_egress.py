@@ -166,31 +166,56 @@ def test_pip_installs_from_the_operators_mirror_in_the_base_template_and_apt_is_
         sbx.kill()
 
 
-async def test_verifiers_routes_model_calls_to_an_allowed_address_and_a_host_port(
-        allow_server: Server, hosts: PrivateHosts) -> None:
-    pytest.importorskip("verifiers.v1.runtimes.e2b", reason=(
-        "verifiers is not installed: pip install 'verifiers[e2b]>=0.4,<0.5', then pip install 'e2b>=2.63,<3' "
-        "'connectrpc>=0.12,<0.13' (its prime-sandboxes pins connectrpc<0.12, which verifiers' E2B runtime "
-        "does not use), and uninstall it again before the unit tests (its httpx2 moves starlette's "
-        "TestClient); pyproject.toml says why it is not in the test extra"))
-    from e2b import AsyncSandbox
-    from verifiers.v1.runtimes.e2b import E2BConfig, E2BRuntime
+# verifiers' E2B runtime in its own venv (tests/fixtures/tool_venv.py): the sandbox its start() would make,
+# without its template build (that pulls an image), then prepare_execution with each route read from stdin.
+VERIFIERS_DRIVER = """
+import asyncio, sys
+from e2b import AsyncSandbox
+from verifiers.v1.runtimes.e2b import E2BConfig, E2BRuntime
 
+async def main():
     runtime = E2BRuntime(E2BConfig(allow=[]))  # framework routes only: what a locked-down rollout gets
-    # The sandbox verifiers' start() would make, without its template build (that pulls an image).
     runtime._sandbox = await AsyncSandbox.create("base", timeout=300)
-    sbx = Sandbox.connect(runtime._sandbox.sandbox_id)
     try:
-        await runtime.prepare_execution([f"http://{MODEL}:{PORT}/v1"])
-        results = _probe(sbx, _everything(hosts, _port(allow_server)), "/v1/chat/completions")
-        assert _reached(results) == {f"{MODEL}:{PORT}"}, results  # deny-all: the named route alone
-        assert results[f"{MODEL}:{PORT}"] == f"answer addr={MODEL} port={PORT} path=/v1/chat/completions"
-
-        await runtime.prepare_execution([f"http://{HOST_SERVICES}:{hosts.host_port}/v1"])
-        results = _probe(sbx, _everything(hosts, _port(allow_server)), "/v1/chat/completions")
-        assert _reached(results) == {f"{HOST_SERVICES}:{hosts.host_port}"}, results
+        print(runtime._sandbox.sandbox_id, flush=True)
+        for line in sys.stdin:
+            await runtime.prepare_execution([line.strip()])
+            print("routed", flush=True)
     finally:
         await runtime._sandbox.kill()
+
+asyncio.run(main())
+"""
+
+
+def test_verifiers_routes_model_calls_to_an_allowed_address_and_a_host_port(
+        allow_server: Server, hosts: PrivateHosts) -> None:
+    from tests.fixtures.tool_venv import tool_python
+
+    python = tool_python("verifiers", "import verifiers.v1.runtimes.e2b, e2b", "verifiers[e2b]")
+    with subprocess.Popen([str(python), "-c", VERIFIERS_DRIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True, env=dict(os.environ)) as driver:
+        assert driver.stdin is not None and driver.stdout is not None
+        stdin, stdout = driver.stdin, driver.stdout
+
+        def route(url: str) -> None:
+            stdin.write(url + "\n")
+            stdin.flush()
+            assert stdout.readline().strip() == "routed", f"verifiers' prepare_execution({url!r}) failed"
+
+        try:
+            sbx = Sandbox.connect(stdout.readline().strip())
+            route(f"http://{MODEL}:{PORT}/v1")
+            results = _probe(sbx, _everything(hosts, _port(allow_server)), "/v1/chat/completions")
+            assert _reached(results) == {f"{MODEL}:{PORT}"}, results  # deny-all: the named route alone
+            assert results[f"{MODEL}:{PORT}"] == f"answer addr={MODEL} port={PORT} path=/v1/chat/completions"
+
+            route(f"http://{HOST_SERVICES}:{hosts.host_port}/v1")
+            results = _probe(sbx, _everything(hosts, _port(allow_server)), "/v1/chat/completions")
+            assert _reached(results) == {f"{HOST_SERVICES}:{hosts.host_port}"}, results
+        finally:
+            stdin.close()  # the driver kills its sandbox and ends
+            driver.wait(timeout=120)
 
 
 def test_smolagents_installs_a_tools_requirement_from_the_private_index(
