@@ -8,6 +8,7 @@
 # Python: AENV_HARBOR_BASE_PYTHON, else python3.12 / python3.13 on PATH, else pyenv's newest 3.12, then
 # 3.13 (Harbor 0.26 was tried on 3.12). Prints the venv's python on stdout; exits 1 saying why where it cannot be had.
 set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/tool-venv.sh"
 
 SPEC="harbor[e2b]==0.26.0"
 cache="$([ "$(id -u)" -eq 0 ] && echo /var/cache/aenv || echo "${XDG_CACHE_HOME:-$HOME/.cache}/aenv")"
@@ -42,11 +43,7 @@ base="$(find_python)" || { echo "no Python >= 3.12 found (python3.12/3.13 on PAT
 echo "installing $SPEC into $venv with $base" >&2
 rm -rf "$venv"
 "$base" -m venv "$venv"
-if ! "$venv/bin/python" -m pip install -q --disable-pip-version-check "$SPEC" >"$dir/pip.log" 2>&1; then
-  echo "pip install $SPEC failed (log: $dir/pip.log):" >&2
-  grep -v '^WARNING: Location' "$dir/pip.log" | tail -5 >&2
-  exit 1
-fi
+pip_steps "$venv" "$dir/pip.log" "$SPEC"
 works || { echo "$SPEC installed but 'import harbor.environments.e2b, e2b' fails" >&2; exit 1; }
 echo "$SPEC" > "$stamp"
 echo "$venv/bin/python"

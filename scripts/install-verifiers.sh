@@ -9,6 +9,7 @@
 #
 # Prints the venv's python on stdout; exits 1 saying why where it cannot be had.
 set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/tool-venv.sh"
 
 SPEC="verifiers[e2b]>=0.4,<0.5"
 SDK=("e2b>=2.63,<3" "connectrpc>=0.12,<0.13")
@@ -30,12 +31,7 @@ base="${AENV_VERIFIERS_BASE_PYTHON:-$(command -v python3.11 || command -v python
 echo "installing $want into $venv with $base" >&2
 rm -rf "$venv"
 "$base" -m venv "$venv"
-if ! { "$venv/bin/python" -m pip install -q --disable-pip-version-check "$SPEC" &&
-       "$venv/bin/python" -m pip install -q --disable-pip-version-check "${SDK[@]}"; } >"$dir/pip.log" 2>&1; then
-  echo "pip install $want failed (log: $dir/pip.log):" >&2
-  grep -v '^WARNING: Location' "$dir/pip.log" | tail -5 >&2
-  exit 1
-fi
+pip_steps "$venv" "$dir/pip.log" "$SPEC" "${SDK[*]}"
 works || { echo "$want installed but 'import verifiers.v1.runtimes.e2b, e2b' fails" >&2; exit 1; }
 echo "$want" > "$stamp"
 echo "$venv/bin/python"
