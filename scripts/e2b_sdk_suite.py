@@ -74,6 +74,14 @@ KNOWN: dict[str, tuple[tuple[str, ...], str]] = {
        "right, and the test passes on ns); on a quiet host it makes it in time and passes") for d in BOTH},
 }
 
+# Expected to fail with some SDK releases only (strict xfail for those): tests of the checkout that check
+# the SDK's own requests, where the release under test behaves otherwise. Node ID -> (e2b versions, reason).
+KNOWN_BY_SDK: dict[str, tuple[tuple[str, ...], str]] = {
+    "tests/shared/sandbox/test_egress_proxy.py::test_create_omits_none_credentials": (("2.45.1",),
+        "the SDK's own request, no server involved: the released e2b 2.45.1 sends username/password as null, the "
+        "checkout's source (what these tests were written against, the same version number) omits them"),
+}
+
 
 async def push_images(registry_url: str) -> None:
     image = await asyncio.to_thread(fx.debian_image)
@@ -184,7 +192,6 @@ def run_suite(args: argparse.Namespace, tmp: Path) -> int:
         env = domain_env(port, tls)
         deselect = [] if args.no_exempt else [f"--deselect={node}" for node in EXEMPT]
         known = {node: why for node, (where, why) in KNOWN.items() if args.runtime in where}
-        env["AENV_SDK_XFAIL"] = json.dumps(known)
         cmd = [args.python, "-m", "pytest", "-p", "no:cacheprovider", "-p", "e2b_sdk_localhost",
                *deselect, *args.pytest_args]
         where = f"a {args.cluster}-node cluster's gateway" if args.cluster else "aenv serve"
@@ -196,6 +203,9 @@ def run_suite(args: argparse.Namespace, tmp: Path) -> int:
         sdk = subprocess.run([args.python, "-c", warm], cwd=suite, env=env, check=True, timeout=600,
                              capture_output=True, text=True).stdout.strip()
         print(f"SDK under test: {sdk}", file=sys.stderr)
+        version = sdk.split()[1] if len(sdk.split()) > 1 else ""
+        known |= {node: why for node, (versions, why) in KNOWN_BY_SDK.items() if version in versions}
+        env["AENV_SDK_XFAIL"] = json.dumps(known)
         if args.exec:  # anything else against the same server and environment (a reproduction)
             return subprocess.call(args.exec, shell=True, cwd=suite, env=env)
         return subprocess.call(cmd, cwd=suite, env=env)
@@ -220,6 +230,8 @@ def main() -> int:
             print(f"deselected\t{node}\t{why}")
         for node, (where, why) in KNOWN.items():
             print(f"xfail {','.join(where)}\t{node}\t{why}")
+        for node, (versions, why) in KNOWN_BY_SDK.items():
+            print(f"xfail e2b {','.join(versions)}\t{node}\t{why}")
         return 0
     args.pytest_args = args.pytest_args or ["tests"]
     # SIGTERM unwinds like Ctrl-C, so the server (its sandboxes too) or cluster (namespaces, Ray, Redis),
