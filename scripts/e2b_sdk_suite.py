@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -77,10 +78,39 @@ KNOWN: dict[str, tuple[tuple[str, ...], str]] = {
 # Expected to fail with some SDK releases only (strict xfail for those): tests of the checkout that check
 # the SDK's own requests, where the release under test behaves otherwise. Node ID -> (e2b versions, reason).
 KNOWN_BY_SDK: dict[str, tuple[tuple[str, ...], str]] = {
+    **{f"{d}/{k}/files/test_info.py::test_file_symlink": (("2.63.0",),
+       "the test, written for 2.45.1, reads a symlink's entry as its target's type; 2.63 reports SYMLINK when envd "
+       "sets EntryInfo.is_symlink, which aenv's envd does, as E2B's does (shared/spec/e2b-envd-messages.md)") for d, k in (("tests/sync", "sandbox_sync"),
+                                                                           ("tests/async", "sandbox_async"))},
     "tests/shared/sandbox/test_egress_proxy.py::test_create_omits_none_credentials": (("2.45.1",),
         "the SDK's own request, no server involved: the released e2b 2.45.1 sends username/password as null, the "
         "checkout's source (what these tests were written against, the same version number) omits them"),
 }
+
+# Tests of the SDK's own internals, which reach no server (they import the checkout's private names, mock
+# its request functions, or serve a fake API of their own): left out unless the SDK under test is the
+# version the checkout declares, since a newer release's internals differ (found with e2b 2.63.0 under the
+# 2.45.1 tests: 2 files not even collected, and 93 of the 95 failures in these; the other 2 are in
+# KNOWN_BY_SDK). A file is ignored, a node deselected. -> what makes it internal.
+_MOCKS = "mocks the SDK's request functions with their 2.45.1 signatures"
+SDK_INTERNAL: dict[str, str] = {
+    "tests/test_api_client_transport.py": "imports e2b.api.client_async.get_envd_transport",
+    "tests/test_validate_api_key.py": "imports e2b.api.validate_api_key",
+    "tests/test_connection_config.py": "checks ConnectionConfig's own fields",
+    "tests/test_envd_rpc_exception.py": "checks the SDK's error mapping on made-up exceptions",
+    "tests/test_client.py": "serves a fake API of its own (http.server on loopback)",
+    "tests/shared/sandbox/test_lifecycle_request.py": _MOCKS,
+    "tests/shared/template/utils/test_get_all_files_in_path.py": "checks a local file walk of the SDK's",
+    "tests/sync/template_sync/test_stacktrace.py": _MOCKS,
+    "tests/async/template_async/test_stacktrace.py": _MOCKS,
+    "tests/sync/sandbox_sync/test_connect.py::test_connect_normalizes_unset_tokens": _MOCKS,
+    "tests/async/sandbox_async/test_connect.py::test_connect_normalizes_unset_tokens": _MOCKS,
+}
+
+
+def declared_version(sdk: Path) -> str:
+    found = re.search(r'^version\s*=\s*"([^"]+)"', (sdk / "pyproject.toml").read_text(), re.M)
+    return found.group(1) if found else ""
 
 
 async def push_images(registry_url: str) -> None:
@@ -206,6 +236,10 @@ def run_suite(args: argparse.Namespace, tmp: Path) -> int:
         version = sdk.split()[1] if len(sdk.split()) > 1 else ""
         known |= {node: why for node, (versions, why) in KNOWN_BY_SDK.items() if version in versions}
         env["AENV_SDK_XFAIL"] = json.dumps(known)
+        if version != declared_version(args.sdk):
+            print(f"not the version the tests were written for ({declared_version(args.sdk)}): ignoring the SDK's "
+                  f"tests of its own internals ({', '.join(SDK_INTERNAL)})", file=sys.stderr)
+            cmd += [f"--deselect={f}" if "::" in f else f"--ignore={f}" for f in SDK_INTERNAL]
         if args.exec:  # anything else against the same server and environment (a reproduction)
             return subprocess.call(args.exec, shell=True, cwd=suite, env=env)
         return subprocess.call(cmd, cwd=suite, env=env)
@@ -232,6 +266,8 @@ def main() -> int:
             print(f"xfail {','.join(where)}\t{node}\t{why}")
         for node, (versions, why) in KNOWN_BY_SDK.items():
             print(f"xfail e2b {','.join(versions)}\t{node}\t{why}")
+        for node, why in SDK_INTERNAL.items():
+            print(f"left out unless the declared version\t{node}\t{why}")
         return 0
     args.pytest_args = args.pytest_args or ["tests"]
     # SIGTERM unwinds like Ctrl-C, so the server (its sandboxes too) or cluster (namespaces, Ray, Redis),
