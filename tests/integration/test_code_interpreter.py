@@ -1,10 +1,6 @@
-"""The real ``e2b-code-interpreter`` SDK against template ``code-interpreter-v1`` (spec §4).
-
-The template is built (or found in the cache) once per module with ``ensure_interpreter_layers`` and
-registered straight into the running server's store, exactly what ``aenv template build code-interpreter``
-does. A cold build (pip from PyPI + byte-compiling, base rootfs already cached) takes about 50 s, a warm
-one well under a second, so the module is not marked ``slow``. If the layers cannot be built (no PyPI,
-not root) the whole module is skipped with the builder's reason.
+"""The real ``e2b-code-interpreter`` SDK against template ``code-interpreter-v1`` (spec §4), built (or found
+in the cache) once per module and registered in the server's store (``tests/fixtures/interpreter.py``);
+the module is not marked ``slow``: warm, that costs well under a second.
 """
 
 from __future__ import annotations
@@ -17,25 +13,13 @@ from typing import Any
 
 import pytest
 
-from aenv.config import load_settings
-from aenv.core.templates import TemplateCatalog
-from aenv.store.sqlite import Store
 from aenv.testing.server import Server
-
-TEMPLATE = "code-interpreter-v1"
+from tests.fixtures.interpreter import register_interpreter
 
 
 @pytest.fixture(scope="module")
 def interpreter_template(server: Server) -> str:
-    from aenv.images.interpreter import InterpreterBuildError, ensure_interpreter_layers
-
-    settings = load_settings(environ=server.env)
-    try:
-        layers = ensure_interpreter_layers(settings, log=lambda _line: None)
-    except InterpreterBuildError as exc:
-        pytest.skip(f"cannot build the code-interpreter layers: {str(exc).splitlines()[0]}")
-    TemplateCatalog(settings, Store(settings.db_path)).register_interpreter(layers)
-    return TEMPLATE
+    return register_interpreter(server)
 
 
 @pytest.fixture(scope="module")

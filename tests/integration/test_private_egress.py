@@ -26,6 +26,7 @@ from e2b import Sandbox
 from aenv.runtime.allowlist import HOST_SERVICES
 from aenv.testing.gateway import sdk_env
 from aenv.testing.server import API_KEY, Server, discard_vm_state, start_server, stop_server
+from tests.fixtures.interpreter import register_interpreter
 from tests.fixtures.privatehosts import (
     INDEX,
     MODEL,
@@ -41,6 +42,7 @@ from tests.fixtures.privatehosts import (
 pytestmark = pytest.mark.sdk
 
 APT_MIRROR = f"http://{INDEX}:{PORT}/debian"  # written into sandboxes, not served (apt is not run here)
+NPM_MIRROR = f"http://{INDEX}:{PORT}/npm/"  # likewise: npm (code-interpreter-v1 has Node) is asked its registry
 
 # The sandbox's side: connect to each ADDR:PORT, send an HTTP request, print what came back per target.
 _PROBE = r"""
@@ -81,7 +83,7 @@ def hosts(tmp_path_factory: pytest.TempPathFactory, runtime_name: str) -> Iterat
 
 def _env(h: PrivateHosts) -> dict[str, str]:
     return {"AENV_PRIVATE_EGRESS": f"{INDEX}:{PORT},named:{MODEL}:{PORT},localhost:{h.host_port}",
-            "AENV_PACKAGE_MIRRORS": f"pip={h.index_url},apt={APT_MIRROR}"}
+            "AENV_PACKAGE_MIRRORS": f"pip={h.index_url},apt={APT_MIRROR},npm={NPM_MIRROR}"}
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +148,7 @@ def test_info_and_doctor_show_the_allowlist(allow_server: Server, hosts: Private
     shown = {(e["reach"], e["sandboxes"]) for e in info["network"]["privateEgress"]}
     assert shown == {(f"{INDEX}:{PORT}", "all"), (f"{MODEL}:{PORT}", "named in allowOut"),
                      (f"{HOST_SERVICES}:{hosts.host_port}", "all")}
-    assert info["network"]["packageMirrors"] == {"pip": hosts.index_url, "apt": APT_MIRROR}
+    assert info["network"]["packageMirrors"] == {"pip": hosts.index_url, "apt": APT_MIRROR, "npm": NPM_MIRROR}
     env = {**os.environ, **_env(hosts), "AENV_STATE_DIR": str(allow_server.state_dir)}
     out = subprocess.run([sys.executable, "-m", "aenv.cli.main", "doctor", "-o", "json"], env=env,
                          capture_output=True, text=True, timeout=120, check=True).stdout
@@ -221,6 +223,7 @@ def test_verifiers_routes_model_calls_to_an_allowed_address_and_a_host_port(
 def test_smolagents_installs_a_tools_requirement_from_the_private_index(
         allow_server: Server, hosts: PrivateHosts) -> None:
     pytest.importorskip("smolagents.remote_executors", reason="smolagents is in the test extra: pip install -e '.[test]'")
+    register_interpreter(allow_server)  # the template smolagents' E2BExecutor asks for
     from smolagents.monitoring import AgentLogger, LogLevel
     from smolagents.remote_executors import E2BExecutor
 
@@ -228,6 +231,9 @@ def test_smolagents_installs_a_tools_requirement_from_the_private_index(
     try:
         out = executor.run_code_raise_errors("import aenv_probe_tool\nprint(aenv_probe_tool.VALUE)")
         assert TOOL_VALUE in out.logs
+        # the template has Node, so npm too, pointed at the operator's registry
+        npm = executor.sandbox.commands.run("npm config get registry && npm --version", timeout=120).stdout.split()
+        assert npm[0] == NPM_MIRROR and npm[1].startswith("10."), npm
     finally:
         executor.sandbox.kill()
 

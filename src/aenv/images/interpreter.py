@@ -63,6 +63,7 @@ JAVA_PACKAGES: tuple[str, ...] = ("openjdk-17-jdk-headless",)  # JShell is the J
 # installed by the host's npm into the packages layer; without npm the template has no typescript.
 NPM_PACKAGES: tuple[str, ...] = ("typescript@5.9.3",)
 NODE_PREFIX = "usr/local/lib/aenv-node"  # interpreter/pipe_kernels.py: TYPESCRIPT
+NPM_CLI = "npm@10"  # the sandbox's npm (11 needs Node >= 20; Debian's is 18)
 SITE_DIR = f"usr/local/lib/python{PYTHON_VERSION}/dist-packages"
 SERVICE_PACKAGE = "aenv_interpreter"
 SERVICE_LOG = "/var/log/aenv-interpreter.log"
@@ -110,7 +111,7 @@ def package_recipe(packages: Sequence[str] = PACKAGES) -> dict[str, object]:
         "glibc_max": GLIBC_MAX,
         "packages": sorted(packages),
         "site": SITE_DIR,
-        "npm": list(NPM_PACKAGES),
+        "npm": [*NPM_PACKAGES, NPM_CLI],
         "node_prefix": NODE_PREFIX,
     }
 
@@ -247,7 +248,7 @@ def _build_packages(tmp: Path, packages: Sequence[str], log: Log) -> None:
     _move_scripts(site, tmp / "usr/local/bin")
     log("  byte-compiling")
     _compile(site, log)
-    npm = _install_npm(tmp / NODE_PREFIX, logpath, log)
+    npm = _install_npm(tmp, logpath, log)
     versions = sorted(p.name.removesuffix(".dist-info") for p in site.glob("*.dist-info")) + npm
     (tmp / ".aenv-recipe.json").write_text(
         json.dumps(
@@ -260,27 +261,36 @@ def _build_packages(tmp: Path, packages: Sequence[str], log: Log) -> None:
     )
 
 
-def _install_npm(prefix: Path, logpath: Path, log: Log) -> list[str]:
-    """``NPM_PACKAGES`` into ``prefix`` with the host's npm (pure JavaScript: nothing is built for the
-    host). Without npm, or with the registry out of reach, the template has no TypeScript, said here
-    and by the 400 of a typescript run; everything else is built."""
+def _install_npm(tmp: Path, logpath: Path, log: Log) -> list[str]:
+    """With the host's npm (pure JavaScript: nothing is built for the host): ``NPM_PACKAGES`` into
+    ``NODE_PREFIX`` (the typescript contexts' compiler), and ``NPM_CLI`` as the sandbox's own ``npm``
+    and ``npx`` in /usr/local (Debian's nodejs has none; ``package_mirrors``' npm registry applies to it).
+    Without npm, or with the registry out of reach, the template lacks them, said here (and by the 400 of
+    a typescript run); everything else is built."""
     npm = shutil.which("npm")
     if npm is None:
-        log("  npm not found on this host: the template will have no typescript")
+        log("  npm not found on this host: the template will have no typescript and no npm")
         return []
-    argv = [npm, "install", "--prefix", str(prefix), "--no-audit", "--no-fund", "--no-save", "--omit=dev",
-            "--no-package-lock", *NPM_PACKAGES]
-    log(f"  npm install {' '.join(NPM_PACKAGES)} into /{NODE_PREFIX}")
-    with open(logpath, "a") as lf:
-        try:
-            done = subprocess.run(argv, stdout=lf, stderr=subprocess.STDOUT, timeout=PIP_TIMEOUT, check=False)
-        except subprocess.TimeoutExpired:
-            done = None
-    if done is None or done.returncode != 0:
-        shutil.rmtree(prefix, ignore_errors=True)
-        log(f"  npm install failed (log: {logpath}): the template will have no typescript")
-        return []
-    return [f"npm:{name}" for name in NPM_PACKAGES]
+    common = ["--no-audit", "--no-fund", "--no-save", "--omit=dev", "--no-package-lock"]
+    steps = [(NPM_PACKAGES, f"into /{NODE_PREFIX}", tmp / NODE_PREFIX, ["--prefix", str(tmp / NODE_PREFIX)]),
+             ((NPM_CLI,), "as the sandbox's npm, into /usr/local", tmp / "usr/local/lib/node_modules/npm",
+              ["--global", "--prefix", str(tmp / "usr/local")])]
+    installed: list[str] = []
+    for names, where_to, where, args in steps:
+        what = f"{' '.join(names)} {where_to}"
+        log(f"  npm install {what}")
+        with open(logpath, "a") as lf:
+            try:
+                done = subprocess.run([npm, "install", *common, *args, *names], stdout=lf, stderr=subprocess.STDOUT,
+                                      timeout=PIP_TIMEOUT, check=False)
+            except subprocess.TimeoutExpired:
+                done = None
+        if done is None or done.returncode != 0:
+            shutil.rmtree(where, ignore_errors=True)
+            log(f"  npm install {what} failed (log: {logpath}): the template goes without it")
+            continue
+        installed += [f"npm:{name}" for name in names]
+    return installed
 
 
 def _move_scripts(site: Path, bindir: Path) -> None:
