@@ -35,6 +35,9 @@ import jdk.jshell.VarSnippet;
 
 public class JavaKernel {
     private static PrintStream events;
+    private static final byte[] RUN_END = "\0aenv-run-end\0\n".getBytes(StandardCharsets.UTF_8);
+    private static final FileOutputStream RAW_OUT = new FileOutputStream(java.io.FileDescriptor.out);
+    private static final FileOutputStream RAW_ERR = new FileOutputStream(java.io.FileDescriptor.err);
 
     private static synchronized void send(String json) {
         events.print(json + "\n");
@@ -184,6 +187,15 @@ public class JavaKernel {
                 }
                 out.flush();
                 err.flush();
+                // what a child wrote to the inherited stdout/stderr reached them before this (pipe_kernels.RUN_END)
+                try {
+                    RAW_OUT.write(RUN_END);
+                    RAW_OUT.flush();
+                    RAW_ERR.write(RUN_END);
+                    RAW_ERR.flush();
+                } catch (java.io.IOException e) {
+                    // the service is gone; nothing to mark for
+                }
                 send("{\"type\":\"done\"}");
             }
         }

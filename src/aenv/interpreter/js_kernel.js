@@ -20,6 +20,7 @@ const util = require('util');
 const { PassThrough } = require('stream');
 
 const EVENTS = Number(process.env.AENV_EVENTS_FD || 3);
+const RUN_END = '\u0000aenv-run-end\u0000\n';
 delete process.env.AENV_EVENTS_FD; // not the user's
 const TYPESCRIPT = process.env.AENV_TYPESCRIPT || '/usr/local/lib/aenv-node/node_modules/typescript';
 
@@ -128,6 +129,9 @@ async function run(request) {
       if (v === undefined) delete process.env[k];
       else process.env[k] = v;
     }
+    // what a child wrote to the inherited stdout/stderr reached them before this (pipe_kernels.RUN_END)
+    fs.writeSync(1, RUN_END);
+    fs.writeSync(2, RUN_END);
     send({ type: 'done' });
   }
 }

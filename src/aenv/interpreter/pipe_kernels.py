@@ -29,6 +29,11 @@ JS_KERNEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "js_kernel.
 TYPESCRIPT = "/usr/local/lib/aenv-node/node_modules/typescript"
 
 
+# Written by a pipe kernel to its own stdout and stderr at the end of each run (js_kernel.js, JavaKernel.java)
+RUN_END = b"\x00aenv-run-end\x00\n"
+RUN_END_WAIT_S = 2.0
+
+
 class PipeKernelContext(Context):
     """A kernel process driven over a request pipe and an event pipe. An interrupt ends the process
     (neither Node nor the JVM has a safe way to stop running code): the next run starts a fresh one and
@@ -52,6 +57,7 @@ class PipeKernelContext(Context):
         self._pumps: list[asyncio.Task[None]] = []
         self._count = 0
         self._interrupted = False
+        self._ended: dict[str, asyncio.Event] = {}
 
     async def start(self) -> None:
         read_end, write_end = os.pipe()
@@ -80,10 +86,21 @@ class PipeKernelContext(Context):
 
     async def _pump(self, stream: asyncio.StreamReader, name: str) -> None:
         """What the process's own stdout/stderr get (a child process that inherited them), to the run
-        under way; outside a run it has nowhere to go."""
+        under way; outside a run it has nowhere to go. The kernel writes ``RUN_END`` to both after each
+        run, before its ``done`` event: what came before it is the run's, though it travels on another
+        pipe than the events."""
         while line := await stream.readline():
-            if self._sink is not None:
-                self._sink(m.stream_line(name, line.decode(errors="replace")))
+            text = line.removesuffix(RUN_END)
+            if text and self._sink is not None:
+                self._sink(m.stream_line(name, text.decode(errors="replace")))
+            if text != line and name in self._ended:
+                self._ended[name].set()
+
+    async def _settled(self) -> None:
+        """Both of the process's own streams are read up to this run's end (bounded: a stream that is
+        stuck must not hold the run)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in self._ended.values())), RUN_END_WAIT_S)
 
     async def _next(self) -> dict[str, Any] | None:
         assert self._events is not None
@@ -100,6 +117,7 @@ class PipeKernelContext(Context):
         self._count += 1
         sink(m.count_line(self._count))
         self._sink = sink
+        self._ended = {"stdout": asyncio.Event(), "stderr": asyncio.Event()}
         try:
             self._proc.stdin.write(self.request(code, persistent_env, temp_env))
             await self._proc.stdin.drain()
@@ -108,6 +126,7 @@ class PipeKernelContext(Context):
             while (event := await self._next()) is not None:
                 kind = event.get("type")
                 if kind == "done":
+                    await self._settled()
                     return
                 if kind in ("stdout", "stderr"):
                     sink(m.stream_line(kind, str(event.get("text", ""))))

@@ -158,3 +158,20 @@ async def test_errors_name_what_went_wrong(tmp_path: Path) -> None:
         [err] = [x for x in await _run(ctx, 'int z = "s";') if x["type"] == "error"]
         assert err["name"] == "CompilationException" and "incompatible types" in err["value"]
         assert _of(await _run(ctx, "2 + 2"), "result") == ["4"]
+
+
+@pytest.mark.parametrize(("kind", "code"), [
+    pytest.param(JsContext, "require('child_process').execSync('echo from a child', {stdio: 'inherit'}); 1",
+                 marks=needs_node, id="javascript"),
+    pytest.param(JavaContext, 'new ProcessBuilder("echo", "from a child").inheritIO().start().waitFor()',
+                 marks=needs_java, id="java"),
+])
+async def test_a_childs_output_on_the_inherited_streams_belongs_to_its_run(
+        tmp_path: Path, kind: type[PipeKernelContext], code: str) -> None:
+    """It travels on the process's own stdout, not the events pipe: each run waits for the kernel's
+    end-of-run mark on both streams, so it is never cut off (10 runs: the race was 1 in a few)."""
+    async with started(tmp_path, kind) as ctx:
+        for _ in range(10):
+            lines = await _run(ctx, code)
+            assert "from a child\n" in _of(lines, "stdout"), lines
+            assert not any("aenv-run-end" in str(x) for x in lines), lines
