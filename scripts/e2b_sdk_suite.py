@@ -239,8 +239,9 @@ def run_suite(args: argparse.Namespace, tmp: Path) -> int:
         version = sdk.split()[1] if len(sdk.split()) > 1 else ""
         known |= {node: why for node, (versions, why) in KNOWN_BY_SDK.items() if version in versions}
         env["AENV_SDK_XFAIL"] = json.dumps(known)
-        if declared_version(args.sdk) and version != declared_version(args.sdk):
-            print(f"not the version the tests were written for ({declared_version(args.sdk)}): ignoring the SDK's "
+        declared = declared_version(args.sdk)
+        if declared and version != declared:
+            print(f"not the version the tests were written for ({declared}): ignoring the SDK's "
                   f"tests of its own internals ({', '.join(SDK_INTERNAL)})", file=sys.stderr)
             cmd += [f"--deselect={f}" if "::" in f else f"--ignore={f}" for f in SDK_INTERNAL]
         if args.exec:  # anything else against the same server and environment (a reproduction)

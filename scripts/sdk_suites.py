@@ -33,12 +33,14 @@ TEST_DEPS = ("pytest>=9,<10", "pytest-asyncio>=1.3,<2", "pytest-timeout>=2.4,<3"
              "python-dotenv>=1,<2", "matplotlib")
 
 
-def version_in(pyproject: Path) -> str:
-    """The package version a checkout's ``pyproject.toml`` declares (PEP 621 or poetry)."""
-    found = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(), re.M)
-    if found is None:
-        raise SystemExit(f"{pyproject}: no version")
-    return found.group(1)
+def version_in(checkout: Path) -> str:
+    """The version an SDK checkout's ``pyproject.toml`` declares (``e2b_sdk_suite.declared_version``)."""
+    from e2b_sdk_suite import declared_version
+
+    version = declared_version(checkout)
+    if not version:
+        raise SystemExit(f"{checkout / 'pyproject.toml'}: no version")
+    return version
 
 
 def venv_with(*packages: str) -> Path:
@@ -90,7 +92,7 @@ def main() -> int:
     rows: list[tuple[str, str, str]] = []
     if "python" in only:
         sdk = args.e2b / "packages" / "python-sdk"
-        for label, pin in (("written for", version_in(sdk / "pyproject.toml")), ("newest", newest("e2b"))):
+        for label, pin in (("written for", version_in(sdk)), ("newest", newest("e2b"))):
             python = venv_with(f"e2b=={pin}")
             run(f"python SDK suite, e2b {pin} ({label})",
                 [str(SCRIPTS / "e2b_sdk_suite.py"), "--sdk", str(sdk), "--python", str(python), *rt], rows)
@@ -101,7 +103,7 @@ def main() -> int:
             [str(SCRIPTS / "js_sdk_suite.py"), "--checkout", str(args.e2b), *rt], rows)
     if "interpreter" in only:
         ci = args.code_interpreter / "python"
-        for label, pin in (("written for", version_in(ci / "pyproject.toml")),
+        for label, pin in (("written for", version_in(ci)),
                            ("newest", newest("e2b-code-interpreter"))):
             python = venv_with(f"e2b-code-interpreter=={pin}")
             run(f"code-interpreter suite, e2b-code-interpreter {pin} ({label})",

@@ -62,8 +62,9 @@ class Service:
     async def warm_up(self) -> None:
         """Start the default python and javascript contexts now (E2B's service has both from the start),
         so the first ``run_code`` does not pay for them; javascript only where the template has Node."""
+        there = languages()
         for language in ("python", "javascript"):
-            if language not in languages():
+            if language not in there:
                 continue
             try:
                 await self.registry.default(language)
