@@ -7,12 +7,15 @@ Precedence (last wins): built-in defaults < TOML file (``AENV_CONFIG`` or ``<sta
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from aenv.teams import Quota, TeamDirectory, TeamSpec
 
 
 def _is_root() -> bool:
@@ -61,6 +64,12 @@ class Settings(BaseModel):
         default_factory=dict, description="live + starting sandboxes per API key (key or sha256:<hex> = N); past it 429 (reason quota)"
     )
     default_key_quota: int | None = Field(None, gt=0, description="that quota for keys not in key_quotas; unset = none")
+    teams: dict[str, TeamSpec] = Field(
+        default_factory=dict, description='teams of keys with their quotas, e.g. {"research": {"keys": ["sha256:<hex>"], '
+        '"max_sandboxes": 200}}; a key of api_keys in no team is a team of its own'
+    )
+    admin_keys: list[str] = Field(default_factory=list, description="keys that see and act on every team's objects")
+    team_quota: Quota = Field(default_factory=lambda: Quota(), description="limits of every team that sets none of its own")
     webhook_urls: list[str] = Field(
         default_factory=list, description="lifecycle webhook receivers (created, paused, resumed, forked, killed)"
     )
@@ -224,6 +233,18 @@ class Settings(BaseModel):
             raise ValueError("tls_cert and tls_key go together: set both or neither")
         return self
 
+    @model_validator(mode="after")
+    def _teams_consistent(self) -> Settings:
+        self.team_directory()  # a key given to two teams, a bad team name: refused at start-up
+        return self
+
+    def team_directory(self) -> TeamDirectory:
+        """Keys → teams and each team's quota (``aenv/teams.py``)."""
+        defaults = self.team_quota
+        if self.default_key_quota is not None and defaults.max_sandboxes is None:
+            defaults = defaults.model_copy(update={"max_sandboxes": self.default_key_quota})
+        return TeamDirectory(self.api_keys, self.teams, self.admin_keys, defaults, self.key_quotas)
+
     # Derived paths, kept here so every module agrees on the layout.
     @property
     def db_path(self) -> Path:
@@ -272,8 +293,9 @@ class Settings(BaseModel):
 VOLUMES_NAME = ".volumes"  # under the sandboxes dir (``Settings.volumes_dir``)
 MIRROR_KINDS = ("pip", "npm", "apt")  # ``package_mirrors``' keys
 
-_LIST_FIELDS = {"api_keys", "insecure_registries", "webhook_urls", "private_egress"}
+_LIST_FIELDS = {"api_keys", "admin_keys", "insecure_registries", "webhook_urls", "private_egress"}
 _DICT_FIELDS = {"registry_mirrors", "key_quotas", "package_mirrors"}
+_JSON_FIELDS = {"teams", "team_quota"}
 
 
 def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
@@ -282,7 +304,9 @@ def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
         raw = environ.get(f"AENV_{name.upper()}")
         if raw is None:
             continue
-        if name in _LIST_FIELDS:
+        if name in _JSON_FIELDS:
+            out[name] = json.loads(raw)  # AENV_TEAMS='{"research": {"keys": [...]}}'
+        elif name in _LIST_FIELDS:
             out[name] = [p.strip() for p in raw.split(",") if p.strip()]
         elif name in _DICT_FIELDS:
             # "docker.io=http://127.0.0.1:5000,ghcr.io=http://..."

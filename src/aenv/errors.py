@@ -108,6 +108,17 @@ class CapacityError(AenvError):
         self.reason = reason
 
 
+class QuotaExceeded(CapacityError):
+    """A team's quota (``aenv/teams.py``) refuses the request: ``quota`` names the limit, ``limit`` its value.
+    A 429 while a kill could make room, a 403 (``hard``) when the request alone is larger than the limit."""
+
+    def __init__(self, message: str, quota: str, limit: float, *, hard: bool = False, retry_after: float = 5.0) -> None:
+        super().__init__(message, retry_after=retry_after, reason="quota")
+        self.quota = quota
+        self.limit = limit
+        self.hard = hard
+
+
 class RuntimeFailure(AenvError):
     pass
 

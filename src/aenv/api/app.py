@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from aenv import __version__
 from aenv.api import errors, serialize
-from aenv.api.auth import key_digests, require_api_key
+from aenv.api.auth import require_api_key
 from aenv.api.proxy import SandboxProxy
 from aenv.api.routes_builds import router as builds_router
 from aenv.api.routes_builds import uploads as build_uploads_router
@@ -26,6 +26,8 @@ from aenv.api.routes_leases import router as leases_router
 from aenv.api.routes_sandboxes import router as sandboxes_router
 from aenv.api.routes_secrets import router as secrets_router
 from aenv.api.routes_snapshots import router as snapshots_router
+from aenv.api.routes_teams import router as teams_router
+from aenv.api.routes_teams import team_metrics
 from aenv.api.routes_templates import router as templates_router
 from aenv.api.routes_volumes import control as volumes_router
 from aenv.api.routes_volumes import router as volume_content_router
@@ -123,7 +125,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
         app.state.catalog = catalog
         app.state.settings = settings
         app.state.background = set()
-        app.state.api_key_digests = key_digests(settings.api_keys)
+        app.state.teams = orch.admission.teams  # keys -> teams (auth.py), the same that holds the quotas
         log.info("aenv %s serving with runtime=%s state=%s", __version__, rt.name, settings.state_dir)
         try:
             yield
@@ -156,6 +158,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
     api.include_router(volumes_router)
     api.include_router(volume_content_router)
     api.include_router(secrets_router)
+    api.include_router(teams_router)
 
     @api.get("/health")
     async def health() -> JSONResponse:
@@ -173,6 +176,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
             lines += ["# TYPE aenv_sandboxes_starting gauge", f"aenv_sandboxes_starting {orch.stats()['starting']}"]
             lines += holder["runs"].prometheus(s.row for s in orch.table)
             lines += orch.ksm.prometheus()
+            lines += team_metrics(orch.admission)
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     @api.get("/aenv/info", dependencies=[Depends(require_api_key)])

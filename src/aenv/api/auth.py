@@ -1,37 +1,34 @@
-"""API-key auth for the control plane.
+"""API-key auth for the control plane, and who a request acts for.
 
-Keys are kept only as SHA-256 digests in memory (a config entry may already be a digest,
-written ``sha256:<hex>``), compared in constant time. No keys configured = auth off (the server then
-binds to 127.0.0.1 unless told otherwise, and warns loudly if it is not).
+Keys are kept only as SHA-256 digests in memory (a config entry may already be a digest, written
+``sha256:<hex>``). Each valid key acts for one team (``aenv/teams.py``); the resolved
+:class:`~aenv.teams.Principal` is left on ``request.state.principal`` for the routes, and the objects a
+route's path names are checked against it before the route runs (``api/tenancy.py``). No keys
+configured = auth off (the server then binds to 127.0.0.1 unless told otherwise, and warns loudly if it
+is not).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-
 from fastapi import Request
 from starlette.exceptions import HTTPException
 
+from aenv.teams import OPEN, Principal, TeamDirectory, configured_digest, digest
 
-def digest(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
+__all__ = ["digest", "key_digests", "key_is_valid", "presented_key", "principal", "require_api_key"]
+
+INVALID_KEY = "Invalid API key, please check your credentials"
 
 
 def key_digests(configured: list[str]) -> list[str]:
-    return [k[len("sha256:") :] if k.startswith("sha256:") else digest(k) for k in configured]
+    return [configured_digest(k) for k in configured]
 
 
 def key_is_valid(presented: str | None, digests: list[str]) -> bool:
+    """Whether ``presented`` is one of ``digests`` (the gateway's check of keys it only passes on)."""
     if not digests:
         return True
-    if not presented:
-        return False
-    d = digest(presented)
-    ok = False
-    for known in digests:
-        ok |= hmac.compare_digest(d, known)
-    return ok
+    return bool(presented) and digest(presented or "") in set(digests)
 
 
 def presented_key(request: Request) -> str | None:
@@ -44,10 +41,19 @@ def presented_key(request: Request) -> str | None:
     return presented
 
 
+def principal(request: Request) -> Principal:
+    """Who this request acts for (set by :func:`require_api_key`; the open principal without keys)."""
+    who: Principal = getattr(request.state, "principal", OPEN)
+    return who
+
+
 async def require_api_key(request: Request) -> None:
-    digests: list[str] = request.app.state.api_key_digests
-    if not digests:
-        return
-    presented = presented_key(request)
-    if not key_is_valid(presented, digests):
-        raise HTTPException(401, "Invalid API key, please check your credentials")
+    teams: TeamDirectory = request.app.state.teams
+    who = teams.resolve(presented_key(request))
+    if who is None:
+        raise HTTPException(401, INVALID_KEY)
+    request.state.principal = who
+    if not who.admin:
+        from aenv.api.tenancy import check_path_objects  # the route's path names objects: theirs?
+
+        await check_path_objects(request, who)

@@ -73,6 +73,12 @@ def install(app: FastAPI) -> None:
             extra.update(reason=exc.reason, endedAt=exc.at)
             if prefers_gone_410(request.headers.getlist("prefer")):
                 status, headers = 410, {"Preference-Applied": GONE_PREFERENCE}
+        elif isinstance(exc, e.QuotaExceeded):
+            extra.update(reason="quota", quota=exc.quota, limit=exc.limit)
+            if exc.hard:
+                status = 403  # the request alone is over the limit: no retry would help
+            else:
+                headers = {"Retry-After": str(max(1, round(exc.retry_after)))}
         elif isinstance(exc, e.CapacityError):
             headers = {"Retry-After": str(max(1, round(exc.retry_after)))}
             extra["reason"] = exc.reason  # machine-readable: capacity | quota | restoring

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import Field, StrictBool, StrictInt
 
+from aenv.api import tenancy
 from aenv.api.auth import require_api_key
 from aenv.api.deps import orchestrator
 from aenv.api.models import _Body
@@ -73,7 +74,7 @@ async def request_build(body: BuildRequestBody, request: Request,
         if len(parts) != 2 or not all(_ID.match(p) for p in parts):
             raise InvalidRequest(f"{BUILD_IDS_HEADER}: give '<templateID> <buildID>' (letters, digits, '-')")
         ids = (parts[0], parts[1])
-    rec = orch.request_build(name, list(body.tags or []), body.cpuCount, body.memoryMB, ids)
+    rec = orch.request_build(name, list(body.tags or []), body.cpuCount, body.memoryMB, ids, tenancy.owner(request))
     return JSONResponse({"templateID": rec.template_id, "buildID": rec.build_id, "public": False,
                          "names": [rec.alias], "aliases": [rec.alias], "tags": rec.tags}, status_code=202)
 
@@ -165,13 +166,15 @@ class RemoveTagsBody(_Body):
 
 
 @router.post("/templates/tags", status_code=201)
-async def assign_tags(body: AssignTagsBody, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
+async def assign_tags(body: AssignTagsBody, request: Request, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
+    tenancy.check_template_change(request, body.target)
     build_id, tags = orch.builds.assign_tags(body.target, body.tags)
     return JSONResponse({"tags": tags, "buildID": build_id}, status_code=201)
 
 
 @router.delete("/templates/tags", status_code=204)
-async def remove_tags(body: RemoveTagsBody, orch: Orchestrator = Depends(orchestrator)) -> Response:
+async def remove_tags(body: RemoveTagsBody, request: Request, orch: Orchestrator = Depends(orchestrator)) -> Response:
+    tenancy.check_template_change(request, body.name)
     orch.builds.remove_tags(body.name, body.tags)
     return Response(status_code=204)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from aenv.api import serialize
+from aenv.api import serialize, tenancy
 from aenv.api.auth import require_api_key
 from aenv.api.models import ConnectBody
 from aenv.core.handover import PauseHandover
@@ -26,5 +26,5 @@ async def adopt(request: Request, sandbox_id: str, body: ConnectBody | None = No
         raise NotFound("this node adopts no sandboxes: it runs without a cluster directory or a snapshot store")
     body = body or ConnectBody()
     body.refuse_unsupported()
-    sbx, resumed = await handover.adopt(sandbox_id, body.timeout)
+    sbx, resumed = await handover.adopt(sandbox_id, body.timeout, tenancy.list_owner(request))
     return JSONResponse(serialize.sandbox(sbx), status_code=201 if resumed else 200)

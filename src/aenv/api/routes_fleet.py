@@ -8,10 +8,11 @@ kill every sandbox of the server.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
+from aenv.api import tenancy
 from aenv.api.auth import require_api_key
 from aenv.api.deps import orchestrator
 from aenv.api.routes_sandboxes import parse_metadata_filter
@@ -27,10 +28,10 @@ class KillFilter(BaseModel):
     metadata: dict[str, str]
 
 
-async def _kill(metadata: dict[str, str], orch: Orchestrator) -> JSONResponse:
+async def _kill(metadata: dict[str, str], orch: Orchestrator, request: Request) -> JSONResponse:
     if not metadata:
         raise InvalidRequest("metadata: give at least one key=value pair (an empty filter would match every sandbox)")
-    report = await orch.kill_matching(metadata)
+    report = await orch.kill_matching(metadata, owner=tenancy.list_owner(request))  # the team's own only
     return JSONResponse({
         "killed": report.killed,
         "failed": [{"sandboxID": sid, "message": why} for sid, why in report.failed],
@@ -38,10 +39,11 @@ async def _kill(metadata: dict[str, str], orch: Orchestrator) -> JSONResponse:
 
 
 @router.post("/aenv/sandboxes/kill")
-async def kill_by_metadata(body: KillFilter, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
-    return await _kill(body.metadata, orch)
+async def kill_by_metadata(body: KillFilter, request: Request, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
+    return await _kill(body.metadata, orch, request)
 
 
 @router.delete("/aenv/sandboxes")
-async def delete_by_metadata(metadata: str | None = None, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
-    return await _kill(parse_metadata_filter(metadata), orch)
+async def delete_by_metadata(request: Request, metadata: str | None = None,
+                             orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
+    return await _kill(parse_metadata_filter(metadata), orch, request)

@@ -15,9 +15,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from aenv.api.auth import presented_key, require_api_key
+from aenv.api import tenancy
+from aenv.api.auth import require_api_key
 from aenv.api.deps import orchestrator
-from aenv.core.admission import owner_of
 from aenv.core.fleet import matching
 from aenv.core.leases import LEASE_KEY, Leases, public
 from aenv.core.orchestrator import Orchestrator
@@ -39,8 +39,9 @@ def leases_of(request: Request) -> Leases:
     return leases
 
 
-def _owner(request: Request) -> str:
-    return owner_of(presented_key(request))
+def _owner(request: Request) -> str | None:
+    """Whose objects a request reads or acts on: its team's (None: every team's, for an admin)."""
+    return tenancy.list_owner(request)
 
 
 def _answer(row: LeaseRow, orch: Orchestrator, status: int = 200) -> JSONResponse:
@@ -51,7 +52,7 @@ def _answer(row: LeaseRow, orch: Orchestrator, status: int = 200) -> JSONRespons
 @router.post("/aenv/leases", status_code=201)
 async def create_lease(request: Request, body: NewLease, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
     lease_id = request.headers.get(LEASE_ID_HEADER)  # a gateway's: the same lease on every node
-    return _answer(leases_of(request).create(_owner(request), body.ttl, body.name, lease_id), orch, 201)
+    return _answer(leases_of(request).create(tenancy.owner(request), body.ttl, body.name, lease_id), orch, 201)
 
 
 @router.get("/aenv/leases")

@@ -9,12 +9,11 @@ from urllib.parse import unquote_plus
 from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 
-from aenv.api import serialize
-from aenv.api.auth import presented_key, require_api_key
+from aenv.api import serialize, tenancy
+from aenv.api.auth import principal, require_api_key
 from aenv.api.deps import orchestrator
 from aenv.api.models import ConnectBody, NetworkUpdate, NewSandbox, PauseBody, ResumeBody, TimeoutBody
 from aenv.core import sandbox_logs
-from aenv.core.admission import owner_of
 from aenv.core.models import CreateRequest, ListQuery, SandboxState
 from aenv.core.orchestrator import Orchestrator
 from aenv.core.volumes import parse_mounts
@@ -76,7 +75,8 @@ def _check_metadata_size(meta: dict[str, str], limit: int) -> None:
 async def _create(request: Request, body: NewSandbox, orch: Orchestrator, idempotency_key: str | None,
                   secure_default: bool) -> JSONResponse:
     body.refuse_unsupported()
-    owner = owner_of(presented_key(request))
+    owner = tenancy.owner(request)
+    tenancy.check_template_use(request, body.templateID)  # another team's private template: unknown
     meta = body.metadata or {}
     _check_metadata_size(meta, orch.settings.max_metadata_bytes)
     request.app.state.leases.check_binding(meta, owner)  # aenv.lease=<id>: this key's live lease
@@ -141,6 +141,7 @@ async def list_v2(
         descending=order == "desc",
         limit=limit,
         after=nextToken,
+        owner=tenancy.list_owner(request),
     )
     page, token = orch.list_sandboxes(query)
     headers = {"X-Next-Token": token} if token else None
@@ -148,9 +149,10 @@ async def list_v2(
 
 
 @router.get("/sandboxes")
-async def list_legacy(orch: Orchestrator = Depends(orchestrator), metadata: str | None = None) -> JSONResponse:
+async def list_legacy(request: Request, orch: Orchestrator = Depends(orchestrator), metadata: str | None = None) -> JSONResponse:
     query = ListQuery(
-        states=frozenset({SandboxState.RUNNING}), metadata=parse_metadata_filter(metadata), limit=10**9
+        states=frozenset({SandboxState.RUNNING}), metadata=parse_metadata_filter(metadata), limit=10**9,
+        owner=tenancy.list_owner(request),
     )
     page, _ = orch.list_sandboxes(query)
     return JSONResponse([serialize.listed(s) for s in page])
@@ -158,7 +160,7 @@ async def list_legacy(orch: Orchestrator = Depends(orchestrator), metadata: str 
 
 @router.get("/sandboxes/metrics")  # before /sandboxes/{sandbox_id}, which would take "metrics" for an ID
 async def batch_metrics(
-    orch: Orchestrator = Depends(orchestrator), sandbox_ids: str = Query("", max_length=MAX_BATCH_IDS * 64)
+    request: Request, orch: Orchestrator = Depends(orchestrator), sandbox_ids: str = Query("", max_length=MAX_BATCH_IDS * 64)
 ) -> JSONResponse:
     """E2B's ``GET /sandboxes/metrics?sandbox_ids=a,b``: each sandbox's latest sample. An ID that names
     no running or paused sandbox is left out, as E2B does."""
@@ -168,8 +170,11 @@ async def batch_metrics(
     if len(ids) > MAX_BATCH_IDS:
         raise InvalidRequest(f"sandbox_ids: at most {MAX_BATCH_IDS} sandboxes, got {len(ids)}")
     out: dict[str, Any] = {}
+    who = principal(request)
     for sid in ids:
         try:
+            if not who.sees(orch.get(sid).row.owner):
+                continue  # another team's: left out, as an unknown ID is
             samples = await orch.metrics(sid, None, None)
         except NotFound:
             continue

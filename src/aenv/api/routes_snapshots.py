@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import Field, StrictBool, StrictInt
 
-from aenv.api import serialize
+from aenv.api import serialize, tenancy
 from aenv.api.auth import require_api_key
 from aenv.api.deps import orchestrator
 from aenv.api.errors import status_for
@@ -75,13 +75,15 @@ async def create_snapshot(
 
 @router.get("/snapshots")
 async def list_snapshots(
+    request: Request,
     orch: Orchestrator = Depends(orchestrator),
     sandboxID: str | None = None,
     name: str | None = None,
     limit: int = Query(100, ge=1, le=1000),
     nextToken: str | None = None,
 ) -> JSONResponse:
-    rows = orch.list_snapshots(sandbox_id=sandboxID, name=name)
+    team = tenancy.list_owner(request)
+    rows = [r for r in orch.list_snapshots(sandbox_id=sandboxID, name=name) if team is None or r.owner == team]
     rows.sort(key=lambda r: (r.created_at, r.id), reverse=True)
     if nextToken:
         ids = [r.id for r in rows]
@@ -116,7 +118,9 @@ async def fork(sandbox_id: str, body: ForkBody | None = None, orch: Orchestrator
 
 
 @router.post("/sandboxes/{sandbox_id}/rollback")
-async def rollback(sandbox_id: str, body: RollbackBody, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
+async def rollback(sandbox_id: str, body: RollbackBody, request: Request,
+                   orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
+    tenancy.check_snapshot(request, body.snapshotID)
     sbx = await orch.rollback(sandbox_id, body.snapshotID)
     return JSONResponse(serialize.sandbox(sbx))
 

@@ -11,7 +11,8 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from aenv.api.auth import require_api_key
+from aenv.api import tenancy
+from aenv.api.auth import principal, require_api_key
 from aenv.api.deps import orchestrator
 from aenv.api.errors import status_for
 from aenv.api.serialize import iso
@@ -30,7 +31,7 @@ def template_json(row: TemplateRow) -> dict[str, Any]:
         "buildID": row.id,
         "aliases": [row.alias] if row.alias else [],
         "names": [row.alias] if row.alias else [],
-        "public": False,
+        "public": row.public,
         "cpuCount": row.cpu_count,
         "memoryMB": row.memory_mb,
         "diskSizeMB": row.disk_mb,
@@ -49,23 +50,28 @@ def template_json(row: TemplateRow) -> dict[str, Any]:
 
 @router.get("/v2/templates")
 @router.get("/templates")
-async def list_templates(orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
-    return JSONResponse([template_json(r) for r in orch.list_templates()])
+async def list_templates(request: Request, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
+    who = principal(request)
+    return JSONResponse([template_json(r) for r in orch.list_templates() if tenancy.template_visible(who, r)])
 
 
 @router.get("/default-templates")
-async def default_templates(orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
+async def default_templates(orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:  # the server's own: every team's
     """E2B's default templates: here the ones this server builds itself (``base``, the code interpreter)."""
     return JSONResponse([template_json(r) for r in orch.list_templates() if r.kind == TemplateKind.BOOTSTRAP])
 
 
 @router.get("/templates/aliases/{alias}")
-async def get_alias(alias: str, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
+async def get_alias(alias: str, request: Request, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
     try:
-        template_id = orch.get_template(alias).id
+        row = orch.get_template(alias)
     except TemplateNotFound:  # a built name whose tags are all other than ``default``
         template_id = orch.builds.template_id_of(alias)
-    return JSONResponse({"templateID": template_id, "public": False})
+        tenancy.check_template_use(request, template_id)
+        return JSONResponse({"templateID": template_id, "public": False})
+    if not tenancy.template_visible(principal(request), row):
+        raise TemplateNotFound(alias)
+    return JSONResponse({"templateID": row.id, "public": row.public})
 
 
 @router.get("/templates/{template_id}")
@@ -79,16 +85,19 @@ class TemplateUpdate(BaseModel):
     public: StrictBool
 
 
-NOT_PUBLISHABLE = ("public: templates cannot be published or made private on this server yet: it has no teams, "
-                   "every API key it accepts sees every template")
+NOT_PUBLISHABLE = "public: the server's own templates (base, code-interpreter-v1) are every team's already"
 
 
 @router.patch("/templates/{template_id}")
 @router.patch("/v2/templates/{template_id}")
-async def update_template(template_id: str, body: TemplateUpdate, orch: Orchestrator = Depends(orchestrator)) -> Response:
-    """E2B's publish/unpublish: a 400 that says why (an unknown template is a 404 first)."""
-    orch.get_template(template_id)
-    raise InvalidRequest(NOT_PUBLISHABLE)
+async def update_template(template_id: str, body: TemplateUpdate, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
+    """E2B's publish/unpublish: a published template is every team's to start sandboxes from (only its
+    team changes or deletes it; the path check in ``tenancy.py`` lets no other team this far)."""
+    row = orch.get_template(template_id)
+    if not row.owner:
+        raise InvalidRequest(NOT_PUBLISHABLE)
+    orch.ctx.store.set_template_public(row.id, body.public)
+    return JSONResponse({"names": [row.alias] if row.alias else []})
 
 
 @router.delete("/templates/{template_id:path}", status_code=204)
@@ -126,6 +135,7 @@ async def pull_template(body: PullBody, request: Request, orch: Orchestrator = D
             row, summary = await orch.pull_template(
                 body.image, progress=lambda ev: queue.put_nowait({"event": ev.to_json()}), name=body.name,
                 start_cmd=body.startCmd, ready_cmd=body.readyCmd, cpu_count=body.cpuCount, memory_mb=body.memoryMB,
+                owner=tenancy.owner(request),
             )  # fmt: skip
             queue.put_nowait({"template": template_json(row), "summary": summary})
         except AenvError as exc:
@@ -146,16 +156,17 @@ async def pull_template(body: PullBody, request: Request, orch: Orchestrator = D
     return StreamingResponse(stream(), media_type="application/x-ndjson")
 
 
-@router.get("/aenv/cache")
+# The image cache is the server's, shared by every team: its routes are the operators'.
+@router.get("/aenv/cache", dependencies=[Depends(tenancy.require_admin)])
 async def cache_ls(orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
     return JSONResponse(orch.cache_listing())
 
 
-@router.post("/aenv/cache/pin/{template}")
+@router.post("/aenv/cache/pin/{template}", dependencies=[Depends(tenancy.require_admin)])
 async def cache_pin(template: str, orch: Orchestrator = Depends(orchestrator), unpin: bool = False) -> JSONResponse:
     return JSONResponse(await orch.pin_cache(template, pinned=not unpin))
 
 
-@router.post("/aenv/cache/prune")
+@router.post("/aenv/cache/prune", dependencies=[Depends(tenancy.require_admin)])
 async def cache_prune(orch: Orchestrator = Depends(orchestrator), all: bool = False) -> JSONResponse:
     return JSONResponse(await orch.prune_cache(everything_unpinned=all))

@@ -14,11 +14,10 @@ from collections.abc import Iterator
 from fastapi import APIRouter, Body, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from aenv.api import serialize
-from aenv.api.auth import presented_key, require_api_key
+from aenv.api import serialize, tenancy
+from aenv.api.auth import require_api_key
 from aenv.api.deps import orchestrator
 from aenv.api.models import NewVolume, VolumeMetadata
-from aenv.core.admission import owner_of
 from aenv.core.orchestrator import Orchestrator
 from aenv.errors import InvalidRequest
 from aenv.runtime.volume_files import CHUNK, Owner, VolumeDir
@@ -30,15 +29,16 @@ WRITE_PARAMS = frozenset({"path", "uid", "gid", "mode", "force"})
 UPLOAD_BUFFER = 1 << 20
 
 
-def _owner(request: Request) -> str:
-    return owner_of(presented_key(request))
+def _owner(request: Request) -> str | None:
+    """Whose objects a request reads or acts on: its team's (None: every team's, for an admin)."""
+    return tenancy.list_owner(request)
 
 
 # ---- control plane ------------------------------------------------------------------------------
 @control.post("/volumes", status_code=201)
 async def create_volume(request: Request, body: NewVolume, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
     body.refuse_unsupported()
-    row = await orch.volumes.create(_owner(request), body.name)
+    row = await orch.volumes.create(tenancy.owner(request), body.name)
     return JSONResponse(serialize.volume(row), status_code=201)
 
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
+from aenv.api import tenancy
 from aenv.api.auth import require_api_key
 from aenv.core.webhooks import EVENTS, Webhooks
 from aenv.errors import InvalidRequest
 from aenv.store.webhook_log import DELIVERED, FAILED, PENDING
 
-router = APIRouter(dependencies=[Depends(require_api_key)])
+# The receivers are the operator's setting and the deliveries carry every team's events: operators' routes.
+router = APIRouter(dependencies=[Depends(require_api_key), Depends(tenancy.require_admin)])
 
 
 def _webhooks(request: Request) -> Webhooks:

@@ -74,7 +74,8 @@ def gateway(
     for path in (server.tls_cert, server.tls_key):
         if path is not None and not path.is_file():
             printer.fail(f"no such file: {path}", hint="--tls-cert and --tls-key name PEM files", status=ExitStatus.USAGE)
-    settings = GatewaySettings(nodes, keys, node_key or os.environ.get("AENV_GATEWAY_NODE_KEY"), probe_interval, redis)
+    settings = GatewaySettings(nodes, keys, node_key or os.environ.get("AENV_GATEWAY_NODE_KEY"), probe_interval, redis,
+                               admin_keys=server.admin_keys, teams=server.team_directory())
     if server.tls_cert is not None:
         from aenv.cli.tls_serve import run_tls
 

@@ -1,19 +1,22 @@
-"""Admission of creates: a burst waits its turn instead of failing.
+"""Admission of creates: a burst waits its turn instead of failing, and each team stays within its quota.
 
 An RL trainer asks for a few hundred sandboxes at the same instant; the node can start only
-``max_concurrent_starts`` at once. Creates past that wait here, in a bounded queue that is fair
-across groups, a group being one API key and one run (the ``admission_group_key`` metadata value,
-``run`` by default): when a start slot frees, the next group in turn gets it, so one run's burst
-of 500 cannot starve another run's 5. Past the bounds the answer is a readable refusal with a
-reason a client can act on:
+``max_concurrent_starts`` at once. Creates past that wait here, in a bounded queue that is fair at two
+levels: between teams first (``aenv/teams.py``), then between the runs of a team (the
+``admission_group_key`` metadata value, ``run`` by default). When a start slot frees, the next team in
+turn gets it, and within that team its next run: one team's burst of 500 cannot starve another team's 5,
+nor one run another run of the same team. Past the bounds the answer is a readable refusal:
 
-- ``capacity``: the queue is full (``admission_queue``), a create waited ``admission_wait``
+- ``capacity`` (429): the queue is full (``admission_queue``), a create waited ``admission_wait``
   seconds without a slot, or the node holds ``max_sandboxes`` already;
-- ``quota``: the API key holds its ``key_quotas`` / ``default_key_quota`` of live and starting
-  sandboxes (waiting would not help: only a kill frees quota).
+- ``quota`` (429, with ``quota`` and ``limit`` naming which): the team holds its ``max_sandboxes``,
+  ``max_vcpus`` or ``max_memory_mb`` (paused sandboxes count: they may resume at any moment), or it
+  creates faster than ``creates_per_second``; a 403 when the request alone is over a limit.
 
-Who owns which sandbox is kept here in memory (a restart forgets it: recovered sandboxes count for
-nobody's quota until they end).
+What a team holds is read from the sandbox table (every row records its team), so it is right after a
+restart too. The check is made twice: before a create queues (a quick refusal) and again by the
+orchestrator right before the sandbox's row enters the table, with no await in between, so concurrent
+creates cannot together pass a limit.
 """
 
 from __future__ import annotations
@@ -24,101 +27,159 @@ import hashlib
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from aenv.config import Settings
 from aenv.core.table import SandboxTable
-from aenv.errors import CapacityError
-
-Group = tuple[str, str]  # (owner, run tag)
+from aenv.errors import CapacityError, QuotaExceeded
+from aenv.teams import Quota, label
 
 
 def owner_of(api_key: str | None) -> str:
-    """The quota owner of a presented key: its sha256 hex digest ('' when no key was given)."""
+    """The team of a key that is a team of its own: its sha256 hex digest ('' when no key was given)."""
     return hashlib.sha256(api_key.encode()).hexdigest() if api_key else ""
+
+
+@dataclass
+class Usage:
+    """What a team holds on this node."""
+
+    sandboxes: int = 0
+    vcpus: int = 0
+    memory_mb: int = 0
+
+
+class _Bucket:
+    """A token bucket: ``rate`` creates a second, a burst of one second's worth."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.tokens = max(1.0, rate)
+        self.at = time.monotonic()
+
+    def take(self) -> float:
+        """0 when a create may go now, else the seconds until it could."""
+        t = time.monotonic()
+        self.tokens = min(max(1.0, self.rate), self.tokens + (t - self.at) * self.rate)
+        self.at = t
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return 0.0
+        return (1.0 - self.tokens) / self.rate
 
 
 class Admission:
     def __init__(self, settings: Settings, table: SandboxTable) -> None:
         self.settings = settings
         self.table = table
+        self.teams = settings.team_directory()
         self.starting = 0
-        self._queues: OrderedDict[Group, deque[asyncio.Future[None]]] = OrderedDict()
+        # team -> its runs in turn -> waiters: two levels of round robin
+        self._queues: OrderedDict[str, OrderedDict[str, deque[asyncio.Future[None]]]] = OrderedDict()
         self._waiting = 0
-        self._owned: dict[str, set[str]] = {}
+        self._buckets: dict[str, _Bucket] = {}
         self.on_refused: Callable[[str | None, str], None] | None = None  # (run, reason), e.g. run_metrics.py
-        self._pending: dict[str, int] = {}  # owner -> creates admitted or waiting, not yet in _owned
-        self._quotas = {self._owner_key(k): v for k, v in settings.key_quotas.items()}
-
-    @staticmethod
-    def _owner_key(configured: str) -> str:
-        return configured[len("sha256:"):] if configured.startswith("sha256:") else owner_of(configured)
+        self.refusals: dict[tuple[str, str], int] = {}  # (team, quota) -> refusals, for /metrics
 
     # ---- what callers see -----------------------------------------------------------------------
     @property
     def waiting(self) -> int:
         return self._waiting
 
+    def usage(self, owner: str) -> Usage:
+        used = Usage()
+        for s in self.table:
+            if s.row.owner == owner:
+                used.sandboxes += 1
+                used.vcpus += s.row.cpu_count
+                used.memory_mb += s.row.memory_mb
+        return used
+
+    def usage_by_team(self) -> dict[str, Usage]:
+        out: dict[str, Usage] = {}
+        for s in self.table:
+            used = out.setdefault(s.row.owner, Usage())
+            used.sandboxes += 1
+            used.vcpus += s.row.cpu_count
+            used.memory_mb += s.row.memory_mb
+        return out
+
+    def quota(self, owner: str) -> Quota:
+        return self.teams.quota(owner)
+
     def live_for(self, owner: str) -> int:
-        ids = self._owned.get(owner)
-        if not ids:
-            return 0
-        ids &= self.table.ids()  # sandboxes that ended since are no one's any more
-        return len(ids)
+        return self.usage(owner).sandboxes
 
     def quota_for(self, owner: str) -> int | None:
-        return self._quotas.get(owner, self.settings.default_key_quota)
+        return self.quota(owner).max_sandboxes
 
     @contextlib.asynccontextmanager
-    async def slot(self, owner: str, run: str | None) -> AsyncIterator[None]:
+    async def slot(self, owner: str, run: str | None, vcpus: int = 0, memory_mb: int = 0) -> AsyncIterator[None]:
         """Hold a start slot for one create (waiting fairly for it), or raise CapacityError."""
         try:
-            self._check_quota(owner)
+            self.check_quota(owner, 1, vcpus, memory_mb)
+            self._check_rate(owner)
             self._check_total()
         except CapacityError as exc:
             self._refused(run, exc)
             raise
-        self._pending[owner] = self._pending.get(owner, 0) + 1
         try:
-            try:
-                await self._acquire((owner, run or ""))
-            except CapacityError as exc:
-                self._refused(run, exc)
-                raise
-            try:
-                self._check_total()  # the node may have filled up while it waited
-                yield
-            finally:
-                self._release()
+            await self._acquire(owner, run or "")
+        except CapacityError as exc:
+            self._refused(run, exc)
+            raise
+        try:
+            self._check_total()  # the node may have filled up while it waited
+            yield
         finally:
-            self._pending[owner] -= 1
-            if not self._pending[owner]:
-                del self._pending[owner]
+            self._release()
 
     def _refused(self, run: str | None, exc: CapacityError) -> None:
         if self.on_refused is not None:
             self.on_refused(run, exc.reason)
 
-    def owns(self, owner: str, sandbox_id: str) -> None:
-        """``sandbox_id`` (just created) counts for ``owner``'s quota while it lives."""
-        self._owned.setdefault(owner, set()).add(sandbox_id)
-
     # ---- the rules ------------------------------------------------------------------------------
-    def _check_quota(self, owner: str) -> None:
-        quota = self.quota_for(owner)
-        if quota is None:
+    def check_quota(self, owner: str, sandboxes: int, vcpus: int, memory_mb: int) -> None:
+        """Refuse (QuotaExceeded) when ``owner``'s team would hold more than its quota with ``sandboxes``
+        more sandboxes of ``vcpus`` and ``memory_mb`` in all. Synchronous: callers add the sandboxes to
+        the table before they next await."""
+        quota = self.quota(owner)
+        if quota.max_sandboxes is None and quota.max_vcpus is None and quota.max_memory_mb is None:
             return
-        held = self.live_for(owner) + self._pending.get(owner, 0)
-        if held >= quota:
-            raise CapacityError(
-                f"API key quota reached: {held} sandboxes live or starting, the quota is {quota}; "
-                "kill some first", retry_after=5, reason="quota")
+        used = self.usage(owner)
+        for name, limit, held, asked, unit in (
+            ("max_sandboxes", quota.max_sandboxes, used.sandboxes, sandboxes, "sandboxes"),
+            ("max_vcpus", quota.max_vcpus, used.vcpus, vcpus, "vCPUs"),
+            ("max_memory_mb", quota.max_memory_mb, used.memory_mb, memory_mb, "MiB of memory"),
+        ):
+            if limit is None or held + asked <= limit:
+                continue
+            self.refusals[(owner, name)] = self.refusals.get((owner, name), 0) + 1
+            if asked > limit:
+                raise QuotaExceeded(f"team quota {name} = {limit}: this request alone asks for {asked} {unit}",
+                                    name, limit, hard=True)
+            raise QuotaExceeded(f"team quota {name} = {limit} reached: the team holds {held} {unit} and this "
+                                f"request asks for {asked} more; kill or pause-to-disk some first", name, limit)
+
+    def _check_rate(self, owner: str) -> None:
+        rate = self.quota(owner).creates_per_second
+        if rate is None:
+            return
+        bucket = self._buckets.get(owner)
+        if bucket is None or bucket.rate != rate:
+            bucket = self._buckets[owner] = _Bucket(rate)
+        wait = bucket.take()
+        if wait > 0:
+            self.refusals[(owner, "creates_per_second")] = self.refusals.get((owner, "creates_per_second"), 0) + 1
+            raise QuotaExceeded(f"team quota creates_per_second = {rate:g} reached ({label(owner)}); retry in "
+                                f"{wait:.1f} s", "creates_per_second", rate, retry_after=wait)
 
     def _check_total(self) -> None:
         if len(self.table) >= self.settings.max_sandboxes:
             raise CapacityError(f"sandbox limit of {self.settings.max_sandboxes} reached", retry_after=5,
                                 reason="capacity")
 
-    async def _acquire(self, group: Group) -> None:
+    async def _acquire(self, team: str, run: str) -> None:
         if self.starting < self.settings.max_concurrent_starts and not self._waiting:
             self.starting += 1
             return
@@ -127,7 +188,7 @@ class Admission:
                 f"{self.starting} sandboxes starting and {self._waiting} waiting (the queue holds "
                 f"{self.settings.admission_queue}); retry later", retry_after=self._retry_hint(), reason="capacity")
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queues.setdefault(group, deque()).append(fut)
+        self._queues.setdefault(team, OrderedDict()).setdefault(run, deque()).append(fut)
         self._waiting += 1
         started = time.monotonic()
         try:
@@ -135,7 +196,7 @@ class Admission:
         except TimeoutError:
             if fut.done() and not fut.cancelled():  # the slot came just as the wait ended: take it
                 return
-            self._drop(group, fut)
+            self._drop(team, run, fut)
             raise CapacityError(
                 f"waited {time.monotonic() - started:.0f} s for a start slot ({self.starting} starting, "
                 f"{self._waiting} waiting); retry later", retry_after=self._retry_hint(), reason="capacity",
@@ -144,28 +205,36 @@ class Admission:
             if fut.done() and not fut.cancelled():
                 self._release()  # it was handed a slot it will not use
             else:
-                self._drop(group, fut)
+                self._drop(team, run, fut)
             raise
 
-    def _drop(self, group: Group, fut: asyncio.Future[None]) -> None:
-        queue = self._queues.get(group)
-        if queue is not None and fut in queue:
+    def _drop(self, team: str, run: str, fut: asyncio.Future[None]) -> None:
+        runs = self._queues.get(team)
+        queue = runs.get(run) if runs is not None else None
+        if runs is not None and queue is not None and fut in queue:
             queue.remove(fut)
             self._waiting -= 1
             if not queue:
-                del self._queues[group]
+                del runs[run]
+            if not runs:
+                del self._queues[team]
         fut.cancel()
 
     def _release(self) -> None:
-        """A start ended: its slot goes to the first waiter of the next group in turn."""
+        """A start ended: its slot goes to the first waiter of the next team in turn, of its next run."""
         while self._queues:
-            group, queue = next(iter(self._queues.items()))
+            team, runs = next(iter(self._queues.items()))
+            run, queue = next(iter(runs.items()))
             fut = queue.popleft()
             self._waiting -= 1
             if queue:
-                self._queues.move_to_end(group)  # round robin: this group goes last
+                runs.move_to_end(run)  # round robin within the team: this run goes last
             else:
-                del self._queues[group]
+                del runs[run]
+            if runs:
+                self._queues.move_to_end(team)  # and between teams: this team goes last
+            else:
+                del self._queues[team]
             if not fut.done():
                 fut.set_result(None)  # the slot passes on: ``starting`` stays the same
                 return

@@ -95,6 +95,7 @@ class BuildRecord:
     spec_key: str | None = None
     logs: list[dict[str, Any]] = field(default_factory=list)
     reason: dict[str, Any] | None = None
+    owner: str = ""  # the team that asked for it: the templates it makes are that team's
 
     def log(self, message: str, level: str = "info", step: str | None = None) -> None:
         entry: dict[str, Any] = {"timestamp": dt.datetime.now(dt.UTC).isoformat(), "level": level, "message": message}
@@ -150,7 +151,7 @@ class TemplateBuilds:
 
     # ---- the E2B calls --------------------------------------------------------------------------
     def request(self, name: str, tags: list[str], cpu_count: int | None, memory_mb: int | None,
-                ids: tuple[str, str] | None = None) -> BuildRecord:  # fmt: skip
+                ids: tuple[str, str] | None = None, owner: str = "") -> BuildRecord:  # fmt: skip
         """``POST /v3/templates``: a build of ``name`` (``name:tag``; or the one in progress, shared), for
         the template of that name: every tag of one name has one template ID, as on E2B. ``ids``: the
         template and build IDs to use (a gateway replays one build on every node under the same IDs);
@@ -158,6 +159,10 @@ class TemplateBuilds:
         plain, tag = split_tag(name)
         alias = alias_for(plain, tag)
         active = self._active.get(alias)
+        named = self._rows_named(plain)
+        if any(r.owner != owner for r in named) or (active is not None and active.owner != owner):
+            # template names are one namespace per server: another team's name is not this team's to build
+            raise Conflict(f"template name '{plain}' is taken by another team; pick another name", template=plain)
         if active is not None:
             if ids is not None and ids != (active.template_id, active.build_id):
                 raise Conflict(f"another build of '{alias}' is in progress on this node", template=alias)
@@ -171,7 +176,7 @@ class TemplateBuilds:
         if ids is not None and template_id != ids[0]:
             raise Conflict(f"template '{plain}' has the ID {template_id} on this node, not {ids[0]}", template=plain)
         build_id = ids[1] if ids else str(uuid.uuid4())
-        rec = BuildRecord(template_id, build_id, alias, list(tags), cpu_count, memory_mb)
+        rec = BuildRecord(template_id, build_id, alias, list(tags), cpu_count, memory_mb, owner=owner)
         self._records[rec.build_id] = rec
         self._active[alias] = rec
         self._save(rec)
@@ -255,7 +260,8 @@ class TemplateBuilds:
         step = "base"
         try:
             base = await self._base(rec, spec)
-            shape = f"{rec.cpu_count}:{rec.memory_mb}:{self.ctx.runtime.name}"
+            # the team is part of the key: one team's cached steps (what its RUN lines fetched) are not another's
+            shape = f"{rec.cpu_count}:{rec.memory_mb}:{self.ctx.runtime.name}:{rec.owner}"
             keys = chain_keys(f"{base.id}:{base.config.get('snapshot', '')}:{base.rootfs}:{shape}", spec)
             fkey = final_key(keys[-1], spec)
             forced = first_forced(spec)
@@ -273,7 +279,7 @@ class TemplateBuilds:
             sandbox_id = (await self.door.create(CreateRequest(
                 template=start_from, timeout=min(BUILD_TIMEOUT_S, self.ctx.settings.max_timeout),
                 metadata={"aenv.build": rec.build_id}, secure=False, cpu_count=rec.cpu_count,
-                memory_mb=rec.memory_mb,
+                memory_mb=rec.memory_mb, owner=rec.owner,
             ))).id  # fmt: skip
             for i, s in enumerate(spec.steps[first:], first + 1):
                 step = str(i)
@@ -422,7 +428,7 @@ class TemplateBuilds:
             config={**base.config, "snapshot": snap.id, "hidden": True, "user": _sandbox_user(base, state),
                     "workdir": state.workdir},
             source=f"build step of {base.alias or base.id}", template_id=snap.id, cpu_count=base.cpu_count,
-            memory_mb=base.memory_mb,
+            memory_mb=base.memory_mb, owner=snap.owner,
         )  # fmt: skip
 
     def _register(self, rec: BuildRecord, base: TemplateRow, snapshot_id: str, state: BuildState,
@@ -440,7 +446,7 @@ class TemplateBuilds:
             alias=rec.alias, kind=TemplateKind.SNAPSHOT, rootfs=Path(base.rootfs), lowers=[Path(p) for p in base.lowers],
             config=config, source=f"build {rec.build_id}",
             template_id=self._row_id(rec.template_id, rec.alias, split_tag(rec.alias)[1]),
-            cpu_count=rec.cpu_count or base.cpu_count, memory_mb=rec.memory_mb or base.memory_mb,
+            cpu_count=rec.cpu_count or base.cpu_count, memory_mb=rec.memory_mb or base.memory_mb, owner=rec.owner,
         )  # fmt: skip
         for tag in rec.tags:
             self._tag(main, tag)
@@ -485,7 +491,7 @@ class TemplateBuilds:
         self.ctx.templates.register(
             alias=alias, kind=TemplateKind.SNAPSHOT, rootfs=Path(row.rootfs), lowers=[Path(p) for p in row.lowers],
             config=config, source=row.source, template_id=self._row_id(family, alias, tag),
-            cpu_count=row.cpu_count, memory_mb=row.memory_mb,
+            cpu_count=row.cpu_count, memory_mb=row.memory_mb, owner=row.owner,
         )  # fmt: skip
 
     def _row_id(self, family: str, alias: str, tag: str) -> str:

@@ -82,7 +82,7 @@ class Context:
         its directory, then its row (in that order, so a crash in between leaves a row that recovery
         cleans up again, and the first reason stays the one a late request hears)."""
         if reason is not None and self.gone is not None:
-            self.gone.record(row.id, reason, detail, now())
+            self.gone.record(row.id, reason, detail, now(), row.owner)
         self.table.discard(row.id)
         with contextlib.suppress(Exception):
             await self.runtime.kill(row.id, RuntimeState(row.runtime_state))

@@ -29,16 +29,18 @@ class KillReport:
     failed: list[tuple[str, str]] = field(default_factory=list)  # (sandbox ID, why)
 
 
-def matching(table: SandboxTable, metadata: dict[str, str]) -> list[LiveSandbox]:
-    """Sandboxes (any state but killing) whose metadata holds every pair of ``metadata``."""
+def matching(table: SandboxTable, metadata: dict[str, str], owner: str | None = None) -> list[LiveSandbox]:
+    """Sandboxes (any state but killing) whose metadata holds every pair of ``metadata`` (and, with
+    ``owner``, of that team only)."""
     return [
         s for s in table
         if s.state is not SandboxState.KILLING and all(s.row.metadata.get(k) == v for k, v in metadata.items())
+        and (owner is None or s.row.owner == owner)
     ]
 
 
 async def kill_matching(table: SandboxTable, kill: Callable[[str], Awaitable[None]],
-                        metadata: dict[str, str]) -> KillReport:
+                        metadata: dict[str, str], owner: str | None = None) -> KillReport:
     """Kill every sandbox ``matching`` ``metadata``; one that is already gone is simply not listed."""
     report = KillReport()
     gate = asyncio.Semaphore(KILLS_AT_ONCE)
@@ -62,6 +64,6 @@ async def kill_matching(table: SandboxTable, kill: Callable[[str], Awaitable[Non
                 return
             report.killed.append(sbx.id)
 
-    await asyncio.gather(*(one(s) for s in matching(table, metadata)))
+    await asyncio.gather(*(one(s) for s in matching(table, metadata, owner)))
     report.killed.sort()
     return report

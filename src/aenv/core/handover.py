@@ -47,7 +47,7 @@ log = logging.getLogger("aenv.core")
 # The row fields a published pause carries to the adopting node (the rest is the node's own: runtime
 # state, lineage, creation order; volume mounts are per node and are not carried).
 CARRIED = ("alias", "cpu_count", "memory_mb", "disk_mb", "auto_pause", "auto_resume", "auto_pause_memory",
-           "allow_internet", "metadata", "env_vars", "access_token", "traffic_token", "network", "has_network")  # fmt: skip
+           "allow_internet", "metadata", "env_vars", "access_token", "traffic_token", "network", "has_network", "owner")  # fmt: skip
 
 
 def carried(row: SandboxRow) -> dict[str, Any]:
@@ -138,25 +138,26 @@ class PauseHandover:
             task.cancel()
 
     # ---- adopt ----------------------------------------------------------------------------------
-    async def adopt(self, sandbox_id: str, timeout: int | None) -> tuple[LiveSandbox, bool]:
+    async def adopt(self, sandbox_id: str, timeout: int | None, owner: str | None = None) -> tuple[LiveSandbox, bool]:
         """Run a sandbox lost with its node here, from its published pause, under the same id and tokens.
-        Returns (sandbox, resumed) as ``connect`` does: already here (a retried adoption) is a connect."""
+        Returns (sandbox, resumed) as ``connect`` does: already here (a retried adoption) is a connect.
+        ``owner``: only a sandbox of that team (None: any, for an admin); another team's is unknown."""
         lock = self._adopting.setdefault(sandbox_id, asyncio.Lock())
         try:
             async with lock:
                 if sandbox_id in self.orch.table:
                     return await self.orch.connect(sandbox_id, timeout)
-                return await self._adopt(sandbox_id, timeout), True
+                return await self._adopt(sandbox_id, timeout, owner), True
         finally:
             if not lock.locked():
                 self._adopting.pop(sandbox_id, None)
 
-    async def _adopt(self, sandbox_id: str, timeout: int | None) -> LiveSandbox:
+    async def _adopt(self, sandbox_id: str, timeout: int | None, owner: str | None = None) -> LiveSandbox:
         orch, ctx = self.orch, self.orch.ctx
         timeout = timeout if timeout is not None else orch.settings.default_timeout
         ctx.check_timeout(timeout)
         pause = await asyncio.to_thread(self.directory.published_pause, sandbox_id)
-        if pause is None:
+        if pause is None or (owner is not None and pause.row.get("owner", "") != owner):
             raise SandboxNotFound(sandbox_id)
         snap = await orch.sync.fetch(pause.snapshot_id)
         if snap is None:

@@ -106,13 +106,14 @@ class Leases:
         log.info("lease=%s created ttl=%gs name=%s", row.id, ttl, name or "-")
         return row
 
-    def get(self, lease_id: str, owner: str) -> LeaseRow:
+    def get(self, lease_id: str, owner: str | None) -> LeaseRow:
+        """``owner``'s lease (None: anyone's, for an admin)."""
         row = self.log.get(lease_id)
-        if row is None or row.owner != owner:  # another key's lease does not exist, for this key
+        if row is None or (owner is not None and row.owner != owner):  # another key's lease does not exist, for this key
             raise LeaseNotFound(lease_id)
         return row
 
-    def heartbeat(self, lease_id: str, owner: str) -> LeaseRow:
+    def heartbeat(self, lease_id: str, owner: str | None) -> LeaseRow:
         row = self.get(lease_id, owner)
         if not row.live:
             raise LeaseEnded(row)
@@ -120,14 +121,14 @@ class Leases:
         self.log.update(row.id, expires_at=row.expires_at)
         return row
 
-    async def end(self, lease_id: str, owner: str) -> tuple[LeaseRow, KillReport]:
+    async def end(self, lease_id: str, owner: str | None) -> tuple[LeaseRow, KillReport]:
         row = self.get(lease_id, owner)
         if not row.live:
             raise LeaseEnded(row)
         return row, await self._end(row, "ended")
 
-    def listing(self, owner: str) -> list[LeaseRow]:
-        return self.log.of_owner(owner, LIST_LIMIT)
+    def listing(self, owner: str | None) -> list[LeaseRow]:
+        return self.log.of_owner(owner, LIST_LIMIT)  # None: every team's
 
     def check_binding(self, metadata: dict[str, str], owner: str) -> None:
         """A create that names a lease: it must be this key's, and live (400 / 410 otherwise)."""

@@ -60,7 +60,7 @@ class CreateRequest:
     memory_mb: int | None = None
     idempotency_key: str | None = None
     network: NetworkRequest | None = None  # E2B's network settings (core/network.py)
-    owner: str = ""  # whose quota it counts for (admission.owner_of the API key)
+    owner: str = ""  # the team it belongs to and whose quota it counts for (aenv/teams.py)
     volume_mounts: tuple[MountRequest, ...] = ()  # E2B volumeMounts (core/volumes.py)
 
 
@@ -73,3 +73,4 @@ class ListQuery:
     descending: bool = True
     limit: int = 100
     after: str | None = None  # cursor: the last sandbox ID of the previous page
+    owner: str | None = None  # one team's sandboxes only; None: every team's (an admin's list)

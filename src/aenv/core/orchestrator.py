@@ -92,6 +92,7 @@ class Orchestrator:
         self.template_flows = TemplateFlows(self.ctx)
         self.builds = TemplateBuilds(self.ctx, self, self.snapshots, self.template_flows)
         self.admission = Admission(settings, self.table)
+        self.snapshots.check_quota = self.admission.check_quota  # forks count for the parent's team
         self._tasks: list[asyncio.Task[None]] = []
         self._idempotency: dict[str, asyncio.Future[LiveSandbox]] = {}
         # Called with a sandbox ID when it becomes usable (created, resumed); must not block. The proxy
@@ -154,6 +155,7 @@ class Orchestrator:
             and all(s.row.metadata.get(k) == v for k, v in query.metadata.items())
             and (query.template is None or query.template in (s.row.template_id, s.row.alias))
             and (query.started_after is None or _usec(s.row.started_at) >= _usec(query.started_after))
+            and (query.owner is None or s.row.owner == query.owner)
         ]
         items.sort(key=lambda s: (s.row.started_at, s.row.created_seq), reverse=query.descending)
         if query.after:
@@ -208,8 +210,9 @@ class Orchestrator:
         timeout = req.timeout if req.timeout is not None else self.settings.default_timeout
         self.ctx.check_timeout(timeout)
         template = await self.sync.resolve_template(req.template)  # may fetch a snapshot from the repository
-        # A burst waits its turn here (fairly per API key and run), or is a readable 429 (admission.py).
-        async with self.admission.slot(req.owner, req.metadata.get(self.settings.admission_group_key)):
+        cpus, memory = req.cpu_count or template.cpu_count, req.memory_mb or template.memory_mb
+        # A burst waits its turn here (fairly per team, then run), or is a readable 429 (admission.py).
+        async with self.admission.slot(req.owner, req.metadata.get(self.settings.admission_group_key), cpus, memory):
             # checked and taken with no await before table.add: two creates cannot both write a volume
             mounts = self.volumes.resolve(req.owner, list(req.volume_mounts))
             sandbox_id = new_id()
@@ -222,8 +225,8 @@ class Orchestrator:
                 runtime=self.runtime.name,
                 started_at=started,
                 end_at=started + timeout,
-                cpu_count=req.cpu_count or template.cpu_count,
-                memory_mb=req.memory_mb or template.memory_mb,
+                cpu_count=cpus,
+                memory_mb=memory,
                 disk_mb=template.disk_mb,
                 auto_pause=req.auto_pause,
                 auto_pause_memory=req.auto_pause_memory,
@@ -235,6 +238,7 @@ class Orchestrator:
                 idempotency_key=req.idempotency_key,
                 created_seq=self.table.next_seq(),
                 volume_mounts=mounts,
+                owner=req.owner,
             )
             snapshot = self.snapshots.snapshot_for_template(template.id) if template.kind is TemplateKind.SNAPSHOT else None
             if snapshot is not None:
@@ -242,6 +246,7 @@ class Orchestrator:
                 row.depends_on = [snapshot.id]
             spec = self.ctx.spec_for(row, template)  # the row just resolved: no second lookup
             sbx = LiveSandbox(row=row, spec=spec)
+            self.admission.check_quota(req.owner, 1, cpus, memory)  # again: others may have been added meanwhile
             self.store.put_sandbox(row)  # first: in cluster mode a fenced node refuses here, holding nothing
             self.table.add(sbx)
             try:
@@ -266,7 +271,6 @@ class Orchestrator:
                 sandbox_id, state=row.state, started_at=row.started_at, end_at=row.end_at, runtime_state=state.data
             )
             log.info("sandbox=%s created template=%s runtime=%s", sandbox_id, template.id, self.runtime.name)
-            self.admission.owns(req.owner, sandbox_id)
             self._notify_running(sandbox_id)
             self._emit("created", row)
             return sbx
@@ -285,14 +289,16 @@ class Orchestrator:
         log.info("sandbox=%s killed", sandbox_id)
         self._emit("killed", sbx.row, reason=reason, detail=detail)
 
-    async def kill_matching(self, metadata: dict[str, str], reason: str = REAPED, detail: str | None = None) -> KillReport:
-        """Kill every sandbox tagged with all of ``metadata``, even one still starting (``fleet.py``)."""
+    async def kill_matching(self, metadata: dict[str, str], reason: str = REAPED, detail: str | None = None,
+                            owner: str | None = None) -> KillReport:
+        """Kill every sandbox tagged with all of ``metadata`` (of team ``owner`` only, unless None), even one
+        still starting (``fleet.py``)."""
         why = detail or "killed by metadata " + ", ".join(f"{k}={v}" for k, v in sorted(metadata.items()))
 
         async def reap(sandbox_id: str) -> None:
             await self.kill(sandbox_id, reason, why)
 
-        return await kill_matching(self.table, reap, metadata)
+        return await kill_matching(self.table, reap, metadata, owner)
 
     async def set_timeout(self, sandbox_id: str, timeout: int) -> None:
         """``endAt = now + timeout``; 0 expires the sandbox now (killed, or paused with autoPause)."""
@@ -583,8 +589,8 @@ class Orchestrator:
 
     # ---- template builds: builds.py -------------------------------------------------------------
     def request_build(self, name: str, tags: list[str], cpu_count: int | None, memory_mb: int | None,
-                      ids: tuple[str, str] | None = None) -> BuildRecord:  # fmt: skip
-        return self.builds.request(name, tags, cpu_count, memory_mb, ids)
+                      ids: tuple[str, str] | None = None, owner: str = "") -> BuildRecord:  # fmt: skip
+        return self.builds.request(name, tags, cpu_count, memory_mb, ids, owner)
 
     def build_upload_token(self, files_hash: str) -> str:
         """What an upload link for these files carries instead of an API key (an HMAC, per server run)."""

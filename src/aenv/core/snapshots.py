@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import shutil
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -55,6 +56,8 @@ class SnapshotFlows:
         self.store = ctx.store
         self.sync = sync
         self._settling: dict[str, asyncio.Task[None]] = {}  # snapshot ID -> waits for its files
+        # (team, sandboxes, vcpus, memory_mb) -> raise when over the team's quota (admission.py)
+        self.check_quota: Callable[[str, int, int, int], None] = lambda *_: None
 
     @property
     def runtime(self) -> SnapshotCapable:
@@ -138,6 +141,7 @@ class SnapshotFlows:
             internal=internal,
             created_at=now(),
             dir=str(directory),
+            owner=sbx.row.owner,
         )
         self.store.put_snapshot(row)
         try:
@@ -255,6 +259,7 @@ class SnapshotFlows:
             cpu_count=sbx.row.cpu_count,
             memory_mb=sbx.row.memory_mb,
             size_bytes=row.size_bytes,
+            owner=row.owner,
         )
 
     def _base_template(self, template_id: str) -> str:
@@ -298,6 +303,8 @@ class SnapshotFlows:
         async with src.lock:
             require_state(src.id, src.state, SandboxState.RUNNING, action="fork")
             mode = await rt.fork_mode(src.id)
+            # the children count for the parent's team; checked with no await before they enter the table
+            self.check_quota(src.row.owner, count, count * src.row.cpu_count, count * src.row.memory_mb)
             children = [self._child_of(src, timeout) for _ in range(count)]
             try:
                 fault_point("fork.stored")

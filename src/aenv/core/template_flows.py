@@ -96,6 +96,7 @@ class TemplateFlows:
         memory_mb: int | None = None,
         progress: ProgressCallback | None = None,
         hidden: bool = False,
+        owner: str = "",
     ) -> tuple[TemplateRow, str]:
         """Pull ``image`` and register it as a template; returns the row and a one-line summary.
         ``hidden``: the base of a template build, kept out of listings under an ID derived from the
@@ -123,6 +124,7 @@ class TemplateFlows:
             cpu_count=cpu_count,
             memory_mb=memory_mb,
             size_bytes=pulled.size,
+            owner="" if hidden else owner,  # a build's base, by image digest, is every team's
             pinned_layers=list(pulled.layer_digests),
         )
         return row, pulled.summary()

@@ -123,7 +123,13 @@ class TemplateCatalog:
         size_bytes: int = 0,
         pinned_layers: list[str] | None = None,
         template_id: str | None = None,
+        owner: str = "",
     ) -> TemplateRow:
+        if alias:
+            held = self.store.get_template(alias)
+            if held is not None and held.alias == alias and held.owner != owner:
+                # names are one namespace per server: a name moves to a newer template of its team only
+                raise Conflict(f"template name '{alias}' is taken by another team; pick another name", template=alias)
         row = TemplateRow(
             id=template_id or new_id(),
             alias=alias,
@@ -138,6 +144,7 @@ class TemplateCatalog:
             size_bytes=size_bytes,
             created_at=now(),
             pinned_layers=pinned_layers or [],
+            owner=owner,
         )
         self.store.put_template(row)
         return row

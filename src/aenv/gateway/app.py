@@ -19,7 +19,6 @@ from fastapi.responses import JSONResponse
 
 from aenv import __version__
 from aenv.api import errors
-from aenv.api.auth import key_digests
 from aenv.api.errors import error_response
 from aenv.api.proxy.routing import ENVD_PORT
 from aenv.gateway.builds import router as builds_router
@@ -34,6 +33,7 @@ from aenv.gateway.nodes import Node, NodeSet
 from aenv.gateway.per_node import router as per_node_router
 from aenv.gateway.proxy import GatewayProxy
 from aenv.gateway.volumes import control as volumes_router
+from aenv.teams import Quota, TeamDirectory
 
 log = logging.getLogger("aenv.gateway")
 
@@ -50,11 +50,16 @@ class GatewaySettings:
     probe_interval: float = 1.0
     redis: str | None = None  # the cluster directory: nodes and bindings from it (cluster.py)
     ws_max_message: int = WS_MAX_MESSAGE
+    admin_keys: list[str] = field(default_factory=list)  # the nodes' admin_keys (a lookup uses one)
+    teams: TeamDirectory | None = None  # keys -> teams, as the nodes have them (default: from api_keys)
 
     def probe_key(self) -> str | None:
+        """The key of the gateway's own calls (probes, lookups): ``node_key``, else a plain admin key (a
+        lookup must find any team's sandbox), else a plain API key."""
         if self.node_key is not None:
             return self.node_key
-        return next((k for k in self.api_keys if not k.startswith("sha256:")), None)
+        plain = [k for k in (*self.admin_keys, *self.api_keys) if not k.startswith("sha256:")]
+        return plain[0] if plain else None
 
 
 def create_gateway_app(settings: GatewaySettings) -> Any:
@@ -81,7 +86,7 @@ def create_gateway_app(settings: GatewaySettings) -> Any:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.gateway = gateway
-        app.state.api_key_digests = key_digests(settings.api_keys)
+        app.state.teams = settings.teams or TeamDirectory(settings.api_keys, {}, [], Quota())
         if follower is not None:
             await follower.start()  # the node list first: the probes then reach every node
         await nodes.start()

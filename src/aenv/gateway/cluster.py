@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
 
@@ -67,13 +66,12 @@ class RedisDirectory:
             log.warning("cluster directory unreachable for volume=%s (%s): asking the nodes", volume_id, exc)
             return await self._fallback.find_volume(volume_id, path, headers)
 
-    async def find_volume_named(self, name: str, api_key: str | None, headers: dict[str, str]) -> str | None:
-        owner = hashlib.sha256(api_key.encode()).hexdigest() if api_key else ""  # core.admission.owner_of
+    async def find_volume_named(self, name: str, owner: str, headers: dict[str, str]) -> str | None:
         try:
             found = await self._reader.volume_named(owner, name)
         except (RedisError, OSError) as exc:
             log.warning("cluster directory unreachable for volume name %s (%s): asking the nodes", name, exc)
-            return await self._fallback.find_volume_named(name, api_key, headers)
+            return await self._fallback.find_volume_named(name, owner, headers)
         return found[1] if found else None
 
 

@@ -60,7 +60,7 @@ class Directory(Protocol):
     # ``path``: what a node answers 200 to when it holds the volume, asked with the client's ``headers``
     async def find_volume(self, volume_id: str, path: str, headers: dict[str, str]) -> str | None: ...
     # the node of the volume ``api_key``'s owner named ``name``
-    async def find_volume_named(self, name: str, api_key: str | None, headers: dict[str, str]) -> str | None: ...
+    async def find_volume_named(self, name: str, owner: str, headers: dict[str, str]) -> str | None: ...
 
 
 class AskNodes:
@@ -105,7 +105,7 @@ class AskNodes:
     async def find_volume(self, volume_id: str, path: str, headers: dict[str, str]) -> str | None:
         return await self._ask(path, headers)
 
-    async def find_volume_named(self, name: str, api_key: str | None, headers: dict[str, str]) -> str | None:
+    async def find_volume_named(self, name: str, owner: str, headers: dict[str, str]) -> str | None:
         async def one(node: Node) -> str | None:
             try:
                 r = await self._client.get(node.url + "/volumes", headers=headers, timeout=5.0)
@@ -153,10 +153,10 @@ class Locator:
         node_id = self._volumes.get(volume_id) or await self._directory.find_volume(volume_id, path, headers)
         return self._bound(self._volumes, "volume", volume_id, node_id)
 
-    async def volume_home(self, name: str, api_key: str | None, headers: dict[str, str]) -> Node | None:
-        """The node that holds the volume named ``name`` (of ``api_key``'s owner), up or down; None when
+    async def volume_home(self, name: str, owner: str, headers: dict[str, str]) -> Node | None:
+        """The node that holds the volume named ``name`` (of team ``owner``), up or down; None when
         no node is known to."""
-        node_id = await self._directory.find_volume_named(name, api_key, headers)
+        node_id = await self._directory.find_volume_named(name, owner, headers)
         return self.nodes.get(node_id) if node_id is not None else None
 
     def remember_token(self, sandbox_id: str, token: str) -> None:

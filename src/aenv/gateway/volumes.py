@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from aenv.api.auth import presented_key, require_api_key
+from aenv.api.auth import principal, require_api_key
 from aenv.api.errors import error_response
 from aenv.api.proxy.codec import Receive, Scope, Send
 from aenv.api.proxy.routing import respond
@@ -74,7 +74,7 @@ async def mount_home(gw: Gateway, request: Request, body: bytes) -> Node | Respo
             names.append(name.removesuffix(READ_ONLY_SUFFIX))
     homes: dict[str, Node] = {}
     for name in dict.fromkeys(names):
-        node = await gw.locator.volume_home(name, presented_key(request), _auth(request))
+        node = await gw.locator.volume_home(name, principal(request).team, _auth(request))
         if node is not None:
             homes[name] = node
     nodes = {n.id: n for n in homes.values()}
@@ -100,7 +100,7 @@ async def create_volume(request: Request) -> Response:
         name = json.loads(body).get("name") if body else None
     except (ValueError, AttributeError):
         name = None
-    home = await gw.locator.volume_home(name, presented_key(request), _auth(request)) if isinstance(name, str) else None
+    home = await gw.locator.volume_home(name, principal(request).team, _auth(request)) if isinstance(name, str) else None
     tried: set[str] = set()
     while True:
         node = home if home is not None and home.up and home.id not in tried else gw.place(tried, None, None)

@@ -25,25 +25,26 @@ class Gone:
     reason: str  # one of REASONS
     detail: str  # a sentence for people ("killed by metadata run=r7", "server restarted while it was starting")
     at: float
+    owner: str = ""  # the team of the sandbox: another team hears "not found"
 
 
 class GoneLog:
     def __init__(self, store: Store) -> None:
         self.store = store
 
-    def record(self, sandbox_id: str, reason: str, detail: str, at: float) -> None:
+    def record(self, sandbox_id: str, reason: str, detail: str, at: float, owner: str = "") -> None:
         if reason not in REASONS:
             raise ValueError(f"unknown end reason {reason!r}")
         with self.store._tx() as db:
-            db.execute("INSERT OR IGNORE INTO gone_sandboxes (id, reason, detail, at) VALUES (?, ?, ?, ?)",
-                       (sandbox_id, reason, detail, at))  # fmt: skip
+            db.execute("INSERT OR IGNORE INTO gone_sandboxes (id, reason, detail, at, owner) VALUES (?, ?, ?, ?, ?)",
+                       (sandbox_id, reason, detail, at, owner))  # fmt: skip
 
     def find(self, sandbox_id: str) -> Gone | None:
-        rows = self.store._query("SELECT id, reason, detail, at FROM gone_sandboxes WHERE id = ?", (sandbox_id,))
+        rows = self.store._query("SELECT id, reason, detail, at, owner FROM gone_sandboxes WHERE id = ?", (sandbox_id,))
         if not rows:
             return None
         r = rows[0]
-        return Gone(r["id"], r["reason"], r["detail"], r["at"])
+        return Gone(r["id"], r["reason"], r["detail"], r["at"], r["owner"])
 
     def prune(self, before: float) -> int:
         """Forget tombstones older than ``before``; returns how many."""

@@ -55,11 +55,12 @@ class LeaseLog:
     def live(self) -> list[LeaseRow]:
         return [LeaseRow(**dict(r)) for r in self.store._query("SELECT * FROM leases WHERE ended_at IS NULL")]
 
-    def of_owner(self, owner: str, limit: int) -> list[LeaseRow]:
+    def of_owner(self, owner: str | None, limit: int) -> list[LeaseRow]:
         """The owner's leases, live ones first, then the most recently ended."""
+        where, args = ("WHERE owner = ? ", (owner,)) if owner is not None else ("", ())
         return [LeaseRow(**dict(r)) for r in self.store._query(
-            "SELECT * FROM leases WHERE owner = ? ORDER BY ended_at IS NOT NULL, COALESCE(ended_at, created_at) DESC "
-            "LIMIT ?", (owner, limit))]  # fmt: skip
+            f"SELECT * FROM leases {where}ORDER BY ended_at IS NOT NULL, COALESCE(ended_at, created_at) DESC "
+            "LIMIT ?", (*args, limit))]  # fmt: skip
 
     def prune(self, before: float) -> int:
         with self.store._tx() as db:

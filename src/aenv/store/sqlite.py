@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from aenv.errors import StoreError
 from aenv.kinds import SandboxState, SnapshotMode, TemplateKind
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 # Columns added after a database was first created, per table, as (name, SQL definition). A store
 # opening an older database adds the ones it lacks (``ALTER TABLE ... ADD COLUMN``, existing rows get
@@ -34,7 +34,14 @@ _ADDED_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
         ("traffic_token", "TEXT"),  # v3: required on user ports when allowPublicTraffic is false
         ("has_network", "INTEGER"),  # v4: made with a way out (NULL: a row from before v4)
         ("volume_mounts", "TEXT NOT NULL DEFAULT '[]'"),  # v5: E2B volumeMounts (core/volumes.py)
+        ("owner", "TEXT NOT NULL DEFAULT ''"),  # v6: the team that made it (aenv/teams.py)
     ),
+    "templates": (
+        ("owner", "TEXT NOT NULL DEFAULT ''"),  # v6: '' = the server's own, seen by every team
+        ("public", "INTEGER NOT NULL DEFAULT 0"),  # v6: published to every team (E2B's `public`)
+    ),
+    "snapshots": (("owner", "TEXT NOT NULL DEFAULT ''"),),  # v6
+    "gone_sandboxes": (("owner", "TEXT NOT NULL DEFAULT ''"),),  # v6: who may hear the reason
 }
 
 _SCHEMA = """
@@ -67,7 +74,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     idempotency_key TEXT,
     created_seq INTEGER NOT NULL DEFAULT 0,
     lineage_head TEXT,
-    depends_on TEXT NOT NULL DEFAULT '[]'
+    depends_on TEXT NOT NULL DEFAULT '[]',
+    owner TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS sandboxes_started ON sandboxes(started_at);
 CREATE TABLE IF NOT EXISTS templates (
@@ -83,7 +91,9 @@ CREATE TABLE IF NOT EXISTS templates (
     disk_mb INTEGER NOT NULL,
     size_bytes INTEGER NOT NULL DEFAULT 0,
     created_at REAL NOT NULL,
-    pinned_layers TEXT NOT NULL DEFAULT '[]'
+    pinned_layers TEXT NOT NULL DEFAULT '[]',
+    owner TEXT NOT NULL DEFAULT '',
+    public INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS snapshots (
     id TEXT PRIMARY KEY,
@@ -99,7 +109,8 @@ CREATE TABLE IF NOT EXISTS snapshots (
     dir TEXT NOT NULL,
     result TEXT NOT NULL DEFAULT '{}',
     published INTEGER NOT NULL DEFAULT 0,
-    size_bytes INTEGER NOT NULL DEFAULT 0
+    size_bytes INTEGER NOT NULL DEFAULT 0,
+    owner TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS snapshots_sandbox ON snapshots(sandbox_id);
 -- Lifecycle webhook deliveries (store/webhook_log.py): a new table, so older databases get it here too.
@@ -123,7 +134,8 @@ CREATE TABLE IF NOT EXISTS gone_sandboxes (
     id TEXT PRIMARY KEY,
     reason TEXT NOT NULL,
     detail TEXT NOT NULL DEFAULT '',
-    at REAL NOT NULL
+    at REAL NOT NULL,
+    owner TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS gone_sandboxes_at ON gone_sandboxes(at);
 -- What happened to each sandbox, for GET /sandboxes/{id}/logs (store/event_log.py): lines written in
@@ -201,6 +213,7 @@ class SandboxRow:
     has_network: bool | None = None
     # E2B volumeMounts as bound: [{"name", "path", "volumeID", "readOnly"}] (core/volumes.py).
     volume_mounts: list[dict[str, Any]] = field(default_factory=list)
+    owner: str = ""  # the team that made it (aenv/teams.py); '' on a server without keys
 
     def __post_init__(self) -> None:
         self.state = SandboxState(self.state)  # the database holds the plain value
@@ -225,6 +238,8 @@ class TemplateRow:
     config: dict[str, Any] = field(default_factory=dict)
     size_bytes: int = 0
     pinned_layers: list[str] = field(default_factory=list)
+    owner: str = ""  # the team that made it; '' = the server's own (base, code-interpreter-v1): every team's
+    public: bool = False  # seen and used by every team (E2B's template `public`)
 
     def __post_init__(self) -> None:
         self.kind = TemplateKind(self.kind)
@@ -246,13 +261,14 @@ class SnapshotRow:
     result: dict[str, Any] = field(default_factory=dict)
     published: bool = False
     size_bytes: int = 0
+    owner: str = ""  # the team of the sandbox it was taken of
 
     def __post_init__(self) -> None:
         self.mode = SnapshotMode(self.mode)
 
 
 _JSON_FIELDS = {"volume_mounts", "network", "metadata", "env_vars", "runtime_state", "lowers", "config", "pinned_layers", "depends_on", "result"}
-_BOOL_FIELDS = {"auto_pause", "auto_resume", "auto_pause_memory", "allow_internet", "internal", "published"}
+_BOOL_FIELDS = {"auto_pause", "auto_resume", "auto_pause_memory", "allow_internet", "internal", "published", "public"}
 
 
 _FIELD_NAMES: dict[type[Any], tuple[str, ...]] = {}
@@ -435,6 +451,11 @@ class Store:
 
     def list_templates(self) -> list[TemplateRow]:
         return [_from_db(TemplateRow, r) for r in self._query("SELECT * FROM templates ORDER BY created_at")]
+
+    def set_template_public(self, template_id: str, public: bool) -> None:
+        with self._tx() as db:
+            self._templates.clear()
+            db.execute("UPDATE templates SET public=? WHERE id=?", (int(public), template_id))
 
     def delete_template(self, template_id: str) -> None:
         with self._tx() as db:

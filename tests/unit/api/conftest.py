@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,10 +27,17 @@ def runtime() -> FakeRuntime:
     return FakeRuntime()
 
 
-@pytest.fixture
-def client(settings: Settings, runtime: FakeRuntime, tmp_path: Path) -> Iterator[TestClient]:
+@contextlib.contextmanager
+def keyed_client(settings: Settings, runtime: FakeRuntime, tmp_path: Path) -> Iterator[TestClient]:
+    """A client of an app made with ``settings`` (keys and teams are read once, when the app starts)."""
     app = create_app(settings, runtime=runtime, ensure_base=False)  # type: ignore[arg-type]
     with TestClient(app) as c:
         c.app_state = app.app.state  # type: ignore[attr-defined]
         app.app.state.catalog.register(alias="base", kind="bootstrap", rootfs=tmp_path / "rootfs", template_id="base")
+        yield c
+
+
+@pytest.fixture
+def client(settings: Settings, runtime: FakeRuntime, tmp_path: Path) -> Iterator[TestClient]:
+    with keyed_client(settings, runtime, tmp_path) as c:
         yield c

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from starlette.testclient import TestClient
 
 from aenv.config import Settings
 from tests.fixtures.runtime import FakeRuntime
+from tests.unit.api.conftest import keyed_client
 
 
 @pytest.fixture
@@ -61,16 +63,20 @@ def test_past_the_queue_a_readable_429(client: TestClient, settings: Settings, s
         assert body["code"] == 429 and body["reason"] == "capacity" and "retry later" in body["message"]
 
 
-def test_key_quota(client: TestClient, settings: Settings) -> None:
-    settings.default_key_quota = 2
-    alice = {"X-API-KEY": "alice-key"}
-    ids = [_post(client, alice).json()["sandboxID"] for _ in range(2)]
-    over = _post(client, alice)
-    assert over.status_code == 429 and over.json()["reason"] == "quota" and "quota is 2" in over.json()["message"]
-    assert over.headers["retry-after"] == "5"
-    assert _post(client, {"X-API-KEY": "bob-key"}).status_code == 201  # another key has its own
-    assert client.delete(f"/sandboxes/{ids[0]}").status_code == 204
-    assert _post(client, alice).status_code == 201
+def test_key_quota(settings: Settings, runtime: FakeRuntime, tmp_path: Path) -> None:
+    """The older per-key setting: each key of api_keys is a team of its own, with that many sandboxes."""
+    settings = settings.model_copy(update={"default_key_quota": 2, "api_keys": ["alice-key", "bob-key"]})
+    with keyed_client(settings, runtime, tmp_path) as client:
+        alice = {"X-API-KEY": "alice-key"}
+        ids = [_post(client, alice).json()["sandboxID"] for _ in range(2)]
+        over = _post(client, alice)
+        body = over.json()
+        assert over.status_code == 429 and body["reason"] == "quota" and body["quota"] == "max_sandboxes"
+        assert body["limit"] == 2 and "max_sandboxes = 2" in body["message"]
+        assert over.headers["retry-after"] == "5"
+        assert _post(client, {"X-API-KEY": "bob-key"}).status_code == 201  # another key has its own
+        assert client.delete(f"/sandboxes/{ids[0]}", headers=alice).status_code == 204
+        assert _post(client, alice).status_code == 201
 
 
 def test_node_full_is_capacity(client: TestClient, settings: Settings) -> None:

@@ -9,8 +9,11 @@ import pytest
 
 from aenv.config import Settings
 from aenv.core.admission import Admission, owner_of
-from aenv.core.table import SandboxTable
-from aenv.errors import CapacityError
+from aenv.core.table import LiveSandbox, SandboxTable
+from aenv.errors import CapacityError, QuotaExceeded
+from aenv.kinds import SandboxState
+from aenv.store.sqlite import SandboxRow
+from aenv.teams import Principal, TeamSpec
 
 
 def _admission(**knobs: object) -> Admission:
@@ -53,8 +56,9 @@ async def test_waiters_are_served_round_robin_across_groups() -> None:
     assert adm.starting == 1 and adm.waiting == 7
     gate.set()
     await asyncio.gather(first, *tasks)
-    # one run's burst does not starve another run, nor another key's create of the same run name
-    assert order == ["A0", "A1", "B1", "K1", "A2", "B2", "A3", "A4"]
+    # teams take turns first (k, other-key), then the runs of a team (A, B): one run's burst starves
+    # neither another run nor another team's create
+    assert order == ["A0", "A1", "K1", "B1", "A2", "B2", "A3", "A4"]
     assert adm.starting == 0 and adm.waiting == 0
 
 
@@ -96,19 +100,76 @@ async def test_a_cancelled_waiter_gives_its_place_back() -> None:
         assert adm.starting == 1
 
 
-async def test_key_quota_counts_live_and_starting() -> None:
-    adm = _admission(key_quotas={"secret-key": 2}, default_key_quota=5)
+def _live(adm: Admission, owner: str, sandbox_id: str, cpus: int = 1, memory_mb: int = 512) -> None:
+    """A sandbox of ``owner``'s team in the table (what admission counts a team's holdings from)."""
+    row = SandboxRow(id=sandbox_id, template_id="base", state=SandboxState.RUNNING, runtime="ns", started_at=0.0,
+                     end_at=1.0, cpu_count=cpus, memory_mb=memory_mb, disk_mb=512, owner=owner)  # fmt: skip
+    adm.table.add(LiveSandbox(row=row, spec=None))  # type: ignore[arg-type]
+
+
+async def test_key_quota_counts_the_teams_sandboxes() -> None:
+    adm = _admission(api_keys=["secret-key", "other"], key_quotas={"secret-key": 2}, default_key_quota=5)
     me = owner_of("secret-key")
+    _live(adm, me, "s1")
     async with adm.slot(me, None):
-        adm.owns(me, "s1")
-    adm.table.ids = lambda: {"s1"}  # type: ignore[method-assign]  # s1 lives
-    async with adm.slot(me, None):
-        with pytest.raises(CapacityError) as over:
-            async with adm.slot(me, None):
-                pass
-    assert over.value.reason == "quota" and "quota is 2" in over.value.message
-    adm.table.ids = lambda: set()  # type: ignore[method-assign]  # s1 ended
+        _live(adm, me, "s2")
+    with pytest.raises(QuotaExceeded) as over:
+        async with adm.slot(me, None):
+            pass
+    assert over.value.reason == "quota" and over.value.quota == "max_sandboxes" and over.value.limit == 2
+    assert "max_sandboxes = 2" in over.value.message and not over.value.hard
+    adm.table.discard("s1")  # s1 ended
     async with adm.slot(me, None):
         pass
-    assert adm.quota_for(owner_of("someone else")) == 5
-    assert _admission(key_quotas={"sha256:" + me: 3}).quota_for(me) == 3
+    assert adm.quota_for(owner_of("other")) == 5
+    assert _admission(api_keys=["secret-key"], key_quotas={"sha256:" + me: 3}).quota_for(me) == 3
+
+
+async def test_vcpu_and_memory_quotas_and_the_hard_refusal() -> None:
+    adm = _admission(teams={"rl": TeamSpec(keys=["k1"], max_vcpus=4, max_memory_mb=4096)}, api_keys=["k2"])
+    _live(adm, "rl", "a", cpus=2, memory_mb=1024)
+    adm.check_quota("rl", 1, 2, 1024)  # 4 vCPUs in all: fits
+    _live(adm, "rl", "b", cpus=2, memory_mb=1024)
+    with pytest.raises(QuotaExceeded) as cpu:
+        adm.check_quota("rl", 1, 1, 256)
+    assert cpu.value.quota == "max_vcpus" and cpu.value.limit == 4 and not cpu.value.hard
+    with pytest.raises(QuotaExceeded) as alone:
+        adm.check_quota("rl", 1, 8, 256)  # no kill would make 8 vCPUs fit in 4: a hard refusal (403)
+    assert alone.value.hard and alone.value.quota == "max_vcpus"
+    adm.table.discard("b")
+    with pytest.raises(QuotaExceeded) as mem:
+        adm.check_quota("rl", 2, 2, 3500)
+    assert mem.value.quota == "max_memory_mb"
+    adm.check_quota(owner_of("k2"), 10, 100, 100_000)  # another team: no limits of its own
+    assert {(t, q) for t, q in adm.refusals} == {("rl", "max_vcpus"), ("rl", "max_memory_mb")}
+
+
+async def test_creates_per_second_is_a_token_bucket() -> None:
+    adm = _admission(teams={"rl": TeamSpec(keys=["k1"], creates_per_second=2)}, api_keys=["k2"])
+    for _ in range(2):  # a burst of one second's worth
+        async with adm.slot("rl", None):
+            pass
+    with pytest.raises(QuotaExceeded) as fast:
+        async with adm.slot("rl", None):
+            pass
+    assert fast.value.quota == "creates_per_second" and 0 < fast.value.retry_after <= 0.5
+    async with adm.slot(owner_of("k2"), None):  # the other team is not slowed
+        pass
+    await asyncio.sleep(0.55)
+    async with adm.slot("rl", None):  # refilled
+        pass
+
+
+def test_teams_from_settings() -> None:
+    teams = Settings(api_keys=["a", "b"], teams={"rl": TeamSpec(keys=["c", "sha256:" + owner_of("d")])},
+                     admin_keys=["root"]).team_directory()
+    assert teams.resolve("a") == Principal(owner_of("a")) and teams.resolve("b") == Principal(owner_of("b"))
+    assert teams.resolve("c") == teams.resolve("d") == Principal("rl")
+    assert teams.resolve("root") == Principal("admin", admin=True) and teams.resolve("nope") is None
+    alone = Settings(api_keys=["a"]).team_directory()  # one team, no admin: its key is the operator too
+    assert alone.resolve("a") == Principal(owner_of("a"), admin=True)
+    with pytest.raises(ValueError, match="already given to team"):
+        Settings(teams={"x": TeamSpec(keys=["k"]), "y": TeamSpec(keys=["k"])})
+    with pytest.raises(ValueError, match="team name"):
+        Settings(teams={"Bad Name": TeamSpec(keys=["k"])})
+    assert Settings().team_directory().resolve(None) == Principal("", admin=True)  # no keys: open

@@ -10,9 +10,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from aenv.api import errors
-from aenv.api.auth import key_digests
 from aenv.api.proxy.codec import Message
 from aenv.gateway.fast_routes import FastRoutes
+from aenv.teams import Quota, TeamDirectory
 
 
 class Boom(Exception):
@@ -22,7 +22,7 @@ class Boom(Exception):
 def _app() -> tuple[FastAPI, FastRoutes]:
     api = FastAPI()
     errors.install(api)
-    api.state.api_key_digests = key_digests(["secret"])
+    api.state.teams = TeamDirectory(["secret"], {}, [], Quota())
 
     @api.exception_handler(Boom)
     async def _boom(_: Request, exc: Boom) -> JSONResponse:
@@ -34,7 +34,7 @@ def _app() -> tuple[FastAPI, FastRoutes]:
             raise Boom("node n2")
         if body.get("fail") == "crash":
             raise RuntimeError("unexpected")
-        return JSONResponse({"sandboxID": "sbx1", "gateway": request.app.state.api_key_digests == api.state.api_key_digests},
+        return JSONResponse({"sandboxID": "sbx1", "gateway": request.app.state.teams is api.state.teams},
                             status_code=201)  # fmt: skip
 
     return api, FastRoutes(api, {("POST", "/sandboxes"): create})

@@ -17,6 +17,7 @@ from aenv.gateway.control import Gateway
 from aenv.gateway.directory import Locator
 from aenv.gateway.forward import Relayed
 from aenv.gateway.nodes import Node, NodeSet
+from aenv.teams import Principal
 
 
 class VolumeDirectory:
@@ -25,7 +26,7 @@ class VolumeDirectory:
     def __init__(self, names: dict[str, str], ids: dict[str, str]) -> None:
         self.names = names
         self.ids = ids
-        self.keys: list[str | None] = []
+        self.owners: list[str] = []
 
     async def find_sandbox(self, sandbox_id: str) -> str | None:
         return None
@@ -36,8 +37,8 @@ class VolumeDirectory:
     async def find_volume(self, volume_id: str, path: str, headers: dict[str, str]) -> str | None:
         return self.ids.get(volume_id)
 
-    async def find_volume_named(self, name: str, api_key: str | None, headers: dict[str, str]) -> str | None:
-        self.keys.append(api_key)
+    async def find_volume_named(self, name: str, owner: str, headers: dict[str, str]) -> str | None:
+        self.owners.append(owner)
         return self.names.get(name)
 
 
@@ -79,7 +80,8 @@ def _request(gw: Gateway, method: str, path: str, body: Any = None) -> Request:
         return {"type": "http.request", "body": data, "more_body": False}
 
     scope = {"type": "http", "method": method, "path": path, "headers": [(b"x-api-key", b"k1")], "query_string": b"",
-             "app": SimpleNamespace(state=SimpleNamespace(gateway=gw))}  # fmt: skip
+             "app": SimpleNamespace(state=SimpleNamespace(gateway=gw)),
+             "state": {"principal": Principal("team-k1")}}  # what require_api_key leaves for the key  # fmt: skip
     return Request(scope, receive)
 
 
@@ -92,7 +94,7 @@ async def test_a_create_goes_where_its_volumes_are() -> None:
     mounts = [{"name": "data", "path": "/data"}, {"name": "ckpt:ro", "path": "/ckpt"}]
     r = await gw.create(_request(gw, "POST", "/v2/sandboxes", {"templateID": "base", "volumeMounts": mounts}))
     assert r.status_code == 201 and fwd.sent == [("n3", "/v2/sandboxes")]
-    assert gw.locator._directory.keys == ["k1", "k1"]  # type: ignore[attr-defined]
+    assert gw.locator._directory.owners == ["team-k1", "team-k1"]  # type: ignore[attr-defined]  # by the key's team
 
 
 async def test_a_create_without_known_volumes_is_placed_as_any() -> None:

@@ -14,6 +14,7 @@ from aenv.gateway.control import Gateway
 from aenv.gateway.directory import Locator
 from aenv.gateway.forward import Relayed
 from aenv.gateway.nodes import Node, NodeSet
+from aenv.teams import Quota, TeamDirectory
 from tests.unit.gateway.test_directory import FakeDirectory
 
 
@@ -29,6 +30,6 @@ def client(forwarder: object, router: APIRouter) -> TestClient:
         n.up = True
     app = FastAPI()
     app.state.gateway = Gateway(nodes, Locator(nodes, FakeDirectory({})), forwarder, random.Random(0))  # type: ignore[arg-type]
-    app.state.api_key_digests = set()
+    app.state.teams = TeamDirectory([], {}, [], Quota())  # no keys: open
     app.include_router(router)
     return TestClient(app)

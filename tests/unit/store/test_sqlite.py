@@ -112,6 +112,12 @@ def test_an_older_database_gains_the_new_columns_and_keeps_its_rows(tmp_path: Pa
         " depends_on TEXT NOT NULL DEFAULT '[]');"
         "INSERT INTO sandboxes (id, template_id, state, runtime, started_at, end_at, cpu_count, memory_mb, disk_mb)"
         " VALUES ('old1', 'base', 'paused', 'ns', 1.0, 2.0, 1, 256, 512);"
+        "CREATE TABLE templates (id TEXT PRIMARY KEY, alias TEXT UNIQUE, kind TEXT NOT NULL, source TEXT,"
+        " rootfs TEXT NOT NULL, lowers TEXT NOT NULL DEFAULT '[]', config TEXT NOT NULL DEFAULT '{}',"
+        " cpu_count INTEGER NOT NULL, memory_mb INTEGER NOT NULL, disk_mb INTEGER NOT NULL,"
+        " size_bytes INTEGER NOT NULL DEFAULT 0, created_at REAL NOT NULL, pinned_layers TEXT NOT NULL DEFAULT '[]');"
+        "INSERT INTO templates (id, alias, kind, rootfs, cpu_count, memory_mb, disk_mb, created_at)"
+        " VALUES ('t1', 'mine', 'image', '/r', 1, 256, 512, 1.0);"
     )
     db.commit()
     db.close()
@@ -131,8 +137,11 @@ def test_an_older_database_gains_the_new_columns_and_keeps_its_rows(tmp_path: Pa
         fourth = store.get_sandbox("old1")
         assert fourth is not None and fourth.has_network is True
         assert fourth.volume_mounts == []  # v5
+        assert fourth.owner == ""  # v6: made before teams: an admin's to see
+        template = store.get_template("mine")
+        assert template is not None and template.owner == "" and template.public is False
         version = store._query("SELECT value FROM meta WHERE key='schema_version'")[0]["value"]
-        assert int(version) == SCHEMA_VERSION == 5
+        assert int(version) == SCHEMA_VERSION == 6
     finally:
         store.close()
     Store(path).close()  # opening a migrated database again changes nothing
