@@ -146,6 +146,8 @@ class PauseHandover:
         try:
             async with lock:
                 if sandbox_id in self.orch.table:
+                    if owner is not None and self.orch.get(sandbox_id).row.owner != owner:
+                        raise SandboxNotFound(sandbox_id)
                     return await self.orch.connect(sandbox_id, timeout)
                 return await self._adopt(sandbox_id, timeout, owner), True
         finally:
