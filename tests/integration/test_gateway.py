@@ -294,7 +294,7 @@ def test_a_sandbox_the_gateway_never_saw_is_found_by_asking_the_nodes(cluster: C
     unknown = httpx.get(cluster.gw + "/files", params={"path": "/etc/hostname"}, trust_env=False,
                         headers={"E2b-Sandbox-Id": "nosuchsandbox0000000"})  # fmt: skip
     assert unknown.status_code == 502 and unknown.json()["message"] == "The sandbox was not found"  # E2B's words
-    assert "not found on any live node" in unknown.json()["detail"]
+    assert "nosuchsandbox0000000' not found" in unknown.json()["detail"]
 
 
 def test_the_gateway_checks_api_keys(cluster: Cluster) -> None:

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from aenv import __version__
 from aenv.api import errors, serialize
-from aenv.api.auth import require_api_key
+from aenv.api.auth import principal, require_api_key
 from aenv.api.proxy import SandboxProxy
 from aenv.api.routes_builds import router as builds_router
 from aenv.api.routes_builds import uploads as build_uploads_router
@@ -180,10 +180,13 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     @api.get("/aenv/info", dependencies=[Depends(require_api_key)])
-    async def info() -> JSONResponse:
+    async def info(request: Request) -> JSONResponse:
         orch = holder["orch"]
         out = {"version": __version__, **orch.stats(), "capabilities": orch.capabilities(), "ksm": orch.ksm.stats(),
                "network": net.private_info(settings)}
+        if principal(request).admin:  # what each team holds here: a gateway sums it for quotas across nodes
+            out["teams"] = {t: {"sandboxes": u.sandboxes, "vcpus": u.vcpus, "memoryMB": u.memory_mb}
+                            for t, u in orch.admission.usage_by_team().items()}  # fmt: skip
         if (directory := holder.get("directory")) is not None:
             out["cluster"] = {"nodeID": directory.node_id, "incarnation": directory.incarnation}
         return JSONResponse(out)

@@ -86,7 +86,7 @@ def create_gateway_app(settings: GatewaySettings) -> Any:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.gateway = gateway
-        app.state.teams = settings.teams or TeamDirectory(settings.api_keys, {}, [], Quota())
+        app.state.teams = gateway.teams = settings.teams or TeamDirectory(settings.api_keys, {}, [], Quota())
         if follower is not None:
             await follower.start()  # the node list first: the probes then reach every node
         await nodes.start()

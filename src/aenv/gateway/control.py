@@ -36,15 +36,16 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from aenv import __version__
-from aenv.api.auth import require_api_key
+from aenv.api.auth import principal, require_api_key
 from aenv.api.errors import error_response
-from aenv.gateway import machines, placement
+from aenv.gateway import machines, placement, quotas
 from aenv.gateway.directory import GatewayError, Locator, OwnerDown
 from aenv.gateway.forward import Forwarder, NodeUnreachable, Relayed
 from aenv.gateway.listing import Positions, merge_page
 from aenv.gateway.nodes import Node, NodeSet
 from aenv.gateway.volumes import mount_home
 from aenv.machine_key import MachineKey
+from aenv.teams import TeamDirectory
 
 log = logging.getLogger("aenv.gateway")
 
@@ -65,6 +66,7 @@ class Gateway:
         self.rng = rng or random.Random()
         self.on_created: list[Callable[[str], None]] = []  # a sandbox made through this gateway (create, fork)
         self.machines = machines.SnapshotMachines()  # the machine a snapshot restores on, where known
+        self.teams: TeamDirectory | None = None  # team quotas across the nodes (quotas.py); None: not checked
 
     # ---- creates ----------------------------------------------------------------------------
     def place(self, exclude: set[str], template: str | None, key: str | None, pinned: Node | None = None,
@@ -86,6 +88,9 @@ class Gateway:
 
     async def create(self, request: Request) -> Response:
         body = await request.body()
+        team = principal(request).team
+        if self.teams is not None and (over := quotas.check(self.teams, team, self.nodes.up())) is not None:
+            return over  # the team's total across the nodes (each node also checks its own share)
         template = _field(body, "templateID")
         key = request.headers.get("idempotency-key")
         pinned = await mount_home(self, request, body)
@@ -128,6 +133,7 @@ class Gateway:
             if got.status in (200, 201) and (sid := _field(got.body, "sandboxID")):
                 self.learn(_parsed(got.body), node)
                 node.placed += 1
+                node.placed_by_team[team] = node.placed_by_team.get(team, 0) + 1
                 self.created(sid)
             return got.response()
         if machine is not None and (live := self.nodes.up()):
@@ -303,8 +309,10 @@ def _field(body: bytes, name: str) -> str | None:
 
 
 def _located_error(exc: GatewayError, reason: str | None = None) -> JSONResponse:
-    extra = {"node": exc.node.id} if exc.node is not None else {}
-    return error_response(404, exc.message, None, reason=reason or exc.reason, **extra)
+    extra: dict[str, str] = {"node": exc.node.id} if exc.node is not None else {}
+    if why := reason or exc.reason:
+        extra["reason"] = why
+    return error_response(404, exc.message, None, **extra)
 
 
 def _down_headers(skipped: list[Node]) -> dict[str, str] | None:

@@ -31,7 +31,7 @@ MAX_CACHED = 1_000_000  # bindings kept in memory (least recently used dropped f
 class GatewayError(Exception):
     """The gateway could not say where a sandbox is."""
 
-    reason = "unknown"
+    reason: str | None = "unknown"
 
     def __init__(self, message: str, node: Node | None = None) -> None:
         super().__init__(message)
@@ -40,9 +40,11 @@ class GatewayError(Exception):
 
 
 class OwnerUnknown(GatewayError):
-    """No live node knows the ID (some nodes may be down: the message names them)."""
+    """No live node knows the ID (some nodes may be down: the message names them). Answered in a node's
+    own words for an unknown ID, with no reason: a node's 404 for another team's ID is relayed as the
+    same answer (``forward.Relayed``), so the gateway tells no one whether some team has the ID."""
 
-    reason = "not_found"
+    reason = None
 
 
 class OwnerDown(GatewayError):
@@ -193,7 +195,7 @@ class Locator:
                 self.remember(sandbox_id, node_id)
                 node = self.nodes.get(node_id)
         if node is None:
-            raise OwnerUnknown(f"sandbox '{sandbox_id}' not found on any live node{self._down_note()}")
+            raise OwnerUnknown(f"sandbox '{sandbox_id}' not found{self._down_note()}")
         if not node.up:
             raise OwnerDown(down_message(f"sandbox '{sandbox_id}'", node), node)
         return node
@@ -210,7 +212,7 @@ class Locator:
         """The node ``key`` is bound to, remembered in ``cache``. Raises OwnerDown or OwnerUnknown."""
         node = self.nodes.get(node_id) if node_id is not None else None
         if node is None:
-            raise OwnerUnknown(f"{what} '{key}' not found on any live node{self._down_note()}")
+            raise OwnerUnknown(f"{what} '{key}' not found{self._down_note()}")
         _put(cache, key, node.id, self._max)
         if not node.up:
             raise OwnerDown(down_message(f"{what} '{key}'", node), node)
@@ -220,7 +222,7 @@ class Locator:
         down = self.nodes.down()
         if not down:
             return ""
-        return " (down, so not asked: " + ", ".join(f"node {n.id} {n.url}" for n in down) + ")"
+        return " on any live node (down, so not asked: " + ", ".join(f"node {n.id} {n.url}" for n in down) + ")"
 
 
 def down_message(what: str, node: Node) -> str:

@@ -16,6 +16,7 @@ proxy does, both ways as they come, on a fresh connection.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from fastapi import Request
@@ -81,8 +82,20 @@ class Relayed:
         for k, v in self.headers:
             if k != "content-length":  # Response sets its own
                 out.headers.append(k, v)
-        out.headers[NODE_HEADER] = self.node.id
+        if not self.plain_not_found():
+            out.headers[NODE_HEADER] = self.node.id
         return out
+
+    def plain_not_found(self) -> bool:
+        """A 404 without a reason: a node's answer for an ID it does not know, or one of another team.
+        Relayed as the gateway answers an ID no node knows, without naming the node."""
+        if self.status != 404:
+            return False
+        try:
+            parsed = json.loads(self.body)
+        except ValueError:
+            return False
+        return isinstance(parsed, dict) and "reason" not in parsed
 
 
 class _Collect:

@@ -50,6 +50,8 @@ class Node:
     incarnation: int = 0  # the directory's, in cluster mode
     machine: MachineKey | None = None  # vm: the machine its saved state restores on (None: ns, or unknown)
     warm: dict[str, int] = field(default_factory=dict)  # ready pool entries per template ID and alias
+    teams: dict[str, dict[str, int]] = field(default_factory=dict)  # what each team holds there (quotas.py)
+    placed_by_team: dict[str, int] = field(default_factory=dict)  # ``placed``, per team
 
     def report(self, info: dict[str, Any]) -> None:
         """Take in the node's ``/aenv/info`` answer (one that carries its load)."""
@@ -59,7 +61,10 @@ class Node:
         self.machine = parse(info.get("machine"))
         warm = info.get("warm")
         self.warm = {str(k): v for k, v in warm.items() if isinstance(v, int) and v > 0} if isinstance(warm, dict) else {}
+        teams = info.get("teams")
+        self.teams = {str(k): v for k, v in teams.items() if isinstance(v, dict)} if isinstance(teams, dict) else {}
         self.placed = 0  # the report now counts them
+        self.placed_by_team = {}
         self.reported_at = time.time()
 
     def warm_for(self, template: str | None) -> bool:

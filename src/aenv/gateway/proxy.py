@@ -120,7 +120,8 @@ class GatewayProxy(SandboxProxy):
         try:
             await self._locator.owner(sandbox_id)
         except GatewayError as exc:
-            extra = {"reason": exc.reason, "detail": exc.message, **({"node": exc.node.id} if exc.node else {})}
+            extra = {"reason": exc.reason or "not_found", "detail": exc.message,
+                     **({"node": exc.node.id} if exc.node else {})}  # fmt: skip
             refused = sandbox_error(sandbox_id, "The sandbox was not found", **extra)  # E2B's words exactly
             if kind == "http":
                 await respond(send, *refused)

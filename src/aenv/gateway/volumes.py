@@ -50,8 +50,10 @@ def _auth(request: Request) -> dict[str, str]:
 
 def _error(exc: GatewayError) -> JSONResponse:
     """A volume on a node that is down is a 503 (it is not gone); one no live node knows, a 404."""
-    extra = {"node": exc.node.id} if exc.node is not None else {}
-    return error_response(503 if isinstance(exc, OwnerDown) else 404, exc.message, None, reason=exc.reason, **extra)
+    extra: dict[str, str] = {"node": exc.node.id} if exc.node is not None else {}
+    if exc.reason:
+        extra["reason"] = exc.reason
+    return error_response(503 if isinstance(exc, OwnerDown) else 404, exc.message, None, **extra)
 
 
 def _unreachable(exc: NodeUnreachable) -> JSONResponse:
