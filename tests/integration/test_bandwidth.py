@@ -1,21 +1,25 @@
 """Bandwidth limits (``runtime/shaping.py``) against a real server: throughput between a sandbox and a
 test host the test makes (``tests/fixtures/throughput.py``), with the server's default limits, a
-create's own (aenv's ``bandwidth`` option) and a fork child of that sandbox. The band is wide on
+create's own (aenv's ``bandwidth`` option), a fork child of that sandbox and a sandbox adopted after
+a restart. The band is wide on
 purpose (a shared 2-core machine; the 10% figure is the bench's, ``python -m bench --scenarios
 bandwidth``): these prove the limit is the one set, in each direction, not its precision.
 Marked ``sdk``: it runs on vm too (AENV_TEST_RUNTIME=vm)."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from e2b import Sandbox
 
-from aenv.testing.server import API_KEY, Server, discard_vm_state, start_server, stop_server
+from aenv.runtime.network import kill_slirps_serving
+from aenv.testing.server import API_KEY, KEEP_SANDBOXES, Server, discard_vm_state, start_server, stop_server
 from tests.fixtures.throughput import measure, throughput_host
 
 pytestmark = pytest.mark.sdk
@@ -108,3 +112,37 @@ def test_a_create_sets_its_own_and_a_fork_child_keeps_them(bw_server: Server, ho
             kid.kill()
     finally:
         sbx.kill()
+
+
+def test_limits_hold_after_a_restart(tmp_path: Path, runtime_name: str, host: str,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sandboxes outlive a server restart and keep their namespace's qdiscs; on ns a slirp4netns that
+    died meanwhile is started again by the adoption, and the limits are written again before it attaches
+    (``Slirp.start(again=True)``)."""
+    if runtime_name == "vm":
+        from aenv.config import Settings
+        from aenv.runtime.vm.runtime import unavailable_reason
+
+        if (why := unavailable_reason(Settings())) is not None:
+            pytest.skip(f"vm runtime unavailable: {why}")
+    srv = start_server(tmp_path, runtime_name, extra_env=KEEP_SANDBOXES)
+    for key in ("E2B_API_URL", "E2B_SANDBOX_URL"):
+        monkeypatch.setenv(key, srv.url)  # the same port after the restart
+    monkeypatch.setenv("E2B_API_KEY", API_KEY)
+    try:
+        answer = _create(srv, bandwidth={"egressMbit": 12})
+        assert answer.status_code == 201, answer.text
+        sid = answer.json()["sandboxID"]
+        ns_json = srv.state_dir / "sandboxes" / sid / "ns" / "ns.json"  # (its volume goes with the server)
+        init = int(json.loads(ns_json.read_text())["pid"]) if runtime_name == "ns" else None
+        stop_server(srv)
+        if init is not None:
+            assert kill_slirps_serving({init})  # its way out is gone until the adoption
+        srv = start_server(tmp_path, runtime_name, extra_env=KEEP_SANDBOXES, port=int(srv.url.rsplit(":", 1)[1]))
+        sbx = Sandbox.connect(sid)
+        up = _rate(sbx, host, "up", 12)
+        assert _within(up, 12), f"egress after a restart {up:.1f} Mbit/s, limit 12"
+        sbx.kill()
+    finally:
+        stop_server(srv)
+        discard_vm_state(srv.state_dir)

@@ -14,8 +14,9 @@ slirp4netns attaches to the existing device by name: the limit is there before t
 route out, for every namespace a sandbox gets (a launch, a pool's, a CRIU restore, a fork child, a
 vm's QEMU restored or resumed from disk). A sandbox taken from a pool was shaped with the server's
 default under its pool name; one created with other limits is rewritten (``apply``) before it is
-handed out. Only the host writes these: the sandbox's root has no CAP_NET_ADMIN. After a server
-restart the persistent tap keeps its qdiscs when slirp4netns is started again.
+handed out. Only the host writes these: the sandbox's root has no CAP_NET_ADMIN. Sandboxes outlive a
+server restart with their namespaces and qdiscs; one whose slirp4netns died meanwhile gets a fresh
+tap with its limits before the new slirp4netns attaches (``prepare(again=True)``).
 
 Not limited: a sandbox's ports reached through the server's proxy (a mux stream over a unix socket
 on ns, virtio-serial on vm: no network device on the way) and its loopback. A sandbox without
@@ -123,6 +124,19 @@ def _make_tap() -> None:
         os.close(fd)
 
 
+def _drop_tap() -> None:
+    """The calling thread's namespace's tap0, if a persistent one nobody holds is there, removed (its
+    qdiscs and the ifb's redirect with it)."""
+    if not _exists(TAP):
+        return
+    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(fd, _TUNSETIFF, struct.pack("16sH22x", TAP.encode(), _IFF_TAP | _IFF_NO_PI))
+        fcntl.ioctl(fd, _TUNSETPERSIST, 0)  # gone when this fd closes
+    finally:
+        os.close(fd)
+
+
 def _run(argv: list[str], lines: list[str]) -> tuple[int, str]:
     proc = subprocess.run(argv, input="\n".join(lines) + "\n", capture_output=True, text=True, check=False)
     return proc.returncode, proc.stderr.strip()
@@ -214,23 +228,22 @@ class Shaper:
     def prepare(self, key: str, pid: int, again: bool = False) -> None:
         """Blocking, before slirp4netns attaches to ``pid``'s namespace: tap0 with ``key``'s limits.
         Unlimited: nothing (slirp4netns makes its own tap). ``again``: the namespace had a
-        slirp4netns before (a restart): a tap of ours is still there, its qdiscs rewritten."""
+        slirp4netns before, which died (found so after a restart): a tap of ours outlives it with the
+        address and route it configured, on which a new ``slirp4netns --configure`` fails (EEXIST), so
+        it goes first and a fresh one is made."""
         bw = self.limits(key)
-        if bw.unlimited and not (again and _tap_in(pid)):
-            return
-        write(pid, bw)
+        if again:
+            try:
+                run_in_namespace(pid, "net", lambda _libc: _drop_tap(), thread_name=f"tc-{pid}")
+            except OSError as exc:
+                raise ShapingError(f"cannot remove the old {TAP}: {exc}") from exc
+        if not bw.unlimited:
+            write(pid, bw)
 
     def apply(self, key: str, pid: int) -> None:
         """Blocking: ``key``'s limits on the tap ``pid``'s namespace already has (a pooled one at
         hand-out, made under the pool's name with the default)."""
         write(pid, self.limits(key), make_tap=False)
-
-
-def _tap_in(pid: int) -> bool:
-    try:
-        return run_in_namespace(pid, "net", lambda _libc: _exists(TAP), thread_name=f"tc-{pid}")
-    except OSError:
-        return False
 
 
 SHAPER = Shaper()

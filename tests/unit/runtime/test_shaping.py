@@ -106,3 +106,17 @@ def test_limits_are_on_a_tap_made_before_slirp_and_rewritten_in_place(netns_pid:
 def test_a_namespace_that_is_gone_is_a_shaping_error() -> None:
     with pytest.raises(shaping.ShapingError):
         shaping.write(2**22 + 12345, Bandwidth(1, 1))
+
+
+def test_a_tap_left_by_a_dead_slirp_is_made_afresh(netns_pid: int) -> None:
+    s = Shaper()
+    s.register("sbx", Bandwidth(6, None))
+    s.prepare("sbx", netns_pid)
+    subprocess.run(["nsenter", "-t", str(netns_pid), "-n", "ip", "addr", "add", "10.0.2.100/24", "dev", TAP], check=True)
+    s.prepare("sbx", netns_pid, again=True)  # slirp4netns --configure would fail on the old address
+    addrs = subprocess.run(["nsenter", "-t", str(netns_pid), "-n", "ip", "-br", "addr", "show", TAP],
+                           capture_output=True, text=True, check=True).stdout
+    assert "10.0.2.100" not in addrs and "rate 6Mbit" in _qdiscs(netns_pid)
+    s.register("sbx", None)  # unlimited now: the old tap goes, slirp4netns makes its own
+    s.prepare("sbx", netns_pid, again=True)
+    assert TAP not in _qdiscs(netns_pid)
