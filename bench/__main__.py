@@ -35,6 +35,7 @@ from rich.console import Console
 from aenv.testing.procs import unwind_on_signals
 from aenv.testing.server import API_KEY, discard_vm_state, start_server, stop_server
 from bench import (
+    bandwidth,
     builds,
     cluster,
     core,
@@ -74,14 +75,16 @@ SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "lazy": lazy.lazy_start,
     "cluster": cluster.cluster_local,
     "interpreter": interpreter.interpreter,
+    "bandwidth": bandwidth.bandwidth,
 }
 GROUPS = {
     "core": ["create", "concurrent", "roundtrip", "files", "pause"],
     "snapshots": ["snapshot", "fork", "rollback", "released"],
     # rl-groups' rows are part of rl; lazy brings its own registry and servers (minutes), cluster needs
     # Ray and root, scale fills half the host's memory (a full run takes many minutes), interpreter builds
-    # the code-interpreter template's layers on first use (PyPI): run those by name
-    "all": [s for s in SCENARIOS if s not in ("rl-groups", "lazy", "cluster", "scale", "interpreter")],
+    # the code-interpreter template's layers on first use (PyPI), bandwidth makes a test host's network
+    # namespace (root) and takes tens of seconds of transfers: run those by name
+    "all": [s for s in SCENARIOS if s not in ("rl-groups", "lazy", "cluster", "scale", "interpreter", "bandwidth")],
 }
 
 

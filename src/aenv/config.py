@@ -183,6 +183,19 @@ class Settings(BaseModel):
         "only sandboxes whose allowOut names it, else every sandbox. Empty: none (every private range and "
         "the host refused)"
     )
+    egress_bandwidth_mbit: float = Field(
+        0, ge=0, description="what each sandbox with internet may send, Mbit/s (10^6 bit/s; tc in its network "
+        "namespace, README: Network rate limits); a create's bandwidth.egressMbit overrides it. 0 = unlimited "
+        "(max_bandwidth_mbit when that is set)"
+    )
+    ingress_bandwidth_mbit: float = Field(
+        0, ge=0, description="what each sandbox with internet may receive from outside, Mbit/s; a create's "
+        "bandwidth.ingressMbit overrides it. 0 = unlimited (max_bandwidth_mbit when that is set)"
+    )
+    max_bandwidth_mbit: float = Field(
+        0, ge=0, description="the most a create's bandwidth.egressMbit or ingressMbit may ask for, Mbit/s; "
+        "0 = no maximum (a create may also ask for 0, unlimited)"
+    )
     package_mirrors: dict[str, str] = Field(
         default_factory=dict, description="the operator's package mirrors, written into every sandbox at "
         "create: pip = an index URL (PIP_INDEX_URL), npm = a registry URL (NPM_CONFIG_REGISTRY), apt = a "
@@ -244,6 +257,19 @@ class Settings(BaseModel):
         if self.default_key_quota is not None and defaults.max_sandboxes is None:
             defaults = defaults.model_copy(update={"max_sandboxes": self.default_key_quota})
         return TeamDirectory(self.api_keys, self.teams, self.admin_keys, defaults, self.key_quotas)
+
+    @model_validator(mode="after")
+    def _bandwidth_under_max(self) -> Settings:
+        top = self.max_bandwidth_mbit
+        for name in ("egress_bandwidth_mbit", "ingress_bandwidth_mbit"):
+            if top and getattr(self, name) > top:
+                raise ValueError(f"{name} ({getattr(self, name)}) is above max_bandwidth_mbit ({top})")
+        return self
+
+    def default_bandwidth(self) -> tuple[float | None, float | None]:
+        """(egress, ingress) Mbit/s of a sandbox whose create did not say; None: unlimited."""
+        return (self.egress_bandwidth_mbit or self.max_bandwidth_mbit or None,
+                self.ingress_bandwidth_mbit or self.max_bandwidth_mbit or None)
 
     # Derived paths, kept here so every module agrees on the layout.
     @property

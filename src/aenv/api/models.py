@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
+from aenv.core.models import BandwidthRequest
 from aenv.core.network import NetworkRequest
 from aenv.errors import InvalidRequest
 
@@ -98,6 +99,17 @@ class VolumeMetadata(_Strict):
     mode: StrictInt | None = Field(default=None, ge=0, le=0o7777)
 
 
+class BandwidthConfig(_Strict):
+    """aenv's ``bandwidth`` of a create (E2B has none): Mbit/s, 0 = unlimited, left out = the server's
+    default; ranges and the operator's maximum are checked in ``core/bandwidth.py``."""
+
+    egressMbit: StrictFloat | None = None
+    ingressMbit: StrictFloat | None = None
+
+    def request(self) -> BandwidthRequest:
+        return BandwidthRequest(self.egressMbit, self.ingressMbit)
+
+
 class NewSandbox(_Strict):
     templateID: str = Field(min_length=1, max_length=256)
     timeout: StrictInt | None = None
@@ -116,6 +128,7 @@ class NewSandbox(_Strict):
     # aenv extensions (E2B sets resources per template; we also accept them per sandbox)
     cpuCount: StrictInt | None = Field(default=None, ge=1, le=64)
     memoryMB: StrictInt | None = Field(default=None, ge=64, le=262144)
+    bandwidth: BandwidthConfig | None = None
 
     def unsupported(self, prefix: str = "") -> list[str]:
         out = super().unsupported(prefix)

@@ -100,6 +100,7 @@ async def _create(request: Request, body: NewSandbox, orch: Orchestrator, idempo
         network=body.network.request() if body.network is not None else None,
         owner=owner,
         volume_mounts=tuple(parse_mounts([(m.name, m.path, m.readOnly) for m in body.volumeMounts or ()])),
+        bandwidth=body.bandwidth.request() if body.bandwidth is not None else None,
     )
     sbx = await orch.create(req)
     return JSONResponse(serialize.sandbox(sbx), status_code=201)

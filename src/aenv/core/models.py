@@ -46,6 +46,15 @@ class MountRequest:
 
 
 @dataclass(frozen=True)
+class BandwidthRequest:
+    """aenv's ``bandwidth`` of a create, Mbit/s: None = the server's default, 0 = unlimited
+    (checked against the operator's maximum in ``core/network.py``)."""
+
+    egress_mbit: float | None = None
+    ingress_mbit: float | None = None
+
+
+@dataclass(frozen=True)
 class CreateRequest:
     template: str
     timeout: int | None = None
@@ -62,6 +71,7 @@ class CreateRequest:
     network: NetworkRequest | None = None  # E2B's network settings (core/network.py)
     owner: str = ""  # the team it belongs to and whose quota it counts for (aenv/teams.py)
     volume_mounts: tuple[MountRequest, ...] = ()  # E2B volumeMounts (core/volumes.py)
+    bandwidth: BandwidthRequest | None = None  # aenv's per-sandbox limits (core/network.py)
 
 
 @dataclass(frozen=True)

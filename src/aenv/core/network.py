@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import Any
 
 from aenv.config import Settings
+from aenv.core import bandwidth
 from aenv.core.ids import new_token
 from aenv.core.models import NetworkRequest, SandboxState, require_state
 from aenv.errors import InvalidRequest
@@ -34,9 +35,11 @@ log = logging.getLogger("aenv.network")
 
 def configure(settings: Settings) -> None:
     """The server's ``sandbox_dns`` (where every sandbox's queries go, and the egress proxy asks) and
-    ``private_egress`` (what sandboxes may reach beyond the internet; host names resolved now). A bad
-    entry is an ``AllowlistError`` naming it: the server does not start."""
+    ``private_egress`` (what sandboxes may reach beyond the internet; host names resolved now), and
+    the default bandwidth limits. A bad entry is an ``AllowlistError`` naming it, limits the host
+    cannot enforce a ``BandwidthError``: the server does not start."""
     configure_dns(settings.sandbox_dns)
+    bandwidth.configure(settings)
     configure_private(allowlist.parse(settings.private_egress, settings.service_ports, allowlist.resolve_on_host))
 
 
@@ -46,10 +49,14 @@ def private_info(settings: Settings) -> dict[str, Any]:
             "packageMirrors": dict(settings.package_mirrors)}
 
 
-def row_fields(req: NetworkRequest | None, allow_internet: bool) -> dict[str, Any]:
+def row_fields(req: NetworkRequest | None, allow_internet: bool,
+               limits: dict[str, float] | None = None) -> dict[str, Any]:
     """The network columns of a new sandbox's row (``req`` validated: a 400 names what aenv cannot
-    enforce). ``allowOut`` gives a way out even without internet access (``needs_internet``)."""
+    enforce). ``allowOut`` gives a way out even without internet access (``needs_internet``).
+    ``limits``: aenv's bandwidth of the create (``bandwidth.record``), kept in the same record."""
     record = record_of(req)
+    if limits:
+        record[bandwidth.KEY] = limits
     return {
         "allow_internet": allow_internet,
         "network": record,
@@ -71,7 +78,7 @@ def record_of(req: NetworkRequest | None, keep: dict[str, Any] | None = None) ->
         out["denyOut"] = policy.record["denyOut"]
     if req.dns_servers is not None:
         out["dnsServers"] = policy.record["dnsServers"]
-    for key in ("allowPublicTraffic", "maskRequestHost"):
+    for key in ("allowPublicTraffic", "maskRequestHost", bandwidth.KEY):
         if keep and key in keep:
             out[key] = keep[key]
     if req.allow_public_traffic is not None:
@@ -108,7 +115,9 @@ def ingress_of(row: SandboxRow) -> tuple[str | None, str | None]:
 
 
 async def enforce(runtime: Runtime, row: SandboxRow) -> None:
-    """Register ``row``'s egress policy with the runtime (and apply it where the sandbox runs)."""
+    """Register ``row``'s egress policy and bandwidth limits with the runtime (and apply the policy
+    where the sandbox runs)."""
+    await bandwidth.register(runtime, row.id, row.network)
     if row.allow_internet and not row.network:
         return  # the common case: no rules
     policy = egress_of(row)
@@ -149,6 +158,7 @@ async def adopt(runtime: Runtime, row: SandboxRow, spec: SandboxSpec, stopped: b
     force. False when either fails: such a sandbox must not run on without its policy (the caller
     removes it: fail closed)."""
     try:
+        await bandwidth.register(runtime, row.id, row.network)  # a slirp4netns started again has them
         if not await runtime.adopt(row.id, spec, RuntimeState(row.runtime_state), stopped=stopped):
             return False
     except Exception:  # noqa: BLE001 - whatever it was, the sandbox was not adopted

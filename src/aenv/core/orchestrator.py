@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from aenv.config import Settings
-from aenv.core import mirrors
+from aenv.core import bandwidth, mirrors
 from aenv.core import network as net
 from aenv.core.admission import Admission
 from aenv.core.build_spec import BuildSpec
@@ -231,7 +231,7 @@ class Orchestrator:
                 auto_pause=req.auto_pause,
                 auto_pause_memory=req.auto_pause_memory,
                 auto_resume=req.auto_resume,
-                **net.row_fields(req.network, req.allow_internet),
+                **net.row_fields(req.network, req.allow_internet, bandwidth.record(req.bandwidth, self.settings)),
                 metadata=dict(req.metadata),
                 env_vars={**mirrors.env_for(self.settings), **req.env_vars},
                 access_token=new_token() if req.secure else None,

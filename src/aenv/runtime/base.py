@@ -28,6 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 from aenv.kinds import SnapshotMode
 from aenv.mux.stream import ByteStream
 from aenv.runtime.netpolicy import EgressPolicy
+from aenv.runtime.shaping import Bandwidth
 from aenv.snapshots.record import normalize
 
 
@@ -206,6 +207,15 @@ class EgressCapable(Protocol):
     async def set_egress(self, sandbox_id: str, policy: EgressPolicy | None) -> None:
         """Register the sandbox's policy (None or empty: no rules) for every network namespace the
         runtime makes for it from now on, and put it into the one it runs in, if any, at once."""
+
+
+@runtime_checkable
+class BandwidthCapable(Protocol):
+    """Optional runtime extension: per-sandbox bandwidth limits (``runtime/shaping.py``)."""
+
+    async def set_bandwidth(self, sandbox_id: str, bw: Bandwidth | None) -> None:
+        """Register the sandbox's own limits (None: the server's default) for every network
+        namespace the runtime makes for it from now on; an ``InvalidRequest`` where the host cannot."""
 
 
 @runtime_checkable

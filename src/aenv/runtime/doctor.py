@@ -101,6 +101,19 @@ def _private_egress(settings: Settings) -> str:
                      for d in allowed.describe())
 
 
+def _bandwidth(settings: Settings) -> str:
+    """The default limits and whether this host can enforce them (tc tried in a throwaway namespace)."""
+    from aenv.runtime.shaping import probe
+
+    egress, ingress = settings.default_bandwidth()
+    default = (f"default egress {egress or 'unlimited'}, ingress {ingress or 'unlimited'} Mbit/s"
+               + (f", max {settings.max_bandwidth_mbit}" if settings.max_bandwidth_mbit else ""))
+    if os.geteuid() != 0:
+        return f"{default} (needs root to check)"
+    why = probe()
+    return f"{default}; {'enforceable (tc tbf, ifb)' if why is None else why}"
+
+
 def collect(settings: Settings) -> dict[str, Any]:
     from aenv.runtime.select import auto_choice, vm_unavailable_reason
 
@@ -121,6 +134,7 @@ def collect(settings: Settings) -> dict[str, Any]:
         "lazy images": _lazy(settings),
         "ksm": _ksm(settings),
         "private egress": _private_egress(settings),
+        "bandwidth limits": _bandwidth(settings),
         "package mirrors": ", ".join(f"{k} {v}" for k, v in sorted(settings.package_mirrors.items())) or "none",
         "isolation note": "ns sandboxes share the host kernel (weaker isolation than vm); see README SECURITY",
         "state dir": str(settings.state_dir),

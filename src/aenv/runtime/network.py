@@ -37,6 +37,7 @@ from aenv.runtime.allowlist import TAP_ADDR, Allowlist
 from aenv.runtime.netpolicy import EgressPolicy, render
 from aenv.runtime.nsthread import run_in_namespace
 from aenv.runtime.process import ProcRef, Reaped
+from aenv.runtime.shaping import SHAPER, ShapingError
 
 log = logging.getLogger("aenv.runtime.network")
 
@@ -248,9 +249,17 @@ class Slirp:
     target: ProcRef | None = None  # the process whose network namespace it serves (the sandbox's init)
 
     @classmethod
-    async def start(cls, pid: int, timeout: float = 5.0, exit_fd: int | None = None) -> Slirp:
+    async def start(cls, pid: int, timeout: float = 5.0, exit_fd: int | None = None, key: str = "",
+                    again: bool = False) -> Slirp:
         """slirp4netns for the network namespace of ``pid``, once its tap is up. ``exit_fd``: the
-        read end of a pipe; slirp4netns exits when its last write end closes (vm: QEMU holds it)."""
+        read end of a pipe; slirp4netns exits when its last write end closes (vm: QEMU holds it).
+        ``key``: the sandbox (or pool name) the namespace is made for: its bandwidth limits are on
+        the tap before slirp4netns attaches (``shaping.py``); ``again``: the namespace had one before."""
+        if again or not SHAPER.limits(key).unlimited:
+            try:
+                await asyncio.to_thread(SHAPER.prepare, key, pid, again)
+            except ShapingError as exc:
+                raise NetworkError(f"bandwidth limits: {exc}") from exc
         rfd, wfd = os.pipe()
         extra = [] if exit_fd is None else ["--exit-fd", str(exit_fd)]
         if not _private.host_ports:  # else 10.0.2.2 is the host's loopback, open only at those ports

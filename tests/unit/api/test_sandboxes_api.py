@@ -164,3 +164,23 @@ def test_api_keys_enforced(settings, runtime, tmp_path) -> None:  # type: ignore
         _assert_error(c.get("/v2/sandboxes", headers={"X-API-KEY": "e2b_" + "2" * 40}), 401, "API key")
         assert c.get("/v2/sandboxes", headers={"X-API-KEY": "e2b_" + "1" * 40}).status_code == 200
         assert c.get("/health").status_code == 200
+
+
+def test_bandwidth_is_an_aenv_create_option(client: TestClient, runtime: FakeRuntime) -> None:
+    from aenv.runtime.shaping import Bandwidth
+
+    r = client.post("/v2/sandboxes", json={"templateID": "base", "bandwidth": {"egressMbit": 5, "ingressMbit": 0}})
+    assert r.status_code == 201, r.text
+    sid = r.json()["sandboxID"]
+    assert runtime.bandwidth[sid] == Bandwidth(5.0, None)  # registered before the runtime made it
+    assert client.get(f"/sandboxes/{sid}").json()["network"] == {"bandwidth": {"egressMbit": 5.0, "ingressMbit": 0.0}}
+    child = client.post(f"/sandboxes/{sid}/fork", json={"count": 1}).json()[0]["sandbox"]["sandboxID"]
+    assert runtime.bandwidth[child] == Bandwidth(5.0, None)  # the fork child keeps its parent's
+    plain = client.post("/v2/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+    assert runtime.bandwidth[plain] is None  # the server's default
+    _assert_error(client.post("/v2/sandboxes", json={"templateID": "base", "bandwidth": {"egressMbit": "5"}}), 400,
+                  "egressMbit")
+    _assert_error(client.post("/v2/sandboxes", json={"templateID": "base", "bandwidth": {"egressMbit": 0.001}}), 400,
+                  "bandwidth.egressMbit")
+    _assert_error(client.post("/v2/sandboxes", json={"templateID": "base", "bandwidth": {"upMbit": 1}}), 400,
+                  "bandwidth.upMbit")

@@ -29,6 +29,7 @@ from aenv.runtime.ns.host import LaunchReady, NsHost, Start
 from aenv.runtime.ns.release import RELEASED_DIR, NsReleaser, read_json
 from aenv.runtime.ns.sandbox import STATE_FILE, NsSandbox, Paths
 from aenv.runtime.ns.table import NsTable
+from aenv.runtime.shaping import SHAPER
 
 log = logging.getLogger("aenv.runtime.ns")
 
@@ -147,6 +148,7 @@ class NsLifecycle:
         if (live := self.table.running.get(sandbox_id)) is not None:
             await live.egress.settled()  # else its filter (and listener) could land after the forget
         ENFORCER.forget(sandbox_id)
+        SHAPER.forget(sandbox_id)
         workdir = self.table.workdir(sandbox_id, state)
         await self.releaser.settled(sandbox_id)
         released = self.releaser.forget(sandbox_id)
@@ -209,7 +211,7 @@ class NsLifecycle:
         if sbx.allow_internet and sbx.slirp is not None and not sbx.slirp.ref.alive():
             assert sbx.init is not None
             with contextlib.suppress(Exception):
-                sbx.slirp = await Slirp.start(sbx.init.pid)
+                sbx.slirp = await Slirp.start(sbx.init.pid, key=sandbox_id, again=True)
                 await asyncio.to_thread(sbx.write_state)
         if sbx.allow_internet and sbx.init is not None:
             sbx.egress.foreign = await foreign_rules(sbx.init.pid)

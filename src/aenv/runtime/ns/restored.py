@@ -81,7 +81,7 @@ class Restorer:
         if sbx.allow_internet:  # its policy in the filter before slirp gives the restored tree a way out
             if not filtered:
                 await self._filter_restored(sbx, ref)
-            sbx.slirp = await Slirp.start(pid)
+            sbx.slirp = await Slirp.start(pid, key=sbx.name)
             await asyncio.to_thread(sbx.write_state)
         await asyncio.to_thread(identity.set_hostname, pid, sid)  # CRIU brought back the parent's name
         await sbx._connect(wait=True)

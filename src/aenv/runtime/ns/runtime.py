@@ -39,6 +39,7 @@ from aenv.config import Settings
 from aenv.errors import RuntimeFailure, SandboxUnreachable, StateError
 from aenv.kinds import SnapshotMode
 from aenv.mux import ByteStream, MuxError
+from aenv.runtime import shaping
 from aenv.runtime.base import ResourceSample, RuntimeState, SandboxImage, SandboxSpec, SnapshotResult
 from aenv.runtime.egress import ENFORCER
 from aenv.runtime.envd_client import ENVD_PORT, EnvdError, init_payload, until_ready
@@ -63,6 +64,7 @@ from aenv.runtime.ns.sandbox import NsSandbox
 from aenv.runtime.ns.snapshot import NsSnapshots
 from aenv.runtime.ns.table import NsTable
 from aenv.runtime.ns.zygote import Zygote, socket_path_for, sweep_stale_sockets
+from aenv.runtime.shaping import SHAPER, Bandwidth
 from aenv.runtime.streams import open_checked
 from aenv.runtime.tools import ensure_tools
 
@@ -297,6 +299,9 @@ class NsRuntime:
                 opts = replace(host.opts(template, spec.allow_internet, limits, disk_mb=spec.disk_mb),
                                snapshot_layers=snapshot_layers, hostname=sid, volumes=spec.volumes)
                 sbx = await host.launch(sid, root, opts, keep_root=in_place)
+            if (hand_out is not None or sbx is prelaunched) and sbx.allow_internet and sbx.init and SHAPER.custom(sid):
+                # made under another name, with the default limits: this sandbox's before it is used
+                await asyncio.to_thread(SHAPER.apply, sid, sbx.init.pid)
             await sbx.init_envd(init_payload(spec), meanwhile=hand_out)
             if hand_out is None:  # launched for this create (a pooled one was ready before it was pooled)
                 await self._until_ready(sbx, template, spec.access_token)
@@ -388,6 +393,10 @@ class NsRuntime:
     async def rollback(self, sandbox_id: str, spec: SandboxSpec, snapshot: Path, result: SnapshotResult) -> RuntimeState:
         self._refuse_stopped(sandbox_id, "roll back")
         return await self._egress_ensured(sandbox_id, self.snapshots.rollback(sandbox_id, spec, snapshot, result))
+
+    # ---- bandwidth limits (runtime/shaping.py) ----------------------------------------------------
+    async def set_bandwidth(self, sandbox_id: str, bw: Bandwidth | None) -> None:
+        await shaping.register(sandbox_id, bw)
 
     # ---- egress policy (runtime/egress.py) --------------------------------------------------------
     async def set_egress(self, sandbox_id: str, policy: EgressPolicy | None) -> None:

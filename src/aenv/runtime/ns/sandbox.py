@@ -301,7 +301,7 @@ class NsSandbox:
         if opts.allow_internet:
             # filter first: the tap device (and so any route out) only exists once slirp is up
             await ENFORCER.install(self.name, self.init.pid, host_addrs)
-            self.slirp = await Slirp.start(self.init.pid)
+            self.slirp = await Slirp.start(self.init.pid, key=self.name)
             fault_point("ns.slirp.started")
             self.write_state()
         await self._connect(wait=True)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from aenv.runtime.egress import ENFORCER
 from aenv.runtime.network import RESOLV_CONF, Slirp, host_ipv4_addresses, slirp_available
+from aenv.runtime.shaping import SHAPER, ShapingError
 
 # ``$0`` is the resolv.conf to show QEMU; a host without one has no resolver to hide.
 _ENTER = 'if [ -e /etc/resolv.conf ]; then mount --bind "$0" /etc/resolv.conf || exit 97; fi; exec "$@"'
@@ -84,7 +85,7 @@ async def connect(pid: int, exit_fd: int, key: str = "", timeout: float = 5.0) -
                 await asyncio.sleep(0.001)
         addrs = await asyncio.to_thread(host_addresses)
         await ENFORCER.install(key, pid, addrs, jail=True)
-        return await Slirp.start(pid, exit_fd=exit_fd)
+        return await Slirp.start(pid, exit_fd=exit_fd, key=key)
     except TimeoutError as exc:
         raise JailError(f"process {pid} did not enter its own network namespace in {timeout:.0f} s") from exc
     except (RuntimeError, OSError) as exc:  # NetworkError: iptables-restore or slirp4netns failed
@@ -93,3 +94,13 @@ async def connect(pid: int, exit_fd: int, key: str = "", timeout: float = 5.0) -
         raise JailError(str(exc)) from exc
     finally:
         os.close(exit_fd)
+
+
+async def reshape(key: str, pid: int) -> None:
+    """The jail of ``pid``, made under a pool's name with the default bandwidth limits, given
+    ``key``'s where they differ (before the sandbox is handed out: ``shaping.py``)."""
+    if SHAPER.custom(key):
+        try:
+            await asyncio.to_thread(SHAPER.apply, key, pid)
+        except ShapingError as exc:
+            raise JailError(f"bandwidth limits: {exc}") from exc

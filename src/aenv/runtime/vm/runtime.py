@@ -45,11 +45,12 @@ from aenv.errors import RuntimeFailure, StateError
 from aenv.kinds import SnapshotMode
 from aenv.machine_key import MachineKey
 from aenv.mux import ByteStream
-from aenv.runtime import ksm
+from aenv.runtime import ksm, shaping
 from aenv.runtime.base import ResourceSample, RuntimeState, SandboxSpec, SnapshotResult
 from aenv.runtime.egress import ENFORCER
 from aenv.runtime.netpolicy import EgressPolicy
 from aenv.runtime.ns.disk import DiskQuota, remove_tree
+from aenv.runtime.shaping import SHAPER, Bandwidth
 from aenv.runtime.streams import open_checked
 
 from . import coldboot, compat, disk, frozen, netjail
@@ -281,6 +282,8 @@ class VmRuntime:
                 if sbx is None:
                     sbx = await self._spawn_restore(sid, tpl.key, spec.allow_internet, share=share)
                     sbx.volumes = spec.volumes if share else ()
+                elif sbx.machine.cfg.network == "user":  # jailed under its pool name, with the default limits
+                    await netjail.reshape(sid, sbx.machine.proc.pid)
                 if not sbx.restored:
                     await sbx.machine.restore(tpl.device_state)
                     sbx.restored = True
@@ -381,6 +384,7 @@ class VmRuntime:
 
     async def kill(self, sandbox_id: str, state: RuntimeState | None = None) -> None:
         ENFORCER.forget(sandbox_id)
+        SHAPER.forget(sandbox_id)
         self.release.cancel(sandbox_id)
         await self.snapshots.written(sandbox_id)
         sbx, rel, spec = self.table.remove(sandbox_id, drop_lock=True)
@@ -491,6 +495,10 @@ class VmRuntime:
         state = await self.snapshots.rollback(sandbox_id, spec, snapshot, result)
         await self._egress_ensure(sandbox_id)
         return state
+
+    # ---- bandwidth limits (runtime/shaping.py) ----------------------------------------------------
+    async def set_bandwidth(self, sandbox_id: str, bw: Bandwidth | None) -> None:
+        await shaping.register(sandbox_id, bw)
 
     # ---- egress policy (runtime/egress.py) --------------------------------------------------------
     async def set_egress(self, sandbox_id: str, policy: EgressPolicy | None) -> None:

@@ -356,6 +356,8 @@ class VmSnapshots:
             try:
                 if blank is not None:
                     blank.machine.set_nice(0)
+                    if blank.machine.cfg.network == "user":
+                        await netjail.reshape(sid, blank.machine.proc.pid)
                     if blank.machine.cfg.network == "user" and ENFORCER.has(sid):
                         # jailed under its pool name: the sandbox's policy before its guest runs
                         await ENFORCER.install(sid, blank.machine.proc.pid,
