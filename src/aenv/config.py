@@ -57,6 +57,10 @@ class Settings(BaseModel):
     admission_wait: float = Field(
         30.0, gt=0, description="seconds a create waits for a start slot before 429 (reason capacity); below the SDKs' 60 s request timeout"
     )
+    team_start_share: float = Field(
+        0.75, gt=0, le=1, description="with several teams, the share of max_concurrent_starts one team may hold at "
+        "once (the rest stays free for the others' creates)"
+    )
     admission_group_key: str = Field(
         "run", description="metadata key whose value, with the API key, makes a fair-share group of the admission queue"
     )

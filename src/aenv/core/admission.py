@@ -78,6 +78,7 @@ class Admission:
         self._queues: OrderedDict[str, OrderedDict[str, deque[asyncio.Future[None]]]] = OrderedDict()
         self._waiting = 0
         self._buckets: dict[str, _Bucket] = {}
+        self._starting_by_team: dict[str, int] = {}  # start slots each team holds
         self.on_refused: Callable[[str | None, str], None] | None = None  # (run, reason), e.g. run_metrics.py
         self.refusals: dict[tuple[str, str], int] = {}  # (team, quota) -> refusals, for /metrics
 
@@ -132,7 +133,7 @@ class Admission:
             self._check_total()  # the node may have filled up while it waited
             yield
         finally:
-            self._release()
+            self._release(owner)
 
     def _refused(self, run: str | None, exc: CapacityError) -> None:
         if self.on_refused is not None:
@@ -179,9 +180,34 @@ class Admission:
             raise CapacityError(f"sandbox limit of {self.settings.max_sandboxes} reached", retry_after=5,
                                 reason="capacity")
 
+    @property
+    def team_cap(self) -> int:
+        """Start slots one team may hold at once: all of them on a server of one team; with several,
+        ``team_start_share`` of them, so that another team's create finds a slot free at once rather
+        than waiting for one of a burst's starts to end."""
+        slots = self.settings.max_concurrent_starts
+        if len(self.teams.teams()) < 2:
+            return slots
+        return max(1, min(slots, int(slots * self.settings.team_start_share)))
+
+    def leave_pool(self, team: str) -> bool:
+        """Whether a create of ``team`` now should start fresh rather than take a pooled sandbox: on a
+        server of several teams, while the team has other starts in flight (a burst), the few pooled
+        sandboxes stay for the other teams' creates (a burst gains little from them; a lone create of
+        another team would otherwise pay a full start on a busy host)."""
+        return len(self.teams.teams()) >= 2 and self._starting_by_team.get(team, 0) > 1
+
+    def _eligible(self, team: str) -> bool:
+        return self._starting_by_team.get(team, 0) < self.team_cap
+
+    def _take(self, team: str) -> None:
+        self._starting_by_team[team] = self._starting_by_team.get(team, 0) + 1
+
     async def _acquire(self, team: str, run: str) -> None:
-        if self.starting < self.settings.max_concurrent_starts and not self._waiting:
+        waiters_first = any(self._eligible(t) for t in self._queues)  # served in turn before a newcomer
+        if self.starting < self.settings.max_concurrent_starts and self._eligible(team) and not waiters_first:
             self.starting += 1
+            self._take(team)
             return
         if self._waiting >= self.settings.admission_queue:
             raise CapacityError(
@@ -203,7 +229,7 @@ class Admission:
             ) from None
         except BaseException:
             if fut.done() and not fut.cancelled():
-                self._release()  # it was handed a slot it will not use
+                self._release(team)  # it was handed a slot it will not use
             else:
                 self._drop(team, run, fut)
             raise
@@ -220,10 +246,14 @@ class Admission:
                 del self._queues[team]
         fut.cancel()
 
-    def _release(self) -> None:
-        """A start ended: its slot goes to the first waiter of the next team in turn, of its next run."""
-        while self._queues:
-            team, runs = next(iter(self._queues.items()))
+    def _release(self, team: str) -> None:
+        """A start of ``team`` ended: its slot goes to the first waiter of the next team in turn that is
+        under its cap, of that team's next run."""
+        self._starting_by_team[team] -= 1
+        if not self._starting_by_team[team]:
+            del self._starting_by_team[team]
+        while (nxt := next((t for t in self._queues if self._eligible(t)), None)) is not None:
+            runs = self._queues[nxt]
             run, queue = next(iter(runs.items()))
             fut = queue.popleft()
             self._waiting -= 1
@@ -232,10 +262,11 @@ class Admission:
             else:
                 del runs[run]
             if runs:
-                self._queues.move_to_end(team)  # and between teams: this team goes last
+                self._queues.move_to_end(nxt)  # and between teams: this team goes last
             else:
-                del self._queues[team]
+                del self._queues[nxt]
             if not fut.done():
+                self._take(nxt)
                 fut.set_result(None)  # the slot passes on: ``starting`` stays the same
                 return
         self.starting -= 1

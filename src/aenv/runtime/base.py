@@ -75,6 +75,9 @@ class SandboxSpec:
     env_vars: dict[str, str] = field(default_factory=dict)  # sandbox-wide env (E2B envVars)
     access_token: str | None = None  # envd X-Access-Token, None = no envd auth
     volumes: tuple[VolumeBind, ...] = ()  # persistent volumes bound into the sandbox (VolumeCapable)
+    # False: start it fresh even if a pooled one is ready (core leaves the pool to other teams while this
+    # create's team has a burst of starts in flight: core/admission.py ``leave_pool``)
+    may_take_pooled: bool = True
 
 
 @dataclass(frozen=True)

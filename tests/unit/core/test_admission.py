@@ -173,3 +173,25 @@ def test_teams_from_settings() -> None:
     with pytest.raises(ValueError, match="team name"):
         Settings(teams={"Bad Name": TeamSpec(keys=["k"])})
     assert Settings().team_directory().resolve(None) == Principal("", admin=True)  # no keys: open
+
+
+async def test_a_teams_burst_leaves_start_slots_for_another_team() -> None:
+    adm = _admission(teams={"a": TeamSpec(keys=["ka"]), "b": TeamSpec(keys=["kb"])}, max_concurrent_starts=4)
+    assert adm.team_cap == 3  # team_start_share 0.75 of 4
+    hold = asyncio.Event()
+
+    async def create(team: str) -> None:
+        async with adm.slot(team, None):
+            await hold.wait()
+
+    burst = [asyncio.create_task(create("a")) for _ in range(6)]
+    await _ticks()
+    assert adm.starting == 3 and adm.waiting == 3  # a holds its share; one slot stays free
+    assert adm.leave_pool("a") and not adm.leave_pool("b")  # a's burst starts fresh; the pool stays for b
+    b = asyncio.create_task(create("b"))
+    await _ticks()
+    assert adm.starting == 4 and adm.waiting == 3  # b started at once, without waiting behind a's queue
+    hold.set()
+    await asyncio.gather(b, *burst)
+    assert adm.starting == 0 and adm.waiting == 0
+    assert not _admission(max_concurrent_starts=4).leave_pool("a")  # one team: the pool is all its own

@@ -274,7 +274,8 @@ class NsRuntime:
         in_place = root is not None  # rollback: on failure remove only the ns dir, not the whole workdir
         root = root or spec.workdir / "ns"
         sbx = prelaunched or (
-            self.pool.take(spec.template, spec.allow_internet) if use_pool and not snapshot_layers else None)
+            self.pool.take(spec.template, spec.allow_internet)
+            if use_pool and spec.may_take_pooled and not snapshot_layers else None)
         if sbx is None and not in_place and not spec.volumes:  # not pooled: the template's process image, if any
             restored = await self.procimages.start(spec, template, snapshot_layers)
             if restored is not None:
