@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -100,6 +102,11 @@ def test_two_teams_and_an_admin(cluster: NodeCluster, through: str) -> None:
                             headers={"X-API-KEY": BOB}, trust_env=False, timeout=60).json()  # fmt: skip
         assert reaped["killed"] == []
         assert alice.is_running()
+        # the CLI shows each key its own team, and the admin every team
+        shown = json.loads(subprocess.run([sys.executable, "-m", "aenv.cli.main", "teams", "-o", "json", "--server", url,
+                                           "--api-key", BOB], capture_output=True, text=True, check=True).stdout)
+        assert [t["team"] for t in shown] == ["bob"] and shown[0]["usage"]["sandboxes"] >= 1
+        assert shown[0]["quota"]["max_sandboxes"] == 2 and shown[0]["refused"].get("max_sandboxes", 0) >= 0
         assert Sandbox.kill(bob.sandbox_id, api_key=API_KEY, **_sdk(url)) is True
         second.kill()
     finally:

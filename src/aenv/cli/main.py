@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from aenv.cli import build, cluster, gateway, local
+from aenv.cli import build, cluster, gateway, local, teams
 from aenv.cli.remote import app, template_app
 
 app.command("build")(build.build)
+app.command("teams")(teams.teams)
 app.command("gateway", rich_help_panel="Many machines")(gateway.gateway)
 app.add_typer(cluster.cluster_app, name="cluster", rich_help_panel="Many machines")
 local.register(app, template_app)

@@ -1,5 +1,6 @@
 """What every node keeps for itself, seen through the gateway: the image cache (``/aenv/cache``: list,
-pin, prune) and the lifecycle webhooks' receivers and delivery log (``/aenv/webhooks``).
+pin, prune), the lifecycle webhooks' receivers and delivery log (``/aenv/webhooks``) and the teams' holdings
+(``/aenv/teams``).
 
 Each request goes to every live node at once and the answers are merged into the shape one node gives,
 so ``aenv cache ls`` and friends work unchanged against a gateway: sizes and counts summed, lists joined
@@ -162,3 +163,23 @@ async def deliveries(request: Request) -> Response:
     joined = [d for n, a in good.items() if isinstance(a, list) for d in _tagged(a, n)]
     joined.sort(key=lambda d: float(d.get("createdAt") or 0), reverse=True)
     return JSONResponse(joined[:limit], headers=_down_headers(skipped))
+
+
+@router.get("/aenv/teams")
+async def teams(request: Request) -> Response:
+    """Each team's holdings summed over the nodes (a node's own shape: ``aenv teams`` works unchanged);
+    the quotas are the same settings on every node, taken from the first answer."""
+    got = await _answers(request)
+    if isinstance(got, Response):
+        return got
+    good, skipped, _ = got
+    merged: dict[str, dict[str, Any]] = {}
+    for answer in good.values():
+        for t in answer if isinstance(answer, list) else ():
+            into = merged.setdefault(t["team"], {"team": t["team"], "usage": dict.fromkeys(t["usage"], 0),
+                                                 "quota": t["quota"], "refused": {}})  # fmt: skip
+            for k, v in t["usage"].items():
+                into["usage"][k] += v
+            for q, n in t["refused"].items():
+                into["refused"][q] = into["refused"].get(q, 0) + n
+    return JSONResponse([merged[k] for k in sorted(merged)], headers=_down_headers(skipped))
