@@ -74,6 +74,7 @@ async def request_build(body: BuildRequestBody, request: Request,
         if len(parts) != 2 or not all(_ID.match(p) for p in parts):
             raise InvalidRequest(f"{BUILD_IDS_HEADER}: give '<templateID> <buildID>' (letters, digits, '-')")
         ids = (parts[0], parts[1])
+    await orch.check_disk(tenancy.owner(request))
     rec = orch.request_build(name, list(body.tags or []), body.cpuCount, body.memoryMB, ids, tenancy.owner(request))
     return JSONResponse({"templateID": rec.template_id, "buildID": rec.build_id, "public": False,
                          "names": [rec.alias], "aliases": [rec.alias], "tags": rec.tags}, status_code=202)

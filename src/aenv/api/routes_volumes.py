@@ -38,6 +38,7 @@ def _owner(request: Request) -> str | None:
 @control.post("/volumes", status_code=201)
 async def create_volume(request: Request, body: NewVolume, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
     body.refuse_unsupported()
+    await orch.check_disk(tenancy.owner(request))
     row = await orch.volumes.create(tenancy.owner(request), body.name)
     return JSONResponse(serialize.volume(row), status_code=201)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from aenv.config import Settings
-from aenv.core import bandwidth, mirrors
+from aenv.core import bandwidth, mirrors, team_disk
 from aenv.core import network as net
 from aenv.core.admission import Admission
 from aenv.core.build_spec import BuildSpec
@@ -514,7 +514,12 @@ class Orchestrator:
 
     # ---- checkpoints: snapshots.py --------------------------------------------------------------
     async def snapshot(self, sandbox_id: str, name: str | None, mode: str) -> SnapshotRow:
+        await self.check_disk(self.get(sandbox_id).row.owner)
         return await self.snapshots.create(sandbox_id, name, mode)
+
+    async def check_disk(self, owner: str) -> None:
+        """Refuse a team that keeps its whole ``max_disk_mb`` already (``team_disk.py``)."""
+        await team_disk.check_disk(self.admission, self.store, self.volumes, owner)
 
     async def fork(self, sandbox_id: str, count: int, timeout: int | None) -> list[LiveSandbox | AenvError]:
         out = await self.snapshots.fork(sandbox_id, count, timeout)
@@ -567,6 +572,7 @@ class Orchestrator:
 
     async def pull_template(self, image: str, *, progress: ProgressCallback | None = None,
                             **options: Any) -> tuple[TemplateRow, str]:
+        await self.check_disk(str(options.get("owner", "")))
         return await self.template_flows.pull(image, progress=progress, **options)
 
     async def delete_template(self, name: str) -> None:

@@ -221,3 +221,22 @@ def test_quotas_refuse_with_their_name_and_value(settings: Settings, tmp_path: P
         metrics = client.get("/metrics").text
         assert 'aenv_team_sandboxes{team="small"} 2' in metrics and 'aenv_team_quota{team="small",quota="max_vcpus"} 3' in metrics
         assert 'aenv_team_refusals_total{team="small",quota="max_sandboxes"} 2' in metrics
+
+
+def test_disk_quota_counts_what_a_team_keeps(settings: Settings, tmp_path: Path) -> None:
+    configured = settings.model_copy(update={
+        "teams": {"small": TeamSpec(keys=["s"], max_disk_mb=1), "big": TeamSpec(keys=["b"])},
+    })
+    with keyed_client(configured, MountingRuntime(), tmp_path) as client:
+        small = {"X-API-KEY": "s"}
+        vol = client.post("/volumes", json={"name": "data"}, headers=small).json()["volumeID"]
+        (configured.volumes_dir / vol / "blob").write_bytes(b"x" * (2 << 20))  # 2 MiB kept
+        over = client.post("/volumes", json={"name": "more"}, headers=small)
+        assert over.status_code == 429 and over.json()["quota"] == "max_disk_mb" and over.json()["limit"] == 1
+        sid = client.post("/v2/sandboxes", json={"templateID": "base"}, headers=small).json()["sandboxID"]
+        snap = client.post(f"/sandboxes/{sid}/snapshots", json={}, headers=small)
+        assert snap.status_code == 429 and snap.json()["quota"] == "max_disk_mb"
+        assert client.post("/v3/templates", json={"name": "t"}, headers=small).status_code == 429
+        assert client.post("/volumes", json={"name": "data"}, headers={"X-API-KEY": "b"}).status_code == 201
+        assert client.delete(f"/volumes/{vol}", headers=small).status_code == 204
+        assert client.post("/volumes", json={"name": "more"}, headers=small).status_code == 201
