@@ -78,6 +78,21 @@ class NetworkUpdate(NetworkConfig):
         return super().request(prefix)
 
 
+class NewSecret(_Strict):
+    """``POST /secrets``. The value is write-only (core/secrets.py checks it without repeating it)."""
+
+    name: str = Field(max_length=1024)
+    value: str
+    metadata: dict[str, str] | None = None
+
+
+class SecretUpdate(_Strict):
+    """``POST /secrets/{id}``: a new value (the next version); metadata, if given, replaces the old."""
+
+    value: str
+    metadata: dict[str, str] | None = None
+
+
 class VolumeMount(_Strict):
     """One of E2B's ``volumeMounts``; ``readOnly`` is aenv's (the SDK says it with ``name:ro``)."""
 

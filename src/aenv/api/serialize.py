@@ -18,6 +18,7 @@ from aenv.core.table import LiveSandbox
 from aenv.envd import ENVD_VERSION
 from aenv.kinds import SandboxState
 from aenv.runtime.base import ResourceSample
+from aenv.store.secrets import SecretRow
 from aenv.store.volumes import VolumeRow
 
 CLIENT_ID = "aenv"
@@ -93,6 +94,12 @@ def volume(row: VolumeRow, *, token: bool = True) -> dict[str, Any]:
     if token:
         out["token"] = row.token
     return out
+
+
+def secret(row: SecretRow) -> dict[str, Any]:
+    """E2B ``Secret``: metadata only (a ``SecretRow`` has no value to show)."""
+    return {"secretID": row.id, "name": row.name, "currentVersion": row.version, "metadata": row.metadata,
+            "createdAt": iso(row.created_at), "updatedAt": iso(row.updated_at)}
 
 
 def detail(sbx: LiveSandbox) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from aenv.core.sync import SnapshotSync
 from aenv.core.table import LiveSandbox, SandboxTable
 from aenv.core.template_flows import TemplateFlows
 from aenv.core.templates import TemplateCatalog
+from aenv.core.secrets import Secrets
 from aenv.core.volumes import Volumes
 from aenv.errors import (
     AenvError,
@@ -85,6 +86,7 @@ class Orchestrator:
         self.gone = GoneLog(store)
         self.table = SandboxTable(self.gone.find)
         self.volumes = Volumes(settings, store, runtime, self.table)
+        self.secrets = Secrets(store)
         self.ctx = Context(settings, store, runtime, templates, self.table, gone=self.gone, volumes=self.volumes)
         net.configure(settings)
         self.sync = SnapshotSync(self.ctx)
