@@ -13,6 +13,7 @@ from aenv.api import serialize
 from aenv.api.auth import presented_key, require_api_key
 from aenv.api.deps import orchestrator
 from aenv.api.models import ConnectBody, NetworkUpdate, NewSandbox, PauseBody, ResumeBody, TimeoutBody
+from aenv.api.routes_secrets import secret_owner
 from aenv.core import sandbox_logs
 from aenv.core.admission import owner_of
 from aenv.core.models import CreateRequest, ListQuery, SandboxState
@@ -99,6 +100,7 @@ async def _create(request: Request, body: NewSandbox, orch: Orchestrator, idempo
         idempotency_key=idempotency_key,
         network=body.network.request() if body.network is not None else None,
         owner=owner,
+        secrets_owner=secret_owner(request),
         volume_mounts=tuple(parse_mounts([(m.name, m.path, m.readOnly) for m in body.volumeMounts or ()])),
     )
     sbx = await orch.create(req)
@@ -220,10 +222,11 @@ async def kill_sandbox(sandbox_id: str, orch: Orchestrator = Depends(orchestrato
 
 
 @router.put("/sandboxes/{sandbox_id}/network", status_code=204)
-async def update_network(sandbox_id: str, body: NetworkUpdate, orch: Orchestrator = Depends(orchestrator)) -> Response:
+async def update_network(request: Request, sandbox_id: str, body: NetworkUpdate,
+                         orch: Orchestrator = Depends(orchestrator)) -> Response:
     """E2B's live network update (``sbx.update_network``): the body replaces the egress rules."""
     body.refuse_unsupported()
-    await orch.update_network(sandbox_id, body.request(), body.allow_internet_access)
+    await orch.update_network(sandbox_id, body.request(), body.allow_internet_access, secret_owner(request))
     return Response(status_code=204)
 
 

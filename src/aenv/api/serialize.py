@@ -14,6 +14,7 @@ import datetime as dt
 from contextvars import ContextVar
 from typing import Any
 
+from aenv.core import network as net
 from aenv.core.table import LiveSandbox
 from aenv.envd import ENVD_VERSION
 from aenv.kinds import SandboxState
@@ -108,7 +109,7 @@ def detail(sbx: LiveSandbox) -> dict[str, Any]:
     out["domain"] = DOMAIN.get()
     out["allowInternetAccess"] = row.allow_internet
     if row.network:
-        out["network"] = dict(row.network)
+        out["network"] = net.shown(row.network)  # header rule values masked
     out["lifecycle"] = {"autoResume": row.auto_resume, "onTimeout": "pause" if row.auto_pause else "kill"}
     if sbx.state is SandboxState.PAUSED and row.pause_mode is not None:
         out["pauseMode"] = str(row.pause_mode)  # what the pause kept: full, or filesystem (files only)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import secrets as _random
 import time
+from collections.abc import Callable
 
 from aenv.errors import InvalidRequest, NotFound
 from aenv.store.secrets import SecretLog, SecretRow
@@ -104,3 +105,16 @@ class Secrets:
 
     def value_of(self, secret_id: str) -> str | None:
         return self.log.value_of(secret_id)
+
+    def binder(self, owner: str) -> Callable[[str], str]:
+        """Secret name -> ID within ``owner``'s, for a sandbox's header rules (``runtime/egress_rules.py``):
+        an unknown name is a 400 of the request that names it."""
+
+        def bind(name: str) -> str:
+            try:
+                return self.find(owner, name).id
+            except SecretNotFound:
+                raise InvalidRequest(f"network.rules: secret '{name}' not found (create it with "
+                                     "POST /secrets, Secret.create, first)") from None
+
+        return bind
