@@ -131,8 +131,10 @@ def test_an_older_database_gains_the_new_columns_and_keeps_its_rows(tmp_path: Pa
         fourth = store.get_sandbox("old1")
         assert fourth is not None and fourth.has_network is True
         assert fourth.volume_mounts == []  # v5
+        assert store._query("SELECT count(*) AS n FROM secrets")[0]["n"] == 0  # v6: new tables
+        assert store._query("SELECT count(*) AS n FROM egress_cas")[0]["n"] == 0
         version = store._query("SELECT value FROM meta WHERE key='schema_version'")[0]["value"]
-        assert int(version) == SCHEMA_VERSION == 5
+        assert int(version) == SCHEMA_VERSION == 6
     finally:
         store.close()
     Store(path).close()  # opening a migrated database again changes nothing
