@@ -5,6 +5,7 @@ owner's secret answering as an unknown one, E2B-shaped 400s that never repeat a 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from starlette.testclient import TestClient
 
@@ -21,8 +22,19 @@ def _settings(tmp_path: Path) -> Settings:
     return Settings(state_dir=tmp_path / "state", cache_dir=tmp_path / "cache", api_keys=[A["X-API-KEY"], B["X-API-KEY"]])
 
 
+class EgressRuntime(FakeRuntime):
+    """The fake runtime, taking egress policies (what it got, by sandbox)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.egress: dict[str, Any] = {}
+
+    async def set_egress(self, sandbox_id: str, policy: Any) -> None:
+        self.egress[sandbox_id] = policy
+
+
 def _client(tmp_path: Path) -> TestClient:
-    return TestClient(create_app(_settings(tmp_path), runtime=FakeRuntime(), ensure_base=False))  # type: ignore[arg-type]
+    return TestClient(create_app(_settings(tmp_path), runtime=EgressRuntime(), ensure_base=False))  # type: ignore[arg-type]
 
 
 def test_crud_by_id_and_name_values_write_only(tmp_path: Path) -> None:
@@ -92,3 +104,25 @@ def test_paging_and_persistence(tmp_path: Path) -> None:
         assert store.secrets.value_of(sid) == VALUE
     db = (tmp_path / "state" / "aenv.db").read_bytes()
     assert b"sk-unit-" in db  # stored in the database itself, not only in memory (kill -9 keeps it)
+
+
+def test_rules_bind_the_owners_secrets_and_are_masked(tmp_path: Path) -> None:
+    rules = {"api.example.com": [{"transform": {"headers": {"Authorization": "Bearer ${e2b.secrets.key}",
+                                                            "X-Literal": "lit-" + VALUE}}}]}
+    with _client(tmp_path) as c:
+        c.app.app.state.catalog.register(alias="base", kind="bootstrap", rootfs=tmp_path, template_id="base")  # type: ignore[attr-defined]
+        sid = c.post("/secrets", json={"name": "key", "value": VALUE}, headers=A).json()["secretID"]
+        refused = c.post("/v2/sandboxes", json={"templateID": "base", "network": {"rules": rules}}, headers=B)
+        assert refused.status_code == 400 and "secret 'key' not found" in refused.json()["message"]  # B's: none
+        made = c.post("/v2/sandboxes", json={"templateID": "base", "network": {"rules": rules}}, headers=A)
+        assert made.status_code == 201, made.text
+        box = made.json()["sandboxID"]
+        detail = c.get(f"/sandboxes/{box}", headers=A)
+        assert detail.json()["network"]["rules"] == {
+            "api.example.com": [{"transform": {"headers": {"Authorization": "***", "X-Literal": "***"}}}]}
+        assert VALUE not in detail.text and sid not in detail.text
+        row = c.app.app.state.orchestrator.get(box).row  # type: ignore[attr-defined]
+        assert row.network["secretIDs"] == {"key": sid} and VALUE not in str({**row.network, "rules": None})
+        upd = c.put(f"/sandboxes/{box}/network", json={"rules": {"x.example.com": [
+            {"transform": {"headers": {"X": "${e2b.secrets.missing}"}}}]}}, headers=A)
+        assert upd.status_code == 400 and "missing" in upd.json()["message"]
