@@ -200,10 +200,10 @@ class Enforcer:
         """The sandbox is gone: drop its policy and end its proxy and connections."""
         self.policies.pop(key, None)
         self._installed.pop(key, None)
-        if self._cas.pop(key, None) is not None or self._ca_store is not None:
-            with contextlib.suppress(Exception):  # noqa: BLE001 - a CA row left behind is only a row
-                if self._ca_store is not None:
-                    self._ca_store.delete(key)
+        self._cas.pop(key, None)
+        if self._ca_store is not None:
+            with contextlib.suppress(Exception):  # a CA row left behind is only a row
+                self._ca_store.delete(key)
         lst = self._listeners.pop(key, None)
         if lst is not None:
             lst.close()

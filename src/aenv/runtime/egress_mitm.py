@@ -86,16 +86,15 @@ class _TlsSide(_Side):
         await self._flush()
 
     async def read(self) -> bytes:
+        eof = False
         while True:
             try:
                 return self._tls.read(_CHUNK)
             except ssl.SSLWantReadError:
                 await self._flush()
-                if not await self._fill() and self._in.pending == 0:
-                    try:
-                        return self._tls.read(_CHUNK)
-                    except (ssl.SSLError, ssl.SSLWantReadError):
-                        return b""
+                if eof:  # a record cut short by the end of the connection
+                    return b""
+                eof = not await self._fill()
             except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
                 return b""
 
