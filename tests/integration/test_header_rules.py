@@ -152,7 +152,9 @@ def test_header_rules_with_a_secret(tmp_path: Path, runtime_name: str, hosts: Ec
 
         marker = "planted-" + os.urandom(8).hex()  # the searches find what is there
         sbx.files.write("/tmp/marker.txt", marker)
-        assert "/tmp/marker.txt" in _inside(sbx, marker) and _on_disk(tmp_path / "state", marker.encode())
+        assert "/tmp/marker.txt" in _inside(sbx, marker)
+        if runtime_name == "ns":  # its files are plain files under the state dir (vm: a qcow2 the guest caches)
+            assert _on_disk(tmp_path / "state", marker.encode())
         for s in (sbx, kid, quiet):
             assert _inside(s, SECRET) == "" and _inside(s, ROTATED) == ""
         log = srv.log_path.read_text(errors="replace")
