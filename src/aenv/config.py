@@ -180,6 +180,11 @@ class Settings(BaseModel):
         "10.0.2.3 are redirected to it, and the egress proxy resolves domain rules with it); unset = the "
         "host's resolver, through slirp4netns"
     )
+    egress_extra_ca: Path | None = Field(
+        None, description="a PEM bundle of CAs the egress proxy trusts, besides the system's, when it "
+        "verifies the servers of a sandbox's network.rules domains (a private or test CA); unset = the "
+        "system's only"
+    )
     private_egress: list[str] = Field(
         default_factory=list, description="private destinations sandboxes may reach (README, Security): "
         "[named:]DEST[:PORT] with DEST an IPv4 address, CIDR or host name (resolved by the host at start), "
@@ -248,6 +253,8 @@ class Settings(BaseModel):
     def _tls_pair(self) -> Settings:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: set both or neither")
+        if self.egress_extra_ca is not None and not self.egress_extra_ca.is_file():
+            raise ValueError(f"egress_extra_ca: {self.egress_extra_ca} is not a file")
         return self
 
     @model_validator(mode="after")

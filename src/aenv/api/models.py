@@ -42,8 +42,9 @@ class AutoResume(_Strict):
 
 class NetworkConfig(_Strict):
     """E2B's ``network`` (create) and the body of ``PUT /sandboxes/{id}/network``. What aenv enforces:
-    the egress lists, allowPublicTraffic and maskRequestHost (create only), allow_internet_access
-    (update only); a field it does not is refused by name unless it asks for nothing."""
+    the egress lists, the header rules (``rules``: checked in ``runtime/egress_rules.py``),
+    allowPublicTraffic and maskRequestHost (create only), allow_internet_access (update only); a field
+    it does not is refused by name unless it asks for nothing."""
 
     allowOut: list[str] | None = None
     denyOut: list[str] | None = None
@@ -58,13 +59,10 @@ class NetworkConfig(_Strict):
         """The validated settings (the egress lists themselves are checked in ``core/network.py``)."""
         if self.egressProxy is not None:
             raise InvalidRequest(f"{prefix}egressProxy: a SOCKS5 egress proxy is not supported by aenv")
-        if self.rules:
-            raise InvalidRequest(f"{prefix}rules: per-domain request transforms are not supported by aenv "
-                                 "(they need TLS interception); allowOut takes domains")
         if self.httpsPorts:
             raise InvalidRequest(f"{prefix}httpsPorts: the proxy reaches sandbox ports over plain HTTP only")
         return NetworkRequest(self.allowOut, self.denyOut, self.dnsServers, self.allowPublicTraffic,
-                              self.maskRequestHost)
+                              self.maskRequestHost, self.rules or None)
 
 
 class NetworkUpdate(NetworkConfig):
@@ -77,6 +75,21 @@ class NetworkUpdate(NetworkConfig):
             if getattr(self, name) is not None:
                 raise InvalidRequest(f"{name}: set at create only (E2B's network update does not take it)")
         return super().request(prefix)
+
+
+class NewSecret(_Strict):
+    """``POST /secrets``. The value is write-only (core/secrets.py checks it without repeating it)."""
+
+    name: str = Field(max_length=1024)
+    value: str
+    metadata: dict[str, str] | None = None
+
+
+class SecretUpdate(_Strict):
+    """``POST /secrets/{id}``: a new value (the next version); metadata, if given, replaces the old."""
+
+    value: str
+    metadata: dict[str, str] | None = None
 
 
 class VolumeMount(_Strict):

@@ -226,7 +226,8 @@ async def kill_sandbox(sandbox_id: str, orch: Orchestrator = Depends(orchestrato
 
 
 @router.put("/sandboxes/{sandbox_id}/network", status_code=204)
-async def update_network(sandbox_id: str, body: NetworkUpdate, orch: Orchestrator = Depends(orchestrator)) -> Response:
+async def update_network(request: Request, sandbox_id: str, body: NetworkUpdate,
+                         orch: Orchestrator = Depends(orchestrator)) -> Response:
     """E2B's live network update (``sbx.update_network``): the body replaces the egress rules."""
     body.refuse_unsupported()
     await orch.update_network(sandbox_id, body.request(), body.allow_internet_access)

@@ -14,10 +14,12 @@ import datetime as dt
 from contextvars import ContextVar
 from typing import Any
 
+from aenv.core import network as net
 from aenv.core.table import LiveSandbox
 from aenv.envd import ENVD_VERSION
 from aenv.kinds import SandboxState
 from aenv.runtime.base import ResourceSample
+from aenv.store.secrets import SecretRow
 from aenv.store.volumes import VolumeRow
 
 CLIENT_ID = "aenv"
@@ -95,13 +97,19 @@ def volume(row: VolumeRow, *, token: bool = True) -> dict[str, Any]:
     return out
 
 
+def secret(row: SecretRow) -> dict[str, Any]:
+    """E2B ``Secret``: metadata only (a ``SecretRow`` has no value to show)."""
+    return {"secretID": row.id, "name": row.name, "currentVersion": row.version, "metadata": row.metadata,
+            "createdAt": iso(row.created_at), "updatedAt": iso(row.updated_at)}
+
+
 def detail(sbx: LiveSandbox) -> dict[str, Any]:
     out = _common(sbx)
     row = sbx.row
     out["domain"] = DOMAIN.get()
     out["allowInternetAccess"] = row.allow_internet
     if row.network:
-        out["network"] = dict(row.network)
+        out["network"] = net.shown(row.network)  # header rule values masked
     out["lifecycle"] = {"autoResume": row.auto_resume, "onTimeout": "pause" if row.auto_pause else "kill"}
     if sbx.state is SandboxState.PAUSED and row.pause_mode is not None:
         out["pauseMode"] = str(row.pause_mode)  # what the pause kept: full, or filesystem (files only)

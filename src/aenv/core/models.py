@@ -6,6 +6,7 @@ These are plain dataclasses; ``api/`` converts E2B-shaped JSON into them and bac
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from aenv.errors import StateError
 from aenv.kinds import SandboxState
@@ -34,6 +35,7 @@ class NetworkRequest:
     dns_servers: list[str] | None = None
     allow_public_traffic: bool | None = None
     mask_request_host: str | None = None
+    rules: Any = None  # E2B's header rules, as sent (runtime/egress_rules.py validates them)
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ class CreateRequest:
     memory_mb: int | None = None
     idempotency_key: str | None = None
     network: NetworkRequest | None = None  # E2B's network settings (core/network.py)
-    owner: str = ""  # the team it belongs to and whose quota it counts for (aenv/teams.py)
+    owner: str = ""  # the team it belongs to, whose quota it counts for and whose secrets its rules name
     volume_mounts: tuple[MountRequest, ...] = ()  # E2B volumeMounts (core/volumes.py)
     bandwidth: BandwidthRequest | None = None  # aenv's per-sandbox limits (core/network.py)
 

@@ -13,6 +13,7 @@ QEMUs, cold starts) and ``update`` replaces it live. The orchestrator only calls
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -20,15 +21,23 @@ from aenv.config import Settings
 from aenv.core import bandwidth
 from aenv.core.ids import new_token
 from aenv.core.models import NetworkRequest, SandboxState, require_state
+from aenv.core.secrets import Secrets
 from aenv.errors import InvalidRequest
 from aenv.runtime import allowlist
 from aenv.runtime.base import EgressCapable, Runtime, RuntimeState, SandboxSpec
+from aenv.runtime.egress import ENFORCER
+from aenv.runtime.egress_rules import masked
+from aenv.runtime.envd_client import ENVD_PORT, egress_trust
+from aenv.runtime.envd_client import request as envd_request
 from aenv.runtime.netpolicy import EgressPolicy, from_record, parse
 from aenv.runtime.network import BLOCKED_RANGES, configure_dns, configure_private, private_allowlist
-from aenv.store.sqlite import SandboxRow
+from aenv.store.secrets import CaLog
+from aenv.store.sqlite import SandboxRow, Store
 
-__all__ = ["NetworkRequest", "adopt", "configure", "egress_of", "enforce", "ingress_of", "private_info", "row_fields",
-           "update"]
+Bind = Callable[[str], str]
+
+__all__ = ["NetworkRequest", "adopt", "configure", "configure_rules", "egress_of", "enforce", "ingress_of", "private_info",
+           "row_fields", "shown", "update"]
 
 log = logging.getLogger("aenv.network")
 
@@ -49,12 +58,20 @@ def private_info(settings: Settings) -> dict[str, Any]:
             "packageMirrors": dict(settings.package_mirrors)}
 
 
-def row_fields(req: NetworkRequest | None, allow_internet: bool,
+def configure_rules(settings: Settings, secrets: Secrets, store: Store) -> None:
+    """What the egress proxy's header rules read: secret values (by the ID a rule was bound to), the
+    sandboxes' CAs (kept in the store), the operator's extra CA bundle for upstream servers."""
+    extra = str(settings.egress_extra_ca) if settings.egress_extra_ca else None
+    ENFORCER.configure_rules(secrets.value_of, CaLog(store), extra)
+
+
+def row_fields(req: NetworkRequest | None, allow_internet: bool, bind: Bind | None = None,
                limits: dict[str, float] | None = None) -> dict[str, Any]:
     """The network columns of a new sandbox's row (``req`` validated: a 400 names what aenv cannot
     enforce). ``allowOut`` gives a way out even without internet access (``needs_internet``).
+    ``bind``: secret name -> ID for the rules' placeholders (the creating owner's secrets).
     ``limits``: aenv's bandwidth of the create (``bandwidth.record``), kept in the same record."""
-    record = record_of(req)
+    record = record_of(req, bind=bind)
     if limits:
         record[bandwidth.KEY] = limits
     return {
@@ -65,13 +82,20 @@ def row_fields(req: NetworkRequest | None, allow_internet: bool,
     }
 
 
-def record_of(req: NetworkRequest | None, keep: dict[str, Any] | None = None) -> dict[str, Any]:
+def record_of(req: NetworkRequest | None, keep: dict[str, Any] | None = None, bind: Bind | None = None) -> dict[str, Any]:
     """The row's ``network`` for ``req`` (validated: a 400 names what aenv cannot enforce). ``keep``:
-    the settings of the old record an update does not touch (inbound ones)."""
+    the settings of the old record an update does not touch (inbound ones). The header rules are kept
+    as sent (placeholders, never values) with the secret IDs their names were bound to."""
     if req is None:
         return {}
-    policy = parse(req.allow_out, req.deny_out, req.dns_servers, BLOCKED_RANGES, private=private_allowlist())
+    if req.rules is not None and bind is None:
+        raise InvalidRequest("network.rules: not accepted here")
+    policy = parse(req.allow_out, req.deny_out, req.dns_servers, BLOCKED_RANGES, private=private_allowlist(),
+                   rules=req.rules, bind=bind)
     out: dict[str, Any] = {}
+    if policy.rules:
+        out["rules"] = policy.record["rules"]
+        out["secretIDs"] = policy.record["secretIDs"]
     if req.allow_out is not None:
         out["allowOut"] = policy.record["allowOut"]
     if req.deny_out is not None:
@@ -89,6 +113,15 @@ def record_of(req: NetworkRequest | None, keep: dict[str, Any] | None = None) ->
         ):
             raise InvalidRequest("network.maskRequestHost: a host name (with ${PORT} where the port goes)")
         out["maskRequestHost"] = req.mask_request_host
+    return out
+
+
+def shown(record: dict[str, Any]) -> dict[str, Any]:
+    """A row's ``network`` as API answers show it: the rules' domains and header names, their values
+    masked (a value may be a credential given in clear), the bound secret IDs left out."""
+    out = {k: v for k, v in record.items() if k != "secretIDs"}
+    if isinstance(rules := out.get("rules"), dict):
+        out["rules"] = masked(rules)
     return out
 
 
@@ -128,20 +161,41 @@ async def enforce(runtime: Runtime, row: SandboxRow) -> None:
     await runtime.set_egress(row.id, policy)
 
 
-async def update(runtime: Runtime, store: Any, sbx: Any, req: NetworkRequest, allow_internet: bool | None) -> None:
+async def update(runtime: Runtime, store: Any, sbx: Any, req: NetworkRequest, allow_internet: bool | None,
+                 bind: Bind | None = None) -> None:
     """``PUT /sandboxes/{id}/network``: the body replaces the egress settings (a field left out is
-    cleared; ``allow_internet_access`` left out means true), inbound ones stay. Under the sandbox's
-    lock, running or paused; a paused sandbox resumes with the new policy in its filter."""
+    cleared; ``allow_internet_access`` left out means true; E2B: ``rules`` "replaces all existing rules
+    when provided", and so does aenv), inbound ones stay. Under the sandbox's lock, running or paused;
+    a paused sandbox resumes with the new policy in its filter."""
     async with sbx.lock:
         require_state(sbx.id, sbx.state, SandboxState.RUNNING, SandboxState.PAUSED, action="update the network of")
-        await _update_locked(runtime, store, sbx, req, allow_internet)
+        await _update_locked(runtime, store, sbx, req, allow_internet, bind)
+    if sbx.state is SandboxState.RUNNING and (trust := egress_trust(sbx.id, sbx.row.env_vars)):
+        await _trust(runtime, sbx.id, trust)
 
 
-async def _update_locked(runtime: Runtime, store: Any, sbx: Any, req: NetworkRequest, allow_internet: bool | None) -> None:
+async def _trust(runtime: Runtime, sandbox_id: str, trust: dict[str, Any]) -> None:
+    """A running sandbox given header rules trusts its egress CA from now on (an ``/init`` with only
+    that: the create's and every restore's ``/init`` carry it too). A sandbox that cannot be told
+    keeps running: its TLS to rule domains then fails verification, closed."""
+    try:
+        stream = await runtime.open_stream(sandbox_id, ENVD_PORT)
+        try:
+            status, _ = await envd_request(stream, "POST", "/init", trust)
+        finally:
+            await stream.aclose()
+        if status >= 300:
+            log.warning("sandbox=%s its envd refused the egress CA (%d)", sandbox_id, status)
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        log.warning("sandbox=%s the egress CA could not be installed: %r", sandbox_id, exc)
+
+
+async def _update_locked(runtime: Runtime, store: Any, sbx: Any, req: NetworkRequest, allow_internet: bool | None,
+                         bind: Bind | None) -> None:
     if not isinstance(runtime, EgressCapable):
         raise InvalidRequest(f"network: the {runtime.name} runtime cannot enforce egress rules")
     row: SandboxRow = sbx.row
-    new = replace(row, network=record_of(req, keep=row.network), allow_internet=allow_internet is not False)
+    new = replace(row, network=record_of(req, keep=row.network, bind=bind), allow_internet=allow_internet is not False)
     if needs_internet(new) and not sbx.spec.allow_internet:  # the spec says whether it has a network
         raise InvalidRequest(
             "network: this sandbox was created with allow_internet_access: false and has no network; aenv "

@@ -39,6 +39,7 @@ from aenv.core.ids import new_id, new_token
 from aenv.core.models import CreateRequest, ListQuery, SandboxState, require_state
 from aenv.core.node_facts import placement_facts
 from aenv.core.recovery import recover
+from aenv.core.secrets import Secrets
 from aenv.core.snapshots import SnapshotFlows, result_of
 from aenv.core.sync import SnapshotSync
 from aenv.core.table import LiveSandbox, SandboxTable
@@ -86,8 +87,10 @@ class Orchestrator:
         self.gone = GoneLog(store)
         self.table = SandboxTable(self.gone.find)
         self.volumes = Volumes(settings, store, runtime, self.table)
+        self.secrets = Secrets(store)
         self.ctx = Context(settings, store, runtime, templates, self.table, gone=self.gone, volumes=self.volumes)
         net.configure(settings)
+        net.configure_rules(settings, self.secrets, store)
         self.sync = SnapshotSync(self.ctx)
         self.snapshots = SnapshotFlows(self.ctx, self.sync)
         self.template_flows = TemplateFlows(self.ctx)
@@ -141,8 +144,10 @@ class Orchestrator:
         await self.runtime.close()
 
     async def update_network(self, sandbox_id: str, req: net.NetworkRequest, allow_internet: bool | None) -> None:
-        """``PUT /sandboxes/{id}/network``: replace the sandbox's egress rules, live (``network.update``)."""
-        await net.update(self.runtime, self.store, self.get(sandbox_id), req, allow_internet)
+        """``PUT /sandboxes/{id}/network``: replace the sandbox's egress rules, live (``network.update``);
+        the rules' secrets are its team's."""
+        sbx = self.get(sandbox_id)
+        await net.update(self.runtime, self.store, sbx, req, allow_internet, self.secrets.binder(sbx.row.owner))
 
     # ---- queries --------------------------------------------------------------------------------
     def get(self, sandbox_id: str) -> LiveSandbox:
@@ -232,7 +237,8 @@ class Orchestrator:
                 auto_pause=req.auto_pause,
                 auto_pause_memory=req.auto_pause_memory,
                 auto_resume=req.auto_resume,
-                **net.row_fields(req.network, req.allow_internet, bandwidth.record(req.bandwidth, self.settings)),
+                **net.row_fields(req.network, req.allow_internet, self.secrets.binder(req.owner),
+                                 bandwidth.record(req.bandwidth, self.settings)),
                 metadata=dict(req.metadata),
                 env_vars={**mirrors.env_for(self.settings), **req.env_vars},
                 access_token=new_token() if req.secure else None,

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
@@ -17,7 +18,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from aenv.envd import limits, mergeable
+from aenv.envd import limits, mergeable, trust
 from aenv.envd.auth import TokenMiddleware
 from aenv.envd.connect import Receive, Scope, Send
 from aenv.envd.files import FilesRoutes, error_response
@@ -134,12 +135,20 @@ def build_app(state: SandboxState | None = None, table: ProcessTable | None = No
                 raise ValueError("body must be a JSON object")  # noqa: TRY004
             host_time, seed = parse_host_facts(body)
             wanted_limits = limits.parse(body)
+            egress_ca = trust.check(body["aenvEgressCa"]) if body.get("aenvEgressCa") is not None else None
             apply_init(state, body)
         except ClientDisconnect:
             return Response(status_code=400)
         except ValueError as exc:
             return error_response(400, f"invalid init body: {exc}")
         done = apply_host_facts(host_time, seed)
+        if egress_ca is not None:  # the egress proxy's CA for this sandbox's header rules (envd/trust.py)
+            try:
+                await asyncio.to_thread(trust.install, egress_ca)
+                done["egressCa"] = "trusted"
+            except OSError as exc:
+                log.warning("init: cannot trust the egress CA: %s", exc)
+                done["egressCa"] = "failed"
         mergeable.rearm()  # /init follows every restore: processes started from now on are mergeable again
         if wanted_limits is not None:
             try:

@@ -15,6 +15,11 @@ bytes, takes the TLS SNI or the HTTP ``Host``, and lets the connection through o
 domain, to an address that domain resolves to (the sandbox's claim of a name cannot send it to any
 other address: a name from the sandbox's ``/etc/hosts`` is resolved again), never to the host or a
 private range; anything else is closed. It connects from the host's side as slirp4netns does.
+
+E2B's header rules (``network.rules``) send TCP to ports 80 and 443 (and those a rule names) to the
+same proxy, whatever the address: a connection whose name matches a rule is served by
+``egress_mitm.py`` (TLS terminated with the sandbox's own CA, headers set on every request), to an
+address the name resolves to; any other goes on to where it was going, if the policy allows it.
 """
 
 from __future__ import annotations
@@ -27,12 +32,16 @@ import ipaddress
 import logging
 import os
 import socket
+import ssl
 import struct
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from aenv.runtime import network
+from aenv.runtime import egress_rules, network
+from aenv.runtime.egress_ca import EgressCa, new_ca, upstream_context
+from aenv.runtime.egress_mitm import intercept
 from aenv.runtime.netpolicy import EgressPolicy
 from aenv.runtime.nsthread import run_in_namespace
 from aenv.runtime.sniff import MAX_PEEK, NeedMore, a_answers, a_query, host_name
@@ -124,6 +133,14 @@ class _Listener:
             w.close()
 
 
+class CaStore(Protocol):
+    """Where the sandboxes' egress CAs are kept (``store/secrets.CaLog``)."""
+
+    def get(self, sandbox_id: str) -> tuple[bytes, bytes] | None: ...
+    def put(self, sandbox_id: str, cert_pem: bytes, key_pem: bytes, at: float) -> None: ...
+    def delete(self, sandbox_id: str) -> None: ...
+
+
 class Enforcer:
     """Policies by sandbox, the filters they became, and the egress proxy's listeners."""
 
@@ -133,6 +150,42 @@ class Enforcer:
         self._host_addrs: set[str] = set()
         self._installed: dict[str, int] = {}  # key -> the network namespace (inode) its filter is in
         self._resolved: dict[str, tuple[float, list[str]]] = {}
+        # header rules: set by the server at start (``configure_rules``)
+        self._secret_value: Callable[[str], str | None] = lambda _id: None
+        self._ca_store: CaStore | None = None
+        self._cas: dict[str, EgressCa] = {}
+        self._extra_ca: str | None = None
+        self._upstream_ssl: ssl.SSLContext | None = None
+
+    def configure_rules(self, secret_value: Callable[[str], str | None], ca_store: CaStore | None,
+                        extra_ca: str | None) -> None:
+        """What header rules need: a secret's current value by ID, where CAs are kept, and the extra
+        CA bundle upstream servers are verified with (besides the system's)."""
+        self._secret_value, self._ca_store, self._extra_ca = secret_value, ca_store, extra_ca
+        self._upstream_ssl = None
+
+    def ca(self, key: str) -> EgressCa:
+        """``key``'s egress CA: loaded, or made (and kept) the first time."""
+        ca = self._cas.get(key)
+        if ca is None:
+            kept = self._ca_store.get(key) if self._ca_store is not None else None
+            if kept is None:
+                kept = new_ca(key)
+                if self._ca_store is not None:
+                    self._ca_store.put(key, *kept, time.time())
+                    kept = self._ca_store.get(key) or kept  # a concurrent maker's, if it won
+            ca = self._cas[key] = EgressCa(*kept)
+        return ca
+
+    def ca_pem(self, key: str) -> bytes | None:
+        """The certificate ``key``'s sandbox must trust: its CA's, where its policy has header rules."""
+        policy = self.policies.get(key)
+        return self.ca(key).cert_pem if policy is not None and policy.rules else None
+
+    def _upstream(self) -> ssl.SSLContext:
+        if self._upstream_ssl is None:
+            self._upstream_ssl = upstream_context(self._extra_ca)
+        return self._upstream_ssl
 
     def register(self, key: str, policy: EgressPolicy | None) -> None:
         if policy is None or policy.empty:
@@ -147,6 +200,10 @@ class Enforcer:
         """The sandbox is gone: drop its policy and end its proxy and connections."""
         self.policies.pop(key, None)
         self._installed.pop(key, None)
+        self._cas.pop(key, None)
+        if self._ca_store is not None:
+            with contextlib.suppress(Exception):  # a CA row left behind is only a row
+                self._ca_store.delete(key)
         lst = self._listeners.pop(key, None)
         if lst is not None:
             lst.close()
@@ -265,13 +322,28 @@ class Enforcer:
         except (TimeoutError, ConnectionError):
             return
         policy = self.policies.get(key)
-        if policy is None or name is None or not policy.allows_domain(name):
+        rules = egress_rules.matching(policy.rules, name, port) if policy is not None and name else []
+        if policy is not None and (rules or (name and policy.allows_domain(name))):
+            assert name is not None
+            addrs = await self._resolve(name)
+            target = dst if dst in addrs else next(iter(addrs), None)
+            if target is None or self._unreachable(target):
+                log.info("sandbox=%s egress denied: %s resolves to %s", key, name, addrs or "nothing")
+                return
+            if rules and not (policy.allows_domain(name) or policy.ip_allowed(target)):
+                log.info("sandbox=%s egress denied: %s:%d (%s)", key, dst, port, name)
+                return
+        elif policy is not None and policy.ip_allowed(dst) and not self._unreachable(dst):
+            target = dst  # a rule's port, not a rule's name: on to where it was going
+        else:
             log.info("sandbox=%s egress denied: %s:%d (%s)", key, dst, port, name or "no host name")
             return
-        addrs = await self._resolve(name)
-        target = dst if dst in addrs else next(iter(addrs), None)
-        if target is None or self._unreachable(target):
-            log.info("sandbox=%s egress denied: %s resolves to %s", key, name, addrs or "nothing")
+        if rules:
+            assert name is not None
+            tls = data[:1] == b"\x16"
+            ca = await asyncio.to_thread(self.ca, key) if tls else None
+            await intercept(key, reader, writer, data, host=name, target=target, port=port, rules=rules, tls=tls,
+                            ca=ca, upstream_ssl=self._upstream() if tls else None, lookup=self._secret_value)
             return
         try:
             up_reader, up_writer = await asyncio.open_connection(target, port)

@@ -17,6 +17,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from aenv.envd.trust import ENV as CA_ENV
+from aenv.runtime.egress import ENFORCER
+
 if TYPE_CHECKING:
     from aenv.runtime.base import SandboxSpec
 
@@ -312,7 +315,7 @@ def warm_up_request(user: str = "user") -> bytes:
 def init_payload(spec: SandboxSpec) -> dict[str, Any]:
     """The ``POST /init`` body that gives envd a sandbox's identity: ID, template, env vars, access
     token, default user and directory (the vm runtime adds host facts and limits to it)."""
-    return {
+    payload: dict[str, Any] = {
         "envVars": dict(spec.env_vars),
         "accessToken": spec.access_token,
         "defaultUser": spec.template.user or None,
@@ -320,3 +323,14 @@ def init_payload(spec: SandboxSpec) -> dict[str, Any]:
         "sandboxId": spec.sandbox_id,
         "templateId": spec.template.template_id,
     }
+    return payload | egress_trust(spec.sandbox_id, spec.env_vars)
+
+
+def egress_trust(sandbox_id: str, env_vars: dict[str, str] | None = None) -> dict[str, Any]:
+    """The ``/init`` fields that make the sandbox trust its egress CA (``envd/trust.py``), where its
+    policy has header rules: the certificate, and the variables that point clients with bundles of
+    their own at it (the sandbox's own envVars win). Empty otherwise."""
+    pem = ENFORCER.ca_pem(sandbox_id)
+    if pem is None:
+        return {}
+    return {"aenvEgressCa": pem.decode(), "envVars": {**CA_ENV, **(env_vars or {})}}

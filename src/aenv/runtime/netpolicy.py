@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from aenv.errors import InvalidRequest
+from aenv.runtime import egress_rules
 from aenv.runtime.allowlist import HOST_SERVICES, TAP_ADDR, Allowlist
+from aenv.runtime.egress_rules import HeaderRule
 
 ALL_TRAFFIC = "0.0.0.0/0"
 MAX_ENTRIES = 256  # per list: every entry is an iptables rule on a sandbox's path out
@@ -48,15 +50,22 @@ class EgressPolicy:
     deny_nets: tuple[Net, ...] = ()
     dns_servers: tuple[str, ...] | None = None  # None: the field was not given (the resolver is allowed)
     private_nets: tuple[Net, ...] = ()  # allowOut's private entries, each inside the operator's allowlist
+    rules: tuple[HeaderRule, ...] = ()  # network.rules: header transforms (runtime/egress_rules.py)
     # The wire form it was parsed from (allowOut/denyOut as sent, normalised), for the detail and the store.
     record: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
     def empty(self) -> bool:
-        return not self.deny_nets and not self.private_nets
+        return not self.deny_nets and not self.private_nets and not self.rules
 
     @property
     def needs_proxy(self) -> bool:
+        """Connections go to the egress proxy: to denied addresses where it can let a domain through,
+        and to the ports of the header rules."""
+        return self.proxies_denied or bool(self.rules)
+
+    @property
+    def proxies_denied(self) -> bool:
         """Connections to denied addresses go to the egress proxy, which can let a domain through."""
         return bool(self.allow_domains and self.deny_nets)
 
@@ -87,7 +96,7 @@ class EgressPolicy:
         if Net(ALL_TRAFFIC) in self.deny_nets:
             return self
         return EgressPolicy(self.allow_nets, self.allow_domains, (*self.deny_nets, Net(ALL_TRAFFIC)),
-                            self.dns_servers, self.private_nets, self.record)
+                            self.dns_servers, self.private_nets, self.rules, self.record)
 
 
 def domain_matches(pattern: str, name: str) -> bool:
@@ -124,11 +133,13 @@ def _strings(value: Any, where: str, limit: int) -> list[str]:
 
 
 def parse(allow_out: Any, deny_out: Any, dns_servers: Any, blocked: Iterable[str], prefix: str = "network.",
-          private: Allowlist | None = None, lenient: bool = False) -> EgressPolicy:
+          private: Allowlist | None = None, lenient: bool = False, rules: Any = None,
+          bind: Callable[[str], str] | None = None, bound: dict[str, str] | None = None) -> EgressPolicy:
     """Validate E2B's lists. Anything aenv could not enforce is a 400 naming it: IPv6, a domain in
     ``denyOut``, or an allow entry that only names ranges sandboxes never reach (``blocked``) and
     the operator's allowlist (``private``) does not cover. ``lenient``: such an entry is left out
-    instead (a stored record, from before the operator narrowed the allowlist)."""
+    instead (a stored record, from before the operator narrowed the allowlist). ``rules``, ``bind``,
+    ``bound``: E2B's header rules and their secrets (``egress_rules.parse``)."""
     blocked_nets = [Net(b) for b in blocked]
     private = private or Allowlist()
     allow_nets: list[Net] = []
@@ -170,11 +181,16 @@ def parse(allow_out: Any, deny_out: Any, dns_servers: Any, blocked: Iterable[str
                                      "aenv sandboxes never reach those")
             found.append(str(net.network_address))
         servers = tuple(found)
+    header_rules, secret_ids = egress_rules.parse(rules, prefix, bind, bound)
     record: dict[str, Any] = {"allowOut": [*map(_show, allow_nets), *map(_show, private_nets), *domains],
                               "denyOut": [*map(_show, deny_nets)]}
     if servers is not None:
         record["dnsServers"] = list(servers)
-    return EgressPolicy(tuple(allow_nets), tuple(domains), tuple(deny_nets), servers, tuple(private_nets), record)
+    if header_rules:
+        record["rules"] = rules
+        record["secretIDs"] = secret_ids
+    return EgressPolicy(tuple(allow_nets), tuple(domains), tuple(deny_nets), servers, tuple(private_nets),
+                        header_rules, record)
 
 
 def _show(net: Net) -> str:
@@ -185,7 +201,8 @@ def from_record(record: dict[str, Any] | None, blocked: Iterable[str], private: 
     """The policy a stored record describes (the record came out of :func:`parse`); a private entry
     the allowlist no longer covers is left out (closed)."""
     r = record or {}
-    return parse(r.get("allowOut"), r.get("denyOut"), r.get("dnsServers"), blocked, private=private, lenient=True)
+    return parse(r.get("allowOut"), r.get("denyOut"), r.get("dnsServers"), blocked, private=private, lenient=True,
+                 rules=r.get("rules"), bound=r.get("secretIDs") or {})
 
 
 def render(host_addrs: Iterable[str], blocked: Sequence[str], resolver: str, slirp_dns: str,
@@ -218,10 +235,15 @@ def render(host_addrs: Iterable[str], blocked: Sequence[str], resolver: str, sli
             nat.append(f"-A POSTROUTING -s 127.0.0.0/8 -d {HOST_SERVICES}/32 -j SNAT --to-source {TAP_ADDR}")
     if proxy_port is not None and policy.needs_proxy:
         nat.append("-A OUTPUT -o lo -j RETURN")
-        for net in (*policy.allowed_nets(), *(Net(f"{a}/32") for a in hosts), *map(Net, blocked)):
+        for net in (*(Net(f"{a}/32") for a in hosts), *map(Net, blocked)):
             nat.append(f"-A OUTPUT -p tcp -d {net} -j RETURN")
-        for net in policy.deny_nets:
-            nat.append(f"-A OUTPUT -p tcp -d {net} -j REDIRECT --to-ports {proxy_port}")
+        for port in egress_rules.ports(policy.rules):  # header rules: the proxy sees these ports, allowed or not
+            nat.append(f"-A OUTPUT -p tcp --dport {port} -j REDIRECT --to-ports {proxy_port}")
+        if policy.proxies_denied:
+            for net in policy.allowed_nets():
+                nat.append(f"-A OUTPUT -p tcp -d {net} -j RETURN")
+            for net in policy.deny_nets:
+                nat.append(f"-A OUTPUT -p tcp -d {net} -j REDIRECT --to-ports {proxy_port}")
     nat.append("COMMIT")
     dns = "ACCEPT" if policy.resolver_allowed(resolver) else "REJECT"
     flt = ["*filter", ":INPUT ACCEPT [0:0]", ":FORWARD DROP [0:0]", ":OUTPUT ACCEPT [0:0]",

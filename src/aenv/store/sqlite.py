@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from aenv.errors import StoreError
 from aenv.kinds import SandboxState, SnapshotMode, TemplateKind
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 6  # v6: owners (teams), the secrets and egress_cas tables (new tables: CREATE IF NOT EXISTS below)
 
 # Columns added after a database was first created, per table, as (name, SQL definition). A store
 # opening an older database adds the ones it lacks (``ALTER TABLE ... ADD COLUMN``, existing rows get
@@ -171,6 +171,27 @@ CREATE TABLE IF NOT EXISTS leases (
     created_at REAL NOT NULL,
     ended_at REAL,
     end_reason TEXT
+);
+-- E2B secrets (store/secrets.py): write-only values an owner stores for the egress proxy to put into
+-- requests (network.rules); no API answer carries a value. Names are unique per owner.
+CREATE TABLE IF NOT EXISTS secrets (
+    id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    name TEXT NOT NULL,
+    value TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    metadata TEXT NOT NULL DEFAULT '{}',
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    UNIQUE(owner, name)
+);
+-- Each sandbox's egress CA (store/secrets.py): the egress proxy signs the certificates it presents
+-- for a sandbox's rule domains with it; the sandbox trusts its certificate, never sees its key.
+CREATE TABLE IF NOT EXISTS egress_cas (
+    sandbox_id TEXT PRIMARY KEY,
+    cert_pem TEXT NOT NULL,
+    key_pem TEXT NOT NULL,
+    created_at REAL NOT NULL
 );
 """
 

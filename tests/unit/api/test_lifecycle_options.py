@@ -35,7 +35,10 @@ def _refused(resp: Any, *fragments: str) -> None:
         ({"iam": {"tokens": {"t": {"audience": "a", "tokenType": "jwt"}}}}, "iam"),
         ({"volumeMounts": [{"name": "v", "path": "/data", "subPath": "x"}]}, "volumeMounts[0].subPath"),
         # network rules aenv enforces are tests/unit/core/test_network.py's; these it cannot
-        ({"network": {"rules": {"api.example.com": [{}]}}}, "network.rules"),
+        ({"network": {"rules": {"api.example.com": [{"transform": {"body": "x"}}]}}},
+         "network.rules['api.example.com'][0].transform.body"),
+        ({"network": {"rules": {"api.example.com": [{"transform": {"headers": {"X": "${e2b.secrets.nope}"}}}]}}},
+         "secret 'nope' not found"),
         ({"network": {"egressProxy": {"address": "p:1080"}}}, "network.egressProxy"),
         ({"network": {"httpsPorts": [3000]}}, "network.httpsPorts"),
         ({"network": {"denyOut": ["example.com"]}}, "network.denyOut"),

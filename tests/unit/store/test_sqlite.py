@@ -140,6 +140,8 @@ def test_an_older_database_gains_the_new_columns_and_keeps_its_rows(tmp_path: Pa
         assert fourth.owner == ""  # v6: made before teams: an admin's to see
         template = store.get_template("mine")
         assert template is not None and template.owner == "" and template.public is False
+        assert store._query("SELECT count(*) AS n FROM secrets")[0]["n"] == 0  # v6: new tables
+        assert store._query("SELECT count(*) AS n FROM egress_cas")[0]["n"] == 0
         version = store._query("SELECT value FROM meta WHERE key='schema_version'")[0]["value"]
         assert int(version) == SCHEMA_VERSION == 6
     finally:
