@@ -56,7 +56,7 @@ def test_a_default_above_the_maximum_does_not_start(tmp_path: Path) -> None:
 
 
 def test_the_row_keeps_it_beside_the_network_rules_and_an_update_keeps_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    fields = net.row_fields(None, True, {"egressMbit": 4.0})
+    fields = net.row_fields(None, True, limits={"egressMbit": 4.0})
     assert fields["network"] == {"bandwidth": {"egressMbit": 4.0}}
     monkeypatch.setattr(SHAPER, "default", Bandwidth(8, 16))
     assert bandwidth.of_row(fields["network"]) == Bandwidth(4, 16)  # the default fills what it leaves out
