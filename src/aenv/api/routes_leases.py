@@ -3,10 +3,10 @@
 - ``POST /aenv/leases`` ``{"ttl": 30, "name": "run7"}`` → 201 with the lease (``leaseID``);
 - ``POST /aenv/leases/{id}/heartbeat`` → the lease, its expiry pushed to now + ttl; 410 once it ended;
 - ``DELETE /aenv/leases/{id}`` → ends it now and kills its sandboxes (which, and which could not be);
-- ``GET /aenv/leases`` and ``GET /aenv/leases/{id}`` → the key's leases, with how many sandboxes each holds.
+- ``GET /aenv/leases`` and ``GET /aenv/leases/{id}`` → the team's leases, with how many sandboxes each holds.
 
 A sandbox joins a lease with the metadata pair ``aenv.lease=<id>`` at create (its forks inherit it).
-A lease belongs to the API key that made it; another key sees a 404.
+A lease belongs to the team of the key that made it; another team sees a 404 (an admin key sees all).
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ class Leases:
     def get(self, lease_id: str, owner: str | None) -> LeaseRow:
         """``owner``'s lease (None: anyone's, for an admin)."""
         row = self.log.get(lease_id)
-        if row is None or (owner is not None and row.owner != owner):  # another key's lease does not exist, for this key
+        if row is None or (owner is not None and row.owner != owner):  # another team's lease does not exist, for this one
             raise LeaseNotFound(lease_id)
         return row
 

@@ -147,7 +147,7 @@ class Volumes:
         check_name(name)
         async with self._lock:
             if len(self.log.of_owner(owner)) >= self.settings.max_volumes:
-                raise InvalidRequest(f"volume limit reached ({self.settings.max_volumes} per API key)")
+                raise InvalidRequest(f"volume limit reached ({self.settings.max_volumes} per team)")
             row = VolumeRow(id=new_id(), name=name, owner=owner, token=new_token(), state=CREATING, created_at=now())
             self.log.put(row)  # a name already taken is a Conflict here
             try:
