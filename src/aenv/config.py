@@ -117,7 +117,7 @@ class Settings(BaseModel):
     volume_size_mb: int = Field(
         10240, gt=0, description="E2B volumes: each volume's size limit (its quota subvolume's qgroup limit on the sandboxes volume, both runtimes)"
     )
-    max_volumes: int = Field(100, gt=0, description="E2B volumes per API key")
+    max_volumes: int = Field(100, gt=0, description="E2B volumes per team")
     ns_volume_mb: int = Field(0, ge=0, description="ns: size of that sparse volume image; 0 = min(64 GiB, half the free space)")
     ns_criu: Path | None = Field(
         None, description="ns: the CRIU (>= 4.2) for process snapshots; unset = AENV_CRIU, else <cache_dir>/criu/current/criu (scripts/build-criu.sh), else criu on PATH"

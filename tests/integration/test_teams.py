@@ -147,3 +147,50 @@ def test_teams_survive_a_restart(cluster: NodeCluster, tmp_path: Path) -> None:
         assert _get(url, f"/sandboxes/{alice.sandbox_id}", ALICE).status_code == 200
     finally:
         Sandbox.kill(alice.sandbox_id, api_key=ALICE, **_sdk(url))
+
+
+@pytest.mark.parametrize("through", ["node", "gateway"])
+def test_every_route_with_another_teams_ids_answers_as_unknown(cluster: NodeCluster, through: str) -> None:
+    """The route table of ``tests/unit/api/test_teams_api.py``, against the real processes: Bob with Alice's
+    IDs and Bob with IDs nobody has get the same status and body (the IDs aside) on every keyed route."""
+    from aenv.api.app import create_app
+    from aenv.config import Settings
+    from tests.unit.api.test_teams_api import UNKEYED, UNKEYED_PREFIX, _call, _unknown_like
+
+    url = cluster.url(0) if through == "node" else cluster.gw
+    with httpx.Client(base_url=url, trust_env=False, timeout=120) as client:
+        def post(path: str, body: dict[str, object]) -> dict[str, str]:
+            r = client.post(path, json=body, headers={"X-API-KEY": ALICE})
+            assert r.status_code in (200, 201, 202), r.text
+            return dict(r.json())
+
+        sid = post("/v2/sandboxes", {"templateID": "base"})["sandboxID"]
+        snap = post(f"/sandboxes/{sid}/snapshots", {"name": f"walk-{through}"})["snapshotID"]
+        ids = {"sandbox_id": sid, "snapshot_id": snap, "template_id": snap, "alias": f"walk-{through}",
+               "volume_id": post("/volumes", {"name": f"walk-{through}"})["volumeID"],
+               "lease_id": post("/aenv/leases", {"ttl": 600})["leaseID"],
+               "build_id": post("/v3/templates", {"name": f"walk-tpl-{through}"})["buildID"],
+               "template": snap, "files_hash": "ab" * 32, "tag": "default", "secret_id": str(uuid.uuid4())}  # fmt: skip
+        table = _route_table(create_app(Settings(), ensure_base=False))
+        checked = 0
+        for method, path in table:
+            if path in UNKEYED or path.startswith(UNKEYED_PREFIX) or "{" not in path:
+                continue
+            theirs = _call(client, method, path, ids, {"X-API-KEY": BOB})  # type: ignore[arg-type]
+            unknown = _call(client, method, path, _unknown_like(ids), {"X-API-KEY": BOB})  # type: ignore[arg-type]
+            assert theirs == unknown, f"{method} {path}: Alice's IDs {theirs}, unknown IDs {unknown}"
+            checked += 1
+        assert checked >= 40
+        assert client.get(f"/sandboxes/{sid}", headers={"X-API-KEY": ALICE}).json()["state"] == "running"
+        client.delete(f"/sandboxes/{sid}", headers={"X-API-KEY": ALICE})
+        client.delete(f"/volumes/{ids['volume_id']}", headers={"X-API-KEY": ALICE})
+        client.delete(f"/aenv/leases/{ids['lease_id']}", headers={"X-API-KEY": ALICE})
+
+
+def _route_table(app: object) -> list[tuple[str, str]]:
+    """The route table of an app object (``_routes`` reads it off a TestClient's ``app``)."""
+    from types import SimpleNamespace
+
+    from tests.unit.api.test_teams_api import _routes
+
+    return _routes(SimpleNamespace(app=app))  # type: ignore[arg-type]

@@ -459,7 +459,9 @@ async def template_delete(request: Request, template_id: str) -> Response:
         return _located_error(exc)
     except GatewayError:
         return _template_refusal(request)
-    return (await gw.forwarder.send(request, node)).response()
+    got = await gw.forwarder.send(request, node)
+    # another team's snapshot: its node says unknown, and so does the gateway, as for any unknown name
+    return _template_refusal(request) if got.plain_not_found() else got.response()
 
 
 @router.post("/aenv/templates/pull")
