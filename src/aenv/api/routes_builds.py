@@ -75,7 +75,7 @@ async def request_build(body: BuildRequestBody, request: Request,
             raise InvalidRequest(f"{BUILD_IDS_HEADER}: give '<templateID> <buildID>' (letters, digits, '-')")
         ids = (parts[0], parts[1])
     await orch.check_disk(tenancy.owner(request))
-    rec = orch.request_build(name, list(body.tags or []), body.cpuCount, body.memoryMB, ids, tenancy.owner(request))
+    rec = orch.builds.request(name, list(body.tags or []), body.cpuCount, body.memoryMB, ids, tenancy.owner(request))
     return JSONResponse({"templateID": rec.template_id, "buildID": rec.build_id, "public": False,
                          "names": [rec.alias], "aliases": [rec.alias], "tags": rec.tags}, status_code=202)
 
@@ -85,9 +85,9 @@ async def file_link(template_id: str, files_hash: str, request: Request,
                     orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
     if not FILES_HASH.match(files_hash):
         raise InvalidRequest("the files hash must be 64 lowercase hex digits (sha256)")
-    if orch.build_file_present(template_id, files_hash):
+    if orch.builds.file_present(files_hash, template_id):
         return JSONResponse({"present": True}, status_code=201)
-    token = orch.build_upload_token(files_hash)
+    token = orch.builds.upload_token(files_hash)
     url = str(request.url_for("upload_build_file", files_hash=files_hash).include_query_params(token=token))
     return JSONResponse({"present": False, "url": url}, status_code=201)
 
@@ -95,9 +95,9 @@ async def file_link(template_id: str, files_hash: str, request: Request,
 @uploads.put("/aenv/build-files/{files_hash}", name="upload_build_file", status_code=201)
 async def upload_build_file(files_hash: str, request: Request, token: str = Query(default="")) -> Response:
     orch: Orchestrator = request.app.state.orchestrator
-    if not FILES_HASH.match(files_hash) or not hmac.compare_digest(token, orch.build_upload_token(files_hash)):
+    if not FILES_HASH.match(files_hash) or not hmac.compare_digest(token, orch.builds.upload_token(files_hash)):
         raise NotFound("no such upload link")
-    await orch.receive_build_file(files_hash, request.stream(), MAX_UPLOAD_BYTES)
+    await orch.builds.receive_file(files_hash, request.stream(), MAX_UPLOAD_BYTES)
     return Response(status_code=201)
 
 
@@ -112,7 +112,7 @@ async def start_build(template_id: str, build_id: str, body: BuildStartBody,
         start_cmd=body.startCmd, ready_cmd=body.readyCmd,
         steps=tuple(Step(s.type, tuple(s.args), s.filesHash, bool(s.force)) for s in body.steps),
     )  # fmt: skip
-    orch.start_build(template_id, build_id, spec)
+    orch.builds.trigger(template_id, build_id, spec)
     return Response(status_code=202)
 
 
@@ -121,7 +121,7 @@ async def build_status(
     template_id: str, build_id: str, orch: Orchestrator = Depends(orchestrator),
     logsOffset: int = Query(default=0, ge=0), limit: int = Query(default=STATUS_PAGE, ge=1, le=1000),
 ) -> JSONResponse:
-    rec = orch.build_status(template_id, build_id)
+    rec = orch.builds.record(template_id, build_id)
     entries = rec.logs[logsOffset : logsOffset + limit]
     out: dict[str, Any] = {
         "templateID": rec.template_id, "buildID": rec.build_id, "status": rec.status,
@@ -141,7 +141,7 @@ async def build_logs(
 ) -> JSONResponse:
     """E2B's build log query: ``cursor`` is a time in milliseconds (from it on, or up to it going
     backward). A build's lines are kept with the build, so both sources read the same lines."""
-    entries = orch.build_status(template_id, build_id).logs
+    entries = orch.builds.record(template_id, build_id).logs
     wanted = set(LEVELS[LEVELS.index(level):])
     picked = [e for e in entries if e.get("level", "info") in wanted]
     if cursor is not None:

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -207,8 +208,15 @@ class TemplateBuilds:
             raise TemplateNotFound(name)
         return family_of(rows[0])
 
-    def file_present(self, files_hash: str) -> bool:
+    def file_present(self, files_hash: str, template_id: str | None = None) -> bool:
+        """Whether the files are here already (``template_id``: one a build was asked for, else a 404)."""
+        if template_id is not None and not any(r.template_id == template_id for r in self.records()):
+            self.ctx.templates.resolve(template_id)  # files are uploaded for a template before it exists
         return self._file(files_hash).is_file()
+
+    def upload_token(self, files_hash: str) -> str:
+        """What an upload link for these files carries instead of an API key (an HMAC, per server run)."""
+        return hmac.new(self.upload_secret.encode(), files_hash.encode(), hashlib.sha256).hexdigest()
 
     async def receive_file(self, files_hash: str, chunks: AsyncIterator[bytes], max_bytes: int) -> int:
         """Store an uploaded COPY source (a tar, maybe gzipped) under its hash; written aside, then

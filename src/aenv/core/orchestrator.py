@@ -19,10 +19,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import hashlib
 import hmac
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -31,8 +30,7 @@ from aenv.config import Settings
 from aenv.core import bandwidth, mirrors, team_disk
 from aenv.core import network as net
 from aenv.core.admission import Admission
-from aenv.core.build_spec import BuildSpec
-from aenv.core.builds import BuildRecord, TemplateBuilds
+from aenv.core.builds import TemplateBuilds
 from aenv.core.context import Context
 from aenv.core.fleet import KillReport, kill_matching
 from aenv.core.ids import new_id, new_token
@@ -601,31 +599,3 @@ class Orchestrator:
 
     async def pin_cache(self, template: str, pinned: bool) -> dict[str, Any]:
         return await self.template_flows.pin_lazy(self.templates.resolve(template), pinned)
-
-    # ---- template builds: builds.py -------------------------------------------------------------
-    def request_build(self, name: str, tags: list[str], cpu_count: int | None, memory_mb: int | None,
-                      ids: tuple[str, str] | None = None, owner: str = "") -> BuildRecord:  # fmt: skip
-        return self.builds.request(name, tags, cpu_count, memory_mb, ids, owner)
-
-    def build_upload_token(self, files_hash: str) -> str:
-        """What an upload link for these files carries instead of an API key (an HMAC, per server run)."""
-        return hmac.new(self.builds.upload_secret.encode(), files_hash.encode(), hashlib.sha256).hexdigest()
-
-    def build_file_present(self, template_id: str, files_hash: str) -> bool:
-        self.get_build_template(template_id)
-        return self.builds.file_present(files_hash)
-
-    async def receive_build_file(self, files_hash: str, chunks: AsyncIterator[bytes], max_bytes: int) -> int:
-        return await self.builds.receive_file(files_hash, chunks, max_bytes)
-
-    def start_build(self, template_id: str, build_id: str, spec: BuildSpec) -> None:
-        self.builds.trigger(template_id, build_id, spec)
-
-    def build_status(self, template_id: str, build_id: str) -> BuildRecord:
-        return self.builds.record(template_id, build_id)
-
-    def get_build_template(self, template_id: str) -> str:
-        """A template ID a build was requested for (files are uploaded for it before it exists)."""
-        if any(r.template_id == template_id for r in self.builds.records()):
-            return template_id
-        return self.templates.resolve(template_id).id
