@@ -75,6 +75,9 @@ class SandboxSpec:
     env_vars: dict[str, str] = field(default_factory=dict)  # sandbox-wide env (E2B envVars)
     access_token: str | None = None  # envd X-Access-Token, None = no envd auth
     volumes: tuple[VolumeBind, ...] = ()  # persistent volumes bound into the sandbox (VolumeCapable)
+    # ns: the host uid range its processes run in (``aenv/uid_ranges.py``; core picks it from the
+    # sandbox's team: 0 = ``ns_userns_uid`` itself, the shared range). vm ignores it.
+    uid_slot: int = 0
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from aenv.errors import StoreError
 from aenv.kinds import SandboxState, SnapshotMode, TemplateKind
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 # Columns added after a database was first created, per table, as (name, SQL definition). A store
 # opening an older database adds the ones it lacks (``ALTER TABLE ... ADD COLUMN``, existing rows get
@@ -171,6 +171,12 @@ CREATE TABLE IF NOT EXISTS leases (
     created_at REAL NOT NULL,
     ended_at REAL,
     end_reason TEXT
+);
+-- ns uid range slot of each team (store/uid_slots.py, aenv/uid_ranges.py): v7, never changed once given.
+CREATE TABLE IF NOT EXISTS uid_slots (
+    team TEXT PRIMARY KEY,
+    slot INTEGER NOT NULL UNIQUE,
+    created_at REAL NOT NULL
 );
 """
 

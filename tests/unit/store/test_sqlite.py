@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from aenv.store.sqlite import SandboxRow, Store, TemplateRow
+from aenv.store.uid_slots import UidSlots
 
 
 @pytest.fixture
@@ -141,7 +142,8 @@ def test_an_older_database_gains_the_new_columns_and_keeps_its_rows(tmp_path: Pa
         template = store.get_template("mine")
         assert template is not None and template.owner == "" and template.public is False
         version = store._query("SELECT value FROM meta WHERE key='schema_version'")[0]["value"]
-        assert int(version) == SCHEMA_VERSION == 6
+        assert int(version) == SCHEMA_VERSION == 7
+        assert UidSlots(store).all() == {}  # v7: the uid range slots' table, empty
     finally:
         store.close()
     Store(path).close()  # opening a migrated database again changes nothing
