@@ -61,8 +61,7 @@ def decide(settings: Settings) -> KsmDecision:
     if teams > 1:
         return KsmDecision(False, f"ksm = auto and {teams} teams: no page is merged, so none across teams "
                                   "(a merged page is a timing side channel); set ksm = on to merge anyway")
-    return KsmDecision(True, "ksm = auto, one team (" + ("no API keys" if not settings.api_keys and not settings.teams
-                                                        else "nothing to keep apart") + ")")
+    return KsmDecision(True, "ksm = auto, one tenant (" + ("no API keys" if not teams else "one team") + ")")
 
 
 def start_ksmd(max_cpu: int, sysfs: Path = SYSFS) -> str:
