@@ -15,7 +15,7 @@ import httpx
 import pytest
 from e2b import Sandbox
 
-from aenv.testing.server import Server, start_server, stop_server
+from aenv.testing.server import KEEP_SANDBOXES, Server, start_server, stop_server
 from aenv.uid_ranges import RANGE
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.sdk]
@@ -115,5 +115,31 @@ def test_a_server_with_one_team_keeps_the_shared_range(tmp_path: Path) -> None:
             assert _base(sbx) == FIRST
         finally:
             sbx.kill()
+    finally:
+        stop_server(srv)
+
+
+def test_a_restart_keeps_each_teams_range_and_its_adopted_sandboxes(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the ns runtime needs root")
+    env = {**ENV, **KEEP_SANDBOXES}
+    srv = start_server(tmp_path, "ns", env)
+    try:
+        kept = Sandbox.create(timeout=600, **_sdk(srv, KA))
+        base_a = _base(kept)
+        base_b = _base(Sandbox.create(**_sdk(srv, KB)))
+    finally:
+        stop_server(srv)
+    # the same state dir: its store, its sandboxes adopted; this one ends them when it stops
+    srv = start_server(tmp_path, "ns", ENV)
+    try:
+        again = Sandbox.connect(kept.sandbox_id, **_sdk(srv, KA))
+        assert _base(again) == base_a  # adopted as it ran
+        forked = httpx.post(f"{srv.url}/sandboxes/{kept.sandbox_id}/fork", json={"count": 1},
+                            headers={"X-API-KEY": KA}, trust_env=False, timeout=300)
+        assert forked.status_code < 300, forked.text
+        assert _base(Sandbox.connect(forked.json()[0]["sandbox"]["sandboxID"], **_sdk(srv, KA))) == base_a
+        assert _base(Sandbox.create(**_sdk(srv, KA))) == base_a  # new ones: the range the store kept
+        assert _base(Sandbox.create(**_sdk(srv, KB))) == base_b
     finally:
         stop_server(srv)
