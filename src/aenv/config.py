@@ -124,7 +124,7 @@ class Settings(BaseModel):
     )
     ns_userns_uid: int = Field(
         1_200_000_000, ge=0,
-        description="ns: run sandboxes in a user namespace whose uids/gids 0-65535 are host uids from this one (one range for all sandboxes, files on disk keep their owners; the default lies far above the ranges useradd hands out in /etc/subuid); 0 = none. Left at the default, a host that cannot (no user namespaces, a state or cache dir on a filesystem without idmapped mounts) runs sandboxes without one and says why; set explicitly, that refuses to start"
+        description="ns: run sandboxes in a user namespace whose uids/gids 0-65535 are host uids from this one (one range for all sandboxes of a server with one team; with two or more teams each team gets a 65536-uid range of its own above it, kept in the store; files on disk keep their owners; the default lies far above the ranges useradd hands out in /etc/subuid); 0 = none. Left at the default, a host that cannot (no user namespaces, a state or cache dir on a filesystem without idmapped mounts) runs sandboxes without one and says why; set explicitly, that refuses to start"
     )
     ns_release_paused_after: float = Field(
         300.0, ge=0, description="ns: seconds a sandbox stays paused (frozen) before its processes are saved to disk with CRIU and end; resume restores them (0 = at once; needs CRIU, else it stays frozen)"

@@ -1,8 +1,8 @@
 """KSM through the unmodified SDK (ns): what a client starts is mergeable from its start, a one-tenant
 server's agent and envd once the sandbox is idle (``ksm_idle_s``: not while handed out and working), and a fork
 child of a marked sandbox at once (restored by CRIU, which loses the process-wide mark: the agent and
-envd set it again); a server with two API keys marks nothing (``ksm = auto``: merged
-pages are a timing side channel between tenants). What ``/aenv/info`` says matches."""
+envd set it again); a server with two API keys (two teams) marks nothing (``ksm = auto``:
+merged pages are a timing side channel between teams). What ``/aenv/info`` says matches."""
 
 from __future__ import annotations
 
@@ -106,4 +106,4 @@ def test_two_tenants_are_never_merged(two_tenants: Server) -> None:
     finally:
         sbx.kill()
     info = _info(two_tenants, OTHER_KEY)
-    assert info["merge"] is False and "2 API keys" in info["reason"] and "ksmd" not in info
+    assert info["merge"] is False and "2 teams" in info["reason"] and "none across teams" in info["reason"] and "ksmd" not in info

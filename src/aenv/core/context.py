@@ -16,6 +16,7 @@ from typing import Any
 from aenv.config import Settings
 from aenv.core.table import SandboxTable
 from aenv.core.templates import TemplateCatalog
+from aenv.core.uid_slots import UidRanges
 from aenv.core.volumes import Volumes
 from aenv.errors import GuestUnresponsive, InvalidRequest
 from aenv.faults import fault_point
@@ -37,6 +38,7 @@ class Context:
     repository: Any = None  # aenv.snapshots.SnapshotRepository once attached (sync.py), else None
     gone: GoneLog | None = None  # tombstones of ended sandboxes (the orchestrator's), else none kept
     volumes: Volumes | None = None  # E2B volumes (the orchestrator's): what a row's volume_mounts bind
+    uid_ranges: UidRanges | None = None  # the ns uid range of a row's team (the orchestrator's), else slot 0
 
     def check_timeout(self, timeout: int) -> None:
         if timeout <= 0:
@@ -75,6 +77,7 @@ class Context:
             env_vars=dict(row.env_vars),
             access_token=row.access_token,
             volumes=self.volumes.binds(row) if self.volumes is not None else (),
+            uid_slot=self.uid_ranges.slot(row.owner) if self.uid_ranges is not None else 0,
         )
 
     async def forget(self, row: SandboxRow, reason: str | None = None, detail: str = "") -> None:

@@ -43,6 +43,7 @@ from aenv.core.sync import SnapshotSync
 from aenv.core.table import LiveSandbox, SandboxTable
 from aenv.core.template_flows import TemplateFlows
 from aenv.core.templates import TemplateCatalog
+from aenv.core.uid_slots import UidRanges
 from aenv.core.volumes import Volumes
 from aenv.errors import (
     AenvError,
@@ -86,7 +87,8 @@ class Orchestrator:
         self.table = SandboxTable(self.gone.find)
         self.volumes = Volumes(settings, store, runtime, self.table)
         self.secrets = Secrets(store)
-        self.ctx = Context(settings, store, runtime, templates, self.table, gone=self.gone, volumes=self.volumes)
+        self.ctx = Context(settings, store, runtime, templates, self.table, gone=self.gone, volumes=self.volumes,
+                           uid_ranges=UidRanges(settings, store))
         net.configure(settings)
         net.configure_rules(settings, self.secrets, store)
         self.sync = SnapshotSync(self.ctx)

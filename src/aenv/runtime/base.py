@@ -78,6 +78,9 @@ class SandboxSpec:
     # False: start it fresh even if a pooled one is ready (core leaves the pool to other teams while this
     # create's team has a burst of starts in flight: core/admission.py ``leave_pool``)
     may_take_pooled: bool = True
+    # ns: the host uid range its processes run in (``aenv/uid_ranges.py``; core picks it from the
+    # sandbox's team: 0 = ``ns_userns_uid`` itself, the shared range). vm ignores it.
+    uid_slot: int = 0
 
 
 @dataclass(frozen=True)

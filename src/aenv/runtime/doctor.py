@@ -50,7 +50,8 @@ def _userns(settings: Settings) -> str:
     finally:
         userns.close()
     if why is None:
-        return f"on: uids 0-65535 in every ns sandbox are host uids {settings.ns_userns_uid}.."
+        return (f"on: uids 0-65535 in an ns sandbox are host uids {settings.ns_userns_uid}.., or, with two or more "
+                "teams, those of a 65536-uid range of the team's own above it")
     return f"unusable ({why}): ns sandboxes run without one"
 
 

@@ -11,8 +11,9 @@ is marked by QEMU (``-M mem-merge``).
 **The side channel.** A write to a merged page takes a copy-on-write fault, so a process can tell by
 timing whether some other process holds a page with the same contents: one tenant may learn whether
 another holds a given page (a known file, a key it guesses). So ``ksm = "auto"`` (the default) merges
-only while this server serves one tenant (at most one API key); with several keys it merges nothing
-and says so. ``"on"`` merges whatever the keys (an operator's explicit choice: one team, or trusted
+only while this server serves one team (``aenv/teams.py``: the teams of its keys, the admin team
+included; several keys of one team are one tenant); with two or more teams it merges nothing, so no
+page is ever merged across teams, and says so. ``"on"`` merges whatever the teams (an operator's explicit choice: one team, or trusted
 tenants), ``"off"`` never marks anything and leaves the host's ksmd alone.
 
 The host's ksmd is host-wide: the server starts it (``run`` 0 → 1) when merging is on and bounds its CPU
@@ -56,11 +57,11 @@ def decide(settings: Settings) -> KsmDecision:
         return KsmDecision(False, "ksm = off")
     if settings.ksm == "on":
         return KsmDecision(True, "ksm = on (every tenant's sandboxes merged together)")
-    keys = len(set(settings.api_keys))
-    if keys > 1:
-        return KsmDecision(False, f"ksm = auto and {keys} API keys: tenants' pages are never merged together "
+    teams = len(settings.team_directory().teams())  # the admin team counts: it is a tenant of its own
+    if teams > 1:
+        return KsmDecision(False, f"ksm = auto and {teams} teams: no page is merged, so none across teams "
                                   "(a merged page is a timing side channel); set ksm = on to merge anyway")
-    return KsmDecision(True, "ksm = auto, one tenant (" + ("one API key" if keys else "no API keys") + ")")
+    return KsmDecision(True, "ksm = auto, one tenant (" + ("no API keys" if not teams else "one team") + ")")
 
 
 def start_ksmd(max_cpu: int, sysfs: Path = SYSFS) -> str:

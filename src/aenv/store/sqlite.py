@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from aenv.errors import StoreError
 from aenv.kinds import SandboxState, SnapshotMode, TemplateKind
 
-SCHEMA_VERSION = 6  # v6: owners (teams), the secrets and egress_cas tables (new tables: CREATE IF NOT EXISTS below)
+SCHEMA_VERSION = 7  # v6: owners (teams), the secrets and egress_cas tables; v7: uid_slots (new tables: CREATE IF NOT EXISTS below)
 
 # Columns added after a database was first created, per table, as (name, SQL definition). A store
 # opening an older database adds the ones it lacks (``ALTER TABLE ... ADD COLUMN``, existing rows get
@@ -191,6 +191,12 @@ CREATE TABLE IF NOT EXISTS egress_cas (
     sandbox_id TEXT PRIMARY KEY,
     cert_pem TEXT NOT NULL,
     key_pem TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+-- ns uid range slot of each team (store/uid_slots.py, aenv/uid_ranges.py): v7, never changed once given.
+CREATE TABLE IF NOT EXISTS uid_slots (
+    team TEXT PRIMARY KEY,
+    slot INTEGER NOT NULL UNIQUE,
     created_at REAL NOT NULL
 );
 """

@@ -26,7 +26,22 @@ def test_policy(tmp_path: Path, mode: str, keys: list[str], merge: bool) -> None
     assert decision.merge is merge
     assert decision.reason.startswith(f"ksm = {mode}")
     if mode == "auto" and not merge:
-        assert "side channel" in decision.reason and "2 API keys" in decision.reason
+        assert "side channel" in decision.reason and "2 teams" in decision.reason
+
+
+@pytest.mark.parametrize(
+    ("teams", "admin", "merge"),
+    [({"a": [KEY_A, KEY_B]}, [], True),  # two keys of one team: one tenant
+     ({"a": [KEY_A]}, ["k-admin"], False),  # the admin team is a tenant of its own
+     ({"a": [KEY_A], "b": [KEY_B]}, [], False)],
+)
+def test_auto_counts_teams_not_keys(tmp_path: Path, teams: dict[str, list[str]], admin: list[str], merge: bool) -> None:
+    settings = Settings(state_dir=tmp_path, teams={n: {"keys": k} for n, k in teams.items()},  # type: ignore[misc]
+                        admin_keys=admin)
+    decision = ksm.decide(settings)
+    assert decision.merge is merge, decision.reason
+    if not merge:
+        assert "none across teams" in decision.reason
 
 
 def _sysfs(tmp_path: Path, **values: int | str) -> Path:

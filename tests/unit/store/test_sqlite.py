@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from aenv.store.sqlite import SandboxRow, Store, TemplateRow
+from aenv.store.uid_slots import UidSlots
 
 
 @pytest.fixture
@@ -143,7 +144,8 @@ def test_an_older_database_gains_the_new_columns_and_keeps_its_rows(tmp_path: Pa
         assert store._query("SELECT count(*) AS n FROM secrets")[0]["n"] == 0  # v6: new tables
         assert store._query("SELECT count(*) AS n FROM egress_cas")[0]["n"] == 0
         version = store._query("SELECT value FROM meta WHERE key='schema_version'")[0]["value"]
-        assert int(version) == SCHEMA_VERSION == 6
+        assert int(version) == SCHEMA_VERSION == 7
+        assert UidSlots(store).all() == {}  # v7: the uid range slots' table, empty
     finally:
         store.close()
     Store(path).close()  # opening a migrated database again changes nothing

@@ -15,21 +15,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, Protocol
 
 from aenv.config import Settings
-from aenv.errors import RuntimeFailure
+from aenv.errors import InvalidRequest, RuntimeFailure
 from aenv.runtime import ksm
 from aenv.runtime.base import RuntimeState, SandboxImage, SandboxSpec
 from aenv.runtime.network import slirp_available
-from aenv.runtime.ns import cgroups, criu
+from aenv.runtime.ns import cgroups, checkpoint, criu
 from aenv.runtime.ns.disk import POOL_NAME, DiskQuota
 from aenv.runtime.ns.sandbox import LaunchOptions, NsSandbox
 from aenv.runtime.ns.userns import SharedUserns, layer_dirs
 from aenv.runtime.ns.zygote import Zygote
 from aenv.runtime.tools import ensure_tools
+from aenv.uid_ranges import host_base, slot_of
 
 log = logging.getLogger("aenv.runtime.ns")
 
@@ -65,6 +67,8 @@ class NsHost:
         self.pool_dir = settings.sandboxes_dir / POOL_NAME
         self.userns = SharedUserns(settings.ns_userns_uid) if settings.ns_userns_uid else None
         self.userns_off_reason = "" if self.userns is not None else "ns_userns_uid = 0"
+        self._ranges: dict[int, SharedUserns] = {}  # the other uid ranges' namespaces, by slot (userns_at)
+        self._ranges_lock = threading.Lock()
         self.disk = DiskQuota(settings.state_dir, settings.sandboxes_dir, enabled=settings.ns_disk_quota,
                               size_mb=settings.ns_volume_mb)
         self.mergeable = ksm.decide(settings).merge  # KSM may merge the sandboxes' pages (the ksm policy)
@@ -99,6 +103,61 @@ class NsHost:
         self.userns.close()
         self.userns, self.userns_off_reason = None, why
 
+    # ---- uid ranges (aenv/uid_ranges.py) ----------------------------------------------------------
+    def userns_at(self, slot: int) -> SharedUserns | None:
+        """The user namespace of uid range ``slot`` (``SandboxSpec.uid_slot``; 0 is ``userns``), or
+        None where sandboxes run without one. Made on first use: its fd when a launch asks for it.
+        Every filesystem that takes one idmapped mount takes any other (``check_userns`` tried slot 0's)."""
+        if self.userns is None or slot == 0:
+            return self.userns
+        with self._ranges_lock:
+            ns = self._ranges.get(slot)
+            if ns is None:
+                try:
+                    ns = self._ranges[slot] = SharedUserns(host_base(self.userns.host_uid, slot))
+                except ValueError as exc:
+                    raise RuntimeFailure(str(exc)) from exc
+            return ns
+
+    def ranges_in_use(self) -> list[int]:
+        """The first host uid of every range a sandbox was started in since this server started."""
+        if self.userns is None:
+            return []
+        with self._ranges_lock:
+            return [self.userns.host_uid, *sorted(ns.host_uid for ns in self._ranges.values())]
+
+    def userns_for_images(self, images: Path, slot: int, own: bool = False) -> SharedUserns | None:
+        """The user namespace to restore CRIU ``images`` into for a sandbox of range ``slot``: processes
+        cannot change range (CRIU makes their namespace again from the dumped map), so the images'.
+        Images of the shared range (slot 0: a server with one team, or taken before teams had ranges
+        of their own) restore there, as they always did. Another team's range (a published snapshot)
+        is refused, unless ``own`` (a sandbox released to disk: its own processes, whatever its team's
+        range is now). Images of no range of this server's are left to ``checkpoint.restore`` to refuse."""
+        ns = self.userns_at(slot)
+        base = checkpoint.dumped_userns(images)
+        if ns is None or self.userns is None or base is None or base == ns.host_uid:
+            return ns
+        first = self.userns.host_uid
+        if base in (0, first):
+            return self.userns
+        found = slot_of(first, base)
+        if found is None:
+            return ns
+        if own:
+            return self.userns_at(found)
+        raise InvalidRequest(f"these processes were saved in another team's uid range (host uids {base}..); this "
+                             f"team's sandboxes run in {ns.host_uid}.. and processes cannot move between ranges: "
+                             "restore a filesystem snapshot of it instead (see docs/ARCHITECTURE.md, ns user namespace)")
+
+    def close_ranges(self) -> None:
+        """Drop the fds of every range's namespace (running sandboxes keep theirs alive themselves)."""
+        with self._ranges_lock:
+            for ns in self._ranges.values():
+                ns.close()
+            self._ranges.clear()
+        if self.userns is not None:
+            self.userns.close()
+
     def want_zygote(self) -> bool:
         """The zygote makes starts cheap, but CRIU cannot dump what it forks (its preloaded modules
         are mapped from the host's mount): with a usable CRIU sandboxes are started by exec, so every
@@ -117,22 +176,22 @@ class NsHost:
             self.tools = await asyncio.to_thread(ensure_tools, self.settings)
 
     def opts(self, template: SandboxImage, allow_internet: bool, limits: tuple[int, int, int],
-             nice: int = 0, disk_mb: int | None = None) -> LaunchOptions:
-        """The launch options of a sandbox of ``template`` on this host."""
+             nice: int = 0, disk_mb: int | None = None, uid_slot: int = 0) -> LaunchOptions:
+        """The launch options of a sandbox of ``template`` on this host, in uid range ``uid_slot``."""
         assert self.tools is not None
         if allow_internet and not slirp_available():
             raise RuntimeFailure("internet access needs slirp4netns and iptables on the host (apt-get install slirp4netns iptables)")
         return LaunchOptions(template=template, tools=self.tools, allow_internet=allow_internet,
                              default_limits=limits, debug_log=self.debug_log, nice=nice, zygote=self.zygote,
-                             disk=self.disk if self.disk.active else None, userns=self.userns,
+                             disk=self.disk if self.disk.active else None, userns=self.userns_at(uid_slot),
                              disk_mb=self.settings.default_disk_mb if disk_mb is None else disk_mb,
                              mergeable=self.mergeable, merge_idle_s=self.settings.ksm_idle_s)
 
-    def pool_opts(self, template: SandboxImage, allow_internet: bool) -> LaunchOptions:
+    def pool_opts(self, template: SandboxImage, allow_internet: bool, uid_slot: int = 0) -> LaunchOptions:
         """A pool entry's (or a process image's) options: the default limits, the lowest priority."""
         s = self.settings
         return self.opts(template, allow_internet, (s.default_cpu_count, s.default_memory_mb, s.pids_limit),
-                         nice=POOL_NICE)
+                         nice=POOL_NICE, uid_slot=uid_slot)
 
     async def launch(self, name: str, root: Path, opts: LaunchOptions, keep_root: bool = False) -> NsSandbox:
         """Start a sandbox by exec (or the zygote) under ``name`` in ``root`` (``NsSandbox.launch``)."""

@@ -3,7 +3,8 @@
 Starting a sandbox costs ~0.3 s (two interpreters, envd's imports); handing a ready one out costs a
 cgroup rename, a directory rename, limit writes and one ``POST /init`` - a few milliseconds. A key is
 everything that shapes a sandbox before hand-out (template, network mode); limits and identity are
-applied at hand-out. A key becomes "hot" the first time it is asked for (or via ``NsRuntime.warm``)
+applied at hand-out. The uid range (``SandboxSpec.uid_slot``, a team's on a server with several) is part
+of the key: a pooled sandbox's processes already run in one, and never move to another. A key becomes "hot" the first time it is asked for (or via ``NsRuntime.warm``)
 and is then refilled in the background after every take.
 """
 
@@ -21,19 +22,21 @@ from aenv.runtime.ns.sandbox import NsSandbox
 
 log = logging.getLogger("aenv.runtime.ns")
 
-Factory = Callable[[SandboxImage, bool], Awaitable[NsSandbox]]
+Factory = Callable[[SandboxImage, bool, int], Awaitable[NsSandbox]]  # (template, internet, uid slot)
 
 
-def pool_key(template: SandboxImage, allow_internet: bool) -> str:
+def pool_key(template: SandboxImage, allow_internet: bool, uid_slot: int = 0) -> str:
     lowers = ":".join(str(p) for p in (template.lowers or (template.rootfs,)))
     env = ",".join(f"{k}={v}" for k, v in sorted(template.env.items()))
-    return f"{template.template_id}|{lowers}|{template.user}|{template.start_cmd}|{env}|net={int(allow_internet)}"
+    return (f"{template.template_id}|{lowers}|{template.user}|{template.start_cmd}|{env}|net={int(allow_internet)}"
+            f"|uid={uid_slot}")
 
 
 @dataclass
 class _Slot:
     template: SandboxImage
     allow_internet: bool
+    uid_slot: int
     ready: deque[NsSandbox] = field(default_factory=deque)
     filling: asyncio.Task[None] | None = None
     failures: int = 0
@@ -53,8 +56,8 @@ class WarmPool:
     def names(self) -> set[str]:
         return {s.name for slot in self._slots.values() for s in slot.ready}
 
-    def ready_count(self, template: SandboxImage, allow_internet: bool) -> int:
-        slot = self._slots.get(pool_key(template, allow_internet))
+    def ready_count(self, template: SandboxImage, allow_internet: bool, uid_slot: int = 0) -> int:
+        slot = self._slots.get(pool_key(template, allow_internet, uid_slot))
         return len(slot.ready) if slot else 0
 
     def ready_counts(self) -> dict[str, int]:
@@ -65,12 +68,12 @@ class WarmPool:
                 out[slot.template.template_id] = out.get(slot.template.template_id, 0) + len(slot.ready)
         return out
 
-    def take(self, template: SandboxImage, allow_internet: bool) -> NsSandbox | None:
+    def take(self, template: SandboxImage, allow_internet: bool, uid_slot: int = 0) -> NsSandbox | None:
         """A ready sandbox for this key, or None. Marks the key hot and triggers a refill either way."""
         if self.size <= 0 or self._closed:
             return None
-        key = pool_key(template, allow_internet)
-        slot = self._slots.setdefault(key, _Slot(template, allow_internet))
+        key = pool_key(template, allow_internet, uid_slot)
+        slot = self._slots.setdefault(key, _Slot(template, allow_internet, uid_slot))
         got: NsSandbox | None = None
         while slot.ready:
             cand = slot.ready.popleft()
@@ -81,16 +84,18 @@ class WarmPool:
         self._refill(slot)
         return got
 
-    def want(self, template: SandboxImage, allow_internet: bool) -> None:
+    def want(self, template: SandboxImage, allow_internet: bool, uid_slot: int = 0) -> None:
         if self.size <= 0 or self._closed:
             return
-        slot = self._slots.setdefault(pool_key(template, allow_internet), _Slot(template, allow_internet))
+        slot = self._slots.setdefault(pool_key(template, allow_internet, uid_slot),
+                                      _Slot(template, allow_internet, uid_slot))
         self._refill(slot)
 
-    async def wait_ready(self, template: SandboxImage, allow_internet: bool, n: int | None = None) -> None:
+    async def wait_ready(self, template: SandboxImage, allow_internet: bool, n: int | None = None,
+                         uid_slot: int = 0) -> None:
         """Wait until the slot holds ``n`` (default: size) ready sandboxes (tests, warm-up)."""
         want = self.size if n is None else n
-        slot = self._slots.get(pool_key(template, allow_internet))
+        slot = self._slots.get(pool_key(template, allow_internet, uid_slot))
         while slot is not None and len(slot.ready) < want:
             if slot.filling is None or slot.filling.done():
                 self._refill(slot)
@@ -108,7 +113,7 @@ class WarmPool:
         while not self._closed and len(slot.ready) < self.size:
             try:
                 async with self._sem:
-                    sbx = await self._factory(slot.template, slot.allow_internet)
+                    sbx = await self._factory(slot.template, slot.allow_internet, slot.uid_slot)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - logged, retried with back-off

@@ -18,7 +18,9 @@ image and the start falls back to exec. Pool refills restore it too (``pooled``:
 the hand-out's ``/init``), so a refill no longer takes an exec start's CPU from the live sandboxes
 (back-to-back creates under load: median 199-375 -> 26-97 ms). Images live in the pool dir, so a restart's reconcile
 removes them (the next miss makes a new one). Templates with a start command are never imaged:
-its process would be restored mid-run into every sandbox instead of starting there.
+its process would be restored mid-run into every sandbox instead of starting there. One image per uid
+range too (``SandboxSpec.uid_slot``: a team's own on a server with several): a restore cannot move
+processes to another range, so a team's first miss makes its own.
 """
 
 from __future__ import annotations
@@ -53,13 +55,14 @@ CRIU_DIR = "criu"
 
 
 def image_key(template: SandboxImage, allow_internet: bool, tools: Path | None, exe: str | None,
-              mergeable: bool = False, merge_idle_s: float = 0.0) -> str:
+              mergeable: bool = False, merge_idle_s: float = 0.0, uid_slot: int = 0) -> str:
     """Everything the image's processes and files depend on: the template's lowers and agent
     arguments (env, user, ``--mergeable`` and its idle wait: how its mappings are dumped), the tools bundle, the CRIU
-    build and the internet setting."""
+    build, the internet setting and the uid range its processes run in."""
     rec = {"lowers": [str(p) for p in (template.lowers or (template.rootfs,))], "env": template.env,
            "user": template.user, "tools": str(tools), "criu": exe, "internet": allow_internet,
-           **({"mergeable": True} if mergeable else {}), **({"mergeIdle": merge_idle_s} if mergeable and merge_idle_s else {})}
+           **({"mergeable": True} if mergeable else {}), **({"mergeIdle": merge_idle_s} if mergeable and merge_idle_s else {}),
+           **({"uidSlot": uid_slot} if uid_slot else {})}
     return hashlib.sha256(json.dumps(rec, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -77,9 +80,9 @@ class ProcImages:
         return (os.environ.get(ENV_OFF) != "0" and self.host.zygote is None and not template.start_cmd
                 and self.host.criu_status().usable)
 
-    def _key(self, template: SandboxImage, allow_internet: bool) -> str:
+    def _key(self, template: SandboxImage, allow_internet: bool, uid_slot: int) -> str:
         return image_key(template, allow_internet, self.host.tools, self.host.criu_status().exe,
-                         self.host.mergeable, self.host.settings.ksm_idle_s)
+                         self.host.mergeable, self.host.settings.ksm_idle_s, uid_slot)
 
     async def start(self, spec: SandboxSpec, template: SandboxImage,
                     snapshot_layers: tuple[str, ...]) -> RuntimeState | None:
@@ -87,10 +90,10 @@ class ProcImages:
         background; the caller starts it by exec)."""
         if not self.enabled(spec.template):
             return None
-        key = self._key(template, spec.allow_internet)
+        key = self._key(template, spec.allow_internet, spec.uid_slot)
         image = self._ready.get(key)
         if image is None:
-            self._build_soon(key, template, spec.allow_internet)
+            self._build_soon(key, template, spec.allow_internet, spec.uid_slot)
             return None
         lowers = tuple(Path(p) for p in (template.lowers or (template.rootfs,)))
         try:
@@ -104,22 +107,23 @@ class ProcImages:
             self._drop(key)
             return None
 
-    async def pooled(self, name: str, root: Path, template: SandboxImage, allow_internet: bool) -> NsSandbox | None:
+    async def pooled(self, name: str, root: Path, template: SandboxImage, allow_internet: bool,
+                     uid_slot: int = 0) -> NsSandbox | None:
         """A pool entry restored from the template's image (no identity yet: the hand-out sends
         ``/init``), or None: no image yet (one is made in the background) or its restore failed.
         Restoring costs a fraction of an exec start's CPU, which every refill otherwise takes from
         the live sandboxes; it runs at the pool's low CPU weight and nice, as an exec'd entry does."""
         if not self.enabled(template):
             return None
-        key = self._key(template, allow_internet)
+        key = self._key(template, allow_internet, uid_slot)
         image = self._ready.get(key)
         if image is None:
-            self._build_soon(key, template, allow_internet)
+            self._build_soon(key, template, allow_internet, uid_slot)
             return None
         s = self.host.settings
         spec = SandboxSpec(sandbox_id=name, template=template, workdir=root.parent, cpu_count=s.default_cpu_count,
                            memory_mb=s.default_memory_mb, disk_mb=s.default_disk_mb, pids_limit=s.pids_limit,
-                           allow_internet=allow_internet)
+                           allow_internet=allow_internet, uid_slot=uid_slot)
         lowers = tuple(Path(p) for p in (template.lowers or (template.rootfs,)))
         try:
             sbx = await self.snapshots.restore_tree(spec, image, (str(image / UPPER),), lowers, root=root,
@@ -141,22 +145,22 @@ class ProcImages:
             with contextlib.suppress(OSError):
                 remove_tree(image)
 
-    def _build_soon(self, key: str, template: SandboxImage, allow_internet: bool) -> None:
+    def _build_soon(self, key: str, template: SandboxImage, allow_internet: bool, uid_slot: int) -> None:
         if key in self._building:
             return
-        task = asyncio.get_running_loop().create_task(self._build(key, template, allow_internet),
+        task = asyncio.get_running_loop().create_task(self._build(key, template, allow_internet, uid_slot),
                                                       name=f"ns-procimage-{key}")
         self._building[key] = task
         task.add_done_callback(lambda _t: self._building.pop(key, None))
 
-    async def _build(self, key: str, template: SandboxImage, allow_internet: bool) -> None:
+    async def _build(self, key: str, template: SandboxImage, allow_internet: bool, uid_slot: int) -> None:
         host = self.host
         assert host.layout is not None
         dest = host.pool_dir / f"img-{key}"
         name = f"img-{secrets.token_hex(6)}"
         sbx: NsSandbox | None = None
         try:
-            sbx = await host.launch(name, host.pool_dir / name, host.pool_opts(template, allow_internet))
+            sbx = await host.launch(name, host.pool_dir / name, host.pool_opts(template, allow_internet, uid_slot))
             await sbx.warm_up()
             async with sbx.quiesce():
                 await _finish_even_if_cancelled(asyncio.to_thread(self._dump, sbx, dest))

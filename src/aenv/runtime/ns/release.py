@@ -159,7 +159,9 @@ class NsReleaser:
         root = Path(str(data["dir"]))
         lowers = [str(p) for p in data.get("lowers") or []]
         depth = int(data.get("snapshot_depth") or 0)
-        sbx = self.restorer.sandbox(spec, ("", *lowers[:depth]), tuple(Path(p) for p in lowers[depth:]), root)
+        # its own processes: restored in the range they were dumped in, whatever its team's is now
+        sbx = self.restorer.sandbox(spec, ("", *lowers[:depth]), tuple(Path(p) for p in lowers[depth:]), root,
+                                    images=root / RELEASED_DIR / "criu", own=True)
         exe, tools = status.exe, self.host.tools or Path("/nonexistent")
         on_netns = self.restorer.filter_while_restoring(sbx, asyncio.get_running_loop())
 
@@ -173,7 +175,8 @@ class NsReleaser:
             return checkpoint.restore(exe, root / RELEASED_DIR / "criu", lowers=sbx.lowers, upper=sbx.paths.upper,
                                       work=sbx.paths.work, merged=sbx.paths.merged, run_dir=sbx.paths.run,
                                       tools=tools, boot_id=sbx.paths.boot_id, procs_files=sbx.cgroup.procs_files(),
-                                      on_netns=on_netns, userns=self.host.userns, volumes=spec.volumes)
+                                      on_netns=on_netns, userns=sbx.opts.userns if sbx.opts else None,
+                                      volumes=spec.volumes)
 
         try:
             pid = await outlive_cancel(asyncio.to_thread(restore))  # a cancelled resume leaves no tree behind

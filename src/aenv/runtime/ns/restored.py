@@ -35,15 +35,21 @@ class Restorer:
         self.table = table
 
     def sandbox(self, spec: SandboxSpec, layers: tuple[str, ...], lowers: tuple[Path, ...],
-                root: Path | None, stacked: bool = False) -> NsSandbox:
+                root: Path | None, stacked: bool = False, images: Path | None = None,
+                own: bool = False) -> NsSandbox:
         """The ``NsSandbox`` a process restore fills in: ``spec``'s limits and network on the snapshot's
         layers. ``layers[0]`` is the snapshot's own upper: copied in as the sandbox's upper, or with
-        ``stacked`` a lower like the others under a fresh upper (``NsSnapshots.restore_tree``)."""
+        ``stacked`` a lower like the others under a fresh upper (``NsSnapshots.restore_tree``). Its user
+        namespace is the one the CRIU ``images`` were dumped in (``NsHost.userns_for_images``, ``own``
+        there): InvalidRequest for another team's range, before anything is made."""
         host = self.host
         assert host.layout is not None
+        userns = (host.userns_for_images(images, spec.uid_slot, own) if images is not None
+                  else host.userns_at(spec.uid_slot))
         opts = replace(host.opts(replace(spec.template, lowers=lowers), spec.allow_internet,
                                  (spec.cpu_count, spec.memory_mb, spec.pids_limit), disk_mb=spec.disk_mb),
-                       snapshot_layers=layers if stacked else layers[1:], zygote=None, volumes=spec.volumes)
+                       snapshot_layers=layers if stacked else layers[1:], zygote=None, volumes=spec.volumes,
+                       userns=userns)
         return NsSandbox(spec.sandbox_id, Paths(root or spec.workdir / "ns"), cgroups.Cgroup(host.layout, spec.sandbox_id),
                          opts)
 

@@ -171,8 +171,7 @@ class NsRuntime:
         await self.snapshots.drain()
         await close_orphaned_slirps()  # what the pool's and the killed sandboxes' ends left
         await asyncio.to_thread(host.disk.release)  # unmounts the volume unless another runtime uses it
-        if host.userns is not None:  # running sandboxes keep the namespace alive themselves
-            host.userns.close()
+        host.close_ranges()  # running sandboxes keep their namespaces alive themselves
         if host.layout is not None:
             await asyncio.to_thread(cgroups.remove_scope_if_empty, host.layout)
 
@@ -193,18 +192,19 @@ class NsRuntime:
         """Ready pooled sandboxes per template ID (WarmReporting)."""
         return self.pool.ready_counts()
 
-    async def wait_warm(self, template: SandboxImage, allow_internet: bool = True, n: int | None = None) -> None:
-        self.pool.want(template, allow_internet)
-        await self.pool.wait_ready(template, allow_internet, n)
+    async def wait_warm(self, template: SandboxImage, allow_internet: bool = True, n: int | None = None,
+                        uid_slot: int = 0) -> None:
+        self.pool.want(template, allow_internet, uid_slot)
+        await self.pool.wait_ready(template, allow_internet, n, uid_slot)
 
     # ---- launching ------------------------------------------------------------------------------
-    async def _launch_pooled(self, template: SandboxImage, allow_internet: bool) -> NsSandbox:
+    async def _launch_pooled(self, template: SandboxImage, allow_internet: bool, uid_slot: int = 0) -> NsSandbox:
         host = self.host
         assert host.layout is not None
         await host.ensure_tools()
         name = f"pool-{secrets.token_hex(6)}"
-        opts = host.pool_opts(template, allow_internet)
-        sbx = await self.procimages.pooled(name, host.pool_dir / name, template, allow_internet)
+        opts = host.pool_opts(template, allow_internet, uid_slot)
+        sbx = await self.procimages.pooled(name, host.pool_dir / name, template, allow_internet, uid_slot)
         if sbx is None:  # no process image (yet): launched by exec
             sbx = await host.launch(name, host.pool_dir / name, opts)
         try:
@@ -254,7 +254,8 @@ class NsRuntime:
         assert host.layout is not None
         await host.ensure_tools()
         opts = replace(host.opts(template, spec.allow_internet, (spec.cpu_count, spec.memory_mb, spec.pids_limit),
-                                 disk_mb=spec.disk_mb), snapshot_layers=snapshot_layers, volumes=spec.volumes)
+                                 disk_mb=spec.disk_mb, uid_slot=spec.uid_slot),
+                       snapshot_layers=snapshot_layers, volumes=spec.volumes)
         return await host.launch(name, root, opts)
 
     async def _launch_ready(self, spec: SandboxSpec, template: SandboxImage, snapshot_layers: tuple[str, ...],
@@ -274,7 +275,7 @@ class NsRuntime:
         in_place = root is not None  # rollback: on failure remove only the ns dir, not the whole workdir
         root = root or spec.workdir / "ns"
         sbx = prelaunched or (
-            self.pool.take(spec.template, spec.allow_internet)
+            self.pool.take(spec.template, spec.allow_internet, spec.uid_slot)
             if use_pool and spec.may_take_pooled and not snapshot_layers else None)
         if sbx is None and not in_place and not spec.volumes:  # not pooled: the template's process image, if any
             restored = await self.procimages.start(spec, template, snapshot_layers)
@@ -297,7 +298,8 @@ class NsRuntime:
                                     if policy and sbx.init is not None else None, sbx.cut_network)
             else:
                 await host.ensure_tools()
-                opts = replace(host.opts(template, spec.allow_internet, limits, disk_mb=spec.disk_mb),
+                opts = replace(host.opts(template, spec.allow_internet, limits, disk_mb=spec.disk_mb,
+                                         uid_slot=spec.uid_slot),
                                snapshot_layers=snapshot_layers, hostname=sid, volumes=spec.volumes)
                 sbx = await host.launch(sid, root, opts, keep_root=in_place)
             if (hand_out is not None or sbx is prelaunched) and sbx.allow_internet and sbx.init and SHAPER.custom(sid):
@@ -428,7 +430,9 @@ class NsRuntime:
         host = self.host
         status = host.criu_status()
         process = "filesystem+processes (criu)" if status.usable and host.zygote is None else "filesystem"
-        user = (f"user namespace (uids 0-65535 are host {host.userns.host_uid}.., shared by all sandboxes)"
+        ranges = host.ranges_in_use()
+        user = (f"user namespace (uids 0-65535 are host {host.userns.host_uid}.., or a range of the team's own "
+                f"where the server has several teams; ranges in use: {len(ranges)})"
                 if host.userns is not None else f"no user namespace ({host.userns_off_reason})")
         return {
             "runtime": "ns",

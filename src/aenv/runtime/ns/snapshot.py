@@ -447,7 +447,7 @@ class NsSnapshots:
             raise StateError(f"snapshot {snapshot.name} holds processes but CRIU is not usable here "
                              f"({status.reason}); start it on a host with CRIU >= 4.2")
         await self._start()
-        sbx = self.restorer.sandbox(spec, layers, lowers, root, stacked=stacked)
+        sbx = self.restorer.sandbox(spec, layers, lowers, root, stacked=stacked, images=snapshot / CRIU_DIR)
         exe, tools = status.exe, self.host.tools or Path("/nonexistent")
 
         loop = asyncio.get_running_loop()

@@ -1,8 +1,10 @@
 """The user namespace ns sandboxes run in (``ns_userns_uid``): uids 0-65535 inside, host uids from the base.
 
-One namespace for every sandbox of this server, made once, held as an fd the launcher inherits
-(``agent/launch.run_in_userns`` joins it, then creates the sandbox's other namespaces in it). One
-shared range, not one per sandbox: see ``docs/ARCHITECTURE.md`` ("ns user namespace"). Nothing is
+One namespace per uid range in use (``aenv/uid_ranges.py``: slot 0 for a server with fewer than two
+teams, one range per team otherwise; ``NsHost.userns_at``), made on first use, held as an fd the
+launcher inherits (``agent/launch.run_in_userns`` joins it, then creates the sandbox's other
+namespaces in it). Shared by a team's sandboxes, not one per sandbox: see ``docs/ARCHITECTURE.md``
+("ns user namespace"). Nothing is
 mounted on the host for it: the fd keeps it alive, and so does every process in it, so sandboxes
 adopted after a restart keep theirs while new ones get a new namespace with the same mapping.
 
@@ -22,8 +24,9 @@ from pathlib import Path
 
 from aenv.agent import idmap
 from aenv.config import Settings
+from aenv.uid_ranges import RANGE, TOP
 
-RANGE = 65536  # uids/gids 0..65535 in the sandbox: what images use (nobody is 65534)
+__all__ = ["RANGE", "SharedUserns", "UsernsError", "layer_dirs", "mapped_base"]
 
 
 def layer_dirs(settings: Settings) -> tuple[Path, ...]:
@@ -39,8 +42,8 @@ class SharedUserns:
     """The fd of one user namespace mapping 0..RANGE-1 to ``host_uid``.. (uids and gids alike)."""
 
     def __init__(self, host_uid: int) -> None:
-        if host_uid <= 0 or host_uid + RANGE > 2**32 - 1:
-            raise ValueError(f"ns_userns_uid must be in 1..{2**32 - 1 - RANGE}, not {host_uid}")
+        if host_uid <= 0 or host_uid + RANGE > TOP:
+            raise ValueError(f"a user namespace's first host uid must be in 1..{TOP - RANGE}, not {host_uid}")
         self.host_uid = host_uid
         self._fd: int | None = None
         self._lock = threading.Lock()

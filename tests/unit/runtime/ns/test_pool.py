@@ -12,6 +12,7 @@ class FakeSandbox:
         self.name = f"pool-{n}"
         self.dead = False
         self.closed = False
+        self.uid_slot = 0
 
     def alive(self) -> bool:
         return not self.dead
@@ -23,9 +24,10 @@ class FakeSandbox:
 def make_pool(size: int) -> tuple[WarmPool, list[FakeSandbox]]:
     made: list[FakeSandbox] = []
 
-    async def factory(template: SandboxImage, net: bool) -> FakeSandbox:
+    async def factory(template: SandboxImage, net: bool, uid_slot: int) -> FakeSandbox:
         await asyncio.sleep(0)
         sbx = FakeSandbox(len(made))
+        sbx.uid_slot = uid_slot
         made.append(sbx)
         return sbx
 
@@ -38,6 +40,19 @@ T = SandboxImage("t", Path("/r"))
 def test_pool_key_separates_network_modes_and_templates() -> None:
     assert pool_key(T, True) != pool_key(T, False)
     assert pool_key(T, True) != pool_key(SandboxImage("u", Path("/r")), True)
+    assert pool_key(T, True) == pool_key(T, True, 0) != pool_key(T, True, 3)  # a team's uid range
+
+
+async def test_a_team_range_never_gets_another_ranges_entries() -> None:
+    pool, made = make_pool(1)
+    pool.want(T, False)  # slot 0 (the shared range) hot and filled
+    await pool.wait_ready(T, False)
+    assert pool.take(T, False, uid_slot=2) is None  # a team of its own range: nothing for it yet
+    await pool.wait_ready(T, False, uid_slot=2)
+    got = pool.take(T, False, uid_slot=2)
+    assert got is not None and got.uid_slot == 2
+    assert pool.ready_count(T, False) == 1 and pool.take(T, False).uid_slot == 0  # type: ignore[union-attr]
+    await pool.aclose()
 
 
 async def test_first_take_misses_then_refills() -> None:

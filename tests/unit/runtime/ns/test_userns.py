@@ -18,7 +18,7 @@ from aenv.runtime.ns.userns import RANGE, SharedUserns, mapped_base
 
 @pytest.mark.parametrize("uid", [0, -1, 2**32 - RANGE])
 def test_range_must_fit_above_host_root(uid: int) -> None:
-    with pytest.raises(ValueError, match="ns_userns_uid"):
+    with pytest.raises(ValueError, match="first host uid must be in"):
         SharedUserns(uid)
 
 
@@ -170,3 +170,40 @@ async def test_filter_of_a_user_namespaced_restore_goes_in_after_criu_into_the_s
     with pytest.raises(RuntimeFailure, match="ended before its filter"):
         await restorer._filter_restored(sbx, SimpleNamespace(pid=6, alive=lambda: True))  # type: ignore[arg-type]
     assert installed == [5]
+
+
+def test_restores_follow_the_images_range_and_refuse_another_teams(tmp_path: Path) -> None:
+    """Processes cannot change uid range: a restore goes where the images were dumped (the shared range
+    for images of before teams had their own), a sandbox's own released processes wherever they were,
+    and another team's range (its published snapshot) is refused before anything is made."""
+    from aenv.config import Settings
+    from aenv.errors import InvalidRequest
+    from aenv.runtime.ns.checkpoint import USERNS_MARK
+    from aenv.runtime.ns.host import NsHost
+
+    first = 1_200_000_000
+    host = NsHost(Settings(state_dir=tmp_path / "state", ns_userns_uid=first), tools_dir=None, debug_log=False,
+                  launch_timeout=1.0)
+    assert host.userns is not None and host.userns_at(0) is host.userns
+    assert host.userns_at(2) is host.userns_at(2)  # one namespace per range, made lazily
+    assert [ns.host_uid for ns in (host.userns_at(2), host.userns_at(5))] == [first + 2 * RANGE, first + 5 * RANGE]
+    assert host.ranges_in_use() == [first, first + 2 * RANGE, first + 5 * RANGE]
+
+    def images(base: int | None) -> Path:
+        d = tmp_path / f"img-{base}"
+        d.mkdir(exist_ok=True)
+        if base is not None:
+            (d / USERNS_MARK).write_text(str(base))
+        return d
+
+    assert host.userns_for_images(images(first + 2 * RANGE), 2) is host.userns_at(2)  # its own range
+    assert host.userns_for_images(images(first), 2) is host.userns  # from before ranges per team
+    assert host.userns_for_images(images(None), 2) is host.userns_at(2)  # host-ns images: checkpoint decides
+    with pytest.raises(InvalidRequest, match="another team's uid range"):
+        host.userns_for_images(images(first + 5 * RANGE), 2)
+    assert host.userns_for_images(images(first + 5 * RANGE), 2, own=True) is host.userns_at(5)
+    assert host.userns_for_images(images(first + 7 * RANGE), 0, own=True) is host.userns_at(7)
+    odd = host.userns_for_images(images(900_000_000), 2)  # another ns_userns_uid's: checkpoint refuses it
+    assert odd is host.userns_at(2)
+    host.close_ranges()
+    assert host.ranges_in_use() == [first]
