@@ -99,6 +99,7 @@ async def _create(request: Request, body: NewSandbox, orch: Orchestrator, idempo
         idempotency_key=idempotency_key,
         network=body.network.request() if body.network is not None else None,
         owner=owner,
+        admin=principal(request).admin,
         volume_mounts=tuple(parse_mounts([(m.name, m.path, m.readOnly) for m in body.volumeMounts or ()])),
         bandwidth=body.bandwidth.request() if body.bandwidth is not None else None,
     )

@@ -319,7 +319,10 @@ class TemplateBuilds:
 
     async def _base(self, rec: BuildRecord, spec: BuildSpec) -> TemplateRow:
         if spec.from_template is not None:
-            return self.ctx.templates.resolve(spec.from_template)
+            row = self.ctx.templates.resolve(spec.from_template)
+            if not (row.public or row.owner in ("", rec.owner)):
+                raise TemplateNotFound(spec.from_template)  # another team's private template: as if none
+            return row
         assert spec.from_image is not None
         rec.log(f"pulling {spec.from_image}", step="base")
         row, summary = await self.template_flows.pull(spec.from_image, hidden=True)

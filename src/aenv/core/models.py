@@ -72,6 +72,7 @@ class CreateRequest:
     idempotency_key: str | None = None
     network: NetworkRequest | None = None  # E2B's network settings (core/network.py)
     owner: str = ""  # the team it belongs to, whose quota it counts for and whose secrets its rules name
+    admin: bool = False  # made with an admin key: any team's template may be its start
     volume_mounts: tuple[MountRequest, ...] = ()  # E2B volumeMounts (core/volumes.py)
     bandwidth: BandwidthRequest | None = None  # aenv's per-sandbox limits (core/network.py)
 

@@ -50,6 +50,7 @@ from aenv.errors import (
     GuestUnresponsive,
     PortNotOpen,
     SandboxUnreachable,
+    TemplateNotFound,
 )
 from aenv.faults import fault_point
 from aenv.file_urls import file_signature
@@ -216,6 +217,8 @@ class Orchestrator:
         timeout = req.timeout if req.timeout is not None else self.settings.default_timeout
         self.ctx.check_timeout(timeout)
         template = await self.sync.resolve_template(req.template)  # may fetch a snapshot from the repository
+        if not (req.admin or template.public or template.owner in ("", req.owner)):
+            raise TemplateNotFound(req.template)  # another team's private template: as if there were none
         cpus, memory = req.cpu_count or template.cpu_count, req.memory_mb or template.memory_mb
         # A burst waits its turn here (fairly per team, then run), or is a readable 429 (admission.py).
         async with self.admission.slot(req.owner, req.metadata.get(self.settings.admission_group_key), cpus, memory):

@@ -177,6 +177,7 @@ class SnapshotSync:
             "template_alias": base.alias if base else None,
             "template_source": base.source if base else None,
             "sandbox_id": row.sandbox_id,
+            "owner": row.owner,  # the team whose snapshot it is: private to it on every node that fetches it
             "size_bytes": row.size_bytes,
             "cpu_count": own.cpu_count if own and own.id == row.id else None,
             "memory_mb": own.memory_mb if own and own.id == row.id else None,
@@ -257,7 +258,7 @@ class SnapshotSync:
                 id=snapshot_id, name=manifest.name, sandbox_id=manifest.meta.get("sandbox_id"),
                 parent_id=manifest.parent, template_id=template.id, runtime=runtime, mode=manifest.mode,
                 state="ready", internal=False, created_at=manifest.created_at or now(), dir=str(dest),
-                result=result, published=True, size_bytes=size,
+                result=result, published=True, size_bytes=size, owner=str(manifest.meta.get("owner") or ""),
             )
             self.ctx.store.put_snapshot(row)
         else:
@@ -272,6 +273,7 @@ class SnapshotSync:
                 config={**template.config, "snapshot": snapshot_id}, source=f"snapshot {snapshot_id} (repository)",
                 template_id=snapshot_id, cpu_count=meta.get("cpu_count") if isinstance(meta.get("cpu_count"), int) else None,
                 memory_mb=meta.get("memory_mb") if isinstance(meta.get("memory_mb"), int) else None, size_bytes=size,
+                owner=str(meta.get("owner") or ""),
             )
         log.info("snapshot=%s fetched from the repository in %.2fs (%d layers, %d bytes)", snapshot_id,
                  time.perf_counter() - t0, len(manifest.layers), sum(layer.size for layer in manifest.layers))

@@ -9,6 +9,7 @@ The route table is read from the app itself: a route added later without an entr
 from __future__ import annotations
 
 import re
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -176,6 +177,17 @@ def test_templates_private_until_published(teams: TestClient) -> None:
     refused = teams.post("/v2/sandboxes", json={"templateID": "alice-snap"}, headers=BOB)
     assert refused.status_code == 404 and refused.json()["code"] == 404
     assert teams.get("/templates/aliases/alice-snap", headers=BOB).status_code == 404
+    assert teams.post("/v2/sandboxes", json={"templateID": "alice-snap"}, headers=ROOT).status_code == 201  # admin
+    build = teams.post("/v3/templates", json={"name": "bobs"}, headers=BOB).json()  # a build FROM alice's: unknown
+    started = teams.post(f"/v2/templates/{build['templateID']}/builds/{build['buildID']}",
+                         json={"fromTemplate": "alice-snap", "steps": []}, headers=BOB)  # fmt: skip
+    assert started.status_code == 202
+    for _ in range(200):
+        status = teams.get(f"/templates/{build['templateID']}/builds/{build['buildID']}/status", headers=BOB).json()
+        if status["status"] in ("ready", "error"):
+            break
+        time.sleep(0.02)
+    assert status["status"] == "error" and "alice-snap" in str(status) and snap not in str(status), status
     assert teams.patch(f"/v2/templates/{snap}", json={"public": True}, headers=BOB).status_code == 404
     assert teams.patch(f"/v2/templates/{snap}", json={"public": True}, headers=ALICE).status_code == 200
     assert teams.get("/templates/aliases/alice-snap", headers=BOB).json() == {"templateID": snap, "public": True}
