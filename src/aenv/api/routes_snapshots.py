@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field, StrictBool, StrictInt
 
 from aenv.api import serialize, tenancy
-from aenv.api.auth import require_api_key
+from aenv.api.auth import principal, require_api_key
 from aenv.api.deps import orchestrator
 from aenv.api.errors import status_for
 from aenv.api.models import _Body
@@ -18,6 +18,7 @@ from aenv.core.orchestrator import Orchestrator
 from aenv.errors import AenvError
 from aenv.machine_key import parse as machine_record
 from aenv.store.sqlite import SnapshotRow
+from aenv.teams import Principal
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -37,7 +38,8 @@ class RollbackBody(_Body):
     snapshotID: str = Field(min_length=1, max_length=256)
 
 
-def snapshot_json(row: SnapshotRow, orch: Orchestrator, detail: bool = False) -> dict[str, Any]:
+def snapshot_json(row: SnapshotRow, orch: Orchestrator, detail: bool = False,
+                  who: Principal | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {
         "snapshotID": row.id,
         "names": [row.name] if row.name else [],
@@ -58,7 +60,10 @@ def snapshot_json(row: SnapshotRow, orch: Orchestrator, detail: bool = False) ->
     # aenv: the runtime is still writing its files (usable already; sizeBytes is final once false)
     out["writing"] = orch.snapshot_writing(row.id)
     if detail:
-        out.update(orch.snapshot_tree(row.id))
+        tree = orch.snapshot_tree(row.id)
+        if who is not None and not who.admin:  # a tree may reach into another team's (a public snapshot's child)
+            tree = {k: [i for i in ids if _sees(orch, who, i)] for k, ids in tree.items()}
+        out.update(tree)
         out["published"] = row.published
     return out
 
@@ -94,8 +99,19 @@ async def list_snapshots(
 
 
 @router.get("/snapshots/{snapshot_id}")
-async def get_snapshot(snapshot_id: str, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
-    return JSONResponse(snapshot_json(orch.get_snapshot(snapshot_id), orch, detail=True))
+async def get_snapshot(snapshot_id: str, request: Request, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
+    return JSONResponse(snapshot_json(orch.get_snapshot(snapshot_id), orch, detail=True, who=principal(request)))
+
+
+def _sees(orch: Orchestrator, who: Principal, object_id: str) -> bool:
+    """A snapshot or sandbox ID of the tree that ``who`` may know of."""
+    snap = orch.find_snapshot(object_id)
+    if snap is not None:
+        return who.sees(snap.owner)
+    try:
+        return who.sees(orch.get(object_id).row.owner)
+    except AenvError:
+        return False
 
 
 @router.post("/sandboxes/{sandbox_id}/fork", status_code=201)

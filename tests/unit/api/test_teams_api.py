@@ -191,7 +191,12 @@ def test_templates_private_until_published(teams: TestClient) -> None:
     assert teams.patch(f"/v2/templates/{snap}", json={"public": True}, headers=BOB).status_code == 404
     assert teams.patch(f"/v2/templates/{snap}", json={"public": True}, headers=ALICE).status_code == 200
     assert teams.get("/templates/aliases/alice-snap", headers=BOB).json() == {"templateID": snap, "public": True}
-    assert teams.post("/v2/sandboxes", json={"templateID": "alice-snap"}, headers=BOB).status_code == 201
+    from_public = teams.post("/v2/sandboxes", json={"templateID": "alice-snap"}, headers=BOB)
+    assert from_public.status_code == 201
+    bobs_child = teams.post(f"/sandboxes/{from_public.json()['sandboxID']}/snapshots", json={}, headers=BOB).json()
+    tree = teams.get(f"/snapshots/{snap}", headers=ALICE).json()
+    assert bobs_child["snapshotID"] not in str(tree)  # alice's tree does not show bob's snapshot of it
+    assert bobs_child["snapshotID"] in str(teams.get(f"/snapshots/{snap}", headers=ROOT).json())
     assert teams.delete(f"/templates/{snap}", headers=BOB).status_code == 404  # published is not bob's to delete
     # a name is one team's: another team cannot build over it or take it for its snapshot
     assert teams.post("/v3/templates", json={"name": "alice-tpl"}, headers=BOB).status_code == 409
