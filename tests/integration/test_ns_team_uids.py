@@ -18,7 +18,7 @@ from e2b import Sandbox
 from aenv.testing.server import KEEP_SANDBOXES, Server, start_server, stop_server
 from aenv.uid_ranges import RANGE
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.sdk]
+pytestmark = pytest.mark.timeout(600)  # ns: its own servers (not the SDK pass on vm)
 
 FIRST = 1_200_000_000
 KA, KB, KADMIN = "team-a-key-" + "a" * 20, "team-b-key-" + "b" * 20, "admin-key-" + "c" * 20

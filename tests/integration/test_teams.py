@@ -25,7 +25,7 @@ from e2b import NotFoundException, Sandbox, SandboxException
 from aenv.testing.gateway import NodeCluster, start_gateway
 from aenv.testing.server import API_KEY
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.sdk]
+pytestmark = pytest.mark.timeout(600)  # ns: its own servers (not the SDK pass on vm)
 
 ALICE, BOB = "alice-key-" + "a" * 20, "bob-key-" + "b" * 20
 TEAMS = {"alice": {"keys": [ALICE]}, "bob": {"keys": [BOB], "max_sandboxes": 2}}
@@ -36,7 +36,7 @@ ENV = {"AENV_TEAMS": json.dumps(TEAMS), "AENV_ADMIN_KEYS": API_KEY, "AENV_POOL_S
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeCluster]:
     if os.geteuid() != 0:
         pytest.skip("the ns runtime needs root")
-    c = NodeCluster(tmp_path_factory.mktemp("teams"), 2, ENV)
+    c = NodeCluster(tmp_path_factory.mktemp("teams"), 2, ENV, runtime="ns")  # teams live above the runtime
     try:
         c.start_node(0)
         c.start_node(1)
