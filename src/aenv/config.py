@@ -57,9 +57,9 @@ class Settings(BaseModel):
     admission_wait: float = Field(
         30.0, gt=0, description="seconds a create waits for a start slot before 429 (reason capacity); below the SDKs' 60 s request timeout"
     )
-    team_start_share: float = Field(
-        0.75, gt=0, le=1, description="with several teams, the share of max_concurrent_starts one team may hold at "
-        "once (the rest stays free for the others' creates)"
+    team_concurrent_starts: int | None = Field(
+        default=None, gt=0, description="with several teams, the starts one team may have at once (the other "
+        "slots stay free for the other teams); unset = 2 per CPU (a start is CPU-bound: more at once only adds latency)"
     )
     admission_group_key: str = Field(
         "run", description="metadata key whose value, with the API key, makes a fair-share group of the admission queue"

@@ -176,8 +176,11 @@ def test_teams_from_settings() -> None:
 
 
 async def test_a_teams_burst_leaves_start_slots_for_another_team() -> None:
-    adm = _admission(teams={"a": TeamSpec(keys=["ka"]), "b": TeamSpec(keys=["kb"])}, max_concurrent_starts=4)
-    assert adm.team_cap == 3  # team_start_share 0.75 of 4
+    adm = _admission(teams={"a": TeamSpec(keys=["ka"]), "b": TeamSpec(keys=["kb"])}, max_concurrent_starts=4,
+                     team_concurrent_starts=3)
+    assert adm.team_cap == 3
+    assert _admission(teams={"a": TeamSpec(keys=["ka"]), "b": TeamSpec(keys=["kb"])}, max_concurrent_starts=4,
+                      team_concurrent_starts=9).team_cap == 3  # one slot always left for another team
     hold = asyncio.Event()
 
     async def create(team: str) -> None:
