@@ -42,6 +42,7 @@ from typing import Protocol
 from aenv.runtime import egress_rules, network
 from aenv.runtime.egress_ca import EgressCa, new_ca, upstream_context
 from aenv.runtime.egress_mitm import intercept
+from aenv.runtime.egress_own import OwnHosts
 from aenv.runtime.netpolicy import EgressPolicy
 from aenv.runtime.nsthread import run_in_namespace
 from aenv.runtime.sniff import MAX_PEEK, NeedMore, a_answers, a_query, host_name
@@ -323,6 +324,10 @@ class Enforcer:
             return
         policy = self.policies.get(key)
         rules = egress_rules.matching(policy.rules, name, port) if policy is not None and name else []
+        own = network.own_hosts()
+        if policy is not None and rules and own is not None and name and own.names(name):
+            await self._to_own(key, reader, writer, data, own, name, port, rules, policy)
+            return
         if policy is not None and (rules or (name and policy.allows_domain(name))):
             assert name is not None
             addrs = await self._resolve(name)
@@ -355,6 +360,21 @@ class Enforcer:
             await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
         finally:
             up_writer.close()
+
+    async def _to_own(self, key: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, data: bytes,
+                      own: OwnHosts, name: str, port: int, rules: list[egress_rules.HeaderRule],
+                      policy: EgressPolicy) -> None:
+        """A rule's name is one of this server's sandbox hosts: to the server's own public listener, as
+        an internet client (``egress_own.py``). It counts as the internet: refused where the policy
+        denies all of it and allowOut does not name the host."""
+        if not policy.allows_domain(name) and any(n.prefixlen == 0 for n in policy.deny_nets):
+            log.info("sandbox=%s egress denied: %s (the internet is denied)", key, name)
+            return
+        tls = data[:1] == b"\x16"
+        ca = await asyncio.to_thread(self.ca, key) if tls else None
+        await intercept(key, reader, writer, data, host=name, target=own.addr, port=own.port, rules=rules, tls=tls,
+                        ca=ca, upstream_ssl=self._upstream() if own.tls else None, lookup=self._secret_value,
+                        upstream_tls=own.tls, pinned=port)
 
     def _unreachable(self, addr: str) -> bool:
         ip = ipaddress.IPv4Address(addr)
