@@ -127,11 +127,22 @@ class _Listener:
     server: asyncio.Server
     port: int
     conns: set[asyncio.StreamWriter] = field(default_factory=set)
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     def close(self) -> None:
+        """The server and every connection end; their handlers are cancelled, not left waiting on an
+        upstream (a kept-alive server may not close for seconds)."""
         self.server.close()
         for w in list(self.conns):
             w.close()
+        for t in list(self.tasks):
+            t.cancel()
+
+
+# Every connection's handler, until it ends. asyncio's streams hold a reader only weakly: a handler
+# waiting on an upstream after the sandbox's side half-closed (its transport out of the selector) is
+# otherwise reachable from nothing, and the garbage collector would destroy it pending.
+_HANDLERS: set[asyncio.Task[None]] = set()
 
 
 class CaStore(Protocol):
@@ -281,13 +292,20 @@ class Enforcer:
     async def _serve_on(self, key: str, inode: int, sock: socket.socket) -> int:
         """The proxy's server on ``sock`` (listening in the namespace ``inode``), as ``key``'s listener."""
         conns: set[asyncio.StreamWriter] = set()
+        tasks: set[asyncio.Task[None]] = set()
 
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            task = asyncio.current_task()
+            assert task is not None
             conns.add(writer)
+            tasks.add(task)
+            _HANDLERS.add(task)
             try:
                 await self._serve(key, reader, writer)
             finally:
                 conns.discard(writer)
+                tasks.discard(task)
+                _HANDLERS.discard(task)
                 writer.close()
 
         try:
@@ -295,7 +313,7 @@ class Enforcer:
         except BaseException:
             sock.close()
             raise
-        lst = _Listener(inode, server, sock.getsockname()[1], conns)
+        lst = _Listener(inode, server, sock.getsockname()[1], conns, tasks)
         self._listeners[key] = lst
         return lst.port
 

@@ -108,3 +108,41 @@ async def test_pinned_interception_to_a_tls_listener(tmp_path: Path) -> None:
         rest = await reader.read()
         writer.close()
     assert rest.startswith(b"HTTP/1.1 421 ") and b"Host must be echo.test" in rest
+
+
+@pytest.mark.asyncio
+async def test_handlers_are_held_and_cancelled_when_the_sandbox_goes() -> None:
+    """A handler waiting on a kept-alive upstream (the server's own listener keeps a connection 5 s) after
+    the sandbox's side closed is held by nothing asyncio keeps: it is held here, and cancelled with its
+    listener, never left for the garbage collector to destroy pending."""
+    import gc
+    import socket
+
+    from aenv.runtime import egress
+
+    enforcer = egress.Enforcer()
+    waiting = asyncio.Event()
+    ended: list[str] = []
+
+    async def serve(key: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        waiting.set()
+        try:
+            await asyncio.get_running_loop().create_future()  # an upstream that never answers
+        finally:
+            ended.append(key)
+
+    enforcer._serve = serve  # type: ignore[method-assign]
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    sock.setblocking(False)
+    await enforcer._serve_on("sbx", 1, sock)
+    _, writer = await asyncio.open_connection(*sock.getsockname())
+    await waiting.wait()
+    writer.close()  # the sandbox's side is done
+    await asyncio.sleep(0.05)
+    gc.collect()
+    assert len(egress._HANDLERS) == 1 and not ended
+    enforcer.forget("sbx")
+    await asyncio.sleep(0.05)
+    assert ended == ["sbx"] and not egress._HANDLERS
