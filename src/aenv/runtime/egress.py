@@ -302,6 +302,8 @@ class Enforcer:
             _HANDLERS.add(task)
             try:
                 await self._serve(key, reader, writer)
+            except asyncio.CancelledError:
+                pass  # its listener closed; ended here (3.11's streams call a cancelled handler's exception())
             finally:
                 conns.discard(writer)
                 tasks.discard(task)
