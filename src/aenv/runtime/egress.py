@@ -19,7 +19,9 @@ private range; anything else is closed. It connects from the host's side as slir
 E2B's header rules (``network.rules``) send TCP to ports 80 and 443 (and those a rule names) to the
 same proxy, whatever the address: a connection whose name matches a rule is served by
 ``egress_mitm.py`` (TLS terminated with the sandbox's own CA, headers set on every request), to an
-address the name resolves to; any other goes on to where it was going, if the policy allows it.
+address the name resolves to; any other goes on to where it was going, if the policy allows it. A rule
+naming one of this server's own sandbox hosts goes to the server's public listener instead
+(``egress_own.py``).
 """
 
 from __future__ import annotations
