@@ -26,11 +26,18 @@ from aenv.errors import InvalidRequest
 from aenv.runtime import allowlist
 from aenv.runtime.base import EgressCapable, Runtime, RuntimeState, SandboxSpec
 from aenv.runtime.egress import ENFORCER
+from aenv.runtime.egress_own import OwnHosts
 from aenv.runtime.egress_rules import masked
 from aenv.runtime.envd_client import ENVD_PORT, egress_trust
 from aenv.runtime.envd_client import request as envd_request
 from aenv.runtime.netpolicy import EgressPolicy, from_record, parse
-from aenv.runtime.network import BLOCKED_RANGES, configure_dns, configure_private, private_allowlist
+from aenv.runtime.network import (
+    BLOCKED_RANGES,
+    configure_dns,
+    configure_own,
+    configure_private,
+    private_allowlist,
+)
 from aenv.store.secrets import CaLog
 from aenv.store.sqlite import SandboxRow, Store
 
@@ -60,9 +67,11 @@ def private_info(settings: Settings) -> dict[str, Any]:
 
 def configure_rules(settings: Settings, secrets: Secrets, store: Store) -> None:
     """What the egress proxy's header rules read: secret values (by the ID a rule was bound to), the
-    sandboxes' CAs (kept in the store), the operator's extra CA bundle for upstream servers."""
+    sandboxes' CAs (kept in the store), the operator's extra CA bundle for upstream servers, and this
+    server's sandbox hosts (``sandbox_domain``), which a rule may name (``runtime/egress_own.py``)."""
     extra = str(settings.egress_extra_ca) if settings.egress_extra_ca else None
     ENFORCER.configure_rules(secrets.value_of, CaLog(store), extra)
+    configure_own(OwnHosts.of(settings))
 
 
 def row_fields(req: NetworkRequest | None, allow_internet: bool, bind: Bind | None = None,

@@ -19,7 +19,9 @@ private range; anything else is closed. It connects from the host's side as slir
 E2B's header rules (``network.rules``) send TCP to ports 80 and 443 (and those a rule names) to the
 same proxy, whatever the address: a connection whose name matches a rule is served by
 ``egress_mitm.py`` (TLS terminated with the sandbox's own CA, headers set on every request), to an
-address the name resolves to; any other goes on to where it was going, if the policy allows it.
+address the name resolves to; any other goes on to where it was going, if the policy allows it. A rule
+naming one of this server's own sandbox hosts goes to the server's public listener instead
+(``egress_own.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from typing import Protocol
 from aenv.runtime import egress_rules, network
 from aenv.runtime.egress_ca import EgressCa, new_ca, upstream_context
 from aenv.runtime.egress_mitm import intercept
+from aenv.runtime.egress_own import OwnHosts
 from aenv.runtime.netpolicy import EgressPolicy
 from aenv.runtime.nsthread import run_in_namespace
 from aenv.runtime.sniff import MAX_PEEK, NeedMore, a_answers, a_query, host_name
@@ -126,11 +129,22 @@ class _Listener:
     server: asyncio.Server
     port: int
     conns: set[asyncio.StreamWriter] = field(default_factory=set)
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     def close(self) -> None:
+        """The server and every connection end; their handlers are cancelled, not left waiting on an
+        upstream (a kept-alive server may not close for seconds)."""
         self.server.close()
         for w in list(self.conns):
             w.close()
+        for t in list(self.tasks):
+            t.cancel()
+
+
+# Every connection's handler, until it ends. asyncio's streams hold a reader only weakly: a handler
+# waiting on an upstream after the sandbox's side half-closed (its transport out of the selector) is
+# otherwise reachable from nothing, and the garbage collector would destroy it pending.
+_HANDLERS: set[asyncio.Task[None]] = set()
 
 
 class CaStore(Protocol):
@@ -280,13 +294,22 @@ class Enforcer:
     async def _serve_on(self, key: str, inode: int, sock: socket.socket) -> int:
         """The proxy's server on ``sock`` (listening in the namespace ``inode``), as ``key``'s listener."""
         conns: set[asyncio.StreamWriter] = set()
+        tasks: set[asyncio.Task[None]] = set()
 
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            task = asyncio.current_task()
+            assert task is not None
             conns.add(writer)
+            tasks.add(task)
+            _HANDLERS.add(task)
             try:
                 await self._serve(key, reader, writer)
+            except asyncio.CancelledError:
+                pass  # its listener closed; ended here (3.11's streams call a cancelled handler's exception())
             finally:
                 conns.discard(writer)
+                tasks.discard(task)
+                _HANDLERS.discard(task)
                 writer.close()
 
         try:
@@ -294,7 +317,7 @@ class Enforcer:
         except BaseException:
             sock.close()
             raise
-        lst = _Listener(inode, server, sock.getsockname()[1], conns)
+        lst = _Listener(inode, server, sock.getsockname()[1], conns, tasks)
         self._listeners[key] = lst
         return lst.port
 
@@ -323,6 +346,10 @@ class Enforcer:
             return
         policy = self.policies.get(key)
         rules = egress_rules.matching(policy.rules, name, port) if policy is not None and name else []
+        own = network.own_hosts()
+        if policy is not None and rules and own is not None and name and own.names(name):
+            await self._to_own(key, reader, writer, data, own, name, port, rules, policy)
+            return
         if policy is not None and (rules or (name and policy.allows_domain(name))):
             assert name is not None
             addrs = await self._resolve(name)
@@ -355,6 +382,21 @@ class Enforcer:
             await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
         finally:
             up_writer.close()
+
+    async def _to_own(self, key: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, data: bytes,
+                      own: OwnHosts, name: str, port: int, rules: list[egress_rules.HeaderRule],
+                      policy: EgressPolicy) -> None:
+        """A rule's name is one of this server's sandbox hosts: to the server's own public listener, as
+        an internet client (``egress_own.py``). It counts as the internet: refused where the policy
+        denies all of it and allowOut does not name the host."""
+        if not policy.allows_domain(name) and any(n.prefixlen == 0 for n in policy.deny_nets):
+            log.info("sandbox=%s egress denied: %s (the internet is denied)", key, name)
+            return
+        tls = data[:1] == b"\x16"
+        ca = await asyncio.to_thread(self.ca, key) if tls else None
+        await intercept(key, reader, writer, data, host=name, target=own.addr, port=own.port, rules=rules, tls=tls,
+                        ca=ca, upstream_ssl=self._upstream() if own.tls else None, lookup=self._secret_value,
+                        upstream_tls=own.tls, pinned=port)
 
     def _unreachable(self, addr: str) -> bool:
         ip = ipaddress.IPv4Address(addr)

@@ -21,6 +21,7 @@ import h11
 
 from aenv.runtime import egress_rules
 from aenv.runtime.egress_ca import EgressCa
+from aenv.runtime.egress_own import refusal
 from aenv.runtime.egress_rules import HeaderRule, UnresolvedSecret
 
 log = logging.getLogger("aenv.egress")
@@ -110,10 +111,14 @@ class _TlsSide(_Side):
         await self._flush()
 
 
-def _bad_gateway(why: str) -> bytes:
+def _refused(status: int, reason: str, why: str) -> bytes:
     body = f"aenv egress proxy: {why}\n".encode()
-    return (b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: text/plain\r\nConnection: close\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+    return (b"HTTP/1.1 %d %s\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (status, reason.encode(), len(body), body))  # fmt: skip
+
+
+def _bad_gateway(why: str) -> bytes:
+    return _refused(502, "Bad Gateway", why)
 
 
 def _rewritten(req: h11.Request, host: str, add: Sequence[tuple[bytes, bytes]]) -> h11.Request:
@@ -127,8 +132,9 @@ def _rewritten(req: h11.Request, host: str, add: Sequence[tuple[bytes, bytes]]) 
 
 
 async def _requests(key: str, client: _Side, up: asyncio.StreamWriter, host: str,
-                    headers_for: Callable[[], list[tuple[bytes, bytes]]]) -> None:
-    """Client -> upstream: each request rewritten; at an upgrade, the rest as bytes."""
+                    headers_for: Callable[[], list[tuple[bytes, bytes]]], pinned: int | None = None) -> None:
+    """Client -> upstream: each request rewritten; at an upgrade, the rest as bytes. ``pinned``: each
+    request checked by ``egress_own.refusal`` first."""
     pending = b""
     while True:
         them = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
@@ -147,6 +153,11 @@ async def _requests(key: str, client: _Side, up: asyncio.StreamWriter, host: str
                 them.receive_data(data)
                 continue
             if isinstance(event, h11.Request):
+                if pinned is not None and (why := refusal(event.method, event.target, event.headers.raw_items(),
+                                                          host, pinned)):
+                    log.info("sandbox=%s egress to %s refused: %s", key, host, why)
+                    await client.write(_refused(421, "Misdirected Request", why))
+                    raise ConnectionAbortedError from None
                 try:
                     add = headers_for()
                 except UnresolvedSecret as exc:
@@ -187,14 +198,18 @@ async def _responses(up: asyncio.StreamReader, client: _Side) -> None:
 async def intercept(key: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, first: bytes, *,
                     host: str, target: str, port: int, rules: Sequence[HeaderRule], tls: bool,
                     ca: EgressCa | None, upstream_ssl: ssl.SSLContext | None,
-                    lookup: Callable[[str], str | None]) -> None:
-    """Serve one sandbox connection to ``host`` (a rule domain) at ``target``:``port``."""
-    if tls and (ca is None or upstream_ssl is None):
+                    lookup: Callable[[str], str | None], upstream_tls: bool | None = None,
+                    pinned: int | None = None) -> None:
+    """Serve one sandbox connection to ``host`` (a rule domain) at ``target``:``port``. ``upstream_tls``:
+    whether the upstream speaks TLS (default: as the sandbox does). ``pinned``: every request must name
+    ``host`` (on this port) as its Host (``egress_own.refusal``), else 421 and the connection ends."""
+    up_tls = tls if upstream_tls is None else upstream_tls
+    if (tls and ca is None) or (up_tls and upstream_ssl is None):
         return
     try:
         async with asyncio.timeout(_CONNECT_TIMEOUT):
             up_reader, up_writer = await asyncio.open_connection(
-                target, port, ssl=upstream_ssl if tls else None, server_hostname=host if tls else None)
+                target, port, ssl=upstream_ssl if up_tls else None, server_hostname=host if up_tls else None)
     except ssl.SSLCertVerificationError as exc:
         log.warning("sandbox=%s egress to %s (%s:%d) refused: its certificate does not verify (%s)",
                     key, host, target, port, exc.verify_message)
@@ -213,7 +228,7 @@ async def intercept(key: str, reader: asyncio.StreamReader, writer: asyncio.Stre
             client = _Side(reader, writer, first)
         log.debug("sandbox=%s egress to %s:%d: header rules applied", key, host, port)
         requests = asyncio.ensure_future(_requests(key, client, up_writer, host,
-                                                   lambda: egress_rules.resolve(rules, lookup)))
+                                                   lambda: egress_rules.resolve(rules, lookup), pinned))
         responses = asyncio.ensure_future(_responses(up_reader, client))
         try:
             # the sandbox done sending: the answers still come; the server done (or a refusal): the end

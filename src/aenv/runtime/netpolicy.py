@@ -207,7 +207,7 @@ def from_record(record: dict[str, Any] | None, blocked: Iterable[str], private: 
 
 def render(host_addrs: Iterable[str], blocked: Sequence[str], resolver: str, slirp_dns: str,
            policy: EgressPolicy | None = None, proxy_port: int | None = None,
-           private: Allowlist | None = None, jail: bool = False) -> str:
+           private: Allowlist | None = None, jail: bool = False, own_ports: Sequence[int] = ()) -> str:
     """``iptables-restore`` input for a sandbox's namespace: both tables, replaced atomically.
 
     filter/OUTPUT: the host services the operator exposes (``private``; first: a vm jail's come DNATed
@@ -218,7 +218,8 @@ def render(host_addrs: Iterable[str], blocked: Sequence[str], resolver: str, sli
     server; in a vm's QEMU jail (``jail``), the guest's host services (QEMU dials them on the jail's
     127.0.0.1) go to slirp4netns's gateway, the host's loopback; with a proxy, TCP to denied nets is
     redirected to it (allowed and always-blocked addresses are left alone: the filter decides those
-    at once)."""
+    at once); ``own_ports``: TCP to loopback and the host's addresses on these ports goes to the proxy
+    too, first (a header rule for one of this server's sandbox hosts: ``egress_own.py``)."""
     policy = policy or EgressPolicy()
     private = private or Allowlist()
     hosts = sorted({a for a in host_addrs if ipaddress.ip_address(a).version == 4})
@@ -234,6 +235,9 @@ def render(host_addrs: Iterable[str], blocked: Sequence[str], resolver: str, sli
         if private.host_ports:
             nat.append(f"-A POSTROUTING -s 127.0.0.0/8 -d {HOST_SERVICES}/32 -j SNAT --to-source {TAP_ADDR}")
     if proxy_port is not None and policy.needs_proxy:
+        for port in own_ports:
+            for dst in ("127.0.0.0/8", *(f"{a}/32" for a in hosts)):
+                nat.append(f"-A OUTPUT -p tcp -d {dst} --dport {port} -j REDIRECT --to-ports {proxy_port}")
         nat.append("-A OUTPUT -o lo -j RETURN")
         for net in (*(Net(f"{a}/32") for a in hosts), *map(Net, blocked)):
             nat.append(f"-A OUTPUT -p tcp -d {net} -j RETURN")

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aenv.runtime.allowlist import TAP_ADDR, Allowlist
+from aenv.runtime.egress_own import OwnHosts
 from aenv.runtime.netpolicy import EgressPolicy, render
 from aenv.runtime.nsthread import run_in_namespace
 from aenv.runtime.process import ProcRef, Reaped
@@ -87,6 +88,7 @@ def resolver() -> str:
 
 # The operator's allowlist of private destinations (``private_egress``), the same for every sandbox.
 _private = Allowlist()
+_own: OwnHosts | None = None
 
 
 def configure_private(allowlist: Allowlist) -> None:
@@ -99,12 +101,23 @@ def private_allowlist() -> Allowlist:
     return _private
 
 
+def configure_own(hosts: OwnHosts | None) -> None:
+    """This server's sandbox hosts, for header rules that name one (set once, at start-up)."""
+    global _own
+    _own = hosts
+
+
+def own_hosts() -> OwnHosts | None:
+    return _own
+
+
 def firewall_rules(host_addrs: list[str], policy: EgressPolicy | None = None, proxy_port: int | None = None,
                    jail: bool = False) -> str:
     """iptables-restore input for the sandbox netns: loopback and DNS allowed, the host and every
     private/special range rejected but for what the operator allows, the rest (the internet) allowed,
     unless ``policy`` says otherwise (``netpolicy.render``). ``jail``: a vm's QEMU namespace."""
-    return render(host_addrs, BLOCKED_RANGES, _resolver, SLIRP_DNS, policy, proxy_port, _private, jail)
+    own = _own.ports(policy.rules) if _own is not None and policy is not None else ()
+    return render(host_addrs, BLOCKED_RANGES, _resolver, SLIRP_DNS, policy, proxy_port, _private, jail, own)
 
 
 # The iptables backend every sandbox namespace of this server is written with (``restore_tool``).
