@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,6 +30,7 @@ from tests.integration.test_domain_tls import make_tls
 pytestmark = pytest.mark.sdk
 HTTPBIN = Path(__file__).resolve().parents[1] / "fixtures" / "httpbin.py"
 TOKEN = "e2b-transform-value-123"
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -64,20 +67,30 @@ def _curl(sbx: Sandbox, args: str) -> tuple[int, str]:
     return int(code), out
 
 
-def test_a_rule_for_another_sandbox_url(server: tuple[Server, str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_rule_for_another_sandbox_url(server: tuple[Server, str]) -> None:
+    """Run in a process of its own: the SDK's HTTP client reads ``SSL_CERT_FILE`` once per process, and an
+    earlier test of the session may have made it already (without this server's CA)."""
     srv, domain = server
     assert srv.ca is not None
-    for k, v in {"E2B_DOMAIN": domain, "E2B_API_KEY": API_KEY, "SSL_CERT_FILE": str(srv.ca)}.items():
-        monkeypatch.setenv(k, v)
-    for k in ("E2B_API_URL", "E2B_SANDBOX_URL"):
-        monkeypatch.delenv(k, raising=False)
+    env = {**{k: v for k, v in os.environ.items() if k not in ("E2B_API_URL", "E2B_SANDBOX_URL")},
+           "E2B_DOMAIN": domain, "E2B_API_KEY": API_KEY, "SSL_CERT_FILE": str(srv.ca),
+           "PYTHONPATH": os.pathsep.join((str(REPO), str(REPO / "src")))}  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "tests.integration.test_own_hosts", domain], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}\n--- server log ---\n{srv.log_tail()}"
+    host = json.loads(proc.stdout.strip().splitlines()[-1])["host"]
+    log = srv.log_path.read_text(errors="replace")
+    assert f"egress to {host.rsplit(':', 1)[0]} refused" in log
+
+
+def _scenario(domain: str) -> str:
+    """The checks, with the SDK pointed at the server by the environment; returns the sidecar's host."""
     made: list[Sandbox] = []
     try:
         made += [sidecar := _sidecar(True), private := _sidecar(False)]
         host, closed = sidecar.get_host(8080), private.get_host(8080)
         rule = [{"transform": {"headers": {"X-Test-Token": TOKEN}}}]
         made.append(sbx := Sandbox.create("base", timeout=600, network={"rules": {host: rule, closed: rule}}))
-
         code, out = _curl(sbx, f"https://{host}/headers")
         assert code == 0 and out.endswith("\n200"), out
         got = json.loads(out.rsplit("\n", 1)[0])["headers"]
@@ -95,8 +108,11 @@ def test_a_rule_for_another_sandbox_url(server: tuple[Server, str], monkeypatch:
 
         made.append(bare := Sandbox.create("base", timeout=600))
         assert _curl(bare, f"https://{host}/headers")[0] == 7  # no rule: its own loopback, nothing there
-        log = srv.log_path.read_text(errors="replace")
-        assert f"egress to {host.rsplit(':', 1)[0]} refused" in log
+        return host
     finally:
         for s in made:
             s.kill()
+
+
+if __name__ == "__main__":
+    print(json.dumps({"host": _scenario(sys.argv[1])}))
