@@ -255,8 +255,8 @@ class Orchestrator:
                 row.lineage_head = snapshot.id
                 row.depends_on = [snapshot.id]
             spec = self.ctx.spec_for(row, template)  # the row just resolved: no second lookup
-            if self.admission.leave_pool(req.owner):
-                spec = replace(spec, may_take_pooled=False)
+            if self.admission.in_burst(req.owner):
+                spec = replace(spec, in_burst=True)
             sbx = LiveSandbox(row=row, spec=spec)
             self.admission.check_quota(req.owner, 1, cpus, memory)  # again: others may have been added meanwhile
             self.store.put_sandbox(row)  # first: in cluster mode a fenced node refuses here, holding nothing

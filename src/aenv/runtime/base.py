@@ -75,9 +75,9 @@ class SandboxSpec:
     env_vars: dict[str, str] = field(default_factory=dict)  # sandbox-wide env (E2B envVars)
     access_token: str | None = None  # envd X-Access-Token, None = no envd auth
     volumes: tuple[VolumeBind, ...] = ()  # persistent volumes bound into the sandbox (VolumeCapable)
-    # False: start it fresh even if a pooled one is ready (core leaves the pool to other teams while this
-    # create's team has a burst of starts in flight: core/admission.py ``leave_pool``)
-    may_take_pooled: bool = True
+    # One of a burst of its team's starts while other teams share the server (core/admission.py
+    # ``in_burst``): it starts fresh, leaving the few pooled sandboxes to the other teams' creates.
+    in_burst: bool = False
     # ns: the host uid range its processes run in (``aenv/uid_ranges.py``; core picks it from the
     # sandbox's team: 0 = ``ns_userns_uid`` itself, the shared range). vm ignores it.
     uid_slot: int = 0

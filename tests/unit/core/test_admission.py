@@ -190,11 +190,11 @@ async def test_a_teams_burst_leaves_start_slots_for_another_team() -> None:
     burst = [asyncio.create_task(create("a")) for _ in range(6)]
     await _ticks()
     assert adm.starting == 3 and adm.waiting == 3  # a holds its share; one slot stays free
-    assert adm.leave_pool("a") and not adm.leave_pool("b")  # a's burst starts fresh; the pool stays for b
+    assert adm.in_burst("a") and not adm.in_burst("b")  # a's burst starts fresh; the pool stays for b
     b = asyncio.create_task(create("b"))
     await _ticks()
     assert adm.starting == 4 and adm.waiting == 3  # b started at once, without waiting behind a's queue
     hold.set()
     await asyncio.gather(b, *burst)
     assert adm.starting == 0 and adm.waiting == 0
-    assert not _admission(max_concurrent_starts=4).leave_pool("a")  # one team: the pool is all its own
+    assert not _admission(max_concurrent_starts=4).in_burst("a")  # one team: the pool is all its own

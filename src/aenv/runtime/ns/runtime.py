@@ -276,7 +276,7 @@ class NsRuntime:
         root = root or spec.workdir / "ns"
         sbx = prelaunched or (
             self.pool.take(spec.template, spec.allow_internet, spec.uid_slot)
-            if use_pool and spec.may_take_pooled and not snapshot_layers else None)
+            if use_pool and not spec.in_burst and not snapshot_layers else None)
         if sbx is None and not in_place and not spec.volumes:  # not pooled: the template's process image, if any
             restored = await self.procimages.start(spec, template, snapshot_layers)
             if restored is not None:

@@ -273,7 +273,7 @@ class VmRuntime:
         policy_first = bool(spec.template.start_cmd) and ENFORCER.has(sid)
         # A pooled QEMU serves the template's empty export: one with volumes starts after its binds.
         share = await asyncio.to_thread(self.exports.prepare, spec)
-        sbx: VmSandbox | None = (None if policy_first or share or not spec.may_take_pooled
+        sbx: VmSandbox | None = (None if policy_first or share or spec.in_burst
                                  else self.pool.take(tpl.key, spec.allow_internet))
         t0 = time.perf_counter()
         if sbx is not None:
