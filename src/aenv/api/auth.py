@@ -13,22 +13,11 @@ from __future__ import annotations
 from fastapi import Request
 from starlette.exceptions import HTTPException
 
-from aenv.teams import OPEN, Principal, TeamDirectory, configured_digest, digest
+from aenv.teams import OPEN, Principal, TeamDirectory, digest
 
-__all__ = ["digest", "key_digests", "key_is_valid", "presented_key", "principal", "require_api_key"]
+__all__ = ["digest", "presented_key", "principal", "require_api_key"]
 
 INVALID_KEY = "Invalid API key, please check your credentials"
-
-
-def key_digests(configured: list[str]) -> list[str]:
-    return [configured_digest(k) for k in configured]
-
-
-def key_is_valid(presented: str | None, digests: list[str]) -> bool:
-    """Whether ``presented`` is one of ``digests`` (the gateway's check of keys it only passes on)."""
-    if not digests:
-        return True
-    return bool(presented) and digest(presented or "") in set(digests)
 
 
 def presented_key(request: Request) -> str | None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import os
 import time
 from collections import OrderedDict, deque
@@ -34,11 +33,6 @@ from aenv.config import Settings
 from aenv.core.table import SandboxTable
 from aenv.errors import CapacityError, QuotaExceeded
 from aenv.teams import Quota, label
-
-
-def owner_of(api_key: str | None) -> str:
-    """The team of a key that is a team of its own: its sha256 hex digest ('' when no key was given)."""
-    return hashlib.sha256(api_key.encode()).hexdigest() if api_key else ""
 
 
 @dataclass

@@ -8,12 +8,13 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from aenv.config import Settings
-from aenv.core.admission import Admission, owner_of
+from aenv.core.admission import Admission
 from aenv.core.table import LiveSandbox, SandboxTable
 from aenv.errors import CapacityError, QuotaExceeded
 from aenv.kinds import SandboxState
 from aenv.store.sqlite import SandboxRow
 from aenv.teams import Principal, TeamSpec
+from aenv.teams import digest as owner_of
 
 
 def _admission(**knobs: object) -> Admission:
