@@ -15,12 +15,14 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from aenv import __version__
-from aenv.api import errors, serialize
+from aenv.api import console, errors, serialize
 from aenv.api.auth import principal, require_api_key
 from aenv.api.proxy import SandboxProxy
 from aenv.api.routes_builds import router as builds_router
 from aenv.api.routes_builds import uploads as build_uploads_router
 from aenv.api.routes_cluster import router as cluster_router
+from aenv.api.routes_console import EventHub
+from aenv.api.routes_console import router as console_read_router
 from aenv.api.routes_fleet import router as fleet_router
 from aenv.api.routes_leases import router as leases_router
 from aenv.api.routes_sandboxes import router as sandboxes_router
@@ -109,6 +111,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
         orch.on_event.append(runs.on_event)
         logs = SandboxLogs(store, settings.gone_retention)
         orch.on_event.append(logs.on_event)
+        orch.on_event.append(app.state.console_events.on_event)
         await logs.start()
         orch.admission.on_refused = runs.on_refused
         await orch.start()
@@ -159,6 +162,9 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
     api.include_router(volume_content_router)
     api.include_router(secrets_router)
     api.include_router(teams_router)
+    api.include_router(console_read_router)
+    api.state.console_events = EventHub()
+    console.install(api, "node")
 
     @api.get("/health")
     async def health() -> JSONResponse:

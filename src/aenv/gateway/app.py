@@ -18,11 +18,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from aenv import __version__
-from aenv.api import errors
+from aenv.api import console, errors
 from aenv.api.errors import error_response
 from aenv.api.proxy.routing import ENVD_PORT
 from aenv.gateway.builds import router as builds_router
 from aenv.gateway.builds import uploads as build_uploads_router
+from aenv.gateway.console_reads import router as console_read_router
 from aenv.gateway.control import Gateway, router
 from aenv.gateway.control import create as create_route
 from aenv.gateway.directory import AskNodes, Locator
@@ -116,8 +117,11 @@ def create_gateway_app(settings: GatewaySettings) -> Any:
                              "nodes": len(nodes.nodes)})  # fmt: skip
 
     # before router: its template routes are broader, and its last route answers 501 for what it does not relay
-    for extra in (volumes_router, builds_router, build_uploads_router, leases_router, per_node_router):
+    for extra in (volumes_router, builds_router, build_uploads_router, leases_router, per_node_router,
+                  console_read_router):
         api.include_router(extra)
+    api.state.console_client = client
+    console.install(api, "gateway")  # before router, whose last route takes every path
     api.include_router(router)
     fast = FastRoutes(api, {("POST", "/sandboxes"): create_route, ("POST", "/v2/sandboxes"): create_route})
     proxy = GatewayProxy(api, locator, nodes, settings.ws_max_message, forwarder, fast)  # type: ignore[arg-type]

@@ -263,8 +263,10 @@ class Gateway:
             return error_response(400, f"nextToken: {exc}")
         limit_raw = request.query_params.get("limit", "")
         limit = int(limit_raw) if limit_raw.isdigit() else DEFAULT_LIMIT
-        params = [(k, v) for k, v in request.query_params.multi_items() if k != "nextToken"]
+        params = [(k, v) for k, v in request.query_params.multi_items() if k not in ("nextToken", "node")]
         up, skipped = [n for n in self.nodes.up() if n.id not in before.done], self.nodes.down()
+        if only := request.query_params.get("node"):  # aenv: one node's sandboxes (the console's filter)
+            up, skipped = [n for n in up if n.id == only], [n for n in skipped if n.id == only]
 
         def query(node: Node) -> str:
             after = before.after.get(node.id)
@@ -280,7 +282,8 @@ class Gateway:
             elif res.status != 200:
                 return res.response()  # a bad filter is bad on every node
             else:
-                pages[node.id] = (json.loads(res.body), any(k == "x-next-token" for k, _ in res.headers))
+                items = [{**item, "node": node.id} for item in json.loads(res.body)]  # aenv: where it runs
+                pages[node.id] = (items, any(k == "x-next-token" for k, _ in res.headers))
         descending = request.query_params.get("order") != "asc"
         items, after = merge_page(pages, before, keys, descending, limit)
         headers = _down_headers(skipped) or {}

@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from aenv.api.auth import require_api_key
+from aenv.api.console.sessions import with_session_key
 from aenv.api.proxy.codec import Receive, Scope, Send
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -35,6 +36,8 @@ class FastRoutes:
 
     async def serve(self, handler: Handler, scope: Scope, receive: Receive, send: Send) -> None:
         scope = {**scope, "app": self._api}  # what routes read as request.app (state: the gateway, the keys)
+        if (sessions := getattr(self._api.state, "console_sessions", None)) is not None:
+            scope = dict(with_session_key(scope, sessions))  # a console's create acts with its session's key
         request = Request(scope, receive)
         try:
             await require_api_key(request)

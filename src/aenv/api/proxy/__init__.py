@@ -19,6 +19,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 
+from aenv.api.console.sessions import without_session_cookie
 from aenv.core.network import ingress_of
 from aenv.core.orchestrator import Orchestrator
 from aenv.errors import NotFound, PortNotOpen
@@ -100,7 +101,7 @@ class SandboxProxy:
         if scope["type"] == "http":
             target = route(scope) or route_signed_files_url(scope, self._get)
             if target is not None:
-                await self._proxy_http(scope, receive, send, *target)
+                await self._proxy_http(without_session_cookie(scope), receive, send, *target)
                 return
             if scope["path"] == "/files":
                 # No routing header and no sandbox signed this URL: envd's answer for a bad signature.
@@ -109,7 +110,7 @@ class SandboxProxy:
         elif scope["type"] == "websocket":
             target = route(scope)
             if target is not None:
-                await self._proxy_websocket(scope, receive, send, *target)
+                await self._proxy_websocket(without_session_cookie(scope), receive, send, *target)
                 return
         await self.app(scope, receive, send)
 
