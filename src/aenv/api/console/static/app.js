@@ -151,7 +151,7 @@ async function start() {
   document.getElementById("nav").style.visibility = "visible";
   const who = document.getElementById("who");
   who.replaceChildren(
-    ctx.session.open ? el("span", { id: "open-note" }, "open server: no API keys configured") : el("span", {}, `team ${ctx.session.team}${ctx.session.admin ? " (admin)" : ""}`),
+    ctx.session.open ? el("span", { id: "open-note" }, "open server: no API keys configured") : el("span", {}, `team ${String(ctx.session.team).slice(0, 16)}${ctx.session.admin ? " (admin)" : ""}`),
     ctx.session.open ? "" : el("button", { onclick: logout, id: "logout" }, "Log out"));
   await route();
 }
