@@ -10,12 +10,20 @@ export function openTerminal(host, client) {
   fit.fit();
   const abort = new AbortController();
   let pid = null;
-  const pending = [];
-
-  const send = (text) => {
-    if (pid === null) { pending.push(text); return; }
-    client.unary("process.Process/SendInput", { process: { pid }, input: { pty: b64encode(text) } }).catch(() => {});
+  // Keystrokes go one request at a time, in order (parallel requests may overtake each other on the way
+  // through a gateway); what is typed while one is in flight goes in the next.
+  let typed = "";
+  let sending = false;
+  const pump = async () => {
+    if (sending || pid === null || !typed) return;
+    sending = true;
+    const chunk = typed;
+    typed = "";
+    try { await client.unary("process.Process/SendInput", { process: { pid }, input: { pty: b64encode(chunk) } }); } catch { /* the stream's end says why */ }
+    sending = false;
+    pump();
   };
+  const send = (text) => { typed += text; pump(); };
   term.onData(send);
   const resize = () => {
     fit.fit();
@@ -28,7 +36,7 @@ export function openTerminal(host, client) {
       const start = { process: { cmd: "/bin/bash", args: ["-i", "-l"], envs: { TERM: "xterm-256color" } }, pty: { size: { cols: term.cols, rows: term.rows } } };
       for await (const msg of client.stream("process.Process/Start", start, abort.signal)) {
         const ev = msg.event || {};
-        if (ev.start) { pid = ev.start.pid; host.dataset.pid = String(pid); for (const t of pending.splice(0)) send(t); }
+        if (ev.start) { pid = ev.start.pid; host.dataset.pid = String(pid); pump(); }
         if (ev.data && ev.data.pty) term.write(b64decode(ev.data.pty));
         if (ev.end) { term.write("\r\n[process ended]\r\n"); host.dataset.ended = "1"; }
       }
