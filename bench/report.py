@@ -1,12 +1,15 @@
-"""Render bench results: the Markdown table, the PNG chart, and the README's ``## Results`` section.
+"""Render bench results: the Markdown table, the PNG chart, and the docs' Results page.
 
-    python -m bench.report RESULTS.json                      # print the Markdown
-    python -m bench.report RESULTS.json --readme README.md   # replace the generated part of ## Results
+    python -m bench.report RESULTS.json                          # print the Markdown
+    python -m bench.report RESULTS.json --page docs/results.md   # replace the generated part of that page
     python -m bench.report RESULTS.json --chart chart.png
     python -m bench.report RESULTS.json --scale-chart scale.png   # the scale scenario's series
 
-In the README only the text between the ``bench:results`` markers is generated; the prose around it
-(the comparison with other systems' published figures) is written by hand.
+In ``docs/results.md`` (or any Markdown file given to ``--page``; ``--readme`` is its older name) only the
+text between the ``bench:results`` markers is generated; the prose around it (how to read the numbers,
+the comparison with other systems' published figures) is written by hand. The docs site also renders
+every committed ``bench/results/**/results.json`` with ``render_markdown`` at build time
+(``scripts/mkdocs_hooks.py``).
 """
 
 from __future__ import annotations
@@ -286,15 +289,15 @@ def render_scale_chart(results: dict[str, Any], path: Path) -> bool:
     return True
 
 
-def update_readme(readme: Path, generated: str) -> None:
+def update_page(page: Path, generated: str) -> None:
     """Replace the text between the markers; append a ``## Results`` section with them if absent."""
-    text = readme.read_text()
+    text = page.read_text()
     block = f"{START}\n{generated.rstrip()}\n{END}"
     if START in text and END in text:
         text = re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: block, text, count=1, flags=re.S)
     else:
         text = text.rstrip() + f"\n\n## Results\n\n{block}\n"
-    readme.write_text(text)
+    page.write_text(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,14 +306,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", type=Path)
-    ap.add_argument("--readme", type=Path, help="update this README's ## Results section")
+    ap.add_argument("--page", "--readme", type=Path, dest="page",
+                    help="update the generated part of this Markdown page (docs/results.md)")
     ap.add_argument("--chart", type=Path, help="write the PNG chart here")
     ap.add_argument("--scale-chart", type=Path, help="write the density-at-scale chart here (needs a scale run)")
     args = ap.parse_args(argv)
     results = json.loads(args.results.read_text())
     md = render_markdown(results)
-    if args.readme:
-        update_readme(args.readme, md)
+    if args.page:
+        update_page(args.page, md)
     else:
         print(md)
     if args.chart and not render_chart(results, args.chart):

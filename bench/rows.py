@@ -1,4 +1,4 @@
-"""The one result shape every scenario returns, so the table, the chart, the README and the CI smoke
+"""The one result shape every scenario returns, so the table, the chart, the Results page and the CI smoke
 test read all scenarios alike.
 
 A scenario returns ``{"title": str, "rows": [Row, ...], "notes": [str, ...]}``. A row is one metric of

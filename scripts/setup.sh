@@ -125,6 +125,10 @@ case "$mode" in
       .venv/bin/ruff check src tests bench
       .venv/bin/mypy --strict src
       .venv/bin/lint-imports
+      say "docs: mkdocs build --strict (the CLI, REST and bench pages generated from the code)"
+      site="$(mktemp -d -t docs-site.XXXXXX)"
+      NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$site" || { rm -rf "$site"; exit 1; }
+      rm -rf "$site"
       say "running the test suite (ns runtime for the SDK tests)"
       .venv/bin/python -m pytest -m "not slow" || rc=$?
       # The SDK suite once more against the microVM runtime (skips with the reason where it cannot run).

@@ -186,7 +186,7 @@ class Settings(BaseModel):
         "system's only"
     )
     private_egress: list[str] = Field(
-        default_factory=list, description="private destinations sandboxes may reach (README, Security): "
+        default_factory=list, description="private destinations sandboxes may reach (docs/security.md): "
         "[named:]DEST[:PORT] with DEST an IPv4 address, CIDR or host name (resolved by the host at start), "
         "or localhost:PORT for a service on this host, reached from sandboxes at 10.0.2.2:PORT; named: = "
         "only sandboxes whose allowOut names it, else every sandbox. Empty: none (every private range and "
@@ -194,7 +194,7 @@ class Settings(BaseModel):
     )
     egress_bandwidth_mbit: float = Field(
         0, ge=0, description="what each sandbox with internet may send, Mbit/s (10^6 bit/s; tc in its network "
-        "namespace, README: Network rate limits); a create's bandwidth.egressMbit overrides it. 0 = unlimited "
+        "namespace, docs/security.md: Network rate limits); a create's bandwidth.egressMbit overrides it. 0 = unlimited "
         "(max_bandwidth_mbit when that is set)"
     )
     ingress_bandwidth_mbit: float = Field(

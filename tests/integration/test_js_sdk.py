@@ -85,7 +85,7 @@ console.log(JSON.stringify({ error: err?.constructor?.name, message: String(err?
 
 
 def test_js_sdk_hears_that_a_killed_sandbox_ended(e2b_env: dict[str, str]) -> None:
-    """Over plain HTTP (the README's quick start): a command whose sandbox is killed mid-stream ends with
+    """Over plain HTTP (the quick start, docs/quickstart.md): a command whose sandbox is killed mid-stream ends with
     the SDK's "killed or reached its end of life" error (the proxy cuts the stream, the SDK probes
     /health), and a request to the ended sandbox's port answers E2B's words exactly (the JS SDK's own
     ``host.test.ts`` and ``sandboxKilledDuringRun.test.ts`` compare them)."""

@@ -206,7 +206,7 @@ def test_holds_a_sandbox(srv, local_registry):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_pytest_stopped_mid_test_tears_its_fixtures_down(run_tmp: Path, sig: int) -> None:
-    """The README's test command is pytest: stopped in the middle of a test (a CI timeout sends SIGTERM),
+    """The test command (``scripts/setup.sh test``) is pytest: stopped in the middle of a test (a CI timeout sends SIGTERM),
     its session fixtures still end their server (and its sandboxes) and registry (``plugin.py``)."""
     tests = run_tmp / "t"
     tests.mkdir()

@@ -4,7 +4,7 @@ Why our own BPF and not libseccomp: the launcher runs as a script under the host
 mode (``-I -S``: no site-packages) and the zygote under the tools bundle's Python, so neither can import
 a binding; a filter this small is ~100 instructions of ``struct sock_filter`` and needs only the stdlib.
 
-What it does (``docs/ARCHITECTURE.md`` and the README's Security section list what stays reachable):
+What it does (``docs/ARCHITECTURE.md`` and ``docs/security.md`` list what stays reachable):
 
 * any architecture but x86_64, and the x32 ABI (syscall numbers with bit 30), get ``ENOSYS``: a filter
   keyed on x86_64 numbers must not be walked around through ``int 0x80`` or x32;

@@ -1,5 +1,5 @@
 """``aenv cluster``: aenv on a Ray cluster. ``local`` runs a whole one on this machine; ``controller``,
-``status`` and ``stop`` act on a real one (``ray start`` on each host first, see the README)."""
+``status`` and ``stop`` act on a real one (``ray start`` on each host first, see docs/cluster.md)."""
 
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ def serve(
     this much available host memory paused VMs go to disk at once, default 512, 0 = off), vm_guest_aslr.
     Sandbox proxy: sandbox_domain, tls_cert + tls_key (HTTPS, served by hypercorn: HTTP/2 by ALPN, else HTTP/1.1), ws_max_message
     (largest WebSocket message relayed, bytes, default 16 MiB).
-    Sandbox egress (README, Security): private_egress (comma list of DEST[:PORT] or named:DEST[:PORT], localhost:PORT =
+    Sandbox egress (docs/security.md): private_egress (comma list of DEST[:PORT] or named:DEST[:PORT], localhost:PORT =
     a host service at 10.0.2.2:PORT; empty = no private range, no host), package_mirrors
     ("pip=URL,npm=URL,apt=URL", written into every sandbox at create), sandbox_dns.
     """

@@ -26,7 +26,7 @@ BACKENDS: dict[str, type[Context]] = {
 }
 ALIASES = {"python3": "python", "ipython": "python", "sh": "bash", "shell": "bash", "js": "javascript",
            "node": "javascript", "ts": "typescript"}
-# Why a language E2B's template has is not here (the 400 says it; README names them too)
+# Why a language E2B's template has is not here (the 400 says it; docs/images.md names them too)
 UNAVAILABLE = {
     "r": "this template was built without R",
     "javascript": "this template was built without Node.js",

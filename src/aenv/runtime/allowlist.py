@@ -128,7 +128,7 @@ class Allowlist:
         """What a 400 for a private address not allowed tells the client."""
         return ("an operator allows private destinations with the server setting private_egress "
                 "(e.g. private_egress = [\"named:10.1.2.3:8000\"], AENV_PRIVATE_EGRESS; host services: "
-                f"\"localhost:PORT\", reached at {HOST_SERVICES}:PORT); see README, Security")
+                f"\"localhost:PORT\", reached at {HOST_SERVICES}:PORT); see docs/security.md, private_egress")
 
 
 def _show(net: Net, port: int | None) -> str:

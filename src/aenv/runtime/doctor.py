@@ -137,7 +137,7 @@ def collect(settings: Settings) -> dict[str, Any]:
         "private egress": _private_egress(settings),
         "bandwidth limits": _bandwidth(settings),
         "package mirrors": ", ".join(f"{k} {v}" for k, v in sorted(settings.package_mirrors.items())) or "none",
-        "isolation note": "ns sandboxes share the host kernel (weaker isolation than vm); see README SECURITY",
+        "isolation note": "ns sandboxes share the host kernel (weaker isolation than vm); see docs/security.md",
         "state dir": str(settings.state_dir),
         "cache dir": str(settings.cache_dir),
     }

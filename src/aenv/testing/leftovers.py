@@ -1,5 +1,5 @@
 """Find what a test or bench run left behind: processes it started that outlived it, its mounts and
-temp dirs. The README's test command records the machine before the suite and checks after it::
+temp dirs. The test command (``scripts/setup.sh test``, docs/quickstart.md) records the machine before the suite and checks after it::
 
     python -m aenv.testing.leftovers record /tmp/before.json
     ...                                            # the suite

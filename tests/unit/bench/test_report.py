@@ -1,4 +1,4 @@
-"""The bench's pure parts: scenario selection, alternation, row shapes, Markdown and README rendering."""
+"""The bench's pure parts: scenario selection, alternation, row shapes, Markdown and Results-page rendering."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from bench.__main__ import GROUPS, SCENARIOS, select
-from bench.report import END, START, render_markdown, update_readme
+from bench.report import END, START, main, render_markdown, update_page
 from bench.rows import alternate, row, scenario, value_row
 
 
@@ -66,15 +66,32 @@ def test_markdown_has_ratio_load_and_skips() -> None:
     assert "Skipped: no qemu" in md
 
 
-def test_update_readme_replaces_only_between_markers(tmp_path: Path) -> None:
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# x\n\n## Results\n\nintro\n\n{START}\nold\n{END}\n\nprose after\n")
-    update_readme(readme, "new table")
-    update_readme(readme, "newer table")
-    text = readme.read_text()
+def test_update_page_replaces_only_between_markers(tmp_path: Path) -> None:
+    page = tmp_path / "results.md"
+    page.write_text(f"# x\n\n## Results\n\nintro\n\n{START}\nold\n{END}\n\nprose after\n")
+    update_page(page, "new table")
+    update_page(page, "newer table")
+    text = page.read_text()
     assert "newer table" in text and "old" not in text and "new table\n" not in text
     assert text.count(START) == 1 and text.endswith("prose after\n")
     bare = tmp_path / "BARE.md"
     bare.write_text("# y\n")
-    update_readme(bare, "t")
+    update_page(bare, "t")
     assert "## Results" in bare.read_text() and START in bare.read_text()
+
+
+def test_page_flag_and_its_old_name_update_the_results_page(tmp_path: Path) -> None:
+    import json
+
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps(_results()))
+    for flag in ("--page", "--readme"):
+        page = tmp_path / f"page{flag}.md"
+        page.write_text(f"# Results\n\n{START}\nold\n{END}\n")
+        assert main([str(results), flag, str(page)]) == 0
+        assert "| create → first command | docker | 310.0 |" in page.read_text() and "old" not in page.read_text()
+
+
+def test_docs_results_page_has_the_markers() -> None:
+    text = (Path(__file__).resolve().parents[3] / "docs" / "results.md").read_text()
+    assert text.count(START) == 1 and text.count(END) == 1
