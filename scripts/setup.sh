@@ -33,6 +33,8 @@ APT_PACKAGES=(
   docker.io runc
   # the cluster: its directory and Ray's GCS fault-tolerance store (started by hand, never the system unit)
   redis-server
+  # the console's browser tests: Debian's Chromium, driven by Playwright (no browser download)
+  chromium
 )
 
 missing=()
@@ -77,6 +79,17 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
   .venv/bin/python -m pip install -q -e '.[test,cluster]'  # cluster: Ray, ~250 MB
   echo "$want" > "$stamp"
+fi
+
+# The console's browser libraries (xterm.js, uPlot, Cytoscape + dagre) from the npm registry, at the
+# versions package-lock.json pins, served by the server under /console/vendor (nothing built is committed).
+console_dir=src/aenv/api/console
+if command -v npm >/dev/null 2>&1; then
+  want_console="$(sha256sum "$console_dir/package-lock.json" | cut -d' ' -f1)"
+  if [ ! -f "$console_dir/node_modules/.aenv-installed" ] || [ "$(cat "$console_dir/node_modules/.aenv-installed")" != "$want_console" ]; then
+    say "installing the console's browser libraries (npm ci in $console_dir)"
+    (cd "$console_dir" && npm ci --silent --no-audit --no-fund) && echo "$want_console" > "$console_dir/node_modules/.aenv-installed"
+  fi
 fi
 
 # The JS SDK for the JS tests (npm `e2b`), once, in the machine's aenv cache.

@@ -17,7 +17,6 @@ from aenv.refdocs import cli, rest
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 GENERATED = {"reference/cli.md", "reference/rest.md", "reference/gateway-rest.md", "reference/bench-runs.md"}
-PENDING = {"docs/img/console.png"}  # the console's screenshot, added with the console (src/aenv/console*)
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
@@ -39,7 +38,7 @@ def test_readme_links_point_at_files() -> None:
     text = (ROOT / "README.md").read_text()
     targets = [t.split("#")[0] for t in LINK.findall(text) if "://" not in t and not t.startswith("#")]
     assert targets, "the README links to the docs pages"
-    missing = [t for t in targets if t not in PENDING and not (ROOT / t).exists()]
+    missing = [t for t in targets if not (ROOT / t).exists()]
     assert missing == []
 
 

@@ -34,7 +34,8 @@ UNKEYED = {
     "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc", "/health", "/metrics",
     "/aenv/build-files/{files_hash}",  # an HMAC upload link, per files hash
 }
-UNKEYED_PREFIX = "/volumecontent/"  # the volume's own token (Authorization: Bearer), checked per volume
+# the volume's own token (Authorization: Bearer), checked per volume; the console's page, files and login
+UNKEYED_PREFIX = ("/volumecontent/", "/console")
 
 # A valid body for every keyed route that takes one (so an unknown ID gets as far as the route itself).
 BODIES: dict[tuple[str, str], Any] = {
