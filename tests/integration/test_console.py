@@ -129,6 +129,25 @@ def test_an_operator_watches_a_run(cluster: NodeCluster, browser: Any, through: 
         children = {s.sandbox_id for s in Sandbox.list(query=_run(run), **sdk).next_items()} - {sid}
         assert len(children) == 2 and children <= ids
         shot(page, f"checkpoints-{through}")
+        if through == "node":  # a snapshot from the tree, a rollback to it, a new sandbox from it
+            sbx.files.write("/home/user/step.txt", "before")
+            page.evaluate(f"window.aenvTree.select({sid!r})")
+            page.click("#tree-snapshot")
+            page.wait_for_function("window.aenvTree.ids().length >= 6", timeout=WAIT_MS)  # + the snapshot
+            snap = next(n for n in page.evaluate("window.aenvTree.ids()") if n not in ids)
+            sbx.files.write("/home/user/step.txt", "after")
+            page.evaluate(f"window.aenvTree.select({snap!r})")
+            page.select_option("#tree-rollback-target", sid)
+            page.click("#tree-rollback")
+            page.wait_for_selector("#toast >> text=rollback: done", timeout=WAIT_MS)
+            assert sbx.files.read("/home/user/step.txt") == "before"
+            page.evaluate(f"window.aenvTree.select({snap!r})")
+            page.click("#tree-create")
+            page.wait_for_selector("#toast >> text=create: done", timeout=WAIT_MS)
+            made = {s.sandbox_id for s in Sandbox.list(**sdk).next_items()} - {sid} - children
+            assert made, "a sandbox from the snapshot"
+            for other in made:
+                Sandbox.kill(other, **sdk)
 
         # kill the run: every sandbox with its metadata, the children too
         page.goto(f"{url}/console#/sandboxes")

@@ -1,5 +1,5 @@
 // One sandbox: what it is, what happened to it, its CPU and memory over time, its files and a terminal.
-import { act, age, bytes, el, get, left, meta, onLifecycle, stateBadge, toast } from "../app.js";
+import { act, age, api, bytes, el, get, left, meta, onLifecycle, stateBadge, toast } from "../app.js";
 import * as A from "./actions.js";
 import { envd } from "./envd.js";
 import { openTerminal } from "./terminal.js";
@@ -7,7 +7,10 @@ import { openTerminal } from "./terminal.js";
 export async function render(main, [sid], ctx) {
   const id = encodeURIComponent(sid);
   let sbx;
-  try { sbx = await get(`/sandboxes/${id}`); } catch (e) {
+  try {
+    const got = await api(`/sandboxes/${id}`);
+    sbx = { ...got.data, node: got.headers.get("X-Aenv-Node") || "" }; // a gateway names the node it asked
+  } catch (e) {
     main.replaceChildren(el("h1", {}, sid), el("p", { class: "muted" }, e.message), el("h2", {}, "Lifecycle"), await eventsPanel(id));
     return null;
   }
