@@ -25,6 +25,26 @@ export async function api(path, { method = "GET", body, headers = {} } = {}) {
 
 export const get = async (path) => (await api(path)).data;
 
+// The browser libraries a page needs, loaded when it first needs them (the sandbox list needs none, so its
+// first paint waits for no library). Each file once; in order, since a plugin needs its library first.
+const loaded = new Map();
+function loadFile(name) {
+  if (!loaded.has(name)) {
+    loaded.set(name, new Promise((resolve, reject) => {
+      const node = name.endsWith(".css")
+        ? Object.assign(document.createElement("link"), { rel: "stylesheet", href: `/console/vendor/${name}` })
+        : Object.assign(document.createElement("script"), { src: `/console/vendor/${name}`, async: false });
+      node.onload = resolve;
+      node.onerror = () => reject(new Error(`could not load ${name}: is the console installed (scripts/setup.sh)?`));
+      document.head.append(node);
+    }));
+  }
+  return loaded.get(name);
+}
+export async function vendor(...names) {
+  for (const n of names) await loadFile(n);
+}
+
 export function el(tag, attrs = {}, ...children) {
   const node = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) {

@@ -1,12 +1,13 @@
 // The checkpoint tree: template → snapshots → sandboxes (GET /aenv/checkpoints), drawn with Cytoscape and
 // the dagre layout. Pick a node to act on it: fork a sandbox, snapshot it, roll a sandbox back to a
 // snapshot of its lineage, start a new sandbox from a snapshot. Redrawn as lifecycle events arrive.
-import { act, el, get, meta, onLifecycle, stateBadge } from "../app.js";
+import { act, el, get, meta, onLifecycle, stateBadge, vendor } from "../app.js";
 import * as A from "./actions.js";
 
 let registered = false;
 
 export async function render(main, [root]) {
+  await vendor("cytoscape.js", "dagre.js", "cytoscape-dagre.js");
   if (!registered && window.cytoscapeDagre) { window.cytoscape.use(window.cytoscapeDagre); registered = true; }
   const rootInput = el("input", { id: "tree-root", placeholder: "sandbox or snapshot ID (empty: every tree)", value: root || "", size: 40,
     onchange: (e) => { location.hash = `#/checkpoints/${encodeURIComponent(e.target.value.trim())}`; } });

@@ -1,10 +1,11 @@
 // One sandbox: what it is, what happened to it, its CPU and memory over time, its files and a terminal.
-import { act, age, api, bytes, el, get, left, meta, onLifecycle, stateBadge, toast } from "../app.js";
+import { act, age, api, bytes, el, get, left, meta, onLifecycle, stateBadge, toast, vendor } from "../app.js";
 import * as A from "./actions.js";
 import { envd } from "./envd.js";
 import { openTerminal } from "./terminal.js";
 
 export async function render(main, [sid], ctx) {
+  await vendor("xterm.css", "uplot.css", "xterm.js", "addon-fit.js", "uplot.js");
   const id = encodeURIComponent(sid);
   let sbx;
   try {
