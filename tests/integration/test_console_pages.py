@@ -69,6 +69,9 @@ def _login(browser: Any, srv: Server, key: str) -> tuple[Any, list[str]]:  # noq
     page.fill("#api-key", key)
     page.click("#login")
     page.wait_for_selector("#nav", state="visible")
+    # the first page (the sandbox list) must be drawn before going on: app.js's router lets a slower earlier
+    # page replace a later one
+    page.wait_for_selector("#sandbox-table[data-rows]")
     return page, errors
 
 
