@@ -23,6 +23,7 @@ from aenv.api.routes_builds import uploads as build_uploads_router
 from aenv.api.routes_cluster import router as cluster_router
 from aenv.api.routes_console import EventHub
 from aenv.api.routes_console import router as console_read_router
+from aenv.api.routes_console_ops import router as console_ops_router
 from aenv.api.routes_fleet import router as fleet_router
 from aenv.api.routes_leases import router as leases_router
 from aenv.api.routes_sandboxes import router as sandboxes_router
@@ -122,6 +123,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
         holder["runs"] = runs
         app.state.webhooks = webhooks
         app.state.leases = leases
+        app.state.run_metrics = runs
         app.state.sandbox_logs = logs
         app.state.orchestrator = orch
         app.state.handover = handover
@@ -163,6 +165,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
     api.include_router(secrets_router)
     api.include_router(teams_router)
     api.include_router(console_read_router)
+    api.include_router(console_ops_router)
     api.state.console_events = EventHub()
     console.install(api, "node")
 

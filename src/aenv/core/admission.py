@@ -74,7 +74,7 @@ class Admission:
         self._waiting = 0
         self._buckets: dict[str, _Bucket] = {}
         self._starting_by_team: dict[str, int] = {}  # start slots each team holds
-        self.on_refused: Callable[[str | None, str], None] | None = None  # (run, reason), e.g. run_metrics.py
+        self.on_refused: Callable[[str, str | None, str], None] | None = None  # (team, run, reason): run_metrics.py
         self.refusals: dict[tuple[str, str], int] = {}  # (team, quota) -> refusals, for /metrics
 
     # ---- what callers see -----------------------------------------------------------------------
@@ -117,12 +117,12 @@ class Admission:
             self._check_rate(owner)
             self._check_total()
         except CapacityError as exc:
-            self._refused(run, exc)
+            self._refused(owner, run, exc)
             raise
         try:
             await self._acquire(owner, run or "")
         except CapacityError as exc:
-            self._refused(run, exc)
+            self._refused(owner, run, exc)
             raise
         try:
             self._check_total()  # the node may have filled up while it waited
@@ -130,9 +130,9 @@ class Admission:
         finally:
             self._release(owner)
 
-    def _refused(self, run: str | None, exc: CapacityError) -> None:
+    def _refused(self, owner: str, run: str | None, exc: CapacityError) -> None:
         if self.on_refused is not None:
-            self.on_refused(run, exc.reason)
+            self.on_refused(owner, run, exc.reason)
 
     # ---- the rules ------------------------------------------------------------------------------
     def check_quota(self, owner: str, sandboxes: int, vcpus: int, memory_mb: int) -> None:

@@ -23,6 +23,7 @@ from aenv.api.errors import error_response
 from aenv.api.proxy.routing import ENVD_PORT
 from aenv.gateway.builds import router as builds_router
 from aenv.gateway.builds import uploads as build_uploads_router
+from aenv.gateway.console_ops import router as console_ops_router
 from aenv.gateway.console_reads import router as console_read_router
 from aenv.gateway.control import Gateway, router
 from aenv.gateway.control import create as create_route
@@ -118,7 +119,7 @@ def create_gateway_app(settings: GatewaySettings) -> Any:
 
     # before router: its template routes are broader, and its last route answers 501 for what it does not relay
     for extra in (volumes_router, builds_router, build_uploads_router, leases_router, per_node_router,
-                  console_read_router):
+                  console_read_router, console_ops_router):
         api.include_router(extra)
     api.state.console_client = client
     console.install(api, "gateway")  # before router, whose last route takes every path
