@@ -148,6 +148,7 @@ const PAGES = {
   runs: "./pages/runs.js", volumes: "./pages/volumes.js", webhooks: "./pages/webhooks.js",
 };
 let cleanup = null;
+let navigation = 0; // which navigation is current: a slower earlier page never replaces a later one
 
 async function route() {
   if (!ctx.session || !ctx.session.loggedIn) return;
@@ -155,13 +156,18 @@ async function route() {
   const page = PAGES[name] ? name : "sandboxes";
   for (const a of document.querySelectorAll("#nav a")) a.classList.toggle("active", a.dataset.page === page || (page === "sandbox" && a.dataset.page === "sandboxes"));
   if (cleanup) { try { cleanup(); } catch { /* a page's cleanup never blocks the next page */ } cleanup = null; }
-  const main = document.getElementById("main");
-  main.replaceChildren(el("p", { class: "muted" }, "Loading…"));
+  const mine = ++navigation;
+  // Each navigation renders into a fresh element put in place at once: what a slower earlier page
+  // still writes lands in its own element, no longer in the document.
+  const main = el("main", { id: "main" }, el("p", { class: "muted" }, "Loading…"));
+  document.getElementById("main").replaceWith(main);
   try {
     const mod = await import(PAGES[page]);
-    cleanup = (await mod.render(main, args, ctx, page)) || null;
+    const done = (await mod.render(main, args, ctx, page)) || null;
+    if (mine !== navigation) { if (done) done(); return; }
+    cleanup = done;
   } catch (e) {
-    main.replaceChildren(el("p", { class: "muted" }, `Could not show this page: ${e.message}`));
+    if (mine === navigation) main.replaceChildren(el("p", { class: "muted" }, `Could not show this page: ${e.message}`));
   }
 }
 

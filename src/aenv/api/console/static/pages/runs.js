@@ -26,8 +26,8 @@ export async function render(main) {
         ["live", (r) => el("span", { "data-live": r.run }, Object.entries(r.live).map(([s, n]) => `${n} ${s}`).join(", ") || "0")],
         ...EVENTS.map((e) => [e, (r) => String(r.c.events[e] || 0)]),
         ["refused", (r) => Object.entries(r.c.refused).map(([why, n]) => `${n} ${why}`).join(", ") || "0"],
-        ["", (r) => (sum(r.live) ? el("a", { href: "#/sandboxes", "data-run-link": r.run, title: `filter the list with metadata ${key}=${r.run}`,
-          onclick: () => navigator.clipboard?.writeText(`${key}=${r.run}`).catch(() => {}) }, `sandboxes (filter ${key}=${r.run})`) : "")],
+        ["", (r) => (sum(r.live) ? el("a", { href: `#/sandboxes/${encodeURIComponent(`${key}=${r.run}`)}`, "data-run-link": r.run,
+          title: `the sandbox list filtered by ${key}=${r.run}` }, "its sandboxes") : "")],
       ], rows, { empty: `No runs yet: sandboxes with ${key} metadata show here.` }));
     const shown = showEnded.checked ? leases : leases.filter((l) => l.state === "live");
     leasesHost.replaceChildren(table([

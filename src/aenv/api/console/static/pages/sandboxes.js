@@ -6,7 +6,8 @@ import * as A from "./actions.js";
 const PAGE = 50;
 const filters = { state: "running,paused", template: "", metadata: "", node: "" };
 
-export async function render(main, _args, ctx) {
+export async function render(main, args, ctx) {
+  if (args[0] !== undefined) filters.metadata = args[0]; // #/sandboxes/run=X: one run's sandboxes
   const tokens = [null]; // the nextToken of each page seen, to go back
   let page = 0;
   let refreshTimer = null;
