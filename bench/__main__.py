@@ -51,6 +51,7 @@ from bench import (
     volumes,
     ws,
 )
+from bench import console as console_list  # `console` is this module's rich Console
 from bench.context import Ctx
 
 console = Console(stderr=True)
@@ -78,6 +79,7 @@ SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "interpreter": interpreter.interpreter,
     "bandwidth": bandwidth.bandwidth,
     "teams": teams.teams,
+    "console": console_list.console_scale,
 }
 GROUPS = {
     "core": ["create", "concurrent", "roundtrip", "files", "pause"],
@@ -86,9 +88,9 @@ GROUPS = {
     # Ray and root, scale fills half the host's memory (a full run takes many minutes), interpreter builds
     # the code-interpreter template's layers on first use (PyPI), bandwidth makes a test host's network
     # namespace (root) and takes tens of seconds of transfers, teams starts a server of its own and bursts
-    # 200 creates: run those by name
+    # 200 creates, console fills 2,000 sandboxes and drives a browser: run those by name
     "all": [s for s in SCENARIOS if s not in ("rl-groups", "lazy", "cluster", "scale", "interpreter", "bandwidth",
-                                               "teams")],
+                                               "teams", "console")],
 }
 
 

@@ -212,7 +212,7 @@ def render_chart(results: dict[str, Any], path: Path) -> bool:
     metrics = list(dict.fromkeys(m for m, _, _ in items))
     systems = list(dict.fromkeys(s for _, s, _ in items))
     palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
-    colours = dict(zip(systems, palette, strict=False))
+    colours = {s: palette[i % len(palette)] for i, s in enumerate(systems)}  # more systems than colours: reused
     fig, ax = plt.subplots(figsize=(10, 0.55 * len(metrics) + 1.5))
     labelled: set[str] = set()
     for i, m in enumerate(metrics):
