@@ -44,8 +44,11 @@ class EventHub:
     def on_event(self, event: str, row: SandboxRow, extra: dict[str, str]) -> None:
         if not self.readers or self.loop is None:
             return
-        item = {"event": event, "sandboxID": row.id, "templateID": row.template_id, "state": str(row.state),
-                "metadata": row.metadata, "at": iso(time.time()), **extra, "_owner": row.owner}  # fmt: skip
+        # what a table needs to show the sandbox without asking (the list item's fields)
+        item = {"event": event, "sandboxID": row.id, "templateID": row.template_id, "alias": row.alias,
+                "state": str(row.state), "metadata": row.metadata, "startedAt": iso(row.started_at),
+                "endAt": iso(row.end_at), "cpuCount": row.cpu_count, "memoryMB": row.memory_mb,
+                "at": iso(time.time()), **extra, "_owner": row.owner}  # fmt: skip
         self.loop.call_soon_threadsafe(self._deliver, item)
 
     def _deliver(self, item: dict[str, Any]) -> None:

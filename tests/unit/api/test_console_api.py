@@ -123,6 +123,7 @@ def test_event_stream_carries_a_teams_own_events() -> None:
     assert got[0].startswith(b"retry:")
     assert b"sbx-bob" not in b"".join(got)
     assert b'"event":"created"' in got[1] and b"sbx-alice" in got[1] and b"_owner" not in got[1]
+    assert b"\"startedAt\"" in got[1] and b"\"cpuCount\":1" in got[1]  # what a table row shows, from the event
     assert b'"reason":"timeout"' in got[2]
 
 

@@ -84,13 +84,50 @@ export async function render(main, args, ctx) {
     } catch { /* metrics are a nicety: the table stands without them */ }
   }
 
-  // Live: a lifecycle event reloads the page shown, at most once a second (100 creates/s stay one reload).
-  const stop = onLifecycle(() => {
-    if (refreshTimer) return;
-    refreshTimer = setTimeout(() => { refreshTimer = null; if (page === 0) load(); else loadSummary().catch(() => {}); }, 1000);
+  // Live: an event changes the table at once from what it carries (a new row on top, a state, a row gone),
+  // batched per animation frame; the page is reloaded from the server at most every RECONCILE_MS after
+  // events, for what events cannot tell (rows pushed off the page, totals, CPU and memory).
+  let queued = [];
+  let frame = 0;
+  const apply = () => {
+    frame = 0;
+    const tbody = main.querySelector("#sandboxes tbody");
+    let reload = false;
+    for (const e of queued.splice(0)) {
+      const state = e.event === "paused" ? "paused" : e.event === "killed" ? null : "running";
+      const old = main.querySelector(`#sandboxes tr[data-id="${CSS.escape(e.sandboxID)}"]`);
+      const shows = state !== null && matches(e, state);
+      if (old && !shows) old.remove();
+      else if (old) old.replaceWith(rowOf({ ...e, state }, ctx));
+      else if (shows && page === 0 && tbody) {
+        tbody.prepend(rowOf({ ...e, state }, ctx));
+        while (tbody.rows.length > PAGE) tbody.lastElementChild.remove();
+      } else if (shows && page === 0) reload = true; // the first row: the table itself is drawn by a load
+    }
+    if (reload || (tbody && !tbody.rows.length)) load();
+  };
+  const stop = onLifecycle((e) => {
+    if (e.event === "resync") { load(); return; }
+    queued.push(e);
+    if (!frame) frame = requestAnimationFrame(apply);
+    if (!refreshTimer) refreshTimer = setTimeout(() => { refreshTimer = null; if (page === 0) load(); else loadSummary().catch(() => {}); }, RECONCILE_MS);
   });
   await load();
-  return () => { stop(); clearTimeout(refreshTimer); };
+  return () => { stop(); clearTimeout(refreshTimer); cancelAnimationFrame(frame); queued = []; };
+}
+
+const RECONCILE_MS = 2000;
+
+// Whether a sandbox an event describes belongs in the table under the current filters.
+function matches(e, state) {
+  if (!filters.state.split(",").includes(state)) return false;
+  if (filters.template && e.templateID !== filters.template && e.alias !== filters.template) return false;
+  if (filters.node && e.node !== filters.node) return false;
+  for (const pair of filters.metadata.split("&").filter(Boolean)) {
+    const [k, v] = pair.split("=");
+    if ((e.metadata || {})[k] !== v) return false;
+  }
+  return true;
 }
 
 const sum = (states) => Object.values(states).reduce((a, b) => a + b, 0);
@@ -99,17 +136,21 @@ function renderRows(rows, ctx) {
   if (!rows.length) return el("p", { class: "muted", id: "no-sandboxes" }, "No sandboxes match.");
   const head = ["ID", "state", "template", ...(ctx.session.role === "gateway" ? ["node"] : []), "metadata", "age", "TTL left", "CPU", "memory", ""];
   return el("table", { id: "sandboxes" }, el("thead", {}, el("tr", {}, head.map((h) => el("th", {}, h)))),
-    el("tbody", {}, rows.map((r) => el("tr", { "data-id": r.sandboxID },
-      el("td", {}, el("a", { href: `#/sandbox/${encodeURIComponent(r.sandboxID)}`, class: "mono" }, r.sandboxID)),
-      el("td", {}, stateBadge(r.state)),
-      el("td", {}, r.alias || r.templateID),
-      ctx.session.role === "gateway" ? el("td", {}, r.node || "") : "",
-      el("td", { class: "wrap" }, meta(r.metadata)),
-      el("td", {}, age(r.startedAt)),
-      el("td", {}, r.state === "running" ? left(r.endAt) : ""),
-      el("td", { "data-cpu": r.sandboxID }, `${r.cpuCount} vCPU`),
-      el("td", { "data-mem": r.sandboxID }, `${r.memoryMB} MiB`),
-      el("td", {}, rowActions(r))))));
+    el("tbody", {}, rows.map((r) => rowOf(r, ctx))));
+}
+
+function rowOf(r, ctx) {
+  return el("tr", { "data-id": r.sandboxID },
+    el("td", {}, el("a", { href: `#/sandbox/${encodeURIComponent(r.sandboxID)}`, class: "mono" }, r.sandboxID)),
+    el("td", {}, stateBadge(r.state)),
+    el("td", {}, r.alias || r.templateID),
+    ctx.session.role === "gateway" ? el("td", {}, r.node || "") : "",
+    el("td", { class: "wrap" }, meta(r.metadata)),
+    el("td", {}, age(r.startedAt)),
+    el("td", {}, r.state === "running" ? left(r.endAt) : ""),
+    el("td", { "data-cpu": r.sandboxID }, `${r.cpuCount} vCPU`),
+    el("td", { "data-mem": r.sandboxID }, `${r.memoryMB} MiB`),
+    el("td", {}, rowActions(r)));
 }
 
 function rowActions(r) {
