@@ -121,6 +121,8 @@ class Follower:
         args = rest.split()
         if kind in ("unbind", "lost") and args:
             self._locator.forget(args[0])
+            if kind == "lost" and len(args) == 2 and (node := self._nodes.get(args[1])) is not None:
+                node.record_lost(args[0])
         elif kind == "bind" and len(args) == 2:
             self._locator.remember(args[0], args[1])
         elif kind == "vunbind" and args:

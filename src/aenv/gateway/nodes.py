@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -26,6 +27,9 @@ from aenv.machine_key import MachineKey, parse
 log = logging.getLogger("aenv.gateway")
 
 PROBE_TIMEOUT = 2.0  # seconds a node has to answer a probe
+
+
+LOST_KEPT = 200  # lost sandbox IDs a node's record keeps (the count is exact)
 
 
 @dataclass
@@ -52,6 +56,9 @@ class Node:
     warm: dict[str, int] = field(default_factory=dict)  # ready pool entries per template ID and alias
     teams: dict[str, dict[str, int]] = field(default_factory=dict)  # what each team holds there (quotas.py)
     placed_by_team: dict[str, int] = field(default_factory=dict)  # ``placed``, per team
+    # what the directory reported lost with it (cluster mode): how many, and the latest IDs
+    lost: deque[str] = field(default_factory=lambda: deque(maxlen=LOST_KEPT))
+    lost_count: int = 0
 
     def report(self, info: dict[str, Any]) -> None:
         """Take in the node's ``/aenv/info`` answer (one that carries its load)."""
@@ -95,7 +102,13 @@ class Node:
             "inflight": self.inflight,
             "load": self.load,
             "reportedAt": self.reported_at,
+            **({"lost": {"count": self.lost_count, "sandboxes": list(self.lost)}} if self.lost_count else {}),
         }
+
+    def record_lost(self, sandbox_id: str) -> None:
+        """The directory marked one of its sandboxes lost (the node was declared dead)."""
+        self.lost_count += 1
+        self.lost.append(sandbox_id)
 
 
 def parse_node(spec: str, index: int) -> Node:

@@ -90,3 +90,19 @@ async def test_an_ended_sandbox_without_a_binding_goes_to_the_node_of_its_tombst
     assert await directory.find_sandbox("s") == "n2"
     answers["n2"] = httpx.Response(404, json={"code": 404, "message": "not found"})
     assert await directory.find_sandbox("s") is None
+
+
+async def test_what_was_lost_with_a_dead_node_is_on_its_record(nodes: NodeSet) -> None:
+    from aenv.gateway.cluster import Follower
+    from aenv.gateway.nodes import LOST_KEPT
+
+    apply_records(nodes, [_rec("n1")])
+    loc = Locator(nodes, NoDirectory())
+    loc.remember("sbx-0", "n1")
+    follower = Follower(None, nodes, loc, 60.0)  # type: ignore[arg-type]  # events only: no reader needed
+    for i in range(LOST_KEPT + 5):
+        await follower._on_event(f"lost sbx-{i} n1")
+    await follower._on_event("lost sbx-x nobody")  # a node this gateway never heard of: ignored
+    lost = nodes.nodes["n1"].describe()["lost"]
+    assert lost["count"] == LOST_KEPT + 5 and len(lost["sandboxes"]) == LOST_KEPT
+    assert lost["sandboxes"][-1] == f"sbx-{LOST_KEPT + 4}"

@@ -41,7 +41,10 @@ async function nodeDetail(id) {
   return el("div", { class: "panel", id: `node-${n.nodeID}` }, el("h2", {}, `Node ${n.nodeID}`), kv(rows),
     n.state === "dead" ? el("p", { class: "bad", id: "node-lost" },
       `Declared dead ${age(when(n.since))} ago. The sandboxes it held at its last report (${counts(n.sandboxes)}) ended with it, `
-      + "except paused ones whose pause was published to the shared snapshot store: a resume brings those back on a live node.") : "");
+      + "except paused ones whose pause was published to the shared snapshot store: a resume brings those back on a live node.") : "",
+    n.lost ? el("div", { id: "node-lost-list" }, el("h2", {}, `Lost with it: ${n.lost.count} sandboxes`),
+      el("p", { class: "mono wrap" }, n.lost.sandboxes.join(" ")),
+      n.lost.count > n.lost.sandboxes.length ? el("p", { class: "muted" }, `the latest ${n.lost.sandboxes.length} shown`) : "") : "");
 }
 
 function kv(rows) {
