@@ -52,6 +52,8 @@ class Node:
     warm: dict[str, int] = field(default_factory=dict)  # ready pool entries per template ID and alias
     teams: dict[str, dict[str, int]] = field(default_factory=dict)  # what each team holds there (quotas.py)
     placed_by_team: dict[str, int] = field(default_factory=dict)  # ``placed``, per team
+    held: frozenset[str] = frozenset()  # the built templates it holds (IDs and names): no fetch from the store
+    store: str | None = None  # the template store it shares with other nodes (None: none shared)
 
     def report(self, info: dict[str, Any]) -> None:
         """Take in the node's ``/aenv/info`` answer (one that carries its load)."""
@@ -61,6 +63,9 @@ class Node:
         self.machine = parse(info.get("machine"))
         warm = info.get("warm")
         self.warm = {str(k): v for k, v in warm.items() if isinstance(v, int) and v > 0} if isinstance(warm, dict) else {}
+        held = info.get("held")
+        self.held = frozenset(str(t) for t in held) if isinstance(held, list) else frozenset()
+        self.store = info["templateStore"] if isinstance(info.get("templateStore"), str) else None
         teams = info.get("teams")
         self.teams = {str(k): v for k, v in teams.items() if isinstance(v, dict)} if isinstance(teams, dict) else {}
         self.placed = 0  # the report now counts them
@@ -70,6 +75,10 @@ class Node:
     def warm_for(self, template: str | None) -> bool:
         """It has a sandbox of ``template`` started ahead (its create is a hand-out, not a start)."""
         return template is not None and self.warm.get(template, 0) > 0
+
+    def holds(self, template: str | None) -> bool:
+        """It has the built template ``template`` already (a create there fetches nothing)."""
+        return template is not None and (template in self.held or template.partition(":")[0] in self.held)
 
     @property
     def load(self) -> float:
@@ -89,6 +98,7 @@ class Node:
             "runtime": self.runtime,
             "machine": self.machine,
             "warm": dict(self.warm),
+            "templateStore": self.store,
             "version": self.version,
             "sandboxes": dict(self.counts),
             "starting": self.starting,
