@@ -109,13 +109,37 @@ async def _get(repo: SnapshotRepository, key: str) -> bytes | None:
 
 
 async def put_template(repo: SnapshotRepository, manifest: TemplateManifest) -> None:
-    """Write the template manifest (its snapshot must be published already), then its names."""
+    """Write the template manifest (its snapshot must be published already), then its names; the names
+    only an earlier version had (a tag's row deleted) go."""
     import obstore
 
+    try:
+        old = await get_template(repo, manifest.template_id)
+    except ManifestError:
+        old = None
     await obstore.put_async(repo.store, template_key(manifest.template_id), manifest.to_bytes())
     for name in manifest.names():
         entry = json.dumps({"name": name, "templateID": manifest.template_id}).encode()
         await obstore.put_async(repo.store, name_key(name), entry)
+    if old is not None:
+        await _drop_names(repo, manifest.template_id, [n for n in old.names() if n not in manifest.names()])
+
+
+async def _drop_names(repo: SnapshotRepository, template_id: str, names: list[str]) -> None:
+    """Delete the name entries among ``names`` that point at ``template_id`` (or cannot be read)."""
+    import obstore
+
+    for name in names:
+        raw = await _get(repo, name_key(name))
+        try:
+            points_here = raw is not None and json.loads(raw).get("templateID") == template_id
+        except (ValueError, AttributeError):
+            points_here = True
+        if points_here:
+            try:
+                await obstore.delete_async(repo.store, name_key(name))
+            except FileNotFoundError:
+                pass
 
 
 async def get_template(repo: SnapshotRepository, template_id: str) -> TemplateManifest | None:
@@ -151,17 +175,7 @@ async def delete_template(repo: SnapshotRepository, manifest: TemplateManifest) 
     its snapshot (layers no other manifest names are freed)."""
     import obstore
 
-    for name in manifest.names():
-        raw = await _get(repo, name_key(name))
-        try:
-            points_here = raw is not None and json.loads(raw).get("templateID") == manifest.template_id
-        except (ValueError, AttributeError):
-            points_here = True
-        if points_here:
-            try:
-                await obstore.delete_async(repo.store, name_key(name))
-            except FileNotFoundError:
-                pass
+    await _drop_names(repo, manifest.template_id, manifest.names())
     try:
         await obstore.delete_async(repo.store, template_key(manifest.template_id))
     except FileNotFoundError:
