@@ -213,7 +213,9 @@ def test_volumes_are_found_on_their_node_without_a_directory(cluster: Cluster) -
 
 
 def test_a_build_through_the_gateway_reaches_every_node(cluster: Cluster, tmp_path: Path) -> None:
-    """Replayed on each node under the same IDs: a create of it by name or by ID works on either node."""
+    """These nodes share no store (each publishes to its own state dir): the build is replayed on each
+    node under the same IDs, and a create of it by name or by ID works on either node. With a shared
+    store it runs once: test_gateway_build_once.py."""
     from e2b import Sandbox, Template
 
     (tmp_path / "f.txt").write_text("copied through the gateway\n")

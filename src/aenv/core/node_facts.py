@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from aenv.core.template_share import shares_templates
 from aenv.core.templates import TemplateCatalog
 from aenv.runtime.base import MachineBound, Runtime, WarmReporting
 
@@ -14,7 +15,7 @@ from aenv.runtime.base import MachineBound, Runtime, WarmReporting
 def placement_facts(runtime: Runtime, catalog: TemplateCatalog) -> dict[str, Any]:
     """``machine`` (None without a record: ns) and ``warm``: ready pool entries per template, under its
     ID and its alias alike (a create may name either); ``held``: the built templates here (IDs and
-    aliases); ``templateStore``: the shared store's URL (None: this node's own, or none)."""
+    aliases); ``templateStore``: the store it shares built templates through (None: it does not)."""
     machine = runtime.machine() if isinstance(runtime, MachineBound) else None
     warm: dict[str, int] = {}
     for template_id, n in (runtime.warm_counts() if isinstance(runtime, WarmReporting) else {}).items():
@@ -26,5 +27,5 @@ def placement_facts(runtime: Runtime, catalog: TemplateCatalog) -> dict[str, Any
     for row in catalog.store.list_templates():
         if row.config.get("built") and not row.config.get("hidden"):
             held |= {row.id, str(row.config.get("family") or row.id)} | ({row.alias} if row.alias else set())
-    store = catalog.settings.snapshot_store_url if catalog.settings.snapshot_store else None
+    store = catalog.settings.snapshot_store_url if shares_templates(catalog.settings, runtime.name) else None
     return {"machine": machine, "warm": warm, "held": sorted(held), "templateStore": store}

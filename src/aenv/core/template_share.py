@@ -1,11 +1,12 @@
 """Built templates shared through the snapshot store: a build runs on one node, any node runs it.
 
 Only with a store the nodes share (``snapshot_store`` set explicitly; the default, a directory in each
-node's own state dir, is not shared, and nothing here runs then):
+node's own state dir, is not shared, and nothing here runs then) and on the ns runtime (``RUNTIMES``:
+a vm template's snapshot is layered on each node's own ``base`` disk build; vm nodes keep the replay):
 
 - **publish** (the building node, before the build says ``ready``): the build's final snapshot is
-  published like any snapshot (content-addressed layers: ns, its upper dirs and process image with
-  the build steps' uppers under it; vm, its disk and frozen state), then a template manifest keyed by
+  published like any snapshot (content-addressed layers: its upper dir and process image, with the
+  build steps' upper dirs under it), then a template manifest keyed by
   the template ID names it, with the template's rows (IDs, aliases and tags, config, resources, owner)
   and the build ID (``aenv.snapshots.templates``);
 - **fetch** (any node, on first use): a create of a name or ID this node does not have looks it up in
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from aenv.config import Settings
 from aenv.core.context import Context
 from aenv.core.snapshots import SnapshotFlows
 from aenv.core.sync import disk_usage, short_error
@@ -39,7 +41,16 @@ from aenv.store.sqlite import SnapshotRow, TemplateRow, now
 
 log = logging.getLogger("aenv.core")
 
+# vm: a built template's snapshot is layered on the disk of the node's own ``base`` build (mkfs picks new
+# UUIDs per node), so it would not restore elsewhere; until that build ships with it, vm nodes replay.
+RUNTIMES = ("ns",)
 HOST_KEYS = ("lazy_file",)  # config keys naming this host's paths: taken from the fetching node's base
+
+
+def shares_templates(settings: Settings, runtime: str) -> bool:
+    """Built templates go through a store the nodes share: one is set explicitly (the default is in
+    each node's own state dir) and the runtime's snapshots restore on another node's base (``RUNTIMES``)."""
+    return bool(settings.snapshot_store and settings.snapshot_store.strip()) and runtime in RUNTIMES
 
 
 def row_entry(row: TemplateRow) -> dict[str, Any]:
@@ -65,7 +76,7 @@ class TemplateShare:
     @property
     def shared(self) -> bool:
         """A store the nodes share is configured (explicitly: the default is this node's own)."""
-        return self.ctx.repository is not None and bool(self.ctx.settings.snapshot_store)
+        return shares_templates(self.ctx.settings, self.ctx.runtime.name) and self.ctx.repository is not None
 
     def rows_of(self, family: str) -> list[TemplateRow]:
         return [r for r in self.ctx.templates.list_templates()
