@@ -1,6 +1,6 @@
 """Built templates through a shared store, over the fake runtime (named ns here): one node publishes a
 built template, another fetches it on first use under the same IDs and names (its snapshot internal),
-and a delete on any node takes it out of the store, on a node that never fetched it too."""
+a rebuild on a third node keeps the template's ID, and a delete on any node takes it out of the store."""
 
 from __future__ import annotations
 
@@ -73,8 +73,12 @@ async def test_built_once_fetched_on_first_use_and_deleted_everywhere(nodes: lis
     assert fetched is not None and fetched.internal and fetched.published and Path(fetched.dir, "state").is_file()
     assert {"fam1", "tpl", "tpl:v2"} <= set(placement_facts(b.runtime, b.templates)["held"])
     await b.kill(sbx.id)
-    await c.delete_template("tpl:v2")  # c never fetched it: the tag's row leaves the store, the rest stays
+    assert c.builds.request("other", [], None, None).template_id != "fam1"
+    assert await c.shared_templates.fetch("tpl")  # what a build request does first: a rebuild keeps the ID
+    assert c.builds.request("tpl", [], None, None).template_id == "fam1"
+    await c.delete_template("tpl:v2")  # the tag's row leaves the store, the rest stays
     await c.delete_template("tpl")  # and then the template
+    await a.delete_template("tpl")  # the builder's own copy: deleted there (the store has it no more)
     with pytest.raises(TemplateNotFound):
         await c.delete_template("tpl")
     with pytest.raises(TemplateNotFound):
