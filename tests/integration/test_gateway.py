@@ -153,9 +153,13 @@ def test_a_create_from_a_snapshot_goes_where_the_snapshot_is(cluster: Cluster, s
         kid.kill()
     got = httpx.get(f"{cluster.gw}/snapshots/{snap.snapshot_id}", headers=KEY, trust_env=False)
     assert got.status_code == 200 and got.headers["x-aenv-node"] == f"n{cluster.node_of(src.sandbox_id) + 1}"
-    # a snapshot's template is deleted on the snapshot's node; a shared template is not, through the gateway
+    # a snapshot's template is deleted on the snapshot's node; any other template on every node, which
+    # refuses while sandboxes of it run there (both nodes run ``spread``'s)
     assert httpx.delete(f"{cluster.gw}/templates/{snap.snapshot_id}", headers=KEY, trust_env=False).status_code == 204
-    assert httpx.delete(f"{cluster.gw}/templates/base", headers=KEY, trust_env=False).status_code == 501
+    refused = httpx.delete(f"{cluster.gw}/templates/base", headers=KEY, trust_env=False)
+    assert refused.status_code == 409 and "used by running sandboxes" in refused.json()["message"], refused.text
+    for i in (0, 1):
+        assert httpx.get(f"{cluster.url(i)}/templates/base", headers=KEY, trust_env=False).status_code == 200
 
 
 def test_reaping_by_metadata_reaches_every_node(cluster: Cluster) -> None:
@@ -213,7 +217,9 @@ def test_volumes_are_found_on_their_node_without_a_directory(cluster: Cluster) -
 
 
 def test_a_build_through_the_gateway_reaches_every_node(cluster: Cluster, tmp_path: Path) -> None:
-    """Replayed on each node under the same IDs: a create of it by name or by ID works on either node."""
+    """These nodes share no store (each publishes to its own state dir): the build is replayed on each
+    node under the same IDs, and a create of it by name or by ID works on either node. With a shared
+    store it runs once: test_gateway_build_once.py."""
     from e2b import Sandbox, Template
 
     (tmp_path / "f.txt").write_text("copied through the gateway\n")

@@ -4,6 +4,7 @@ none there): it carries an HMAC of the files hash, signed with a secret of this 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hmac
 import re
@@ -20,7 +21,8 @@ from aenv.api.deps import orchestrator
 from aenv.api.models import _Body
 from aenv.core.build_spec import FILES_HASH, BuildSpec, Step
 from aenv.core.orchestrator import Orchestrator
-from aenv.errors import InvalidRequest, NotFound
+from aenv.core.templates import split_tag
+from aenv.errors import AenvError, InvalidRequest, NotFound
 from aenv.store.event_log import LEVELS
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -75,6 +77,9 @@ async def request_build(body: BuildRequestBody, request: Request,
             raise InvalidRequest(f"{BUILD_IDS_HEADER}: give '<templateID> <buildID>' (letters, digits, '-')")
         ids = (parts[0], parts[1])
     await orch.check_disk(tenancy.owner(request))
+    if ids is None:  # a rebuild of a template built on another node keeps its ID: fetched from the shared store
+        with contextlib.suppress(AenvError):
+            await orch.shared_templates.fetch(split_tag(name)[0])
     rec = orch.builds.request(name, list(body.tags or []), body.cpuCount, body.memoryMB, ids, tenancy.owner(request))
     return JSONResponse({"templateID": rec.template_id, "buildID": rec.build_id, "public": False,
                          "names": [rec.alias], "aliases": [rec.alias], "tags": rec.tags}, status_code=202)

@@ -29,7 +29,7 @@ import os
 import re
 import secrets
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -123,6 +123,8 @@ class TemplateBuilds:
         self._active: dict[str, BuildRecord] = {}  # alias → its build in progress
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.upload_secret = secrets.token_hex(16)  # signs upload links (they carry no API key)
+        # (template ID, build ID, snapshot ID) -> published? A built template goes to the shared store
+        self.publish: Callable[[str, str, str], Awaitable[bool]] | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -277,7 +279,7 @@ class TemplateBuilds:
             if forced is None and self._usable(cache.get(fkey)):
                 rec.log("every step is cached: the template is ready as built before", step="finalize")
                 self._register(rec, base, str(cache[fkey]["snapshot"]), BuildState.from_json(cache[fkey]["state"]), spec)
-                return self._finish(rec)
+                return await self._publish_and_finish(rec, str(cache[fkey]["snapshot"]))
             first = self._resume_point(keys, cache, forced)
             entry = cache.get(keys[first]) if first else None
             state = BuildState.from_json(entry["state"]) if entry else BuildState(workdir=base.config.get("workdir"))
@@ -304,7 +306,7 @@ class TemplateBuilds:
             cache[fkey] = {"snapshot": final, "state": state.to_json()}
             self._save_cache(cache)
             self._register(rec, base, final, state, spec)
-            self._finish(rec)
+            await self._publish_and_finish(rec, final)
         except BuildFailed as exc:
             self._fail(rec, str(exc), step)
         except asyncio.CancelledError:
@@ -514,6 +516,13 @@ class TemplateBuilds:
         derived = f"{family}-{hashlib.sha256(tag.encode()).hexdigest()[:10]}"
         taken = self.ctx.store.get_template(family)
         return family if tag == DEFAULT_TAG and (taken is None or taken.alias == alias) else derived
+
+    async def _publish_and_finish(self, rec: BuildRecord, snapshot_id: str) -> None:
+        """Ready once published where the nodes share a store (``template_share.py``): a node asked for
+        it next finds it there."""
+        if self.publish is not None and await self.publish(rec.template_id, rec.build_id, snapshot_id):
+            rec.log("published to the shared store: every node starts it", step="finalize")
+        self._finish(rec)
 
     def _finish(self, rec: BuildRecord) -> None:
         rec.status = "ready"

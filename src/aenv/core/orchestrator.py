@@ -42,6 +42,7 @@ from aenv.core.snapshots import SnapshotFlows, result_of
 from aenv.core.sync import SnapshotSync
 from aenv.core.table import LiveSandbox, SandboxTable
 from aenv.core.template_flows import TemplateFlows
+from aenv.core.template_share import TemplateShare
 from aenv.core.templates import TemplateCatalog
 from aenv.core.uid_slots import UidRanges
 from aenv.core.volumes import Volumes
@@ -96,6 +97,8 @@ class Orchestrator:
         self.snapshots = SnapshotFlows(self.ctx, self.sync)
         self.template_flows = TemplateFlows(self.ctx)
         self.builds = TemplateBuilds(self.ctx, self, self.snapshots, self.template_flows)
+        self.shared_templates = TemplateShare(self.ctx, self.snapshots, self.template_flows)  # build once, run anywhere
+        self.builds.publish, self.sync.template_fetch = self.shared_templates.publish, self.shared_templates.fetch
         self.admission = Admission(settings, self.table)
         self.snapshots.check_quota = self.admission.check_quota  # forks count for the parent's team
         self._tasks: list[asyncio.Task[None]] = []
@@ -585,16 +588,9 @@ class Orchestrator:
         return await self.template_flows.pull(image, progress=progress, **options)
 
     async def delete_template(self, name: str) -> None:
-        """A snapshot template deletes its snapshot; an image template drains the runtime's pools."""
-        row = self.templates.resolve(name)
-        if row.kind is TemplateKind.SNAPSHOT and not row.config.get("built"):
-            await self.snapshots.delete(row.id)
-        elif row.kind is TemplateKind.SNAPSHOT:  # a built template: its snapshot goes when nothing needs it
-            self.templates.delete(row.id, in_use=self.table.template_ids_in_use())
-            await self.runtime.forget_template(row.id)
-            self.snapshots.collect_garbage()
-        else:
-            await self.template_flows.delete(row)
+        """A snapshot template deletes its snapshot; an image template drains the runtime's pools; a
+        built template leaves the shared store too (``template_share.py``)."""
+        await self.shared_templates.delete(name)
 
     def cache_listing(self) -> dict[str, Any]:
         return self.template_flows.cache_listing()

@@ -59,6 +59,7 @@ class SnapshotSync:
         self.publisher: Callable[[SnapshotRow], Awaitable[None]] | None = None
         self._publish_slots: asyncio.Semaphore | None = None
         self._fetch_lock: asyncio.Lock | None = None
+        self.template_fetch: Callable[[str], Awaitable[bool]] | None = None  # template_share.py's fetch
 
     async def delete(self, snapshot_id: str) -> None:
         """Take a deleted snapshot out of the repository too (published or not: a publish may be
@@ -198,6 +199,8 @@ class SnapshotSync:
         try:
             tpl = self.ctx.templates.resolve(name)
         except TemplateNotFound:
+            if self.template_fetch is not None and await self.template_fetch(name):
+                return self.ctx.templates.resolve(name)  # a built template from the shared store
             if await self.fetch(name) is None:
                 raise
             return self.ctx.templates.resolve(name)

@@ -1,15 +1,26 @@
-"""Template builds through the gateway (``Template.build``): the build is replayed on every live node under
-the same template and build IDs, so a create of the template (by name or by ID) may land on any of them.
+"""Template builds through the gateway (``Template.build``). Two ways, by what the nodes share:
 
-Replaying is simpler than building once and copying (the nodes share no template store, each build is
-cached per step on each node, and the gateway keeps no state between the SDK's calls: any replica may
-take any of them). What it gives up: each node runs the steps itself, so a step whose output is not
-deterministic (a timestamp, a download of "latest") may differ between nodes, as two ``docker build``
-runs do.
+**Build once** (every live node names the same shared store, ``templateStore`` in its ``/aenv/info``:
+``snapshot_store`` set to one ``file://`` directory or S3 bucket for all): the build runs on one node,
+placed like a create (a node that holds the template already, with its cached steps, is preferred).
+Once its steps are done that node publishes the result to the store (``core/template_share.py``: the
+snapshot's content-addressed layers, then a template manifest with its IDs, names, tags and build ID)
+and only then says ``ready``. Any other node, one down during the build or added after it included,
+fetches it from the store the first time a sandbox of it lands there, under the same IDs and tags.
+Deletes through the gateway reach every node and the store (``control.py``).
 
-- ``POST /v3/templates`` goes to one node (placement), then to every other live node with its IDs
-  (``X-Aenv-Build-Ids``); nodes that are down are named in ``X-Aenv-Nodes-Down`` and do not get the
-  template (build or pull again there once they are back);
+**Replay** (no shared store: each node's store is its own): the build is replayed on every live node
+under the same template and build IDs, so a create of it (by name or by ID) may land on any of them.
+What that gives up: each node runs the steps itself, so a step whose output is not deterministic (a
+timestamp, a download of "latest") may differ between nodes, as two ``docker build`` runs do; a node
+down during the build never gets the template (build or pull again there once it is back).
+
+The gateway keeps no state between the SDK's calls (any replica may take any of them): each call after
+the first goes to every live node, and the nodes that do not know the build (404) are left out when
+building once.
+
+- ``POST /v3/templates``: building once, to the placed node; replaying, to it, then to every other
+  live node with its IDs (``X-Aenv-Build-Ids``); nodes that are down are named in ``X-Aenv-Nodes-Down``;
 - ``GET /templates/{id}/files/{hash}`` asks every node; the upload link (when some node lacks the files)
   is the gateway's, carrying each such node's own signed token, and its ``PUT`` goes to each of them;
 - ``POST /v2/templates/{id}/builds/{build}`` and tag changes go to every live node: any refusal is the
@@ -72,12 +83,26 @@ async def _every_node(request: Request, body: bytes | None = None, **kw: Any) ->
     return answers, gw.nodes.down()
 
 
+def shared_store(gw: Any) -> str | None:
+    """The store every live node shares (build once), else None (replay)."""
+    stores = {n.store for n in gw.nodes.up()}
+    return stores.pop() if len(stores) == 1 and None not in stores else None
+
+
+def _known(request: Request, answers: list[Relayed]) -> list[Relayed]:
+    """Building once, the nodes that do not know the build (404) are left out while one does."""
+    if shared_store(_gw(request)) is None:
+        return answers
+    return [a for a in answers if a.status != 404] or answers[:1]
+
+
 async def _accepted_everywhere(request: Request) -> tuple[list[Relayed], list[Node]] | Response:
     """``_every_node``, and the first node's refusal as the answer when one refused."""
     got = await _every_node(request)
     if isinstance(got, Response):
         return got
-    return _first_refusal(got[0]) or got
+    answers = _known(request, got[0])
+    return _first_refusal(answers) or (answers, got[1])
 
 
 def _first_refusal(answers: list[Relayed]) -> Response | None:
@@ -95,15 +120,17 @@ async def request_build(request: Request) -> Response:
     gw = _gw(request)
     body = await request.body()
     tried: set[str] = set()
-    while (first := gw.place(tried, None, None)) is not None:
+    asked = _parsed(body)
+    name = (asked.get("name") or asked.get("alias")) if isinstance(asked, dict) else None
+    while (first := gw.place(tried, name if isinstance(name, str) else None, None)) is not None:
         try:
             got = await gw.forwarder.send(request, first, body)
         except NodeUnreachable:
             tried.add(first.id)
             continue
         made = _json(got)
-        if got.status != 202 or not isinstance(made, dict):
-            return got.response()
+        if got.status != 202 or not isinstance(made, dict) or shared_store(gw) is not None:
+            return got.response()  # built once there, published to the store the nodes share
         ids = {BUILD_IDS_HEADER: f"{made['templateID']} {made['buildID']}"}
         others = [n for n in gw.nodes.up() if n is not first]
         results = await asyncio.gather(*(gw.forwarder.send(request, n, body, extra=ids) for n in others),

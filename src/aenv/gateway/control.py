@@ -13,9 +13,11 @@
   is skipped and named in ``X-Aenv-Nodes-Down``, never a failure of the whole list;
 - volumes (``volumes.py``): each lives on one node, where its routes go; a create with ``volumeMounts``
   is placed on the node that holds them;
-- templates: the nodes must share them (the same ``base``, the same builds). Reads are served by one live
-  node; a pull (``/aenv/templates/pull``) and a build (``builds.py``: replayed under the same IDs) reach
-  every live node; deletes of shared templates are refused with a 501 that says to run them on each node;
+- templates: the nodes share the same ``base``. A build (``builds.py``) runs on one node when the nodes
+  share a store (the others fetch it on first use), else is replayed on every live node under the same
+  IDs; a pull (``/aenv/templates/pull``) reaches every live node. Lists are merged; a read of one
+  template goes to a node that holds it, else to each until one knows it; a delete reaches every live
+  node (and leaves the shared store);
 - leases (``leases.py``) are made on every live node under one ID; a create bound to one that lands on a
   node without it (down when it was made: 400 ``reason: lease_unknown``) is tried on another node;
 - what every node keeps for itself (the image cache, the webhooks' log) is asked of every node and merged
@@ -84,7 +86,8 @@ class Gateway:
         if key:
             return self.nodes.nodes[placement.by_key(pairs, key)]
         warm = {n.id for n in candidates if n.warm_for(template)}
-        return self.nodes.nodes[placement.best_of_k(pairs, self.rng, warm=warm)]
+        cached = {n.id for n in candidates if n.holds(template)}
+        return self.nodes.nodes[placement.best_of_k(pairs, self.rng, warm=warm, cached=cached)]
 
     async def create(self, request: Request) -> Response:
         body = await request.body()
@@ -442,29 +445,65 @@ async def kill_matching(request: Request) -> Response:
 @router.api_route("/secrets", methods=ALL)  # (every node answers that it does not serve them)
 @router.api_route("/secrets/{rest:path}", methods=ALL)
 async def template_read(request: Request) -> Response:
+    """A list is every live node's, merged (a template built once is on its building node, and on
+    those that fetched it); a read of one template goes to a node that holds it, else one after
+    another until one knows it (any node fetches a built template from the shared store on first use)."""
     gw = gateway(request)
-    for node in sorted(gw.nodes.up(), key=lambda n: n.load):
+    if request.url.path in ("/templates", "/v2/templates"):
+        return await _merged_templates(gw, request)
+    template = request.path_params.get("rest", "").split("/")[0] or None
+    unknown: Relayed | None = None
+    for node in sorted(gw.nodes.up(), key=lambda n: (not n.holds(template), n.load)):
         try:
-            return (await gw.forwarder.send(request, node)).response()
+            got = await gw.forwarder.send(request, node)
         except NodeUnreachable:
             continue
-    return gw.none_up(set())
+        if got.status != 404 or request.method != "GET":
+            return got.response()
+        unknown = unknown or got
+    return unknown.response() if unknown is not None else gw.none_up(set())
+
+
+async def _merged_templates(gw: Gateway, request: Request) -> Response:
+    answers, skipped = await gw.fan_out(request)
+    merged: dict[str, Any] = {}
+    for got in sorted(answers, key=lambda a: a.node.id):
+        if got.status != 200:
+            return got.response()
+        for item in _parsed(got.body) or []:
+            if isinstance(item, dict):
+                merged.setdefault(str(item.get("templateID")), item)
+    return JSONResponse(list(merged.values()), headers=_down_headers(skipped))
 
 
 @router.delete("/templates/{template_id:path}")
 async def template_delete(request: Request, template_id: str) -> Response:
-    """A snapshot's template lives on the snapshot's node: its delete goes there. Shared templates are
-    deleted on each node."""
+    """A snapshot's template lives on the snapshot's node: its delete goes there. Any other template is
+    deleted on every live node that has it, and a built one leaves the shared store too (each node
+    takes out what it has; one that never fetched it takes it out of the store). 204 when some node
+    deleted it, a node's refusal (409: in use there) as it came, else the 404; nodes that were down
+    are named in ``X-Aenv-Nodes-Down`` (they keep their copy)."""
     gw = gateway(request)
     try:
         node = await gw.locator.snapshot_owner(template_id)
     except OwnerDown as exc:
         return _located_error(exc)
     except GatewayError:
-        return _template_refusal(request)
+        return await _delete_everywhere(gw, request)
     got = await gw.forwarder.send(request, node)
     # another team's snapshot: its node says unknown, and so does the gateway, as for any unknown name
-    return _template_refusal(request) if got.plain_not_found() else got.response()
+    return await _delete_everywhere(gw, request) if got.plain_not_found() else got.response()
+
+
+async def _delete_everywhere(gw: Gateway, request: Request) -> Response:
+    answers, skipped = await gw.fan_out(request)
+    if not answers:
+        return gw.none_up(set())
+    if refused := next((a for a in answers if a.status >= 300 and a.status != 404), None):
+        return refused.response()
+    if any(a.status < 300 for a in answers):
+        return Response(status_code=204, headers=_down_headers(skipped))
+    return answers[0].response()
 
 
 @router.post("/aenv/templates/pull")
@@ -516,7 +555,7 @@ async def template_write(request: Request) -> Response:
 def _template_refusal(request: Request) -> Response:
     urls = " ".join(n.url for n in gateway(request).nodes.nodes.values())
     return error_response(
-        501, "the gateway does not delete or change templates this way yet (pulls and builds reach every node): "
+        501, "the gateway does not change templates this way (builds, tags and deletes go through it): "
              f"run it against each node (aenv --server URL ...; nodes: {urls})", None, reason="gateway")
 
 

@@ -59,6 +59,8 @@ class Node:
     # what the directory reported lost with it (cluster mode): how many, and the latest IDs
     lost: deque[str] = field(default_factory=lambda: deque(maxlen=LOST_KEPT))
     lost_count: int = 0
+    held: frozenset[str] = frozenset()  # the built templates it holds (IDs and names): no fetch from the store
+    store: str | None = None  # the template store it shares with other nodes (None: none shared)
 
     def report(self, info: dict[str, Any]) -> None:
         """Take in the node's ``/aenv/info`` answer (one that carries its load)."""
@@ -68,6 +70,9 @@ class Node:
         self.machine = parse(info.get("machine"))
         warm = info.get("warm")
         self.warm = {str(k): v for k, v in warm.items() if isinstance(v, int) and v > 0} if isinstance(warm, dict) else {}
+        held = info.get("held")
+        self.held = frozenset(str(t) for t in held) if isinstance(held, list) else frozenset()
+        self.store = info["templateStore"] if isinstance(info.get("templateStore"), str) else None
         teams = info.get("teams")
         self.teams = {str(k): v for k, v in teams.items() if isinstance(v, dict)} if isinstance(teams, dict) else {}
         self.placed = 0  # the report now counts them
@@ -77,6 +82,10 @@ class Node:
     def warm_for(self, template: str | None) -> bool:
         """It has a sandbox of ``template`` started ahead (its create is a hand-out, not a start)."""
         return template is not None and self.warm.get(template, 0) > 0
+
+    def holds(self, template: str | None) -> bool:
+        """It has the built template ``template`` already (a create there fetches nothing)."""
+        return template is not None and (template in self.held or template.partition(":")[0] in self.held)
 
     @property
     def load(self) -> float:
@@ -96,6 +105,7 @@ class Node:
             "runtime": self.runtime,
             "machine": self.machine,
             "warm": dict(self.warm),
+            "templateStore": self.store,
             "version": self.version,
             "sandboxes": dict(self.counts),
             "starting": self.starting,

@@ -131,3 +131,56 @@ async def test_every_node_gets_the_body_read_once() -> None:
              "app": SimpleNamespace(state=SimpleNamespace(gateway=gw))}  # fmt: skip
     answers, _ = await asyncio.wait_for(builds._every_node(Request(scope, receive)), 5)  # type: ignore[misc]
     assert sent == [b'{"steps": []}'] * 3 and len(answers) == 3
+
+
+# ---- build once: every node names one shared store ------------------------------------------------
+def _shared(answers: dict[str, tuple[int, Any]], store: str | None = "file:///shared") -> tuple[Gateway, PerNode]:
+    gw, fwd = _gw(answers)
+    for n in gw.nodes.nodes.values():
+        n.store = store
+    return gw, fwd
+
+
+async def test_with_a_shared_store_the_build_goes_to_one_node() -> None:
+    made = (202, {"templateID": "t1", "buildID": "b1"})
+    gw, fwd = _shared({"n1": made, "n2": made, "n3": made})
+    assert builds.shared_store(gw) == "file:///shared"
+    r = await builds.request_build(_request(gw, "POST", "/v3/templates", {"name": "x"}))
+    assert r.status_code == 202 and json.loads(bytes(r.body))["templateID"] == "t1"
+    assert [n for n, *_ in fwd.sent] == ["n1"]  # placed: the emptiest; no replay
+
+
+async def test_the_build_goes_to_a_node_that_holds_the_template_already() -> None:
+    made = (202, {"templateID": "t1", "buildID": "b1"})
+    gw, fwd = _shared({"n1": made, "n2": made, "n3": made})
+    gw.nodes.nodes["n1"].counts = {"running": 1}  # as busy as n2
+    gw.nodes.nodes["n2"].held = frozenset({"x", "t1"})  # its cached steps are there
+    await builds.request_build(_request(gw, "POST", "/v3/templates", {"name": "x"}))
+    assert [n for n, *_ in fwd.sent] == ["n2"]
+
+
+async def test_nodes_that_do_not_share_one_store_replay() -> None:
+    made = (202, {"templateID": "t1", "buildID": "b1"})
+    gw, fwd = _shared({"n1": made, "n2": made, "n3": made})
+    gw.nodes.nodes["n3"].store = "file:///elsewhere"
+    assert builds.shared_store(gw) is None
+    await builds.request_build(_request(gw, "POST", "/v3/templates", {"name": "x"}))
+    assert sorted(n for n, *_ in fwd.sent) == ["n1", "n2", "n3"]
+
+
+async def test_building_once_the_nodes_that_do_not_know_the_build_are_left_out() -> None:
+    unknown = (404, {"message": "build 'b1' of template 't1' not found"})
+    gw, fwd = _shared({"n1": unknown, "n2": (202, {}), "n3": unknown})
+    r = await builds.on_every_node(_request(gw, "POST", "/v2/templates/t1/builds/b1", {"steps": []}))
+    assert r.status_code == 202 and r.headers["x-aenv-node"] == "n2"
+    link = "http://gw:1/aenv/build-files/" + "a" * 64
+    fwd.answers["n2"] = (201, {"present": False, "url": link + "?token=tok2"})
+    r = await builds.file_link(_request(gw, "GET", "/templates/t1/files/" + "a" * 64), "t1", "a" * 64)
+    token = parse_qs(urlsplit(json.loads(bytes(r.body))["url"]).query)["token"][0]
+    assert list(json.loads(builds.base64.urlsafe_b64decode(token[4:] + "==="))) == ["n2"]  # the upload goes there only
+    fwd.answers["n2"] = _status("ready", 1)
+    body = json.loads(bytes((await builds.build_status(_request(gw, "GET", "/s"), "t1", "b1")).body))
+    assert body["status"] == "ready"
+    fwd.answers = {n: unknown for n in ("n1", "n2", "n3")}  # nobody knows it: the 404
+    r = await builds.on_every_node(_request(gw, "POST", "/v2/templates/t1/builds/b1", {"steps": []}))
+    assert r.status_code == 404

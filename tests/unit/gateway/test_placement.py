@@ -95,3 +95,15 @@ def test_a_node_report_carries_machine_and_warm_templates() -> None:
     assert n.machine is None and n.warm == {}
     n.report({"sandboxes": {}, "machine": {"accel": "tcg"}, "warm": ["base"]})  # malformed: ignored
     assert n.machine is None and n.warm == {}
+
+
+def test_a_node_holding_the_built_template_is_worth_the_cache_bonus() -> None:
+    rng = random.Random(1)
+    pairs = [("n1", 1.0), ("n2", 1.4), ("n3", 2.0)]
+    assert {placement.best_of_k(pairs, rng, k=3, cached={"n2"}) for _ in range(20)} == {"n2"}  # 0.9 < 1.0
+    assert {placement.best_of_k(pairs, rng, k=3, cached={"n3"}) for _ in range(20)} == {"n1"}  # 1.5 > 1.0
+    assert placement.CACHE_BONUS < placement.WARM_BONUS
+    n = Node("n1", "http://h:1", "h", 1)
+    n.report({"sandboxes": {}, "held": ["t1", "my-tpl"], "templateStore": "s3://b"})
+    assert n.holds("t1") and n.holds("my-tpl:v2") and not n.holds("other") and not n.holds(None)
+    assert n.store == "s3://b" and n.describe()["templateStore"] == "s3://b"
