@@ -48,7 +48,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from rich.console import Console
 
@@ -592,7 +592,7 @@ def console_scale(ctx: Ctx) -> dict[str, Any]:
                                                    ("console", lambda: _sample(browser, srv.url, key, total))],
                                 limits={"console": knobs.samples})
                 walk = _walk(client)
-                rows += _paint_rows(got["json"], got["console"], walk, total)
+                rows += _paint_rows(cast(list[dict[str, Any]], got["json"]), cast(list[Paint], got["console"]), walk, total)
                 with Events(srv.url, key) as events:
                     live = _live(browser, srv, client, key, knobs, run, made)
                     time.sleep(0.5)
