@@ -31,7 +31,8 @@ Knobs (environment): AENV_BENCH_CONSOLE_COUNT (sandboxes to fill; 2000, smoke 20
 (creates/s target of the live phase; 100), AENV_BENCH_CONSOLE_LIVE_S (its length; 10, smoke 2),
 AENV_BENCH_CONSOLE_SAMPLES (first-paint samples; 10, smoke 3), AENV_BENCH_CONSOLE_FLOOR (fraction of
 MemTotal that must stay available while filling; 0.2: the live phase adds more, down to 0.1), AENV_BENCH_CONSOLE_KSM_WAIT (seconds to wait for
-ksmd at the floor; 120, smoke 15).
+ksmd at the floor; 120, smoke 15), AENV_BENCH_CONSOLE_PAUSE_REST (1: once at the floor, the rest of the fill
+is made and paused at once, each, so the list still holds N; 0: the fill stops at the floor).
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ class Knobs:
     floor: float  # the fill stops once MemAvailable <= floor × MemTotal
     ksm_wait: float  # seconds to wait for ksmd at the floor
     threads: int  # fill creates at once
+    pause_rest: bool = True  # at the memory floor, make the rest and pause each (else stop there)
 
     @classmethod
     def from_env(cls, smoke: bool, env: Mapping[str, str] = os.environ) -> Knobs:
@@ -133,7 +135,8 @@ class Knobs:
 
         knobs = cls(count=int(get("COUNT", 2000, 20)), rate=get("RATE", 100, 100), live_s=get("LIVE_S", 10, 2),
                     samples=int(get("SAMPLES", 10, 3)), list_calls=30 if not smoke else 6,
-                    floor=get("FLOOR", 0.2, 0.2), ksm_wait=get("KSM_WAIT", 120, 15), threads=3 if smoke else 4)
+                    floor=get("FLOOR", 0.2, 0.2), ksm_wait=get("KSM_WAIT", 120, 15), threads=3 if smoke else 4,
+                    pause_rest=env.get("AENV_BENCH_CONSOLE_PAUSE_REST", "1") != "0")
         if min(knobs.count, knobs.samples) < 1 or knobs.rate <= 0 or knobs.live_s <= 0 or not 0 < knobs.floor < 1:
             raise ValueError(f"AENV_BENCH_CONSOLE_*: counts >= 1, rate and length > 0, floor in (0, 1): {knobs}")
         return knobs
@@ -282,7 +285,28 @@ def _fill(srv: Server, knobs: Knobs, run: str, made: list[str]) -> tuple[list[fl
     rk = RampKnobs(cap=knobs.count, step=min(100, knobs.count), forks=1, docker_cap=None, ksm_wait=knobs.ksm_wait,
                    floor=knobs.floor, threads=knobs.threads)
     ramp.run(create, rk, knobs.count, dict, settle=lambda: after_ksm(srv.url, knobs.ksm_wait))
-    return [x for step in ramp.latencies for x in step], ramp.reason, ramp.wall_s
+    lat = [x for step in ramp.latencies for x in step]
+    reason, wall = ramp.reason, ramp.wall_s
+    if len(made) < knobs.count and knobs.pause_rest:
+        # At the memory floor: the rest are made and paused at once, as an RL run keeps sandboxes waiting on
+        # the model (a paused ns sandbox's memory is on disk); the list shows running and paused alike.
+        import httpx
+
+        t0 = time.perf_counter()
+        running = len(made)
+        with httpx.Client(base_url=srv.url, headers={"X-API-KEY": _sdk_key()}, trust_env=False, timeout=300) as client:
+
+            def create_paused(_: int) -> float:
+                mine: list[str] = []
+                ms = create(mine.append)
+                client.post(f"/sandboxes/{mine[0]}/pause").raise_for_status()
+                return ms
+
+            with concurrent.futures.ThreadPoolExecutor(knobs.threads) as pool:
+                lat += list(pool.map(create_paused, range(knobs.count - len(made))))
+        wall += time.perf_counter() - t0
+        reason = f"{reason}; then {len(made) - running} more made and paused at once ({running} left running)"
+    return lat, reason, wall
 
 
 def _json_routes(client: Any) -> dict[str, Any]:
@@ -572,7 +596,9 @@ def console_scale(ctx: Ctx) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="aenv-bench-console-"))
     srv = start_server(tmp, "ns", {"AENV_POOL_SIZE": "4", "AENV_KSM": "auto",
                                    "AENV_API_KEYS": _sdk_key(),
-                                   "AENV_MAX_SANDBOXES": str(knobs.count + knobs.live_creates + 64)})
+                                   "AENV_MAX_SANDBOXES": str(knobs.count + knobs.live_creates + 64),
+                                   # a paused fill sandbox goes to disk at once (CRIU), its memory freed
+                                   "AENV_NS_RELEASE_PAUSED_AFTER": "0"})
     made: list[str] = []
     try:
         _warm(srv)
