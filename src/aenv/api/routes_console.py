@@ -110,7 +110,9 @@ async def summary(request: Request, orch: Orchestrator = Depends(orchestrator),
         row = sbx.row
         if not who.sees(row.owner) or any(row.metadata.get(k) != v for k, v in wanted.items()):
             continue
-        state = str(sbx.state.shown)
+        if (shown := sbx.state.shown) is None:
+            continue  # starting or being killed: not listed either
+        state = str(shown)
         by_state[state] = by_state.get(state, 0) + 1
         by_template[row.template_id] = by_template.get(row.template_id, 0) + 1
         if run_key and (run := row.metadata.get(run_key)) is not None:
