@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import random
 import socket
@@ -326,20 +327,20 @@ async def _churn(c: SimCluster, seconds: float, rng: random.Random, log: list[st
         alive = [n["id"] for n in stats["nodes"] if n["alive"]]
         if len(alive) > 2:
             victim = rng.choice(alive)
-            await loop.run_in_executor(None, lambda v=victim: c.admin_call("kill", node=v))
+            await loop.run_in_executor(None, functools.partial(c.admin_call, "kill", node=victim))
             dead.append((time.perf_counter(), victim))
             log.append(f"kill {victim}")
         for at, node in [d for d in dead if time.perf_counter() - d[0] >= 2.0]:
-            await loop.run_in_executor(None, lambda n=node: c.admin_call("revive", node=n))
+            await loop.run_in_executor(None, functools.partial(c.admin_call, "revive", node=node))
             dead.remove((at, node))
             log.append(f"revive {node}")
         if tick % 3 == 2:
-            got = await loop.run_in_executor(None, lambda: c.admin_call("join", count=1))
+            got = await loop.run_in_executor(None, functools.partial(c.admin_call, "join", count=1))
             log.append(f"join {got['joined']}")
         tick += 1
         await asyncio.sleep(1.0)
     for _, node in dead:
-        await loop.run_in_executor(None, lambda n=node: c.admin_call("revive", node=n))
+        await loop.run_in_executor(None, functools.partial(c.admin_call, "revive", node=node))
 
 
 def creates_with_churn(c: SimCluster, gws: list[str], clients: int, seconds: float, seed: int) -> tuple[Load, list[str]]:
