@@ -260,6 +260,12 @@ def cv(values: list[float]) -> float:
     return statistics.pstdev(values) / statistics.fmean(values)
 
 
+def random_cv(total: int, nodes: int) -> float:
+    """The CV of creates per node that placing ``total`` creates uniformly at random on ``nodes`` would give
+    (multinomial: sqrt((1 - 1/n) · n / total))."""
+    return ((1 - 1 / nodes) * nodes / total) ** 0.5 if total and nodes > 1 else 0.0
+
+
 def placement_delta(before: dict[str, Any], after: dict[str, Any]) -> tuple[float, float, int]:
     """(CV of creates per live node, share of creates on a node warm for the template, creates) between
     two ``/stats``."""
@@ -406,7 +412,8 @@ def cluster_sim(ctx: Ctx) -> dict[str, Any]:
                                           f"clients {me['cpu'] * 100:.0f}"))
                     rows.append(row(f"{n} nodes: create through the gateway", system, load.latencies))
                     rows.append(value_row(f"{n} nodes: creates per node, coefficient of variation", system,
-                                          spread * 100, made, "% CV", "0 = every node got as many"))  # fmt: skip
+                                          spread * 100, made, "% CV",
+                                          f"0 = every node got as many; random placement: {random_cv(made, n) * 100:.0f}%"))
                     rows.append(value_row(f"{n} nodes: creates on a node warm for the template", system, warm * 100, made,
                                           "%", f"random placement: {100 * WARM_PER_NODE / TEMPLATES:.0f}%"))
                     series["creates"].setdefault(reps, []).append((n, load.rate))
