@@ -525,7 +525,7 @@ def render_chart(series: dict[str, Any], path: Path, title: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
     for reps, pts in sorted(series["creates"].items(), key=lambda kv: int(kv[0])):
         xs, ys = zip(*pts, strict=True)
         axes[0].plot(xs, ys, marker="o", label=f"{reps} gateway(s)")
@@ -541,7 +541,13 @@ def render_chart(series: dict[str, Any], path: Path, title: str) -> bool:
         xs, ys = zip(*series["memory"], strict=True)
         axes[2].plot(xs, ys, marker="o", color="tab:red")
     axes[2].set(xlabel="live sandboxes", ylabel="MiB", title="Redis used_memory (directory)")
-    for ax in axes[:2]:
+    for key, style in (("idle_cpu", "-"), ("load_cpu", "--")):
+        for reps, pts in sorted(series.get(key, {}).items(), key=lambda kv: int(kv[0])):
+            xs, ys = zip(*pts, strict=True)
+            what = "idle" if key == "idle_cpu" else "during creates"
+            axes[3].plot(xs, ys, marker="o", linestyle=style, label=f"{what}, {reps} gateway(s)")
+    axes[3].set(xscale="log", xlabel="simulated nodes", ylabel="% of a core", title="CPU of each gateway")
+    for ax in (axes[0], axes[1], axes[3]):
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     axes[2].grid(alpha=0.3)
@@ -550,3 +556,13 @@ def render_chart(series: dict[str, Any], path: Path, title: str) -> bool:
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return True
+
+
+if __name__ == "__main__":  # the chart again from a results.json: python -m bench.cluster_sim RESULTS.json OUT.png
+    import json
+
+    data = json.loads(Path(sys.argv[1]).read_text())
+    sc = next(run["scenarios"]["cluster-sim"] for run in data["runs"].values() if "cluster-sim" in run["scenarios"])
+    meta = data["meta"]
+    render_chart(sc["sim_series"], Path(sys.argv[2]),
+                 f"aenv cluster simulation, {meta['date'][:10]}, {meta['mode']} run (2 shared vCPUs, load {meta['load_before'][0]})")
