@@ -38,6 +38,7 @@ from bench import (
     bandwidth,
     builds,
     cluster,
+    cluster_sim,
     core,
     density,
     forks,
@@ -76,6 +77,7 @@ SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "gateway": gateway.gateway_overhead,
     "lazy": lazy.lazy_start,
     "cluster": cluster.cluster_local,
+    "cluster-sim": cluster_sim.cluster_sim,
     "interpreter": interpreter.interpreter,
     "bandwidth": bandwidth.bandwidth,
     "teams": teams.teams,
@@ -88,10 +90,12 @@ GROUPS = {
     # Ray and root, scale fills half the host's memory (a full run takes many minutes), interpreter builds
     # the code-interpreter template's layers on first use (PyPI), bandwidth makes a test host's network
     # namespace (root) and takes tens of seconds of transfers, teams starts a server of its own and bursts
-    # 200 creates, console fills 2,000 sandboxes and drives a browser: run those by name
-    "all": [s for s in SCENARIOS if s not in ("rl-groups", "lazy", "cluster", "scale", "interpreter", "bandwidth",
-                                               "teams", "console")],
+    # 200 creates, console fills 2,000 sandboxes and drives a browser, cluster-sim starts its own Redis,
+    # gateways and simulated nodes: run those by name
+    "all": [s for s in SCENARIOS if s not in ("rl-groups", "lazy", "cluster", "cluster-sim", "scale", "interpreter",
+                                               "bandwidth", "teams", "console")],
 }
+NO_SERVER = {"cluster-sim"}  # scenarios that start what they measure (no aenv server, no baselines)
 
 
 def select(spec: str) -> list[str]:
@@ -182,6 +186,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench") -> int:
     md = report.render_markdown(results)
     (out_dir / "results.md").write_text(md)
     chart = report.render_chart(results, out_dir / "chart.png")
+    for run in results["runs"].values():
+        if series := run.get("scenarios", {}).get("cluster-sim", {}).get("sim_series"):
+            title = f"aenv cluster simulation, {results['meta']['date'][:10]}, {results['meta']['mode']} run"
+            if not cluster_sim.render_chart(series, out_dir / "cluster-sim.png", title):
+                console.print(f"no cluster-sim.png: {report.CHART_MISSING}")
     if report.scale_series(results) and not report.render_scale_chart(results, out_dir / "scale.png"):
         console.print(f"no scale.png: {report.CHART_MISSING}")
     print(md)
@@ -198,6 +207,8 @@ def _run_runtime(runtime: str, names: list[str], args: argparse.Namespace, with_
     from aenv.client import AenvClient
 
     run: dict[str, Any] = {"scenarios": {}, "errors": {}}
+    if set(names) <= NO_SERVER:
+        return _run_serverless(runtime, names, args, run)
     if runtime == "vm":
         reason = _vm_unusable()
         if reason is not None:
@@ -253,6 +264,25 @@ def _run_runtime(runtime: str, names: list[str], args: argparse.Namespace, with_
                     console.print(f"[red]error:[/] {runtime}/{name}: {exc}")
                     console.print(traceback.format_exc(), markup=False, highlight=False)
             console.print(f"{runtime}: {name} done in {time.perf_counter() - t0:.1f} s")
+    return run
+
+
+def _run_serverless(runtime: str, names: list[str], args: argparse.Namespace, run: dict[str, Any]) -> dict[str, Any]:
+    """Scenarios that start what they measure (``NO_SERVER``): no aenv server, warm-up or baselines."""
+    ctx = Ctx(runtime, "", None, args.smoke, None)  # type: ignore[arg-type]
+    with report.LoadSampler() as load:
+        for name in names:
+            with console.status(f"{runtime}: {name}"):
+                t0 = time.perf_counter()
+                try:
+                    run["scenarios"][name] = SCENARIOS[name](ctx)
+                    run["scenarios"][name]["wall_s"] = round(time.perf_counter() - t0, 1)
+                except Exception as exc:
+                    run["errors"][name] = f"{type(exc).__name__}: {exc}"
+                    console.print(f"[red]error:[/] {runtime}/{name}: {exc}")
+                    console.print(traceback.format_exc(), markup=False, highlight=False)
+            console.print(f"{runtime}: {name} done in {time.perf_counter() - t0:.1f} s")
+    run["load_during"] = load.summary()
     return run
 
 

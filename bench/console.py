@@ -515,8 +515,8 @@ def _paint_rows(json_calls: list[dict[str, Any]], paints: list[Paint], walk: tup
             note="page clock: navigation start → first row and `#total` = the server's count in the DOM "
                  "(log-in form, its submit and the session call included); a fresh context each"),
         row("  console: first page, navigation → DOMContentLoaded", CONSOLE, [p.dcl for p in paints],
-            note="page clock: index.html and the six vendor scripts its <head> loads (xterm, uPlot, cytoscape, "
-                 "dagre…), before app.js runs"),
+            note="page clock: index.html and its style sheet, before app.js runs (the browser libraries load "
+                 "with the pages that use them, not this one)"),
         row("  console: first page, navigation → log-in form shown", CONSOLE, [p.form for p in paints],
             note="page clock: + app.js and its `/console/session` call"),
         row("  console: first page, log-in submit → rows + total", CONSOLE, [p.submit for p in paints],

@@ -117,3 +117,28 @@ def test_lazy_scenario_smoke(tmp_path: Path) -> None:
     systems = {r["system"] for r in sc["rows"]}
     assert systems == {"aenv-ns lazy", "full pull (aenv-ns)"}
     assert all(r["n"] > 0 and r["p50"] > 0 for r in sc["rows"])
+
+
+@pytest.mark.timeout(300)
+def test_cluster_sim_scenario_smoke(tmp_path: Path) -> None:
+    """``cluster-sim`` is run by name; its smoke (Redis, 10 simulated nodes, 1 then 3 gateways, no aenv
+    server) has its rows, each with samples, and writes its chart."""
+    import shutil
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost", "PYTHONPATH": str(REPO / "src")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--smoke", "--scenarios", "cluster-sim", "--json", str(tmp_path / "sim.json"),
+         "--out", str(tmp_path / "out")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    sc = json.loads((tmp_path / "sim.json").read_text())["runs"]["ns"]["scenarios"]["cluster-sim"]
+    metrics = {(r["metric"], r["system"]) for r in sc["rows"]}
+    assert ("10 nodes: creates/s (8 clients)", "sim, 3 gateways") in metrics
+    assert ("10 nodes: node killed → fenced (dead) on every gateway", "sim, 3 gateways") in metrics
+    assert ("Redis used_memory at 1,000 live sandboxes (10 nodes)", "sim directory") in metrics
+    assert all(r["n"] > 0 for r in sc["rows"])
+    if (tmp_path / "out" / "chart.png").exists():  # matplotlib installed: the cluster chart too
+        assert (tmp_path / "out" / "cluster-sim.png").stat().st_size > 0

@@ -42,10 +42,16 @@ class DirectoryReader:
                                                           decode_responses=True)  # fmt: skip
 
     async def nodes(self) -> list[NodeRecord]:
+        """Every node record, by id: two round trips whatever the count (the records' reads pipelined; each
+        gateway reads them every probe interval and on every ``node`` event)."""
         ids = sorted(str(i) for i in await self.client.smembers(keys.NODES))
+        async with self.client.pipeline(transaction=False) as pipe:
+            for node_id in ids:
+                pipe.hgetall(keys.node_key(node_id))
+            replies = await pipe.execute() if ids else []
         out = []
-        for node_id in ids:
-            rec = keys.strs(await self.client.hgetall(keys.node_key(node_id)))
+        for node_id, reply in zip(ids, replies, strict=True):
+            rec = keys.strs(reply)
             if rec.get("url"):
                 out.append(NodeRecord(node_id, rec["url"], int(rec.get("incarnation", 0)), rec.get("status", "alive"),
                                       float(rec.get("since", 0)), rec.get("reason", "")))  # fmt: skip

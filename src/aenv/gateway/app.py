@@ -83,6 +83,12 @@ def create_gateway_app(settings: GatewaySettings) -> Any:
     else:
         locator = Locator(nodes, ask)
     forwarder = Forwarder(nodes)
+
+    async def probe_get(node: Node, path: str, headers: dict[str, str], timeout: float) -> tuple[int, bytes]:
+        got = await forwarder.get(node, path, headers, timeout)
+        return got.status, got.body
+
+    nodes.probe_get = probe_get  # probes over the forwarder's kept-alive connections, not an httpx request each
     gateway = Gateway(nodes, locator, forwarder)
 
     @contextlib.asynccontextmanager

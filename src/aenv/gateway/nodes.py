@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -27,6 +29,10 @@ from aenv.machine_key import MachineKey, parse
 log = logging.getLogger("aenv.gateway")
 
 PROBE_TIMEOUT = 2.0  # seconds a node has to answer a probe
+
+# The probes' GET: (node, path, headers, timeout) -> (status, body). The gateway's app gives its Forwarder's
+# (kept-alive connections, its own HTTP/1.1 codec); raises on a connection that fails or a timeout.
+ProbeGet = Callable[[Any, str, dict[str, str], float], Awaitable[tuple[int, bytes]]]
 
 
 LOST_KEPT = 200  # lost sandbox IDs a node's record keeps (the count is exact)
@@ -145,6 +151,7 @@ class NodeSet:
         self._headers = {"X-API-KEY": key} if key else {}
         self._interval = interval
         self._task: asyncio.Task[None] | None = None
+        self.probe_get: ProbeGet | None = None  # None: the httpx client's (tests, a gateway without a forwarder)
 
     def get(self, node_id: str) -> Node | None:
         return self.nodes.get(node_id)
@@ -175,20 +182,26 @@ class NodeSet:
     async def probe(self, node: Node) -> None:
         """Ask the node how it is: ``/aenv/info`` (load) when the gateway's key opens it, else ``/health``."""
         try:
-            r = await self._client.get(node.url + "/aenv/info", headers=self._headers, timeout=PROBE_TIMEOUT)
-            if r.status_code in (401, 403):  # no key for the load: liveness alone
-                r = await self._client.get(node.url + "/health", timeout=PROBE_TIMEOUT)
-        except httpx.HTTPError as exc:
+            status, body = await self._get(node, "/aenv/info", self._headers)
+            if status in (401, 403):  # no key for the load: liveness alone
+                status, body = await self._get(node, "/health", {})
+        except Exception as exc:  # noqa: BLE001 - httpx's errors, the forwarder's (NodeError), timeouts: down
             self.mark_down(node, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
             return
-        if r.status_code != 200:
-            self.mark_down(node, f"health answered {r.status_code}")
+        if status != 200:
+            self.mark_down(node, f"health answered {status}")
             return
-        info = r.json()
+        info = json.loads(body)
         if "sandboxes" in info:
             node.report(info)
         node.version = info.get("version", node.version)
         self._mark_up(node)
+
+    async def _get(self, node: Node, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
+        if self.probe_get is not None:
+            return await self.probe_get(node, path, headers, PROBE_TIMEOUT)
+        r = await self._client.get(node.url + path, headers=headers, timeout=PROBE_TIMEOUT)
+        return r.status_code, r.content
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(n) for n in list(self.nodes.values())))
