@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from aenv.api import sse
 from aenv.api.auth import principal, require_api_key
 from aenv.api.checkpoints import graph
 from aenv.api.deps import orchestrator
@@ -31,14 +30,13 @@ from aenv.store.sqlite import SandboxRow
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 QUEUE = 2048  # events a slow reader may fall behind by before it is told to reload (``event: resync``)
-KEEPALIVE_S = 15.0
 
 
 class EventHub:
-    """Fans the orchestrator's lifecycle events out to the open event streams."""
+    """Fans the orchestrator's lifecycle events out to the open event streams, each its team's own."""
 
     def __init__(self) -> None:
-        self.readers: set[tuple[asyncio.Queue[dict[str, Any] | None], str | None]] = set()
+        self.readers: set[tuple[asyncio.Queue[bytes | None], str | None]] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def on_event(self, event: str, row: SandboxRow, extra: dict[str, str]) -> None:
@@ -48,39 +46,29 @@ class EventHub:
         item = {"event": event, "sandboxID": row.id, "templateID": row.template_id, "alias": row.alias,
                 "state": str(row.state), "metadata": row.metadata, "startedAt": iso(row.started_at),
                 "endAt": iso(row.end_at), "cpuCount": row.cpu_count, "memoryMB": row.memory_mb,
-                "at": iso(time.time()), **extra, "_owner": row.owner}  # fmt: skip
-        self.loop.call_soon_threadsafe(self._deliver, item)
+                "at": iso(time.time()), **extra}  # fmt: skip
+        self.loop.call_soon_threadsafe(self._deliver, row.owner, sse.frame("lifecycle", item))
 
-    def _deliver(self, item: dict[str, Any]) -> None:
+    def _deliver(self, owner: str, data: bytes) -> None:
         for queue, team in list(self.readers):
-            if team is not None and item["_owner"] != team:
+            if team is not None and owner != team:
                 continue
             if queue.full():
                 with contextlib.suppress(asyncio.QueueEmpty):
                     while True:
                         queue.get_nowait()
-                queue.put_nowait(None)  # the reader missed events: it reloads
+                queue.put_nowait(sse.RESYNC)  # the reader missed events: it reloads
             else:
-                queue.put_nowait(item)
+                queue.put_nowait(data)
 
     async def stream(self, team: str | None) -> AsyncIterator[bytes]:
         self.loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(QUEUE)
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue(QUEUE)
         entry = (queue, team)
         self.readers.add(entry)
         try:
-            yield b"retry: 2000\n\n"
-            while True:
-                try:
-                    item = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
-                except TimeoutError:
-                    yield b": keepalive\n\n"
-                    continue
-                if item is None:
-                    yield b"event: resync\ndata: {}\n\n"
-                    continue
-                item = {k: v for k, v in item.items() if k != "_owner"}
-                yield b"event: lifecycle\ndata: " + json.dumps(item, separators=(",", ":")).encode() + b"\n\n"
+            async for chunk in sse.frames(queue):
+                yield chunk
         finally:
             self.readers.discard(entry)
 
@@ -93,8 +81,7 @@ def hub(request: Request) -> EventHub:
 @router.get("/aenv/events")
 async def events(request: Request) -> StreamingResponse:
     who = principal(request)
-    return StreamingResponse(hub(request).stream(None if who.admin else who.team), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+    return sse.response(hub(request).stream(None if who.admin else who.team))
 
 
 @router.get("/aenv/sandboxes/summary")

@@ -15,6 +15,7 @@ import httpx
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from aenv.api import sse
 from aenv.api.auth import presented_key, require_api_key
 from aenv.gateway.control import gateway
 from aenv.gateway.nodes import Node
@@ -22,7 +23,6 @@ from aenv.gateway.per_node import _answers, _merged
 
 log = logging.getLogger("aenv.gateway")
 router = APIRouter(dependencies=[Depends(require_api_key)])
-KEEPALIVE_S = 15.0
 
 
 @router.get("/aenv/sandboxes/summary")
@@ -79,8 +79,7 @@ async def events(request: Request) -> StreamingResponse:
     gw = gateway(request)
     key = presented_key(request)
     client: httpx.AsyncClient = request.app.state.console_client
-    return StreamingResponse(_merged_events(client, gw.nodes.up(), key), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+    return sse.response(_merged_events(client, gw.nodes.up(), key))
 
 
 async def _merged_events(client: httpx.AsyncClient, nodes: list[Node], key: str | None) -> AsyncIterator[bytes]:
@@ -96,10 +95,9 @@ async def _merged_events(client: httpx.AsyncClient, nodes: list[Node], key: str 
                     if line.startswith("event:"):
                         event = line[6:].strip()
                     elif line.startswith("data:") and event == "lifecycle":
-                        item = {**json.loads(line[5:]), "node": node.id}
-                        await queue.put(b"event: lifecycle\ndata: " + json.dumps(item).encode() + b"\n\n")
+                        await queue.put(sse.frame("lifecycle", {**json.loads(line[5:]), "node": node.id}))
                     elif line.startswith("data:") and event == "resync":
-                        await queue.put(b"event: resync\ndata: {}\n\n")
+                        await queue.put(sse.RESYNC)
         except (httpx.HTTPError, ValueError) as exc:
             log.info("console events from node %s ended: %r", node.id, exc)
         finally:
@@ -107,16 +105,8 @@ async def _merged_events(client: httpx.AsyncClient, nodes: list[Node], key: str 
 
     tasks = [asyncio.create_task(follow(n)) for n in nodes]
     try:
-        yield b"retry: 2000\n\n"
-        while True:
-            try:
-                item = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
-            except TimeoutError:
-                yield b": keepalive\n\n"
-                continue
-            if item is None:
-                return
-            yield item
+        async for chunk in sse.frames(queue):  # a node's stream that ends (None) ends this one
+            yield chunk
     finally:
         for t in tasks:
             t.cancel()

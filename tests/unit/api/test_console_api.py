@@ -7,11 +7,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from starlette.testclient import TestClient
 
+from aenv.api import sse
 from aenv.api.console.routes import VENDOR
 from aenv.api.routes_console import EventHub
 from aenv.config import Settings
@@ -128,14 +128,14 @@ def test_event_stream_carries_a_teams_own_events() -> None:
 
 
 def test_a_slow_reader_is_told_to_reload() -> None:
-    async def go() -> list[dict[str, Any] | None]:
+    async def go() -> list[bytes | None]:
         hub = EventHub()
         hub.loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(2)
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue(2)
         hub.readers.add((queue, None))
         for i in range(5):
-            hub._deliver({"event": "created", "sandboxID": f"s{i}", "_owner": ""})
+            hub._deliver("", sse.frame("lifecycle", {"event": "created", "sandboxID": f"s{i}"}))
         return [queue.get_nowait() for _ in range(queue.qsize())]
 
     got = asyncio.run(go())
-    assert None in got  # the resync marker
+    assert sse.RESYNC in got  # the resync marker

@@ -1,0 +1,43 @@
+"""Server-Sent Events for the console's event stream, on a node and merged on a gateway: the frames, and
+one response that writes a queue of frames out with keep-alives.
+
+A queue carries ready frames (``bytes``); ``None`` ends the stream (the browser's EventSource reconnects
+after ``retry`` and reloads what it shows).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+KEEPALIVE_S = 15.0  # a comment line this often keeps idle proxies from closing the stream
+RETRY = b"retry: 2000\n\n"
+KEEPALIVE = b": keepalive\n\n"
+RESYNC = b"event: resync\ndata: {}\n\n"  # events were missed: reload
+
+
+def frame(event: str, data: Any) -> bytes:
+    return f"event: {event}\ndata: ".encode() + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def frames(queue: asyncio.Queue[bytes | None]) -> AsyncIterator[bytes]:
+    """The queue's frames, a keep-alive whenever it stays quiet for ``KEEPALIVE_S``, until ``None``."""
+    yield RETRY
+    while True:
+        try:
+            item = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
+        except TimeoutError:
+            yield KEEPALIVE
+            continue
+        if item is None:
+            return
+        yield item
+
+
+def response(body: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(body, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
