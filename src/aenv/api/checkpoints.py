@@ -20,42 +20,29 @@ MAX_NODES = 5000  # a page draws at most this many; the answer says when it cut
 def graph(snapshots: list[dict[str, Any]], sandboxes: list[dict[str, Any]], root: str | None) -> dict[str, Any]:
     """Nodes and edges; with ``root`` (a sandbox or snapshot ID) only the tree that holds it."""
     snap_ids = {s["id"] for s in snapshots}
+    # each item's parent key: a snapshot's parent snapshot, a sandbox's lineage head
+    kinds = (("snapshot", snapshots, "parentID"), ("sandbox", sandboxes, "lineageHead"))
     links: dict[str, set[str]] = {}
-
-    def link(a: str, b: str) -> None:
-        links.setdefault(a, set()).add(b)
-        links.setdefault(b, set()).add(a)
-
-    for s in snapshots:
-        links.setdefault(s["id"], set())
-        if s.get("parentID") in snap_ids:
-            link(s["parentID"], s["id"])
-    for x in sandboxes:
-        links.setdefault(x["id"], set())
-        if x.get("lineageHead") in snap_ids:
-            link(x["lineageHead"], x["id"])
+    for _, items, up in kinds:
+        for item in items:
+            links.setdefault(item["id"], set())
+            if isinstance(parent := item.get(up), str) and parent in snap_ids:
+                links.setdefault(parent, set()).add(item["id"])
+                links[item["id"]].add(parent)
     keep = _component(links, root) if root else set(links)
     nodes: list[dict[str, Any]] = []
     edges: list[dict[str, Any]] = []
     templates: set[str] = set()
-    for s in snapshots:
-        if s["id"] not in keep:
-            continue
-        nodes.append({"kind": "snapshot", **s})
-        parent = s.get("parentID") if s.get("parentID") in snap_ids else None
-        if parent is None:
-            templates.add(s["templateID"])
-            parent = "template:" + s["templateID"]
-        edges.append({"source": parent, "target": s["id"]})
-    for x in sandboxes:
-        if x["id"] not in keep:
-            continue
-        nodes.append({"kind": "sandbox", **x})
-        head = x.get("lineageHead") if x.get("lineageHead") in snap_ids else None
-        if head is None:
-            templates.add(x["templateID"])
-            head = "template:" + x["templateID"]
-        edges.append({"source": head, "target": x["id"]})
+    for kind, items, up in kinds:
+        for item in items:
+            if item["id"] not in keep:
+                continue
+            nodes.append({"kind": kind, **item})
+            parent = item.get(up) if item.get(up) in snap_ids else None
+            if parent is None:  # a root hangs off its template
+                templates.add(item["templateID"])
+                parent = "template:" + item["templateID"]
+            edges.append({"source": parent, "target": item["id"]})
     nodes[:0] = [{"kind": "template", "id": "template:" + t, "templateID": t} for t in sorted(templates)]
     cut = len(nodes) > MAX_NODES
     if cut:
