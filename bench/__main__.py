@@ -253,35 +253,30 @@ def _run_runtime(runtime: str, names: list[str], args: argparse.Namespace, with_
                 ctx.qemu = QemuColdBoot(state_dir)
             except Exception as exc:
                 run.setdefault("notes", []).append(f"qemu cold boot baseline unavailable: {exc}")
-        for name in names:
-            with console.status(f"{runtime}: {name}"):
-                t0 = time.perf_counter()
-                try:
-                    run["scenarios"][name] = SCENARIOS[name](ctx)
-                    run["scenarios"][name]["wall_s"] = round(time.perf_counter() - t0, 1)
-                except Exception as exc:
-                    run["errors"][name] = f"{type(exc).__name__}: {exc}"
-                    console.print(f"[red]error:[/] {runtime}/{name}: {exc}")
-                    console.print(traceback.format_exc(), markup=False, highlight=False)
-            console.print(f"{runtime}: {name} done in {time.perf_counter() - t0:.1f} s")
+        _run_scenarios(runtime, names, ctx, run)
     return run
+
+
+def _run_scenarios(runtime: str, names: list[str], ctx: Ctx, run: dict[str, Any]) -> None:
+    """Each scenario in turn: its rows (and wall time) into ``run``, or its error, which ends no other."""
+    for name in names:
+        with console.status(f"{runtime}: {name}"):
+            t0 = time.perf_counter()
+            try:
+                run["scenarios"][name] = SCENARIOS[name](ctx)
+                run["scenarios"][name]["wall_s"] = round(time.perf_counter() - t0, 1)
+            except Exception as exc:
+                run["errors"][name] = f"{type(exc).__name__}: {exc}"
+                console.print(f"[red]error:[/] {runtime}/{name}: {exc}")
+                console.print(traceback.format_exc(), markup=False, highlight=False)
+        console.print(f"{runtime}: {name} done in {time.perf_counter() - t0:.1f} s")
 
 
 def _run_serverless(runtime: str, names: list[str], args: argparse.Namespace, run: dict[str, Any]) -> dict[str, Any]:
     """Scenarios that start what they measure (``NO_SERVER``): no aenv server, warm-up or baselines."""
     ctx = Ctx(runtime, "", None, args.smoke, None)  # type: ignore[arg-type]
     with report.LoadSampler() as load:
-        for name in names:
-            with console.status(f"{runtime}: {name}"):
-                t0 = time.perf_counter()
-                try:
-                    run["scenarios"][name] = SCENARIOS[name](ctx)
-                    run["scenarios"][name]["wall_s"] = round(time.perf_counter() - t0, 1)
-                except Exception as exc:
-                    run["errors"][name] = f"{type(exc).__name__}: {exc}"
-                    console.print(f"[red]error:[/] {runtime}/{name}: {exc}")
-                    console.print(traceback.format_exc(), markup=False, highlight=False)
-            console.print(f"{runtime}: {name} done in {time.perf_counter() - t0:.1f} s")
+        _run_scenarios(runtime, names, ctx, run)
     run["load_during"] = load.summary()
     return run
 

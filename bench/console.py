@@ -352,18 +352,12 @@ def _walk(client: Any) -> tuple[float, int, int]:
 @contextlib.contextmanager
 def _browser() -> Iterator[Any]:
     """Debian's chromium under Playwright, with the console tests' flags (tests/fixtures/browser.py)."""
-    from playwright.sync_api import sync_playwright
-
-    from tests.fixtures.browser import CHROMIUM, FLAGS
+    from tests.fixtures.browser import CHROMIUM, launch
 
     if not Path(CHROMIUM).exists():
         raise RuntimeError(f"{CHROMIUM} is missing: scripts/setup.sh installs Debian's chromium package")
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
-        try:
-            yield browser
-        finally:
-            browser.close()
+    with launch() as browser:
+        yield browser
 
 
 def _logged_in(browser: Any, url: str, key: str, total: int | None) -> tuple[Any, Any, float]:
