@@ -51,16 +51,7 @@ class Manifest:
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> Manifest:
-        if len(raw) > MAX_MANIFEST_BYTES:
-            raise ManifestError(f"manifest of {len(raw)} bytes exceeds {MAX_MANIFEST_BYTES}")
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            raise ManifestError(f"manifest is not JSON: {exc}") from None
-        if not isinstance(body, dict) or body.get("magic") != MAGIC:
-            raise ManifestError("not an aenv snapshot manifest")
-        if body.get("version") != VERSION:
-            raise ManifestError(f"unsupported manifest version {body.get('version')!r}")
+        body = read_envelope(raw, MAGIC, VERSION, MAX_MANIFEST_BYTES, "manifest", "snapshot manifest")
         try:
             layers = [LayerRef(**layer) for layer in body["layers"]]
             for layer in layers:
@@ -84,3 +75,19 @@ class Manifest:
             if isinstance(exc, ManifestError):
                 raise
             raise ManifestError(f"malformed manifest: {exc}") from None
+
+
+def read_envelope(raw: bytes, magic: str, version: int, max_bytes: int, what: str, kind: str) -> dict[str, Any]:
+    """The JSON body of a manifest read from the store, checked before any field is: its size, that it
+    is JSON, its ``magic`` (an aenv ``kind``) and its ``version``; a ManifestError naming ``what`` else."""
+    if len(raw) > max_bytes:
+        raise ManifestError(f"{what} of {len(raw)} bytes exceeds {max_bytes}")
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise ManifestError(f"{what} is not JSON: {exc}") from None
+    if not isinstance(body, dict) or body.get("magic") != magic:
+        raise ManifestError(f"not an aenv {kind}")
+    if body.get("version") != version:
+        raise ManifestError(f"unsupported {what} version {body.get('version')!r}")
+    return body

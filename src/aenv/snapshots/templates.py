@@ -22,7 +22,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from aenv.snapshots.manifest import ManifestError
+from aenv.snapshots.manifest import ManifestError, read_envelope
 from aenv.snapshots.repository import SnapshotRepository
 
 MAGIC = "aenv-template"
@@ -61,16 +61,7 @@ class TemplateManifest:
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> TemplateManifest:
-        if len(raw) > MAX_BYTES:
-            raise ManifestError(f"template manifest of {len(raw)} bytes exceeds {MAX_BYTES}")
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            raise ManifestError(f"template manifest is not JSON: {exc}") from None
-        if not isinstance(body, dict) or body.get("magic") != MAGIC:
-            raise ManifestError("not an aenv template manifest")
-        if body.get("version") != VERSION:
-            raise ManifestError(f"unsupported template manifest version {body.get('version')!r}")
+        body = read_envelope(raw, MAGIC, VERSION, MAX_BYTES, "template manifest", "template manifest")
         try:
             rows = [{k: row.get(k) for k in ROW_FIELDS} for row in body["rows"]]
             out = cls(
