@@ -283,14 +283,22 @@ class SnapshotSync:
         return row
 
     def _image_template_for(self, snapshot_id: str, template_id: str, alias: Any) -> TemplateRow:
-        tpl = self.ctx.store.get_template(template_id)
-        if tpl is None or tpl.id != template_id:
-            tpl = self.ctx.store.get_template(alias) if isinstance(alias, str) and alias else None
-            if tpl is not None and tpl.alias != alias:
-                tpl = None
-        if tpl is None or tpl.kind is TemplateKind.SNAPSHOT:
+        tpl = image_template(self.ctx, template_id, alias)
+        if tpl is None:
             raise StateError(
                 f"snapshot '{snapshot_id}' runs on template '{alias or template_id}', which this server does not "
                 "have: pull or build it first", snapshot_id=snapshot_id,
             )
         return tpl
+
+
+def image_template(ctx: Context, template_id: str, alias: Any) -> TemplateRow | None:
+    """This node's image template a fetched snapshot or built template runs on: by ID, else by alias
+    (``base`` is the same everywhere, its ID need not be); None when it has none (a snapshot template
+    does not count: layers stack on an image)."""
+    tpl = ctx.store.get_template(template_id)
+    if tpl is None or tpl.id != template_id:
+        tpl = ctx.store.get_template(alias) if isinstance(alias, str) and alias else None
+        if tpl is not None and tpl.alias != alias:
+            tpl = None
+    return None if tpl is None or tpl.kind is TemplateKind.SNAPSHOT else tpl

@@ -32,7 +32,7 @@ from typing import Any
 from aenv.config import Settings
 from aenv.core.context import Context
 from aenv.core.snapshots import SnapshotFlows
-from aenv.core.sync import disk_usage, short_error
+from aenv.core.sync import disk_usage, image_template, short_error
 from aenv.core.template_flows import TemplateFlows
 from aenv.core.templates import family_of
 from aenv.errors import RuntimeFailure, StateError, TemplateNotFound
@@ -178,12 +178,8 @@ class TemplateShare:
         return True
 
     def _base_here(self, name: str, base: dict[str, Any]) -> TemplateRow:
-        row = self.ctx.store.get_template(str(base.get("id") or ""))
-        if row is None or row.id != base.get("id"):
-            alias = base.get("alias")
-            row = self.ctx.store.get_template(alias) if isinstance(alias, str) and alias else None
-            row = row if row is not None and row.alias == alias else None
-        if row is None or row.kind is TemplateKind.SNAPSHOT:
+        row = image_template(self.ctx, str(base.get("id") or ""), base.get("alias"))
+        if row is None:
             raise StateError(f"template '{name}' was built on '{base.get('alias') or base.get('source') or base.get('id')}',"
                              " which this node does not have: pull it here first", template=name)  # fmt: skip
         return row
