@@ -11,18 +11,14 @@ from fastapi.responses import JSONResponse, Response
 
 from aenv.api.auth import require_api_key
 from aenv.gateway.control import _down_headers
-from aenv.gateway.per_node import _answers, _merged
+from aenv.gateway.per_node import _answers, merged_answers
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
 @router.get("/aenv/runs")
 async def runs(request: Request) -> Response:
-    got = await _answers(request)
-    if isinstance(got, Response):
-        return got
-    good, skipped, refused = got
-    return _merged(merge_runs(good), good, skipped, refused)
+    return await merged_answers(request, merge_runs)
 
 
 def merge_runs(good: dict[str, Any]) -> dict[str, Any]:

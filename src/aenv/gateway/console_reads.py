@@ -19,7 +19,7 @@ from aenv.api import sse
 from aenv.api.auth import presented_key, require_api_key
 from aenv.gateway.control import gateway
 from aenv.gateway.nodes import Node
-from aenv.gateway.per_node import _answers, _merged
+from aenv.gateway.per_node import _answers, merged_answers
 
 log = logging.getLogger("aenv.gateway")
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -27,11 +27,7 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 
 @router.get("/aenv/sandboxes/summary")
 async def summary(request: Request) -> Response:
-    got = await _answers(request)
-    if isinstance(got, Response):
-        return got
-    good, skipped, refused = got
-    return _merged(merge_summaries(good), good, skipped, refused)
+    return await merged_answers(request, merge_summaries)
 
 
 def merge_summaries(good: dict[str, Any]) -> dict[str, Any]:

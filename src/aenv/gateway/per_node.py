@@ -12,6 +12,7 @@ that has the template; it is an error only when none could pin it.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -75,6 +76,16 @@ def _merged(payload: dict[str, Any], good: dict[str, Any], skipped: list[Node], 
     return JSONResponse(out, headers=_down_headers(skipped))
 
 
+async def merged_answers(request: Request, merge: Callable[[dict[str, Any]], dict[str, Any]]) -> Response:
+    """Every live node's 2xx answer, merged by ``merge`` into the shape one node gives, with each node's
+    own answer and the nodes skipped (``_merged``); or the answer to give at once (``_answers``)."""
+    got = await _answers(request)
+    if isinstance(got, Response):
+        return got
+    good, skipped, refused = got
+    return _merged(merge(good), good, skipped, refused)
+
+
 def _tagged(items: list[dict[str, Any]], node: str) -> list[dict[str, Any]]:
     return [{**item, "node": node} for item in items]
 
@@ -107,45 +118,33 @@ def merge_cache(good: dict[str, Any]) -> dict[str, Any]:
 
 @router.get("/aenv/cache")
 async def cache_ls(request: Request) -> Response:
-    got = await _answers(request)
-    if isinstance(got, Response):
-        return got
-    good, skipped, refused = got
-    return _merged(merge_cache(good), good, skipped, refused)
+    return await merged_answers(request, merge_cache)
 
 
 @router.post("/aenv/cache/pin/{template}")
 async def cache_pin(request: Request, template: str) -> Response:
-    got = await _answers(request)
-    if isinstance(got, Response):
-        return got
-    good, skipped, refused = got
-    payload = {"pinned": all(bool(a.get("pinned")) for a in good.values()), "cached": _sum(good, "cached"),
-               "stored": _sum(good, "stored")}  # fmt: skip
-    return _merged(payload, good, skipped, refused)
+    return await merged_answers(request, lambda good: {
+        "pinned": all(bool(a.get("pinned")) for a in good.values()), "cached": _sum(good, "cached"),
+        "stored": _sum(good, "stored")})  # fmt: skip
 
 
 @router.post("/aenv/cache/prune")
 async def cache_prune(request: Request) -> Response:
-    got = await _answers(request)
-    if isinstance(got, Response):
-        return got
-    good, skipped, refused = got
-    removed = [r for a in good.values() for r in a.get("removed") or []]
-    return _merged({"removed": removed, "freed": _sum(good, "freed")}, good, skipped, refused)
+    return await merged_answers(request, lambda good: {
+        "removed": [r for a in good.values() for r in a.get("removed") or []], "freed": _sum(good, "freed")})
 
 
 @router.get("/aenv/webhooks")
 async def webhooks(request: Request) -> Response:
-    got = await _answers(request)
-    if isinstance(got, Response):
-        return got
-    good, skipped, refused = got
+    return await merged_answers(request, merge_webhooks)
+
+
+def merge_webhooks(good: dict[str, Any]) -> dict[str, Any]:
+    """Every node's receivers; the settings every node shares, as the first tells them."""
     first = next(iter(good.values()))
-    payload = {"urls": sorted({u for a in good.values() for u in a.get("urls") or []}),
-               "signed": all(bool(a.get("signed")) for a in good.values()), "events": first.get("events"),
-               "attempts": first.get("attempts")}  # fmt: skip
-    return _merged(payload, good, skipped, refused)
+    return {"urls": sorted({u for a in good.values() for u in a.get("urls") or []}),
+            "signed": all(bool(a.get("signed")) for a in good.values()), "events": first.get("events"),
+            "attempts": first.get("attempts")}  # fmt: skip
 
 
 @router.get("/aenv/webhooks/deliveries")
