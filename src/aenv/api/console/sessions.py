@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 COOKIE = "aenv_console"
+_COOKIE_NAME = COOKIE.encode()  # as raw headers carry it (the proxy checks every request it forwards)
 CSRF_HEADER = b"x-aenv-console"
 TTL_S = 12 * 3600
 MAX_SESSIONS = 10_000  # a login flood cannot grow memory without bound: the oldest go first
@@ -112,12 +113,12 @@ def without_session_cookie(scope: Scope) -> Scope:
     """``scope`` with the console's cookie taken out: what the sandbox proxy forwards, so that no process
     in a sandbox ever sees a session that could act on the control plane."""
     headers = scope.get("headers") or []
-    if not any(name == b"cookie" and COOKIE.encode() in value for name, value in headers):
+    if not any(name == b"cookie" and _COOKIE_NAME in value for name, value in headers):
         return scope
     kept: list[tuple[bytes, bytes]] = []
     for name, value in headers:
         if name == b"cookie":
-            parts = [p for p in value.split(b";") if p.strip().partition(b"=")[0] != COOKIE.encode()]
+            parts = [p for p in value.split(b";") if p.strip().partition(b"=")[0] != _COOKIE_NAME]
             if not parts:
                 continue
             value = b";".join(parts).strip()
