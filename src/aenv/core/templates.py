@@ -107,6 +107,7 @@ class TemplateCatalog:
             start_cwd=cfg.get("start_cwd"),
             ready_cmd=cfg.get("ready_cmd"),
             lazy_file=Path(cfg["lazy_file"]) if cfg.get("lazy_file") else None,
+            nested_containers=bool(cfg.get("nested_containers")),
         )
 
     def register(

@@ -49,6 +49,9 @@ class SandboxImage:
     # A lazy image (images/lazy): its read-only ext4 as a file served on demand. vm: the raw backing of
     # the template disk instead of an ext4 made from ``rootfs``; ns: ``lowers`` already name its mount.
     lazy_file: Path | None = None
+    # Docker inside (the ``docker`` template, issue 40): ns gives the sandbox what dockerd needs in its
+    # own namespaces (capabilities of its user namespace, sysfs, writable net sysctls); vm boots it as is.
+    nested_containers: bool = False
 
 
 @dataclass(frozen=True)
