@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+from aenv.runtime.base import SandboxImage
 
 from . import disk, initramfs, kernel
 
@@ -62,3 +64,22 @@ async def ensure(cache_dir: Path, tools_dir: Path, *, build_kernel: bool = True)
     initrd = await asyncio.to_thread(initramfs.build, cache_dir)
     tools = await ensure_tools_image(cache_dir, tools_dir)
     return GuestArtifacts(found, initrd, tools)
+
+
+def flavour_of(image: SandboxImage) -> str:
+    """The guest kernel a template boots: ``docker`` (netfilter, bridge, veth, cgroup controllers,
+    seccomp, keys: what dockerd and runc need) for templates with ``nested_containers``, else the
+    small ``base`` one every other template keeps."""
+    return "docker" if image.nested_containers else "base"
+
+
+async def with_flavour(art: GuestArtifacts, cache_dir: Path, flavour: str) -> GuestArtifacts:
+    """``art`` with the kernel of ``flavour`` instead of the base one (the initramfs and tools image
+    are the same), built the first time it is asked for (minutes; ``aenv setup`` builds it ahead).
+    The kernel's path names its content hash, so templates of each flavour have their own keys."""
+    if flavour == "base":
+        return art
+    found = await asyncio.to_thread(kernel.find_kernel, cache_dir, flavour)
+    if found is None:
+        found = await asyncio.to_thread(kernel.build, cache_dir, flavour=flavour)
+    return replace(art, kernel=found)

@@ -37,6 +37,7 @@ BUSYBOX = Path("/bin/busybox")  # Debian busybox-static
 CHANNEL_NAME = "aenv"  # virtserialport name=; the guest finds its port by this name
 PORT_PLACEHOLDER = "@PORT@"  # in agent argv: replaced by the port path found at boot
 END_MARK = b"\x01END "
+NESTED_WORD = "aenv.nested=1"  # kernel word of templates with nested_containers (Docker inside)
 
 
 class InitramfsError(RuntimeError):
@@ -67,8 +68,9 @@ find_port() {
     return 1
 }
 mode=agent
+nested=0
 for w in $(cat /proc/cmdline); do
-    case "$w" in aenv.init=*) mode="${w#aenv.init=}";; esac
+    case "$w" in aenv.init=*) mode="${w#aenv.init=}";; __NESTED__) nested=1;; esac
 done
 say "mode=$mode uptime=$(cut -d' ' -f1 /proc/uptime)"
 i=0
@@ -115,6 +117,16 @@ if c=$(disk config); then
 else
     say "no config disk: the agent starts with its defaults"
 fi
+# Nested containers (__NESTED__: templates with nested_containers): /run is a tmpfs seeded with the
+# image's own /run, as on any booted system. A cold boot on the sandbox's disk then finds no pid file
+# or socket of the boot before: dockerd refuses to start over a pid file naming a live PID, and PIDs
+# repeat from boot to boot.
+if [ "$nested" = 1 ] && [ ! -L /newroot/run ]; then
+    mkdir -p /run /newroot/run
+    mount -t tmpfs -o mode=755,nosuid,nodev run /run || die "cannot mount /run"
+    cp -a /newroot/run/. /run/ 2>/dev/null
+    mount --move /run /newroot/run || die "cannot move /run"
+fi
 mkdir -p /dev/pts /dev/shm
 mount -t devpts -o gid=5,mode=620,ptmxmode=666 devpts /dev/pts
 mount -t tmpfs -o mode=1777 shm /dev/shm
@@ -144,7 +156,8 @@ def render_init(agent_argv: Sequence[str], channel_name: str = CHANNEL_NAME) -> 
     if not channel_name.replace("-", "").replace(".", "").isalnum():
         raise InitramfsError(f"channel name {channel_name!r}: alphanumerics, '-' and '.' only")
     agent = shlex.join(agent_argv).replace(PORT_PLACEHOLDER, '"$port"')
-    return INIT_TEMPLATE.replace("__AGENT__", agent).replace("__NAME__", channel_name).replace("__DNS__", SLIRP_DNS)
+    return (INIT_TEMPLATE.replace("__AGENT__", agent).replace("__NAME__", channel_name)
+            .replace("__DNS__", SLIRP_DNS).replace("__NESTED__", NESTED_WORD))
 
 
 def default_agent_argv() -> list[str]:

@@ -54,20 +54,44 @@ TMPFS_XATTR ADVISE_SYSCALLS MEMBARRIER RSEQ NAMESPACES UTS_NS IPC_NS PID_NS NET_
 PROC_PAGE_MONITOR
 NET_9P NET_9P_VIRTIO 9P_FS
 """
+class KernelBuildError(RuntimeError):
+    """The kernel could not be built; the message says which step and carries a hint."""
+
+
 _VALUES = {"NR_CPUS": "16"}
 _DISABLED = "RTC_CLASS MODULES ACPI RANDOMIZE_BASE IPV6 LEGACY_PTYS VT"
 
+# The ``docker`` flavour (templates with ``nested_containers``): what dockerd, containerd and runc
+# need on top (moby's contrib/check-config.sh "Generally Necessary" plus what runc needs on cgroup v2).
+# Groups: netfilter with conntrack and NAT for both iptables backends (Debian's default iptables-nft
+# goes through nf_tables and NFT_COMPAT for the xt matches; iptables-legacy through ip_tables), the
+# matches and targets Docker's rules use; bridge and veth for its networks; the cgroup v2 controllers
+# (devices are an eBPF program there, hence BPF_SYSCALL and CGROUP_BPF); and what runc asks of the
+# kernel (session keyrings, seccomp filters, user namespaces for userns-remap).
+DOCKER_ENABLED = """
+NETFILTER NETFILTER_ADVANCED NETFILTER_NETLINK NETFILTER_XTABLES NF_CONNTRACK NF_CT_NETLINK NF_NAT
+NF_TABLES NF_TABLES_IPV4 NFT_CT NFT_NAT NFT_MASQ NFT_REDIR NFT_REJECT NFT_COMPAT
+NETFILTER_XT_MATCH_ADDRTYPE NETFILTER_XT_MATCH_CONNTRACK NETFILTER_XT_MATCH_COMMENT
+NETFILTER_XT_MATCH_MULTIPORT NETFILTER_XT_MARK NETFILTER_XT_NAT NETFILTER_XT_TARGET_MASQUERADE
+IP_NF_IPTABLES IP_NF_FILTER IP_NF_TARGET_REJECT IP_NF_NAT IP_NF_TARGET_MASQUERADE IP_NF_MANGLE IP_NF_RAW
+BRIDGE BRIDGE_NETFILTER VETH
+CGROUP_SCHED FAIR_GROUP_SCHED CFS_BANDWIDTH CPUSETS CGROUP_CPUACCT CGROUP_DEVICE CGROUP_FREEZER
+BLK_CGROUP CGROUP_BPF BPF_SYSCALL
+KEYS SECCOMP SECCOMP_FILTER USER_NS
+"""
+FLAVOURS = ("base", "docker")
 
-def fragment_text() -> str:
-    """The kconfig fragment, one ``CONFIG_X=...`` line per symbol, in a stable order."""
-    lines = [f"CONFIG_{s}=y" for s in _ENABLED.split()]
+
+def fragment_text(flavour: str = "base") -> str:
+    """The kconfig fragment of ``flavour``, one ``CONFIG_X=...`` line per symbol, in a stable order.
+    The base fragment's text (hence its cache key) does not depend on the other flavours."""
+    if flavour not in FLAVOURS:
+        raise KernelBuildError(f"unknown kernel flavour {flavour!r} (one of {', '.join(FLAVOURS)})")
+    enabled = _ENABLED.split() + (DOCKER_ENABLED.split() if flavour == "docker" else [])
+    lines = [f"CONFIG_{s}=y" for s in enabled]
     lines += [f"CONFIG_{k}={v}" for k, v in _VALUES.items()]
     lines += [f"# CONFIG_{s} is not set" for s in _DISABLED.split()]
     return "\n".join(lines) + "\n"
-
-
-class KernelBuildError(RuntimeError):
-    """The kernel could not be built; the message says which step and carries a hint."""
 
 
 def source_version() -> str:
@@ -118,11 +142,11 @@ def kernel_dir(cache_dir: Path, key: str) -> KernelPaths:
     return KernelPaths(cache_dir / "vm" / f"kernel-{key}")
 
 
-def find_kernel(cache_dir: Path | None = None) -> Path | None:
-    """The cached bzImage for the current fragment and source, or None if not built yet."""
+def find_kernel(cache_dir: Path | None = None, flavour: str = "base") -> Path | None:
+    """The cached bzImage of ``flavour`` for the current fragment and source, or None if not built yet."""
     cache_dir = cache_dir or default_cache_dir()
     try:
-        key = cache_key(source_version())
+        key = cache_key(source_version(), fragment_text(flavour))
     except KernelBuildError:
         return None
     p = kernel_dir(cache_dir, key).bzimage
@@ -166,15 +190,18 @@ def _run(cmd: list[str], cwd: Path, log: Path, step: str) -> None:
         )
 
 
-def build(cache_dir: Path | None = None, jobs: int | None = None, log_to: Path | None = None) -> Path:
-    """Return the path of the cached bzImage, building it first if needed. Idempotent and atomic."""
+def build(
+    cache_dir: Path | None = None, jobs: int | None = None, log_to: Path | None = None, flavour: str = "base"
+) -> Path:
+    """Return the path of the cached bzImage of ``flavour``, building it first if needed. Idempotent
+    and atomic."""
     cache_dir = cache_dir or default_cache_dir()
     if not SOURCE_TARBALL.is_file():
         raise KernelBuildError(f"{SOURCE_TARBALL} missing; hint: {APT_HINT}")
     for tool in ("make", "gcc", "bc", "bison", "flex", "tar"):
         if shutil.which(tool) is None:
             raise KernelBuildError(f"'{tool}' not found; hint: {APT_HINT}")
-    fragment = fragment_text()
+    fragment = fragment_text(flavour)
     key = cache_key(source_version(), fragment)
     final = kernel_dir(cache_dir, key)
     if final.bzimage.is_file():
@@ -228,21 +255,24 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build", help="build (or find) the cached guest kernel and print its path")
     b.add_argument("--cache-dir", type=Path)
     b.add_argument("--jobs", type=int)
-    sub.add_parser("fragment", help="print the kconfig fragment")
+    f = sub.add_parser("fragment", help="print the kconfig fragment")
     p = sub.add_parser("path", help="print the cached kernel path, exit 1 if not built")
     p.add_argument("--cache-dir", type=Path)
+    for one in (b, f, p):
+        one.add_argument("--flavour", choices=FLAVOURS, default="base",
+                         help="base: every template; docker: templates with nested_containers")
     args = ap.parse_args(argv)
     if args.cmd == "fragment":
-        sys.stdout.write(fragment_text())
+        sys.stdout.write(fragment_text(args.flavour))
         return 0
     if args.cmd == "path":
-        found = find_kernel(args.cache_dir)
+        found = find_kernel(args.cache_dir, args.flavour)
         if found is None:
             return 1
         print(found)
         return 0
     try:
-        print(build(args.cache_dir, args.jobs))
+        print(build(args.cache_dir, args.jobs, flavour=args.flavour))
     except KernelBuildError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

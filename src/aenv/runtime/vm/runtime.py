@@ -57,10 +57,10 @@ from . import coldboot, compat, disk, frozen, netjail
 from . import reconcile as reconciling
 from . import template as templates
 from .accel import AccelChoice, choose_accel, qemu_binary
-from .artifacts import GuestArtifacts, ensure
+from .artifacts import GuestArtifacts, ensure, flavour_of, with_flavour
 from .config import Accel, accel_append
 from .errors import translated
-from .initramfs import BUSYBOX
+from .initramfs import BUSYBOX, NESTED_WORD
 from .kernel import SOURCE_TARBALL, find_kernel
 from .machine import Machine, MachineError
 from .pool import RestorePool
@@ -143,6 +143,8 @@ class VmRuntime:
                                      exports=self.exports)
         self._start_lock = asyncio.Lock()
         self._started = False
+        self._flavours: dict[str, GuestArtifacts] = {}  # kernel flavour -> the artifacts it boots with
+        self._flavour_lock = asyncio.Lock()  # one kernel build at a time
 
     # ---- host-wide lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
@@ -209,9 +211,21 @@ class VmRuntime:
         await self.start()
         assert self.accel is not None and self.artifacts is not None
         shape = templates.Shape(spec.cpu_count, spec.memory_mb, spec.disk_mb)
-        tpl = await self.templates.for_image(spec.template, shape, self.accel, self.artifacts, self.guest_append)
+        art = await self._artifacts_for(flavour_of(spec.template))
+        append = self.guest_append + ((NESTED_WORD,) if spec.template.nested_containers else ())
+        tpl = await self.templates.for_image(spec.template, shape, self.accel, art, append)
         self._template_ids[tpl.key] = spec.template.template_id  # the key keeps only 24 characters of it
         return tpl
+
+    async def _artifacts_for(self, flavour: str) -> GuestArtifacts:
+        """The guest artifacts with the kernel of ``flavour`` (``artifacts.flavour_of``)."""
+        assert self.artifacts is not None
+        if (art := self._flavours.get(flavour)) is None:
+            async with self._flavour_lock:
+                if (art := self._flavours.get(flavour)) is None:
+                    art = await with_flavour(self.artifacts, self.settings.cache_dir, flavour)
+                    self._flavours[flavour] = art
+        return art
 
     async def _spawn_blank(self, name: str, template_key: str, allow_internet: bool) -> VmSandbox:
         """A QEMU process waiting for the device state of a layered snapshot of this template

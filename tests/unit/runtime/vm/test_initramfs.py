@@ -104,3 +104,35 @@ def test_init_gives_the_guest_slirps_resolver(tmp_path: Path) -> None:
     conf = tmp_path / "etc" / "resolv.conf"
     assert not conf.is_symlink() and conf.read_text() == "nameserver 10.0.2.3\n"
     assert script.index("resolv.conf") < script.index("switch_root /newroot")
+
+
+def _nested_block(script: str) -> str:
+    start = script.index('if [ "$nested" = 1 ]')
+    return script[start : script.index("\nfi\n", start) + 4]
+
+
+def test_init_reads_the_nested_word_and_mounts_run_before_switch_root() -> None:
+    script = initramfs.render_init(["/agent", initramfs.PORT_PLACEHOLDER])
+    assert f"{initramfs.NESTED_WORD}) nested=1;;" in script
+    assert script.index('if [ "$nested" = 1 ]') < script.index('mount --move "/$d"') < script.index("switch_root")
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or not Path("/bin/busybox").is_file(), reason="needs unshare and busybox")
+def test_nested_run_is_a_tmpfs_seeded_from_the_image(tmp_path: Path) -> None:
+    """A cold boot on the sandbox's disk must not see the last boot's pid files (dockerd refuses to
+    start over one naming a live PID); the image's own /run content stays visible."""
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("mounts a tmpfs in a private mount namespace: needs root")
+    root = tmp_path / "newroot"
+    (root / "run" / "lock").mkdir(parents=True)
+    (root / "run" / "image-file").write_text("from the image")
+    block = _nested_block(initramfs.render_init(["/agent", initramfs.PORT_PLACEHOLDER]))
+    block = block.replace("/newroot", str(root)).replace(" /run", f" {tmp_path}/seed")
+    check = f"echo stale > {root}/run/docker.pid; grep -c ' {root}/run tmpfs' /proc/mounts; ls {root}/run"
+    out = subprocess.run(["unshare", "--mount", "--propagation", "private", "/bin/busybox", "sh", "-c",
+                          "nested=1; die() { echo \"$*\"; exit 1; }\n" + block + check],
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["1", "docker.pid", "image-file", "lock"], out
+    assert not (root / "run" / "docker.pid").exists()  # written to the tmpfs, gone with its namespace
