@@ -158,6 +158,7 @@ def _setup_vm_guest(printer: Printer, cache_dir: Path, tools: Path) -> None:
     from aenv.runtime.vm.accel import qemu_binary
     from aenv.runtime.vm.artifacts import ensure
     from aenv.runtime.vm.kernel import SOURCE_TARBALL, KernelBuildError, find_kernel
+    from aenv.runtime.vm.kernel import build as build_kernel
 
     if qemu_binary() is None:
         printer.info("vm guest: skipped (QEMU not installed; the ns runtime needs none of it)")
@@ -174,6 +175,16 @@ def _setup_vm_guest(printer: Printer, cache_dir: Path, tools: Path) -> None:
         printer.fail("building the vm guest kernel failed", causes=[str(exc)],
                      hint="see the build log it names; `aenv setup --no-vm` skips it")
     printer.info(f"vm guest: kernel {art.kernel}, initramfs {art.initrd.name} ({time.monotonic() - t0:.1f}s)")
+    if find_kernel(cache_dir, "docker") is None:
+        printer.info("vm guest: building the docker kernel flavour for templates with Docker inside "
+                     "(a few minutes, once)")
+    t0 = time.monotonic()
+    try:
+        docker = build_kernel(cache_dir, flavour="docker")
+    except KernelBuildError as exc:
+        printer.fail("building the vm guest's docker kernel failed", causes=[str(exc)],
+                     hint="see the build log it names; `aenv setup --no-vm` skips it")
+    printer.info(f"vm guest: docker kernel {docker} ({time.monotonic() - t0:.1f}s)")
 
 
 def doctor(output: str = typer.Option("text", "--output", "-o", help="text | json")) -> None:
