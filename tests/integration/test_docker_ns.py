@@ -102,6 +102,19 @@ def test_fork_and_snapshot_answer_409_naming_why(sbx: Any, docker_server: Server
     assert _root(sbx, "docker ps --format '{{.Names}}'").split() == ["web"]  # it runs on, untouched
 
 
+def test_pause_and_resume_keep_the_containers_running(sbx: Any, docker_server: Server) -> None:
+    """ns pauses by freezing the sandbox's cgroup (dockerd, containerd and the containers with it); a
+    nested sandbox is never released to disk (CRIU cannot dump it), so it resumes as it was."""
+    from e2b import Sandbox
+
+    assert sbx.pause()
+    resumed = Sandbox.connect(sbx.sandbox_id, timeout=600, **_sdk(docker_server))
+    assert _root(resumed, "docker ps --format '{{.Names}}'").split() == ["web"]
+    got = httpx.get(docker_server.url, headers={"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8080"},
+                    timeout=60)
+    assert got.status_code == 200 and got.text.strip() == PAGE
+
+
 def test_a_node_that_does_not_allow_it_answers_400_naming_the_setting(
         docker_server: Server, tmp_path_factory: pytest.TempPathFactory) -> None:
     from e2b import Sandbox, SandboxException
