@@ -185,14 +185,15 @@ class ComposeFlows:
                                  "exit $rc", min(LOAD_TIMEOUT_S, _left(deadline)))
             if res.exit_code != 0:
                 raise ComposeFailed(f"docker load failed in the sandbox: {_tail(res)}")
-        unpack = []
+        unpack = [f"mkdir -p {shlex.quote(f'{WORKDIR}/build/{name}')}"  # dockerfile_inline: an empty context
+                  for name, svc in project.services.items() if svc.build is not None]
         for ctx in contexts:
             stream = await self.door.open_stream(sbx.id, ENVD_PORT)
             await upload(stream, f"{WORKDIR}/build/{ctx.service}.tar", ctx.data, token=token)
             tar, dest = shlex.quote(f"{WORKDIR}/build/{ctx.service}.tar"), shlex.quote(f"{WORKDIR}/build/{ctx.service}")
             unpack.append(f"mkdir -p {dest} && tar -xf {tar} -C {dest} --no-same-owner && rm -f {tar}")
         text = project.render({name: im.tags[0] for name, im in images.items()},
-                              {c.service: f"{WORKDIR}/build/{c.service}" for c in contexts})
+                              {n: f"{WORKDIR}/build/{n}" for n, s in project.services.items() if s.build is not None})
         stream = await self.door.open_stream(sbx.id, ENVD_PORT)
         await upload(stream, f"{WORKDIR}/compose.yaml", text.encode(), token=token)
         if unpack:

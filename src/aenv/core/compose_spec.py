@@ -291,6 +291,8 @@ def _service(name: str, svc: dict[str, Any], env: Mapping[str, str], volumes: se
             parse_reference(str(image))
         except Exception as exc:  # noqa: BLE001 - InvalidReference's message names what is wrong
             raise InvalidRequest(f"{where}.image: {exc}") from None
+    if isinstance(svc.get("build"), str):
+        svc["build"] = {"context": svc["build"]}
     build = _build(svc["build"], f"{where}.build", has_context) if svc.get("build") is not None else None
     if build is None and image is None:
         raise InvalidRequest(f"{where}: needs an image or a build")
@@ -491,8 +493,7 @@ def _port_pairs(published: Any, target: Any, where: str) -> list[tuple[int | Non
     return list(zip(pubs, targets, strict=True))
 
 
-def _build(raw: Any, where: str, has_context: bool) -> BuildSpec:
-    spec = {"context": raw} if isinstance(raw, str) else raw
+def _build(spec: Any, where: str, has_context: bool) -> BuildSpec:
     if not isinstance(spec, dict):
         raise InvalidRequest(f"{where}: must be a context path or a mapping")
     for key, value in spec.items():

@@ -274,6 +274,8 @@ class Orchestrator:
                 else:
                     state = await self.runtime.create(spec)
                 await mirrors.write_apt_sources(self.settings, self.runtime, sandbox_id, row.access_token)
+                await mirrors.write_docker_mirror(self.settings, self.runtime, sandbox_id, row.access_token,
+                                                  spec.template.nested_containers)
             except BaseException:
                 await self.ctx.forget(row)
                 raise
