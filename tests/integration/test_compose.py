@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from aenv.runtime.allowlist import HOST_SERVICES
-from aenv.testing.gateway import sdk_env
-from aenv.testing.server import API_KEY, Server, discard_vm_state, start_server, stop_server
+from aenv.testing.gateway import serving
+from aenv.testing.server import API_KEY, Server, start_server
 from tests.fixtures.plugin import PushedImages
 
 pytestmark = [pytest.mark.timeout(900)]
@@ -61,15 +61,10 @@ def compose_server(tmp_path_factory: pytest.TempPathFactory, pushed_images: Push
     pushed_images.require("aenv/compose-web:1")
     reg = pushed_images.registry.url
     port = reg.rsplit(":", 1)[1]
-    srv = start_server(tmp_path_factory.mktemp("aenv-compose"), runtime_name, {
-        "AENV_REGISTRY_MIRRORS": f"docker.io={reg}", "AENV_POOL_SIZE": "0",
-        "AENV_PRIVATE_EGRESS": f"localhost:{port}", "AENV_PACKAGE_MIRRORS": f"docker=http://{HOST_SERVICES}:{port}"})
-    try:
-        with sdk_env(srv.url):
-            yield srv
-    finally:
-        stop_server(srv)
-        discard_vm_state(srv.state_dir)
+    with serving(start_server(tmp_path_factory.mktemp("aenv-compose"), runtime_name, {
+            "AENV_REGISTRY_MIRRORS": f"docker.io={reg}", "AENV_POOL_SIZE": "0", "AENV_PRIVATE_EGRESS": f"localhost:{port}",
+            "AENV_PACKAGE_MIRRORS": f"docker=http://{HOST_SERVICES}:{port}"})) as srv:
+        yield srv
 
 
 def api(srv: Server) -> httpx.Client:
