@@ -4,8 +4,8 @@ the sandbox proxy with the unmodified E2B SDK; a build from an uploaded context;
 come up leaves no sandbox; every refusal is a 400 naming the field; ``docker pull`` typed in a sandbox
 goes to the operator's mirror.
 
-The refusals need no Docker. The rest needs the ``docker`` template built on this machine
-(``aenv template build docker``) and skips, saying so, without it."""
+The refusals need no Docker. The rest builds the ``docker`` template once per machine (as
+``aenv template build docker`` does) and skips, saying why, where it cannot."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import pytest
 from aenv.runtime.allowlist import HOST_SERVICES
 from aenv.testing.gateway import serving
 from aenv.testing.server import API_KEY, Server, start_server
+from tests.fixtures.docker import docker_env, register_docker
 from tests.fixtures.plugin import PushedImages
 
 pytestmark = [pytest.mark.timeout(900)]
@@ -54,15 +55,15 @@ volumes:
 @pytest.fixture(scope="module")
 def compose_server(tmp_path_factory: pytest.TempPathFactory, pushed_images: PushedImages,
                    runtime_name: str) -> Iterator[Server]:
-    """A server whose ``docker.io`` is the session registry, whose sandboxes may reach that registry (on the
-    host, at 10.0.2.2) and whose Docker mirror it is."""
+    """A node that runs Docker inside (``ns_nested_containers``), whose ``docker.io`` is the session
+    registry, whose sandboxes may reach that registry (on the host, at 10.0.2.2) and whose Docker mirror it is."""
     if runtime_name != "ns":
         pytest.skip("the compose integration tests run on ns (vm: the helper's Docker-in-vm work)")
     pushed_images.require("aenv/compose-web:1")
     reg = pushed_images.registry.url
-    port = reg.rsplit(":", 1)[1]
+    port = int(reg.rsplit(":", 1)[1])
     with serving(start_server(tmp_path_factory.mktemp("aenv-compose"), runtime_name, {
-            "AENV_REGISTRY_MIRRORS": f"docker.io={reg}", "AENV_POOL_SIZE": "0", "AENV_PRIVATE_EGRESS": f"localhost:{port}",
+            **docker_env(port), "AENV_REGISTRY_MIRRORS": f"docker.io={reg}", "AENV_POOL_SIZE": "0",
             "AENV_PACKAGE_MIRRORS": f"docker=http://{HOST_SERVICES}:{port}"})) as srv:
         yield srv
 
@@ -73,11 +74,8 @@ def api(srv: Server) -> httpx.Client:
 
 @pytest.fixture(scope="module")
 def docker_ready(compose_server: Server) -> Server:
-    with api(compose_server) as c:
-        names = {t.get("alias") or t.get("templateID") for t in c.get("/templates").json()}
-    if "docker" not in names:
-        pytest.skip("no docker template on this machine: build it with `aenv template build docker` (needs root "
-                    "and the Debian mirror)")
+    """The server with the ``docker`` template (built once per machine; skips saying why where it cannot be)."""
+    register_docker(compose_server)
     return compose_server
 
 
