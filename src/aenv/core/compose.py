@@ -162,14 +162,18 @@ class ComposeFlows:
 
     async def _fetch(self, project: ComposeProject, images: list[str], owner: str) -> dict[str, ArchiveImage]:
         """Every image, by the name the file uses, fetched on the host (pinned under ``owner``)."""
-        out: dict[str, ArchiveImage] = {}
-        for image in images:
+        async def one(image: str) -> ArchiveImage:
             try:
-                out[image] = await fetch_image(self.images.client, self.images.cache, image, local_tag(image), owner)
+                return await fetch_image(self.images.client, self.images.cache, image, local_tag(image), owner)
             except ImageError as exc:
                 users = [n for n, s in project.services.items() if s.image == image] or ["(a build's FROM)"]
                 raise ImageError(f"compose services.{users[0]}.image '{image}': {exc}") from None
-        return out
+
+        fetched = await asyncio.gather(*(one(image) for image in images), return_exceptions=True)
+        for got in fetched:
+            if isinstance(got, BaseException):
+                raise got
+        return {image: got for image, got in zip(images, fetched, strict=True) if isinstance(got, ArchiveImage)}
 
     async def _start(self, sbx: LiveSandbox, project: ComposeProject, images: dict[str, ArchiveImage],
                      contexts: list[Context], profiles: tuple[str, ...], deadline: float) -> tuple[ServiceState, ...]:

@@ -142,15 +142,20 @@ async def fetch_image(client: RegistryClient, cache: LayerCache, reference: str,
     layers = resolved.manifest.layers
     if len(diff_ids) != len(layers):
         raise RegistryProtocolError(str(ref), f"{len(layers)} layers but {len(diff_ids)} diff_ids in the config")
-    paths: list[Path] = []
-    digests: list[str] = []
-    for desc, diff_id in zip(layers, diff_ids, strict=True):
+
+    async def layer(desc: m.Descriptor, diff_id: str) -> tuple[Path, list[str]]:
         path = await cache.ensure_blob(client, resolved.reference, desc)
         cache.pin(owner, [desc.digest])
-        digests.append(desc.digest)
-        if await asyncio.to_thread(_is_zstd, path):
-            path = await cache.ensure_plain_tar(path, diff_id, str(ref))
-            cache.pin(owner, [diff_id])
-            digests.append(diff_id)
-        paths.append(path)
-    return ArchiveImage((tag,), config, tuple(paths), tuple(digests))
+        if not await asyncio.to_thread(_is_zstd, path):
+            return path, [desc.digest]
+        plain = await cache.ensure_plain_tar(path, diff_id, str(ref))
+        cache.pin(owner, [diff_id])
+        return plain, [desc.digest, diff_id]
+
+    # at once (the cache bounds parallel downloads); a failure is raised once every layer has settled
+    got = await asyncio.gather(*(layer(d, i) for d, i in zip(layers, diff_ids, strict=True)), return_exceptions=True)
+    for item in got:
+        if isinstance(item, BaseException):
+            raise item
+    done = [item for item in got if not isinstance(item, BaseException)]
+    return ArchiveImage((tag,), config, tuple(p for p, _ in done), tuple(d for _, ds in done for d in ds))
