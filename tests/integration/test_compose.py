@@ -55,7 +55,7 @@ volumes:
 @pytest.fixture(scope="module")
 def compose_server(tmp_path_factory: pytest.TempPathFactory, pushed_images: PushedImages,
                    runtime_name: str) -> Iterator[Server]:
-    """A node that runs Docker inside (``ns_nested_containers``), whose ``docker.io`` is the session
+    """A node that runs Docker inside (``ns_nested_containers``, on by default), whose ``docker.io`` is the session
     registry, whose sandboxes may reach that registry (on the host, at 10.0.2.2) and whose Docker mirror it is."""
     if runtime_name != "ns":
         pytest.skip("the compose integration tests run on ns (vm: the helper's Docker-in-vm work)")
