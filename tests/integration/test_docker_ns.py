@@ -101,6 +101,18 @@ def test_fork_and_snapshot_answer_409_naming_why(sbx: Any, docker_server: Server
     assert _root(sbx, "docker ps --format '{{.Names}}'").split() == ["web"]  # it runs on, untouched
 
 
+def test_its_root_sees_its_own_cgroups_and_cannot_raise_their_limits(sbx: Any) -> None:
+    """The cgroup hierarchies runc wants are mounted in a cgroup namespace rooted at the sandbox's cgroups;
+    their files stay the host's, so every capability of its user namespace does not lift its limits."""
+    out = _root(sbx, "cat /proc/self/cgroup | grep memory; "
+                     "echo 109951162777600 > /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null "
+                     "&& echo raised || echo refused; "
+                     "cat /proc/sys/vm/swappiness > /proc/sys/vm/swappiness 2>/dev/null && echo sysctl "
+                     "|| echo kernel-sysctls-closed")
+    assert out.split() == [out.split()[0], "refused", "kernel-sysctls-closed"], out
+    assert out.split()[0].endswith(":memory:/"), out  # the namespace's root is the sandbox's own cgroup
+
+
 def test_pause_and_resume_keep_the_containers_running(sbx: Any, docker_server: Server) -> None:
     """ns pauses by freezing the sandbox's cgroup (dockerd, containerd and the containers with it); a
     nested sandbox is never released to disk (CRIU cannot dump it), so it resumes as it was."""
