@@ -126,6 +126,10 @@ class Settings(BaseModel):
         1_200_000_000, ge=0,
         description="ns: run sandboxes in a user namespace whose uids/gids 0-65535 are host uids from this one (one range for all sandboxes of a server with one team; with two or more teams each team gets a 65536-uid range of its own above it, kept in the store; files on disk keep their owners; the default lies far above the ranges useradd hands out in /etc/subuid); 0 = none. Left at the default, a host that cannot (no user namespaces, a state or cache dir on a filesystem without idmapped mounts) runs sandboxes without one and says why; set explicitly, that refuses to start"
     )
+    ns_nested_containers: bool = Field(
+        True,
+        description="ns: let templates that run Docker inside (nested_containers, e.g. `docker`) start on this node. Such a sandbox's root holds every capability of a user namespace of its own (dockerd needs them to mount, make namespaces and set up its bridges), which widens the kernel surface it reaches (mounts of overlayfs, tmpfs, proc, sysfs and cgroups; netfilter and bridges in its own network namespace). Its egress filter stays out of its reach, in the network namespace of a router in front of it. False: such templates are refused (400) and run only on the vm runtime",
+    )
     ns_release_paused_after: float = Field(
         300.0, ge=0, description="ns: seconds a sandbox stays paused (frozen) before its processes are saved to disk with CRIU and end; resume restores them (0 = at once; needs CRIU, else it stays frozen)"
     )
@@ -208,7 +212,17 @@ class Settings(BaseModel):
     package_mirrors: dict[str, str] = Field(
         default_factory=dict, description="the operator's package mirrors, written into every sandbox at "
         "create: pip = an index URL (PIP_INDEX_URL), npm = a registry URL (NPM_CONFIG_REGISTRY), apt = a "
-        "Debian mirror URL (/etc/apt/sources.list); reachable from sandboxes through private_egress"
+        "Debian mirror URL (/etc/apt/sources.list), docker = a Docker Hub mirror (dockerd's registry-mirrors, in "
+        "sandboxes with Docker inside); reachable from sandboxes through private_egress"
+    )
+    compose_max_bytes: int = Field(1 << 20, gt=0, description="compose sandboxes: the largest Compose file accepted, bytes")
+    compose_max_services: int = Field(24, gt=0, description="compose sandboxes: the most services one project may have")
+    compose_max_context_bytes: int = Field(
+        64 << 20, gt=0, description="compose sandboxes: the build contexts of one request together, bytes (as uploaded, and unpacked)"
+    )
+    compose_startup_timeout: float = Field(
+        300.0, gt=0, description="compose sandboxes: seconds from the request to every service up (image fetch, create, "
+        "docker load, compose up --wait) unless the request's startupTimeout says otherwise"
     )
     ws_max_message: int = Field(
         16 * 1024 * 1024, gt=0, description="largest WebSocket message relayed into or out of a sandbox, bytes"
@@ -328,7 +342,7 @@ class Settings(BaseModel):
 
 
 VOLUMES_NAME = ".volumes"  # under the sandboxes dir (``Settings.volumes_dir``)
-MIRROR_KINDS = ("pip", "npm", "apt")  # ``package_mirrors``' keys
+MIRROR_KINDS = ("pip", "npm", "apt", "docker")  # ``package_mirrors``' keys
 
 _LIST_FIELDS = {"api_keys", "admin_keys", "insecure_registries", "webhook_urls", "private_egress"}
 _DICT_FIELDS = {"registry_mirrors", "key_quotas", "package_mirrors"}

@@ -66,6 +66,7 @@ MS_PRIVATE = 1 << 18
 MNT_DETACH = 0x2
 SYS_PIVOT_ROOT = 155  # x86_64
 PR_CAPBSET_DROP = 24
+PR_SET_DUMPABLE = 4
 SIOCGIFFLAGS = 0x8913
 SIOCSIFFLAGS = 0x8914
 IFF_UP = 0x1
@@ -185,10 +186,14 @@ def setup_dev(root: str) -> None:
     mount("shm", f"{dev}/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=65536k")
 
 
-def mount_proc(root: str, boot_id: str | None) -> None:
-    """/proc of the sandbox's PID namespace (mounted by a process in it), hardened, its own boot id."""
+def mount_proc(root: str, boot_id: str | None, *, nested: bool = False) -> None:
+    """/proc of the sandbox's PID namespace (mounted by a process in it), hardened, its own boot id.
+    ``nested`` (Docker inside, user namespace only): /proc/sys/net stays writable, as dockerd sets its
+    network's sysctls (the kernel checks those against the sandbox's own network namespace)."""
     _mkdir(f"{root}/proc")
     mount("proc", f"{root}/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    if nested:  # bound before /proc/sys is made read-only: its recursive bind keeps this one writable
+        bind(f"{root}/proc/sys/net", f"{root}/proc/sys/net", extra=MS_NOSUID | MS_NODEV | MS_NOEXEC)
     harden_proc(f"{root}/proc")
     if boot_id:
         bind(boot_id, f"{root}/proc/{BOOT_ID}", readonly=True, extra=MS_NOSUID | MS_NODEV | MS_NOEXEC)
@@ -337,11 +342,16 @@ def enter(cfg: dict) -> None:  # type: ignore[type-arg]
 
 
 def _contain_and_report(cfg: dict, pid: int, start: int) -> None:  # type: ignore[type-arg]
-    """Step 6 and the report: after pivot_root, in the sandbox's final namespaces."""
-    drop_capabilities()
+    """Step 6 and the report: after pivot_root, in the sandbox's final namespaces. A ``nested`` sandbox
+    (Docker inside; only ever in a user namespace) keeps every capability *of its user namespace* and
+    gets the filter's nested variant, which lets it mount and make namespaces, as dockerd and runc must."""
+    nested = bool(cfg.get("nested"))
+    if not nested:
+        drop_capabilities()
     if cfg.get("seccomp", True):
-        syscall_filter.install(no_new_privs=bool(cfg.get("no_new_privs", False)))
-    limit_current_capabilities()
+        syscall_filter.install(no_new_privs=bool(cfg.get("no_new_privs", False)), nested=nested)
+    if not nested:
+        limit_current_capabilities()
     os.setsid()
     report({"pid": pid, "start": start})
     # stdio from inside the sandbox only: CRIU refuses fds that point at host files.
@@ -377,7 +387,21 @@ def _build_idmapped_root(cfg: dict, userns_fd: int, host_uid: int, *,  # type: i
         if populate:
             _mkdir(f"{root}/proc")
             populate_root(root, cfg)
+            if cfg.get("nested"):
+                bind_nested_data(root, rw)
     return root
+
+
+NESTED_DATA = "/var/lib/docker"
+
+
+def bind_nested_data(root: str, rw: str) -> None:
+    """Docker's data directory on the sandbox directory's own filesystem, beside the root's upper: on
+    the root overlay, dockerd's overlay2 could not stack (overlayfs is no upper layer) and would fall
+    back to copying every image layer whole."""
+    data = f"{rw}/nested-data"
+    _mkdir(data, 0o711)
+    mount(data, volume_point(root, NESTED_DATA), None, MS_BIND)
 
 
 def restore_mounts(cfg: dict) -> None:  # type: ignore[type-arg]
@@ -437,6 +461,118 @@ CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = (
     0x00020000, 0x04000000, 0x08000000, 0x20000000, 0x40000000)
 
 
+CLONE_NEWCGROUP = 0x02000000
+
+
+def mount_nested_sys() -> None:
+    """/sys for Docker inside (the root is the working directory; the host's /proc still mounted): the
+    sandbox network's own sysfs (runc mounts one in each container it starts, which the kernel allows
+    only where a sysfs is already fully visible in the mount namespace), and under it the cgroup
+    hierarchies in a cgroup namespace rooted at the sandbox's cgroups (runc wants them mounted even
+    when, as here, it makes no cgroup of its own: the sandbox's limits bound every container)."""
+    _mkdir("sys")
+    mount("sysfs", "sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    if _libc.unshare(CLONE_NEWCGROUP) != 0:
+        _check(-1, "unshare cgroup namespace")
+    mount("tmpfs", "sys/fs/cgroup", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=755")
+    with open("/proc/self/cgroup") as fh:
+        hierarchies = [line.split(":")[1] for line in fh.read().splitlines() if line.count(":") >= 2]
+    for controllers in filter(None, hierarchies):  # "" is the unified (v2) hierarchy's line
+        target = f"sys/fs/cgroup/{controllers.replace('name=', '')}"
+        _mkdir(target)
+        options = f"none,{controllers}" if controllers.startswith("name=") else controllers
+        try:
+            mount("cgroup", target, "cgroup", MS_NOSUID | MS_NODEV | MS_NOEXEC, options)
+        except OSError:  # a hierarchy this namespace may not mount: the others are enough for runc
+            os.rmdir(target)
+
+
+CLONE_NEWUSER = 0x10000000
+# The link between a nested sandbox and its router: the router's end, the sandbox's end, the prefix.
+ROUTER_ADDR, NESTED_ADDR, NESTED_PREFIX = "10.0.3.1", "10.0.3.2", 30
+NESTED_IDS = "0 0 65536\n"  # the nested user namespace's ids are the sandbox's own
+
+
+def _ip(*args: str) -> None:
+    """Run the host's iproute2 ``ip`` (fork and exec: the host Python's stdlib cannot be imported any more
+    once we are in the sandbox's user namespace, its directory being host root's)."""
+    exe = next((p for p in ("/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip") if os.path.exists(p)), None)
+    if exe is None:
+        raise OSError("iproute2's ip is not installed on the host (apt-get install iproute2)")
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.execve(exe, ["ip", *args], {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+        finally:
+            os._exit(127)
+    _, status = os.waitpid(pid, 0)
+    if status != 0:
+        raise OSError(f"ip {' '.join(args)} failed (status {os.waitstatus_to_exitcode(status)})")
+
+
+def _behind_router(cfg: dict, fds: list[int]) -> None:  # type: ignore[type-arg]
+    """A sandbox that runs Docker inside holds every capability of a user namespace of its own, so its
+    network namespace's firewall is its to change. This process (the sandbox's root user namespace)
+    becomes a router instead: a network namespace of its own, where slirp4netns attaches and the host's
+    egress filter is installed (``net_pid``: this process), and which the sandbox cannot touch: its
+    user namespace, made here, is a child of ours. The two are linked by a veth pair; the router
+    forwards what the sandbox sends out through its tap (the filter's FORWARD rules, then
+    masquerading). Forks: the child returns, in the new user namespace, for ``run_in_userns`` to make
+    the sandbox's other namespaces in it; this process stays behind as the router and reaps it."""
+    if _libc.unshare(CLONE_NEWNS | CLONE_NEWNET) != 0:
+        _check(-1, "unshare the router's namespaces")
+    loopback_up()
+    up_r, up_w = os.pipe()
+    down_r, down_w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(up_r)
+        os.close(down_w)
+        if _libc.unshare(CLONE_NEWUSER) != 0:
+            _check(-1, "unshare the nested user namespace")
+        # joining the sandbox's user namespace left us undumpable: our /proc files root's, whose uid
+        # the router does not have; dumpable, they are our own uid's, and the router may write the maps
+        _check(_libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
+        os.write(up_w, b"u")
+        if os.read(down_r, 1) != b"m":
+            raise OSError("the router did not map the nested user namespace")
+        if _libc.unshare(CLONE_NEWNET) != 0:
+            _check(-1, "unshare the nested network namespace")
+        os.write(up_w, b"n")
+        if os.read(down_r, 1) != b"v":
+            raise OSError("the router did not link the nested network namespace")
+        os.close(up_w)
+        os.close(down_r)
+        _ip("addr", "add", f"{NESTED_ADDR}/{NESTED_PREFIX}", "dev", "eth0")
+        _ip("link", "set", "eth0", "up")
+        _ip("route", "add", "default", "via", ROUTER_ADDR)
+        return
+    os.close(up_w)
+    os.close(down_r)
+    try:
+        if os.read(up_r, 1) != b"u":
+            raise OSError("the nested sandbox ended before its user namespace was made")
+        for name in ("uid_map", "gid_map"):
+            with open(f"/proc/{child}/{name}", "w") as fh:
+                fh.write(NESTED_IDS)
+        os.write(down_w, b"m")
+        if os.read(up_r, 1) != b"n":
+            raise OSError("the nested sandbox ended before its network namespace was made")
+        _ip("link", "add", "aenv-nested", "type", "veth", "peer", "name", "eth0", "netns", str(child))
+        _ip("addr", "add", f"{ROUTER_ADDR}/{NESTED_PREFIX}", "dev", "aenv-nested")
+        _ip("link", "set", "aenv-nested", "up")
+        with open("/proc/sys/net/ipv4/ip_forward", "w") as fh:  # the host's /proc: our (router's) netns
+            fh.write("1")
+        os.write(down_w, b"v")
+    except BaseException as exc:
+        report({"error": f"{type(exc).__name__}: {exc}"})
+        os.kill(child, 9)
+        os._exit(1)
+    for fd in (up_r, down_w, *fds):
+        os.close(fd)
+    _reap_forever(child, cfg.get("tools"))
+
+
 def run_in_userns(cfg: dict) -> None:  # type: ignore[type-arg]
     """The whole start with a user namespace (``cfg["userns"]``: an inherited fd of it and the host
     uid its root maps to). The server runs us directly, not under ``unshare``: the mounts need host
@@ -454,7 +590,10 @@ def run_in_userns(cfg: dict) -> None:  # type: ignore[type-arg]
     os.chdir(_build_idmapped_root(cfg, userns_fd, host_uid))
     idmap.join(userns_fd)
     os.close(userns_fd)
-    if _libc.unshare(CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWPID | CLONE_NEWNET) != 0:
+    if cfg.get("nested"):  # returns in the sandbox's own user namespace, behind the router
+        _behind_router(cfg, [*procs, *([boot_id] if boot_id is not None else [])])
+    net = 0 if cfg.get("nested") else CLONE_NEWNET  # nested: made behind the router already
+    if _libc.unshare(CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWPID | net) != 0:
         _check(-1, "unshare namespaces")
     hostname = cfg.get("hostname", "aenv").encode()
     _check(_libc.sethostname(hostname, len(hostname)), "sethostname")
@@ -470,7 +609,9 @@ def run_in_userns(cfg: dict) -> None:  # type: ignore[type-arg]
     if cfg.get("nice"):
         os.nice(int(cfg["nice"]))
     pid, start = host_identity()  # the host's /proc is still mounted beside ours
-    mount_proc(".", None)
+    mount_proc(".", None, nested=bool(cfg.get("nested")))
+    if cfg.get("nested"):
+        mount_nested_sys()
     if boot_id is not None:
         idmap.attach(boot_id, f"proc/{BOOT_ID}")
         mount("none", f"proc/{BOOT_ID}", None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
