@@ -5,7 +5,8 @@ come up leaves no sandbox; every refusal is a 400 naming the field; ``docker pul
 goes to the operator's mirror.
 
 The refusals need no Docker. The rest builds the ``docker`` template once per machine (as
-``aenv template build docker`` does) and skips, saying why, where it cannot."""
+``aenv template build docker`` does) and skips, saying why, where it cannot. On both runtimes
+(``AENV_TEST_RUNTIME=vm``); on vm a fork x4 of a compose sandbox keeps both services answering in every child."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from aenv.testing.server import API_KEY, Server, start_server
 from tests.fixtures.docker import docker_env, register_docker
 from tests.fixtures.plugin import PushedImages
 
-pytestmark = [pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.sdk, pytest.mark.timeout(900)]  # sdk: the vm pass runs them too
 
 PROJECT = """
 services:
@@ -57,8 +58,6 @@ def compose_server(tmp_path_factory: pytest.TempPathFactory, pushed_images: Push
                    runtime_name: str) -> Iterator[Server]:
     """A node that runs Docker inside (``ns_nested_containers``, on by default), whose ``docker.io`` is the session
     registry, whose sandboxes may reach that registry (on the host, at 10.0.2.2) and whose Docker mirror it is."""
-    if runtime_name != "ns":
-        pytest.skip("the compose integration tests run on ns (vm: the helper's Docker-in-vm work)")
     pushed_images.require("aenv/compose-web:1")
     reg = pushed_images.registry.url
     port = int(reg.rsplit(":", 1)[1])
@@ -73,9 +72,14 @@ def api(srv: Server) -> httpx.Client:
 
 
 @pytest.fixture(scope="module")
-def docker_ready(compose_server: Server) -> Server:
-    """The server with the ``docker`` template (built once per machine; skips saying why where it cannot be)."""
+def docker_ready(compose_server: Server, runtime_name: str) -> Server:
+    """The server with the ``docker`` template (built once per machine; skips saying why where it cannot be).
+    On vm its snapshot is made here (a boot with dockerd up: a minute under TCG), not in the first test."""
     register_docker(compose_server)
+    if runtime_name == "vm":
+        from e2b import Sandbox
+
+        Sandbox.create("docker", timeout=60, request_timeout=900).kill()
     return compose_server
 
 
@@ -111,6 +115,30 @@ def test_two_services_come_up_and_answer_through_the_proxy(docker_ready: Server)
             "busybox:latest") == 1
     finally:
         sbx.kill()
+
+
+def test_fork_x4_of_a_compose_sandbox_keeps_both_services_answering(docker_ready: Server, runtime_name: str) -> None:
+    """vm: memory snapshots hold dockerd, containerd and both services; every child answers through the
+    proxy, web calling backend by name. (ns answers a fork of such a sandbox with a 409: test_docker_ns.py.)"""
+    from e2b import Sandbox
+
+    if runtime_name != "vm":
+        pytest.skip("a fork of a sandbox with Docker inside is a 409 on ns (CRIU cannot dump it)")
+    resp = compose_up(docker_ready, compose=PROJECT, composeEnv={"GREETING": "forked"})
+    assert resp.status_code == 201, resp.text
+    sbx = Sandbox.connect(resp.json()["sandboxID"])
+    children: list[Any] = []
+    try:
+        children = sbx.fork(count=4, timeout=600)
+        assert all(not isinstance(c, Exception) for c in children), children
+        for box in (*children, sbx):
+            host = box.get_host(8080)
+            assert by_host(docker_ready, host).text.strip() == "web-ok"
+            assert by_host(docker_ready, host, "/cgi-bin/backend").text.strip() == "backend-ok forked"
+    finally:
+        for box in (*children, sbx):
+            if not isinstance(box, Exception):
+                box.kill()
 
 
 def context_tar() -> str:

@@ -320,7 +320,10 @@ async def wait_ready(sbx: VmSandbox, ready_cmd: str, timeout: float) -> None:
     interpreter service: ~40 s under TCG) would come up again, from the same point, in each of
     them; a ready one is listening in all of them at once."""
     t0 = time.perf_counter()
-    await until_ready(lambda: sbx.open_stream(ENVD_PORT), ready_cmd, timeout, interval=0.5)
+    try:
+        await until_ready(lambda: sbx.open_stream(ENVD_PORT), ready_cmd, timeout, interval=0.5)
+    except TimeoutError:  # bare, it read "envd unreachable after boot: " with nothing after the colon
+        raise TimeoutError(f"the template's ready command {ready_cmd!r} did not pass within {timeout:.0f} s") from None
     log.info("template ready command passed after %.1f s", time.perf_counter() - t0)
 
 
