@@ -37,6 +37,7 @@ from aenv.testing.server import API_KEY, discard_vm_state, start_server, stop_se
 from bench import (
     bandwidth,
     builds,
+    chaos,
     cluster,
     cluster_sim,
     core,
@@ -78,6 +79,7 @@ SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "lazy": lazy.lazy_start,
     "cluster": cluster.cluster_local,
     "cluster-sim": cluster_sim.cluster_sim,
+    "chaos": chaos.chaos,
     "interpreter": interpreter.interpreter,
     "bandwidth": bandwidth.bandwidth,
     "teams": teams.teams,
@@ -91,11 +93,11 @@ GROUPS = {
     # the code-interpreter template's layers on first use (PyPI), bandwidth makes a test host's network
     # namespace (root) and takes tens of seconds of transfers, teams starts a server of its own and bursts
     # 200 creates, console fills 2,000 sandboxes and drives a browser, cluster-sim starts its own Redis,
-    # gateways and simulated nodes: run those by name
-    "all": [s for s in SCENARIOS if s not in ("rl-groups", "lazy", "cluster", "cluster-sim", "scale", "interpreter",
-                                               "bandwidth", "teams", "console")],
+    # gateways and simulated nodes, chaos its own 3-node cluster (root, Ray) whose parts it kills: run those by name
+    "all": [s for s in SCENARIOS if s not in ("rl-groups", "lazy", "cluster", "cluster-sim", "chaos", "scale",
+                                               "interpreter", "bandwidth", "teams", "console")],
 }
-NO_SERVER = {"cluster-sim"}  # scenarios that start what they measure (no aenv server, no baselines)
+NO_SERVER = {"cluster-sim", "chaos"}  # scenarios that start what they measure (no aenv server, no baselines)
 
 
 def select(spec: str) -> list[str]:
