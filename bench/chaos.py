@@ -2,19 +2,21 @@
 
 The workload is the RL bench's: groups prepared once and forked into rollouts (``aenv.rl.run_group``), each
 rollout writing its guess, holding for a while (the policy's "thinking") and scoring it in its sandbox,
-under a heartbeat lease, a few groups at once with staggered starts so that some prepare and fork while
-others roll out. One step per fault, each fault injected once that step's rollouts are in flight:
+under a heartbeat lease. Groups are pipelined as an asynchronous trainer runs them: each starts once the
+one before is rolling out. One step per fault, each landing at its point of group 1 while group 0 rolls out:
 
-- ``node``: the machine of the node holding the most in-flight rollouts loses power (its Ray processes,
-  its ``aenv serve`` and every process of its sandboxes SIGKILLed together);
-- ``gateway``: the gateway crashes (SIGKILL) and is started again at once;
-- ``redis``: Redis (the directory and Ray's GCS store) stops and starts again a few seconds later.
+- ``redis``, while group 1 creates its sandbox: Redis (the directory and Ray's GCS store) stops and starts
+  again a few seconds later;
+- ``gateway``, while group 1 forks: the gateway crashes (SIGKILL) and is started again at once;
+- ``node``, while group 1 rolls out: the machine of the node holding the most in-flight rollouts loses
+  power (its Ray processes, its ``aenv serve`` and every process of its sandboxes SIGKILLed together).
+  Last, so that it also shows Ray still fencing a dead node after the other two faults.
 
 Every rollout must come back ``ok`` (its score checked against the one the scripted policy implies: a
 wrong score is counted, never trusted), ``command_failed``, or ``infra_failed`` with a reason; one whose
 group never answered (a hang past the step's deadline) or raised is *lost*. The counts table (ok /
 infra-failed by reason / wrong / lost, per fault) is printed and kept in the results. Not in ``all``
-(root, Ray, Redis, network namespaces): ``python -m bench --scenarios chaos`` (``--smoke``: 1 group of 4
+(root, Ray, Redis, network namespaces): ``python -m bench --scenarios chaos`` (``--smoke``: 2 groups of 3
 per fault).
 """
 
@@ -38,10 +40,12 @@ from bench.rows import Row, scenario, value_row
 from examples import grpo_loop
 
 KEY = {"X-API-KEY": API_KEY}
-FAULTS = ("node", "gateway", "redis")
+FAULTS = ("redis", "gateway", "node")  # the node last: Ray still fences it after the other two
+# Where each fault lands, with group 0 rolling out: (group 1's event, ...) -- its create, its fork, its rollouts
+POINTS = {"redis": ("started", 1), "gateway": ("prepared", 1), "node": ("rolling", 1)}
+POINT_WORDS = {"started": "creating its sandbox", "prepared": "forking", "rolling": "rolling out"}
 SUBNET = "10.213.39.0/24"
 HOLD_S = 4.0  # each rollout's in-flight command: where the fault lands
-STAGGER_S = 2.0  # between the starts of a step's groups
 REDIS_DOWN_S = 3.0
 STEP_DEADLINE_S = 300.0  # a group not back by then is a hang: its rollouts count as lost
 SCORE = "echo $(( 100 - ( $(cat /tmp/task/guess) - $(cat /tmp/task/.answer) ) ** 2 ))"
@@ -63,12 +67,12 @@ def reason_of(error: str) -> str:
     """A short category for an infrastructure failure's message (the raw message is kept beside it)."""
     low = error.lower()
     table: list[tuple[tuple[str, ...], str]] = [
-        (("node_down", "which is down since", "declared dead"), "its node is down"),
+        (("node_down", "which is down since", "declared dead", "took no connection"), "its node is down"),
         (("store_unavailable", "cluster directory unreachable"), "cluster directory unavailable (503)"),
         (("killed or reached its end of life",), "sandbox gone mid-call (killed, or its node died)"),
-        (("connection refused",), "connection refused"),
         (("connection reset", "unexpected eof", "ended before", "remoteprotocolerror", "broken pipe"),
          "connection dropped mid-call"),
+        (("connection refused",), "connection refused"),
         (("deadline", "timed out", "timeoutexception"), "timed out"),
         (("not found",), "not found"),
     ]
@@ -78,22 +82,24 @@ def reason_of(error: str) -> str:
     return error.split("\n", 1)[0][:80] or "no reason given"
 
 
-class InFlight:
-    """Counts rollouts inside their held command, and which sandboxes they run in; ``reached`` is set once
-    ``want`` of them are in flight together."""
+class Flight:
+    """What a step's groups are doing: per group, events for started (its parent's create is in flight),
+    prepared (its fork is in flight) and rolling (half its rollouts are inside their held command); and
+    which sandboxes hold a rollout in flight right now."""
 
-    def __init__(self, want: int) -> None:
-        self.want = want
-        self.now: dict[str, int] = {}
-        self.reached = threading.Event()
+    def __init__(self, groups: int, size: int) -> None:
+        self.size = size
+        self.events = {what: [threading.Event() for _ in range(groups)] for what in ("started", "prepared", "rolling")}
+        self.ended = [threading.Event() for _ in range(groups)]
+        self.now: dict[str, int] = {}  # sandbox -> group
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
-    def holding(self, sandbox_id: str) -> Any:
+    def holding(self, g: int, sandbox_id: str) -> Any:
         with self._lock:
-            self.now[sandbox_id] = 1
-            if len(self.now) >= self.want:
-                self.reached.set()
+            self.now[sandbox_id] = g
+            if sum(1 for x in self.now.values() if x == g) >= max(1, self.size // 2):
+                self.events["rolling"][g].set()
         try:
             yield
         finally:
@@ -104,47 +110,68 @@ class InFlight:
         with self._lock:
             return list(self.now)
 
+    def wait(self, what: str, g: int, timeout: float) -> bool:
+        """Until group ``g`` reached ``what`` or ended (then False), at most ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.events[what][g].wait(0.05):
+                return True
+            if self.ended[g].is_set():
+                return False
+        return False
+
 
 def expected_score(prompt: int, member: int) -> float:
     guess = grpo_loop.policy(prompt, member)
     return max(0.0, float(100 - (guess - grpo_loop.answer(prompt)) ** 2)) / 100
 
 
-def make_rollout(prompt: int, flight: InFlight) -> Callable[[Any, int], float]:
+def make_rollout(prompt: int, g: int, flight: Flight) -> Callable[[Any, int], float]:
     def one(ep: Any, member: int) -> float:
         ep.run(f"echo {grpo_loop.policy(prompt, member)} > /tmp/task/guess")
-        with flight.holding(ep.sandbox_id):
+        with flight.holding(g, ep.sandbox_id):
             ep.run(f"sleep {HOLD_S}")
         out = ep.run(SCORE).stdout.strip()
         return max(0.0, float(out)) / 100
     return one
 
 
-def run_step(fault: str, groups: int, size: int, inject: Callable[[InFlight], str], run: str,
+def run_step(fault: str, groups: int, size: int, inject: Callable[[Flight], str], run: str,
              lease: Any) -> tuple[list[Rollout], str]:
-    """``groups`` groups of ``size`` rollouts, staggered; ``inject`` once half a group is in flight (or after
-    a minute, whatever is then in flight). Returns every rollout's fate and what the fault did."""
+    """``groups`` groups of ``size`` rollouts, pipelined as an asynchronous trainer runs them: each group
+    starts once the one before is rolling out. The fault lands at its point (``POINTS``) of group 1 (of
+    group 0 when there is one group), with group 0 rolling out. Returns each rollout's fate and what the
+    fault did."""
     from aenv.rl import run_group
 
-    flight = InFlight(max(1, size // 2))  # the first group rolls out, the next ones prepare and fork
+    flight = Flight(groups, size)
     results: dict[int, Any] = {}
 
     def one(g: int) -> None:
-        time.sleep(g * STAGGER_S)
-        prompt = hash((fault, g)) % 97
+        prompt = FAULTS.index(fault) * 10 + g
+        if g > 0:
+            flight.wait("rolling", g - 1, STEP_DEADLINE_S)
+
+        def prepare(ep: Any) -> None:
+            ep.run(grpo_loop.prepare_command(prompt))
+            flight.events["prepared"][g].set()
+
+        flight.events["started"][g].set()
         try:
-            results[g] = (prompt, run_group("base", size, make_rollout(prompt, flight), keep=0, run=run,
-                                            group_id=f"{run}-{fault}-g{g}", timeout=120, lease=lease,
-                                            prepare=lambda ep: ep.run(grpo_loop.prepare_command(prompt))))
+            results[g] = (prompt, run_group("base", size, make_rollout(prompt, g, flight), keep=0, run=run,
+                                            group_id=f"{run}-{fault}-g{g}", timeout=120, lease=lease, prepare=prepare))
         except BaseException as exc:  # noqa: BLE001 - counted: the group's rollouts are lost
             results[g] = (prompt, exc)
+        finally:
+            flight.ended[g].set()
 
     threads = [threading.Thread(target=one, args=(g,), name=f"chaos-{fault}-g{g}", daemon=True) for g in range(groups)]
     deadline = time.monotonic() + STEP_DEADLINE_S
     for t in threads:
         t.start()
-    flight.reached.wait(60)
-    what = inject(flight)
+    point, at = POINTS[fault] if groups > 1 else ("rolling", 0)
+    on_time = (groups == 1 or flight.wait("rolling", 0, 120)) and flight.wait(point, at, 120)
+    done = inject(flight)
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
     out: list[Rollout] = []
@@ -160,7 +187,8 @@ def run_step(fault: str, groups: int, size: int, inject: Callable[[InFlight], st
             out += [_fate(fault, g, got[0], m) for m in got[1].members]
             out += [Rollout(fault, g, i, "lost", "no member for this rollout")
                     for i in range(size) if i not in {m.index for m in got[1].members}]
-    return out, what
+    where = f"group {at} {POINT_WORDS[point]}" + ("" if on_time else " (missed: that point never came)")
+    return out, f"at {where}: {done}"
 
 
 def _fate(fault: str, g: int, prompt: int, m: Any) -> Rollout:
@@ -181,10 +209,10 @@ class Injector:
         self.c = c
         self.killed: list[str] = []
 
-    def __call__(self, fault: str) -> Callable[[InFlight], str]:
+    def __call__(self, fault: str) -> Callable[[Flight], str]:
         return {"node": self.node, "gateway": self.gateway, "redis": self.redis}[fault]
 
-    def node(self, flight: InFlight) -> str:
+    def node(self, flight: Flight) -> str:
         import redis
 
         from aenv.directory import keys
@@ -204,13 +232,13 @@ class Injector:
         return (f"node {name} (with {where.get(name, 0)} of {len(held)} rollouts in flight) lost "
                 f"power: {procs} processes SIGKILLed; fenced after {fenced:.1f} s")
 
-    def gateway(self, flight: InFlight) -> str:
+    def gateway(self, flight: Flight) -> str:
         n = len(flight.sandboxes())
         self.c.restart_gateway(hard=True)
         back = _wait(lambda: _node_state(self.c, None) == "up", 120)
         return f"gateway SIGKILLed with {n} rollouts in flight, started again: answering after {back:.1f} s"
 
-    def redis(self, flight: InFlight) -> str:
+    def redis(self, flight: Flight) -> str:
         n = len(flight.sandboxes())
         t0 = time.monotonic()
         self.c.restart_redis(down=REDIS_DOWN_S)
@@ -273,7 +301,7 @@ def chaos(ctx: Ctx) -> dict[str, Any]:
     from aenv.rl import Lease
     from aenv.testing.gateway import sdk_env
 
-    groups, size = (1, 4) if ctx.smoke else (3, 8)
+    groups, size = (2, 3) if ctx.smoke else (3, 8)
     port = free_port()
     c = LocalCluster(3, port, Path(f"/tmp/aenv-chaos{port}"), SUBNET, {"AENV_API_KEYS": API_KEY, "AENV_POOL_SIZE": "1"})
     rollouts: list[Rollout] = []
@@ -306,8 +334,8 @@ def chaos(ctx: Ctx) -> dict[str, Any]:
                            "count", why),
                  value_row(f"chaos, {label}: lost (hung, raised or unscored)", system,
                            cnt["lost"] + cnt["error"] + cnt["wrong"] + cnt["unexplained"], cnt["rollouts"], "count")]
-    notes.append(f"{groups} groups × {size} rollouts per fault, each holding {HOLD_S:.0f} s in flight; groups start "
-                 f"{STAGGER_S:.0f} s apart; lease ttl 30 s")
+    notes.append(f"{groups} groups × {size} rollouts per fault, each holding {HOLD_S:.0f} s in flight; a group starts "
+                 "once the one before is rolling out; lease ttl 30 s")
     out = scenario("chaos: GRPO-shaped run through a 3-node cluster while a node dies, the gateway and Redis restart",
                    rows, notes)
     out["chaos"] = {"counts": t, "table": table, "rollouts": [asdict(r) for r in rollouts]}
