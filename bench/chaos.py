@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import sys
 import threading
 import time
 import uuid
@@ -47,6 +48,7 @@ POINT_WORDS = {"started": "creating its sandbox", "prepared": "forking", "rollin
 SUBNET = "10.213.39.0/24"
 HOLD_S = 4.0  # each rollout's in-flight command: where the fault lands
 REDIS_DOWN_S = 3.0
+FORK_IN_FLIGHT_S = 0.2  # after a group's preparation: its fork request sent, the node still forking
 STEP_DEADLINE_S = 300.0  # a group not back by then is a hang: its rollouts count as lost
 SCORE = "echo $(( 100 - ( $(cat /tmp/task/guess) - $(cat /tmp/task/.answer) ) ** 2 ))"
 
@@ -171,6 +173,7 @@ def run_step(fault: str, groups: int, size: int, inject: Callable[[Flight], str]
         t.start()
     point, at = POINTS[fault] if groups > 1 else ("rolling", 0)
     on_time = (groups == 1 or flight.wait("rolling", 0, 120)) and flight.wait(point, at, 120)
+    time.sleep(FORK_IN_FLIGHT_S if point == "prepared" else 0.0)
     done = inject(flight)
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
@@ -245,6 +248,18 @@ class Injector:
         return f"Redis stopped with {n} rollouts in flight, started again after {time.monotonic() - t0:.1f} s"
 
 
+def left_running(url: str, run: str) -> list[str] | None:
+    """The ``rollout`` tags of the run's sandboxes the gateway still lists (on live nodes); None: it did not
+    answer. A group ends every sandbox it knows of; the children of a fork whose answer was cut off carry
+    their parent's tag (``<group>-parent``) and end with their timeout or the lease."""
+    try:
+        got = httpx.get(f"{url}/v2/sandboxes", params={"metadata": f"run={run}"}, headers=KEY, timeout=30,
+                        trust_env=False)  # fmt: skip
+        return [str((s.get("metadata") or {}).get("rollout")) for s in got.json()] if got.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
 def _node_state(c: Any, name: str | None) -> str:
     """A node's state as the gateway reports it; ``name=None``: "up" when the gateway answers with every
     live node up."""
@@ -291,8 +306,6 @@ def counts_table(t: dict[str, Any]) -> str:
 def chaos(ctx: Ctx) -> dict[str, Any]:
     """A GRPO-shaped run (groups × forked rollouts) through a 3-node cluster while a node dies, the gateway
     restarts and Redis restarts: every rollout ok or an infra failure with a reason; lost must be 0."""
-    from rich.console import Console
-
     from bench.cluster import _missing
 
     if (missing := _missing()) is not None:
@@ -318,11 +331,15 @@ def chaos(ctx: Ctx) -> dict[str, Any]:
                 got, what = run_step(fault, groups, size, inject(fault), run, lease)
                 rollouts += got
                 notes.append(f"{fault}: {what}; step {time.perf_counter() - t1:.1f} s")
+            left = left_running(c.url, run)  # before the lease ends: what the groups did not kill
     finally:
         c.close()
+    notes.append(f"sandboxes of the run still running after its last group, before its lease ended: "
+                 f"{'?' if left is None else len(left)}" + (f" (tagged {sorted(set(left))}: children of a fork whose "
+                                                            "answer was cut off; the lease ended them)" if left else ""))
     t = tally(rollouts)
     table = counts_table(t)
-    Console(stderr=True).print(table, markup=False, highlight=False)
+    print(table, file=sys.stderr, flush=True)  # as it is, unwrapped
     system = f"{ctx.system} cluster ×3"
     rows: list[Row] = [value_row("chaos: cluster local start → every node up", system, start_ms, 1, "ms")]
     for name in (*FAULTS, "all"):
@@ -338,5 +355,5 @@ def chaos(ctx: Ctx) -> dict[str, Any]:
                  "once the one before is rolling out; lease ttl 30 s")
     out = scenario("chaos: GRPO-shaped run through a 3-node cluster while a node dies, the gateway and Redis restart",
                    rows, notes)
-    out["chaos"] = {"counts": t, "table": table, "rollouts": [asdict(r) for r in rollouts]}
+    out["chaos"] = {"counts": t, "table": table, "left_running": left, "rollouts": [asdict(r) for r in rollouts]}
     return out

@@ -14,7 +14,7 @@ the stage.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -24,6 +24,8 @@ from typing import Any
 
 from aenv.rl._connection import client as _client
 from aenv.rl._episode import AsyncEpisode, Episode
+from aenv.rl._kill import akill_until, kill_until
+from aenv.rl._kill import deadline as kill_deadline
 from aenv.rl._lease import Lease
 from aenv.rl._outcome import INFRA_FAILED, Outcome, is_infra
 
@@ -144,9 +146,8 @@ def run_group(template: str, n: int, rollout: Callable[[Episode, int], float], *
     recycled, doomed = _recycle(doomed, snapshot_id, connection) if rest == "rollback" else ([], doomed)
     from e2b import Sandbox
 
-    for sid in doomed:
-        with contextlib.suppress(Exception):
-            Sandbox.kill(sid, **connection)
+    until = kill_deadline()
+    _kill_errors(metrics, {sid: kill_until(functools.partial(Sandbox.kill, sid, **connection), until) for sid in doomed})
     metrics["total_s"] = round(time.monotonic() - t0, 4)
     return GroupResult(members, kept, mode, metrics, recycled, snapshot_id)
 
@@ -195,11 +196,17 @@ async def arun_group(template: str, n: int, rollout: Callable[[AsyncEpisode, int
         recycled, doomed = await asyncio.to_thread(_recycle, doomed, snapshot_id, connection)
     from e2b import AsyncSandbox
 
-    for sid in doomed:
-        with contextlib.suppress(Exception):
-            await AsyncSandbox.kill(sid, **connection)
+    until = kill_deadline()
+    _kill_errors(metrics, {sid: await akill_until(functools.partial(AsyncSandbox.kill, sid, **connection), until)
+                           for sid in doomed})  # fmt: skip
     metrics["total_s"] = round(time.monotonic() - t0, 4)
     return GroupResult(members, kept, mode, metrics, recycled, snapshot_id)
+
+
+def _kill_errors(metrics: dict[str, Any], errors: dict[str, str | None]) -> None:
+    """Sandboxes the group could not kill (they end with their timeout or lease), in its metrics."""
+    if failed := {sid: why for sid, why in errors.items() if why is not None}:
+        metrics["kill_errors"] = failed
 
 
 def _check_rest(rest: str) -> None:
