@@ -193,6 +193,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench") -> int:
             title = f"aenv cluster simulation, {results['meta']['date'][:10]}, {results['meta']['mode']} run"
             if not cluster_sim.render_chart(series, out_dir / "cluster-sim.png", title):
                 console.print(f"no cluster-sim.png: {report.CHART_MISSING}")
+    for run in results["runs"].values():
+        if table := run.get("scenarios", {}).get("chaos", {}).get("chaos", {}).get("table"):
+            (out_dir / "chaos.md").write_text(table + "\n")  # the counts table, as the run printed it
     if report.scale_series(results) and not report.render_scale_chart(results, out_dir / "scale.png"):
         console.print(f"no scale.png: {report.CHART_MISSING}")
     print(md)
