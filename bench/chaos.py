@@ -42,7 +42,7 @@ from examples import grpo_loop
 
 KEY = {"X-API-KEY": API_KEY}
 FAULTS = ("redis", "gateway", "node")  # the node last: Ray still fences it after the other two
-# Where each fault lands, with group 0 rolling out: (group 1's event, ...) -- its create, its fork, its rollouts
+# Where each fault lands, with group 0 rolling out: (the event, of which group): group 1 creating, forking, rolling out
 POINTS = {"redis": ("started", 1), "gateway": ("prepared", 1), "node": ("rolling", 1)}
 POINT_WORDS = {"started": "creating its sandbox", "prepared": "forking", "rolling": "rolling out"}
 SUBNET = "10.213.39.0/24"
