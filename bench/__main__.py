@@ -37,6 +37,7 @@ from aenv.testing.server import API_KEY, discard_vm_state, start_server, stop_se
 from bench import (
     bandwidth,
     builds,
+    chaos,
     cluster,
     cluster_sim,
     core,
@@ -78,6 +79,7 @@ SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "lazy": lazy.lazy_start,
     "cluster": cluster.cluster_local,
     "cluster-sim": cluster_sim.cluster_sim,
+    "chaos": chaos.chaos,
     "interpreter": interpreter.interpreter,
     "bandwidth": bandwidth.bandwidth,
     "teams": teams.teams,
@@ -91,11 +93,11 @@ GROUPS = {
     # the code-interpreter template's layers on first use (PyPI), bandwidth makes a test host's network
     # namespace (root) and takes tens of seconds of transfers, teams starts a server of its own and bursts
     # 200 creates, console fills 2,000 sandboxes and drives a browser, cluster-sim starts its own Redis,
-    # gateways and simulated nodes: run those by name
-    "all": [s for s in SCENARIOS if s not in ("rl-groups", "lazy", "cluster", "cluster-sim", "scale", "interpreter",
-                                               "bandwidth", "teams", "console")],
+    # gateways and simulated nodes, chaos its own 3-node cluster (root, Ray) whose parts it kills: run those by name
+    "all": [s for s in SCENARIOS if s not in ("rl-groups", "lazy", "cluster", "cluster-sim", "chaos", "scale",
+                                               "interpreter", "bandwidth", "teams", "console")],
 }
-NO_SERVER = {"cluster-sim"}  # scenarios that start what they measure (no aenv server, no baselines)
+NO_SERVER = {"cluster-sim", "chaos"}  # scenarios that start what they measure (no aenv server, no baselines)
 
 
 def select(spec: str) -> list[str]:
@@ -191,6 +193,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench") -> int:
             title = f"aenv cluster simulation, {results['meta']['date'][:10]}, {results['meta']['mode']} run"
             if not cluster_sim.render_chart(series, out_dir / "cluster-sim.png", title):
                 console.print(f"no cluster-sim.png: {report.CHART_MISSING}")
+    for run in results["runs"].values():
+        if table := run.get("scenarios", {}).get("chaos", {}).get("chaos", {}).get("table"):
+            (out_dir / "chaos.md").write_text(table + "\n")  # the counts table, as the run printed it
     if report.scale_series(results) and not report.render_scale_chart(results, out_dir / "scale.png"):
         console.print(f"no scale.png: {report.CHART_MISSING}")
     print(md)

@@ -119,6 +119,19 @@ def test_lazy_scenario_smoke(tmp_path: Path) -> None:
     assert all(r["n"] > 0 and r["p50"] > 0 for r in sc["rows"])
 
 
+def _by_name(tmp_path: Path, name: str, timeout: int) -> tuple[str, dict]:  # type: ignore[type-arg]
+    """``python -m bench --smoke --scenarios NAME`` (a scenario that starts what it measures): its stderr and
+    its scenario's results, once it exited 0."""
+    env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost", "PYTHONPATH": str(REPO / "src")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--smoke", "--scenarios", name, "--json", str(tmp_path / "r.json"),
+         "--out", str(tmp_path / "out")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stderr, json.loads((tmp_path / "r.json").read_text())["runs"]["ns"]["scenarios"][name]
+
+
 @pytest.mark.timeout(300)
 def test_cluster_sim_scenario_smoke(tmp_path: Path) -> None:
     """``cluster-sim`` is run by name; its smoke (Redis, 10 simulated nodes, 1 then 3 gateways, no aenv
@@ -127,14 +140,7 @@ def test_cluster_sim_scenario_smoke(tmp_path: Path) -> None:
 
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
-    env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost", "PYTHONPATH": str(REPO / "src")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench", "--smoke", "--scenarios", "cluster-sim", "--json", str(tmp_path / "sim.json"),
-         "--out", str(tmp_path / "out")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=280,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    sc = json.loads((tmp_path / "sim.json").read_text())["runs"]["ns"]["scenarios"]["cluster-sim"]
+    _, sc = _by_name(tmp_path, "cluster-sim", 280)
     metrics = {(r["metric"], r["system"]) for r in sc["rows"]}
     assert ("10 nodes: creates/s (8 clients)", "sim, 3 gateways") in metrics
     assert ("10 nodes: node killed → fenced (dead) on every gateway", "sim, 3 gateways") in metrics
@@ -142,3 +148,23 @@ def test_cluster_sim_scenario_smoke(tmp_path: Path) -> None:
     assert all(r["n"] > 0 for r in sc["rows"])
     if (tmp_path / "out" / "chart.png").exists():  # matplotlib installed: the cluster chart too
         assert (tmp_path / "out" / "cluster-sim.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.timeout(600)
+def test_chaos_scenario_smoke(tmp_path: Path) -> None:
+    """``chaos`` is run by name (its own 3-node cluster, root, Ray); its smoke (2 groups × 3 rollouts per
+    fault) prints the counts table, and its rows and per-rollout fates are in the JSON."""
+    import importlib.util
+    import shutil
+
+    if os.geteuid() != 0 or importlib.util.find_spec("ray") is None or shutil.which("redis-server") is None:
+        pytest.skip("chaos needs root, Ray and redis-server")
+    stderr, sc = _by_name(tmp_path, "chaos", 580)
+    assert "| fault | rollouts | ok | infra-failed | by reason | error | wrong | lost |" in stderr
+    metrics = {r["metric"] for r in sc["rows"]}
+    for fault in ("redis", "gateway", "node", "all"):
+        label = "all faults" if fault == "all" else f"{fault} fault"
+        assert f"chaos, {label}: lost (hung, raised or unscored)" in metrics
+    assert sc["chaos"]["counts"]["all"]["rollouts"] == len(sc["chaos"]["rollouts"]) == 18

@@ -6,6 +6,7 @@ httpx errors are translated here, once, into the tree in ``_errors.py``.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Self
@@ -15,6 +16,17 @@ import httpx
 from aenv.client._errors import ServerUnreachable, error_for
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def _retry_after(resp: httpx.Response) -> float | None:
+    """Seconds to wait before sending again a request the server refused without doing anything (a 503
+    with ``Retry-After``, not marked ``Should-Retry: false``); None: take the answer as it is."""
+    if resp.status_code != 503 or resp.headers.get("should-retry", "").lower() == "false":
+        return None
+    try:
+        return min(5.0, max(0.1, float(resp.headers["retry-after"])))
+    except (KeyError, ValueError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -52,13 +64,18 @@ class ForkResult:
 
 
 class AenvClient:
-    """Synchronous client for an aenv server. Use as a context manager or call ``close()``."""
+    """Synchronous client for an aenv server. Use as a context manager or call ``close()``.
+
+    ``retry_for``: for that many seconds, a request that never reached the server (its connection refused:
+    a gateway restarting) is sent again, and so is one the server answered 503 with ``Retry-After`` (it
+    changed nothing: the cluster directory away, no live node), after the time it asks (at most 5 s)."""
 
     def __init__(self, url: str = DEFAULT_URL, api_key: str | None = None, *, timeout: float = 120.0,
-                 transport: httpx.BaseTransport | None = None) -> None:
+                 transport: httpx.BaseTransport | None = None, retry_for: float = 0.0) -> None:
         headers = {"X-API-KEY": api_key} if api_key else {}
         self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout, trust_env=False,
                                   transport=transport)
+        self.retry_for = retry_for
 
     def __enter__(self) -> Self:
         return self
@@ -70,13 +87,24 @@ class AenvClient:
         self._http.close()
 
     def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        try:
-            resp = self._http.request(method, path, **kw)
-        except (httpx.ConnectError, httpx.TimeoutException) as exc:
-            raise ServerUnreachable(f"{method} {path}: {exc}") from exc
-        if resp.status_code >= 400:
-            raise error_for(resp)
-        return resp
+        deadline = time.monotonic() + self.retry_for
+        for attempt in itertools.count():
+            try:
+                resp = self._http.request(method, path, **kw)
+            except httpx.ConnectError as exc:  # no connection: nothing was sent
+                if time.monotonic() >= deadline:
+                    raise ServerUnreachable(f"{method} {path}: {exc}") from exc
+                wait = min(1.0, 0.1 * 2**attempt)
+            except httpx.TimeoutException as exc:  # sent, maybe done: never again
+                raise ServerUnreachable(f"{method} {path}: {exc}") from exc
+            else:
+                wait = _retry_after(resp)
+                if wait is None or time.monotonic() >= deadline:
+                    if resp.status_code >= 400:
+                        raise error_for(resp)
+                    return resp
+            time.sleep(min(wait, max(0.0, deadline - time.monotonic())))
+        raise AssertionError("unreachable")
 
     # ---- snapshots ------------------------------------------------------------------------------
     def snapshot(self, sandbox_id: str, *, name: str | None = None, mode: str = "full") -> Snapshot:

@@ -35,7 +35,7 @@ import httpx
 from aenv.cluster.agent import ServeSpec, launch, pid_alive, read_pid, stop, wait_healthy
 from aenv.cluster.controller import fill
 from aenv.cluster.netns import Topology
-from aenv.cluster.procs import stop_process
+from aenv.cluster.procs import kill_all, machine_pids, stop_process
 from aenv.cluster.redis_proc import RedisProc, start_redis
 
 log = logging.getLogger("aenv.cluster")
@@ -45,6 +45,10 @@ OBJECT_STORE = 80 << 20  # bytes per Ray node (Ray's minimum is 75 MiB; its defa
 # answering (defaults: 3 s period, 10 s timeout, 5 failures).
 HEALTH_ENV = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "1000",
               "RAY_health_check_failure_threshold": "3", "RAY_health_check_initial_delay_ms": "1000"}  # fmt: skip
+# The GCS gives up on Redis after 5 failed tries (~2.5 s: 100 ms doubling to 1 s) and exits, which takes the
+# whole head down with it (`ray start --block` kills the rest): a Redis restart would end the cluster's
+# supervision. 120 tries capped at 1 s ride out about two minutes of Redis being away.
+REDIS_PATIENCE_ENV = {"RAY_num_redis_request_retries": "120", "RAY_redis_retry_max_ms": "1000"}
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -130,7 +134,7 @@ class LocalCluster:
         common = ["--num-cpus=1", f"--object-store-memory={OBJECT_STORE}", "--disable-usage-stats", "--block"]
         head = [ray, "start", "--head", f"--node-ip-address={ctl}", f"--port={gcs_port}", "--include-dashboard=false",
                 f"--temp-dir={self.root / 'ray-head'}", "--labels=aenv-role=control", *common]  # fmt: skip
-        self._head = (head, {**HEALTH_ENV, "RAY_REDIS_ADDRESS": self.redis.address})
+        self._head = (head, {**HEALTH_ENV, **REDIS_PATIENCE_ENV, "RAY_REDIS_ADDRESS": self.redis.address})
         self.ray_procs.append(self._popen(head, "ray-head", self._head[1]))
         self._wait_gcs(deadline)
         for i in range(self.nodes):
@@ -280,6 +284,46 @@ class LocalCluster:
         if pid is not None and pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
         reap_children()
+
+    def kill_machine(self, i: int) -> int:
+        """Node ``i``'s machine loses power: its Ray processes, its server and every process of its sandboxes
+        SIGKILLed together (``kill_node`` leaves the sandboxes running). Returns how many processes died."""
+        from aenv.runtime.ns.cgroups import scope_for
+
+        node_dir = self.root / self.topo.name(i)
+        sandboxes = f"/aenv/{scope_for(node_dir / 'state')}/"
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.ray_node_proc(i).pid, signal.SIGKILL)
+        killed: set[int] = set()
+        for _ in range(3):  # what forked while the last round was being killed
+            pids = machine_pids(self.serve_pid(i), sandboxes, f"{node_dir}/") - killed
+            if not pids:
+                break
+            kill_all(pids)
+            killed |= pids
+        self.ray_node_proc(i).wait(timeout=30)
+        reap_children()
+        return len(killed)
+
+    def restart_gateway(self, hard: bool = True) -> None:
+        """The gateway crashes (SIGKILL; ``hard=False``: stopped gracefully) and is started again at once,
+        as its supervisor would; it finds the nodes and bindings in Redis."""
+        assert self.gateway is not None
+        if hard:
+            self.gateway.kill()
+            self.gateway.wait(timeout=30)
+        else:
+            stop_process(self.gateway)
+        self.start_gateway()
+
+    def restart_redis(self, down: float = 0.0) -> None:
+        """Redis stops (SIGTERM: it finishes its append-only file) and ``down`` seconds later starts again
+        on the same address with the same data, as a restart of its service does."""
+        assert self.redis is not None
+        old = self.redis
+        old.stop()
+        time.sleep(down)
+        self.redis = start_redis(old.log_path.parent, host=old.host, port=old.port)
 
     def _stop_node_server(self, i: int) -> None:
         """Kill the node's sandboxes through its server (started again, outside Ray, if it is gone:

@@ -17,7 +17,7 @@ from aenv.api.proxy import SandboxProxy
 from aenv.api.proxy.codec import ASGIApp, Receive, Scope, Send
 from aenv.api.proxy.connect_end import CLIENT_H2_HEADER
 from aenv.api.proxy.pool import UpstreamPool
-from aenv.api.proxy.routing import json_error, respond, route, route_signed_files_url, sandbox_error
+from aenv.api.proxy.routing import HopDown, json_error, respond, route, route_signed_files_url, sandbox_error
 from aenv.api.proxy.websocket import deny
 from aenv.gateway.directory import GatewayError, Locator
 from aenv.gateway.fast_routes import FastRoutes
@@ -44,9 +44,9 @@ class _ToNode:
         try:  # a node that takes no connection is down, as for the control plane (forward.py)
             return await asyncio.wait_for(open_tcp(node.host, node.port, port), CONNECT_TIMEOUT)
         except OSError as exc:  # TimeoutError included
-            why = str(exc) or f"no answer in {CONNECT_TIMEOUT:g} s"
-            self._nodes.mark_down(node, f"{type(exc).__name__}: {why}")
-            raise
+            why = f"{type(exc).__name__}: {str(exc) or f'no answer in {CONNECT_TIMEOUT:g} s'}"
+            self._nodes.mark_down(node, why)
+            raise HopDown(f"its node {node.id} ({node.url}) took no connection: {why}", node.id) from exc
 
 
 class _NodePool(UpstreamPool):

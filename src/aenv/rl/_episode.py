@@ -7,7 +7,8 @@ What an RL loop needs from a sandbox and should not write itself:
 - **keepalive**: the sandbox's TTL is short (``timeout``) and refreshed in the background every
   ``keepalive`` seconds (``set_timeout``). If the trainer dies, its sandboxes end within ``timeout``
   seconds by themselves: the heartbeat is the TTL;
-- **guaranteed kill** on leaving the block, whatever happened in it (``kill=False`` keeps it);
+- **guaranteed kill** on leaving the block, whatever happened in it (``kill=False`` keeps it), tried
+  again while the infrastructure refuses it (a gateway restarting) for up to 30 s;
 - an **outcome** that tells infrastructure failures (not to be scored) from command failures (to be
   scored), and a per-rollout ``metrics`` dict (create, command and kill seconds, keepalives).
 
@@ -23,6 +24,8 @@ import contextlib
 import threading
 from typing import Any, Self
 
+from aenv.rl._kill import akill_until, kill_until
+from aenv.rl._kill import deadline as kill_deadline
 from aenv.rl._lease import Lease
 from aenv.rl._outcome import ERROR, Outcome, Stopwatch, is_infra
 
@@ -65,6 +68,10 @@ class _Common:
         if self.outcome.status != "infra_failed":
             self.outcome.status, self.outcome.error = ERROR, f"{type(exc).__name__}: {exc}"
         return False
+
+    def _kill_failed(self, error: str | None) -> None:
+        if error is not None:  # it ends with its timeout or lease; the caller sees why it was not killed
+            self.metrics["kill_error"] = error
 
     def _record_command(self, result: Any) -> Any:
         self.metrics["commands"] += 1
@@ -124,8 +131,8 @@ class Episode(_Common):
         self._stop.set()
         self._beat.join()
         if self.kill_on_exit:
-            with Stopwatch(self.metrics, "kill_s"), contextlib.suppress(Exception):
-                self.sandbox.kill()
+            with Stopwatch(self.metrics, "kill_s"):
+                self._kill_failed(kill_until(self.sandbox.kill, kill_deadline()))
         return self._verdict(exc)
 
 
@@ -177,8 +184,8 @@ class AsyncEpisode(_Common):
         with contextlib.suppress(asyncio.CancelledError):
             await self._beat
         if self.kill_on_exit:
-            with Stopwatch(self.metrics, "kill_s"), contextlib.suppress(Exception):
-                await self.sandbox.kill()
+            with Stopwatch(self.metrics, "kill_s"):
+                self._kill_failed(await akill_until(self.sandbox.kill, kill_deadline()))
         return self._verdict(exc)
 
 

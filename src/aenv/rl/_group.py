@@ -5,13 +5,16 @@ Preparing (installing a task, checking out a repo, warming a model server) is do
 with new IDs, so every rollout of the group starts from the same state at the cost of one fork.
 The parent ends after the fork; children whose rollout failed on the infrastructure side get no
 score; the best ``keep`` children by score stay running (to branch again, or to inspect) and the
-rest are killed.
+rest are killed. A group never raises for the infrastructure: when the parent's create, its
+preparation's commands or the fork call fail on that side, every member comes back infra-failed with
+the stage and the reason (``create: …``, ``prepare: …``, ``fork: …``), and ``metrics["failed_at"]`` names
+the stage.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -21,8 +24,10 @@ from typing import Any
 
 from aenv.rl._connection import client as _client
 from aenv.rl._episode import AsyncEpisode, Episode
+from aenv.rl._kill import akill_until, kill_until
+from aenv.rl._kill import deadline as kill_deadline
 from aenv.rl._lease import Lease
-from aenv.rl._outcome import INFRA_FAILED, Outcome
+from aenv.rl._outcome import INFRA_FAILED, Outcome, is_infra
 
 
 @dataclass
@@ -78,13 +83,23 @@ def _rank(members: list[Member], keep: int) -> tuple[list[str], list[str]]:
     return kept, [m.sandbox_id for m in members if m.sandbox_id and m.sandbox_id not in kept]
 
 
+def _infra_member(i: int, why: str) -> Member:
+    outcome = Outcome()
+    outcome.status, outcome.error = INFRA_FAILED, why
+    return Member(i, None, None, outcome)
+
+
 def _failed_forks(errors: list[str], first: int) -> list[Member]:
-    out = []
-    for i, why in enumerate(errors, start=first):
-        outcome = Outcome()
-        outcome.status, outcome.error = INFRA_FAILED, f"fork: {why}"
-        out.append(Member(i, None, None, outcome))
-    return out
+    return [_infra_member(i, f"fork: {why}") for i, why in enumerate(errors, start=first)]
+
+
+def _unstarted(n: int, stage: str, exc: BaseException, metrics: dict[str, Any], t0: float) -> GroupResult:
+    """The group whose parent failed on the infrastructure side (its create, its preparation's commands, the
+    fork call): no rollout ran, and each of the ``n`` says why, as a rollout that failed would. A trainer
+    gets its group back with every member masked, not an exception that loses the group's accounting."""
+    metrics.update(failed_at=stage, total_s=round(time.monotonic() - t0, 4))
+    why = f"{stage}: {type(exc).__name__}: {exc}"
+    return GroupResult([_infra_member(i, why) for i in range(n)], [], None, metrics)
 
 
 def run_group(template: str, n: int, rollout: Callable[[Episode, int], float], *,
@@ -98,14 +113,21 @@ def run_group(template: str, n: int, rollout: Callable[[Episode, int], float], *
     gid = group_id or uuid.uuid4().hex[:12]
     metrics: dict[str, Any] = {}
     t0 = time.monotonic()
-    with Episode(template, rollout_id=f"{gid}-parent", run=run, timeout=timeout, suppress_infra=False,
-                 lease=lease, **connection) as parent:
-        if prepare is not None:
-            prepare(parent)
-        metrics["prepare_s"] = round(time.monotonic() - t0, 4)
-        t1 = time.monotonic()
-        ids, errors, mode, snapshot_id = _fork(parent.sandbox.sandbox_id, n, timeout, connection)
-        metrics["fork_s"] = round(time.monotonic() - t1, 4)
+    stage = "create"
+    try:
+        with Episode(template, rollout_id=f"{gid}-parent", run=run, timeout=timeout, suppress_infra=False,
+                     lease=lease, **connection) as parent:
+            stage = "prepare"
+            if prepare is not None:
+                prepare(parent)
+            metrics["prepare_s"] = round(time.monotonic() - t0, 4)
+            stage, t1 = "fork", time.monotonic()
+            ids, errors, mode, snapshot_id = _fork(parent.sandbox.sandbox_id, n, timeout, connection)
+            metrics["fork_s"] = round(time.monotonic() - t1, 4)
+    except Exception as exc:
+        if not is_infra(exc):
+            raise  # the caller's own code (prepare) raised: a bug, not an outcome
+        return _unstarted(n, stage, exc, metrics, t0)
 
     def one(i: int, sandbox_id: str) -> Member:
         ep = Episode(template, rollout_id=f"{gid}-{i}", run=run, timeout=timeout, sandbox_id=sandbox_id,
@@ -124,9 +146,8 @@ def run_group(template: str, n: int, rollout: Callable[[Episode, int], float], *
     recycled, doomed = _recycle(doomed, snapshot_id, connection) if rest == "rollback" else ([], doomed)
     from e2b import Sandbox
 
-    for sid in doomed:
-        with contextlib.suppress(Exception):
-            Sandbox.kill(sid, **connection)
+    until = kill_deadline()
+    _kill_errors(metrics, {sid: kill_until(functools.partial(Sandbox.kill, sid, **connection), until) for sid in doomed})
     metrics["total_s"] = round(time.monotonic() - t0, 4)
     return GroupResult(members, kept, mode, metrics, recycled, snapshot_id)
 
@@ -140,14 +161,22 @@ async def arun_group(template: str, n: int, rollout: Callable[[AsyncEpisode, int
     gid = group_id or uuid.uuid4().hex[:12]
     metrics: dict[str, Any] = {}
     t0 = time.monotonic()
-    async with AsyncEpisode(template, rollout_id=f"{gid}-parent", run=run, timeout=timeout,
-                            suppress_infra=False, lease=lease, **connection) as parent:
-        if prepare is not None:
-            await prepare(parent)
-        metrics["prepare_s"] = round(time.monotonic() - t0, 4)
-        t1 = time.monotonic()
-        ids, errors, mode, snapshot_id = await asyncio.to_thread(_fork, parent.sandbox.sandbox_id, n, timeout, connection)
-        metrics["fork_s"] = round(time.monotonic() - t1, 4)
+    stage = "create"
+    try:
+        async with AsyncEpisode(template, rollout_id=f"{gid}-parent", run=run, timeout=timeout,
+                                suppress_infra=False, lease=lease, **connection) as parent:
+            stage = "prepare"
+            if prepare is not None:
+                await prepare(parent)
+            metrics["prepare_s"] = round(time.monotonic() - t0, 4)
+            stage, t1 = "fork", time.monotonic()
+            ids, errors, mode, snapshot_id = await asyncio.to_thread(_fork, parent.sandbox.sandbox_id, n, timeout,
+                                                                     connection)  # fmt: skip
+            metrics["fork_s"] = round(time.monotonic() - t1, 4)
+    except Exception as exc:
+        if not is_infra(exc):
+            raise
+        return _unstarted(n, stage, exc, metrics, t0)
 
     async def one(i: int, sandbox_id: str) -> Member:
         ep = AsyncEpisode(template, rollout_id=f"{gid}-{i}", run=run, timeout=timeout, sandbox_id=sandbox_id,
@@ -167,11 +196,17 @@ async def arun_group(template: str, n: int, rollout: Callable[[AsyncEpisode, int
         recycled, doomed = await asyncio.to_thread(_recycle, doomed, snapshot_id, connection)
     from e2b import AsyncSandbox
 
-    for sid in doomed:
-        with contextlib.suppress(Exception):
-            await AsyncSandbox.kill(sid, **connection)
+    until = kill_deadline()
+    _kill_errors(metrics, {sid: await akill_until(functools.partial(AsyncSandbox.kill, sid, **connection), until)
+                           for sid in doomed})  # fmt: skip
     metrics["total_s"] = round(time.monotonic() - t0, 4)
     return GroupResult(members, kept, mode, metrics, recycled, snapshot_id)
+
+
+def _kill_errors(metrics: dict[str, Any], errors: dict[str, str | None]) -> None:
+    """Sandboxes the group could not kill (they end with their timeout or lease), in its metrics."""
+    if failed := {sid: why for sid, why in errors.items() if why is not None}:
+        metrics["kill_errors"] = failed
 
 
 def _check_rest(rest: str) -> None:

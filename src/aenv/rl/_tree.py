@@ -10,7 +10,7 @@ live node on exit; ``beam_search`` is the common loop on top of it.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -19,6 +19,8 @@ from typing import Any, Self
 from aenv.client import ConflictError
 from aenv.rl._connection import client
 from aenv.rl._episode import Episode
+from aenv.rl._kill import deadline as kill_deadline
+from aenv.rl._kill import kill_until
 from aenv.rl._lease import Lease
 
 
@@ -86,10 +88,10 @@ class SearchTree:
         """Kill these nodes' sandboxes (their descendants live on: they are sandboxes of their own)."""
         from e2b import Sandbox
 
+        until = kill_deadline()
         for n in nodes:
             if n.alive:
-                with contextlib.suppress(Exception):
-                    Sandbox.kill(n.sandbox_id, **self.connection)
+                kill_until(functools.partial(Sandbox.kill, n.sandbox_id, **self.connection), until)
                 n.alive = False
 
     def keep_best(self, nodes: list[Node], k: int) -> list[Node]:

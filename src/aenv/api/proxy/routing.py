@@ -123,6 +123,16 @@ def unsigned_files_url() -> tuple[int, bytes]:
     return json_error(401, {"code": 401, "message": "invalid or missing file URL signature"})
 
 
+class HopDown(ConnectionError):
+    """A hop before the sandbox took no connection: a gateway's to the node that owns it. Its text names
+    the hop and why, so that the 502 (and the SDK's exception, which carries the message) says which node,
+    not only that some connection was refused."""
+
+    def __init__(self, message: str, node: str) -> None:
+        super().__init__(message)
+        self.node = node
+
+
 def sandbox_error(sandbox_id: str, message: str, **extra: str) -> tuple[int, bytes]:
     """E2B's 502 for a sandbox the request could not get through to."""
     return json_error(502, {"sandboxId": sandbox_id, "message": message, "code": 502, **extra})
@@ -138,6 +148,8 @@ def upstream_error(sandbox_id: str, exc: Exception) -> tuple[int, bytes]:
         return sandbox_error(sandbox_id, "The sandbox was not found")
     if isinstance(exc, (StreamRefused, PortNotOpen)):
         return sandbox_error(sandbox_id, "The sandbox is running but port is not open")
+    if isinstance(exc, HopDown):
+        return sandbox_error(sandbox_id, f"The sandbox is unreachable: {exc}", reason="node_down", node=exc.node)
     name = "RemoteProtocolError" if isinstance(exc, (UpstreamError, MuxError)) else type(exc).__name__
     return sandbox_error(sandbox_id, f"The sandbox is unreachable: {name}")
 
