@@ -67,6 +67,11 @@ def test_docker_run_pulls_a_docker_hub_name_through_the_mirror(sbx: Any) -> None
     assert "busybox" in _root(sbx, "docker images --format '{{.Repository}}'")
 
 
+def test_the_default_user_runs_docker_without_sudo(sbx: Any) -> None:
+    assert sbx.commands.run("id -nG; docker ps -q | wc -l", timeout=60).stdout.split()[-1].isdigit()
+    assert "docker" in sbx.commands.run("id -nG", timeout=60).stdout.split()
+
+
 def test_docker_build_of_a_two_step_dockerfile(sbx: Any) -> None:
     sbx.files.write("/root/ctx/Dockerfile",
                     "FROM busybox:latest\nRUN echo step-one > /one\nRUN cat /one /one > /two\nCMD [\"cat\", \"/two\"]\n")

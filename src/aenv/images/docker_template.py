@@ -45,6 +45,7 @@ COMPOSE_SUITE = "trixie"
 COMPOSE_PACKAGE = "docker-compose"
 PLUGIN_DIR = "usr/libexec/docker/cli-plugins"
 START_SCRIPT = "usr/local/bin/aenv-dockerd"
+DOCKER_GROUP = "docker"  # docker.io's group: the socket's group; the sandbox's ``user`` is made a member
 DOCKERD_LOG = "/var/log/dockerd.log"
 # dockerd's defaults: overlay2 (on a btrfs state dir dockerd would pick its btrfs driver, whose
 # subvolumes a user namespace cannot delete), the json-file log driver bounded (a chatty service must not
@@ -105,8 +106,25 @@ def compose_layer_path(settings: Settings, mirror: str) -> Path:
         f"dockercompose-{_hash([RECIPE_VERSION, COMPOSE_SUITE, COMPOSE_PACKAGE, mirror, PLUGIN_DIR])}")
 
 
-def service_layer_path(settings: Settings) -> Path:
-    return settings.cache_dir / "rootfs" / f"dockersvc-{_hash([RECIPE_VERSION, START_SCRIPT_TEXT, DAEMON_JSON])}"
+def service_layer_path(settings: Settings, base: Path) -> Path:
+    """Named by its inputs, the base tree among them: its /etc/group is copied with ``user`` added."""
+    return settings.cache_dir / "rootfs" / (
+        f"dockersvc-{_hash([RECIPE_VERSION, START_SCRIPT_TEXT, DAEMON_JSON, DOCKER_GROUP, base.name])}")
+
+
+def with_member(text: str, group: str, user: str) -> str:
+    """/etc/group (or gshadow) text with ``user`` added to ``group``'s members (pure, unit-tested): the
+    sandbox's ``user`` runs ``docker`` without sudo, as on a machine where it was added to the group."""
+    lines = []
+    for line in text.splitlines():
+        fields = line.split(":")
+        if fields[0] == group and len(fields) >= 4:
+            members = [m for m in fields[-1].split(",") if m]
+            if user not in members:
+                fields[-1] = ",".join([*members, user])
+            line = ":".join(fields)
+        lines.append(line)
+    return "\n".join(lines) + "\n"
 
 
 def apt_options(work: Path) -> list[str]:
@@ -157,7 +175,17 @@ def _build_compose(tmp: Path, mirror: str, log: Log) -> None:
         (tmp / ".aenv-recipe.json").write_text(json.dumps({"deb": debs[0].name, "suite": COMPOSE_SUITE}))
 
 
-def _build_service(tmp: Path, log: Log) -> None:
+def _build_service(tmp: Path, base: Path, log: Log) -> None:
+    from aenv.images.bootstrap import USER_NAME
+
+    for name in ("group", "gshadow"):
+        src = base / "etc" / name
+        if src.is_file():
+            dest = tmp / "etc" / name
+            dest.parent.mkdir(exist_ok=True)
+            dest.write_text(with_member(src.read_text(), DOCKER_GROUP, USER_NAME))
+            shutil.copystat(src, dest)  # its mode (gshadow is 0640, group shadow)
+            os.chown(dest, src.stat().st_uid, src.stat().st_gid)
     script = tmp / START_SCRIPT
     script.parent.mkdir(parents=True)
     script.write_text(START_SCRIPT_TEXT)
@@ -182,14 +210,14 @@ def ensure_docker_layers(settings: Settings, *, log: Log = _stderr_log) -> Docke
     mirror = debian_mirror()
     if os.geteuid() != 0:
         raise DockerTemplateError("building the docker template needs root (files must be root-owned in the sandbox)",
-                                  path=str(service_layer_path(settings)))
+                                  path=str(settings.cache_dir / "rootfs"))
     log(f"[1/3] base rootfs with {', '.join(DOCKER_PACKAGES)}")
     base = ensure_base_rootfs(settings, packages=base_packages(), mirror=mirror)
     log(f"  → {base}")
     log(f"[2/3] Compose v2 ({COMPOSE_PACKAGE} from {COMPOSE_SUITE})")
     compose = locked_build(compose_layer_path(settings, mirror), lambda t: _build_compose(t, mirror, log), log)
     log("[3/3] start script")
-    svc = locked_build(service_layer_path(settings), lambda t: _build_service(t, log), log)
+    svc = locked_build(service_layer_path(settings, base), lambda t: _build_service(t, base, log), log)
     return DockerLayers(service=svc, compose=compose, base=base)
 
 
@@ -198,6 +226,6 @@ def docker_layers_if_built(settings: Settings) -> DockerLayers | None:
     from aenv.images.bootstrap import base_rootfs_path, debian_mirror
 
     mirror = debian_mirror()
-    layers = DockerLayers(service_layer_path(settings), compose_layer_path(settings, mirror),
-                          base_rootfs_path(settings, base_packages(), mirror))
+    base = base_rootfs_path(settings, base_packages(), mirror)
+    layers = DockerLayers(service_layer_path(settings, base), compose_layer_path(settings, mirror), base)
     return layers if all(p.is_dir() for p in layers.lowers) else None
