@@ -39,6 +39,7 @@ from bench import (
     builds,
     cluster,
     cluster_sim,
+    compose,
     core,
     density,
     forks,
@@ -82,6 +83,7 @@ SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "bandwidth": bandwidth.bandwidth,
     "teams": teams.teams,
     "console": console_list.console_scale,
+    "compose": compose.compose_sandboxes,
 }
 GROUPS = {
     "core": ["create", "concurrent", "roundtrip", "files", "pause"],
@@ -91,9 +93,10 @@ GROUPS = {
     # the code-interpreter template's layers on first use (PyPI), bandwidth makes a test host's network
     # namespace (root) and takes tens of seconds of transfers, teams starts a server of its own and bursts
     # 200 creates, console fills 2,000 sandboxes and drives a browser, cluster-sim starts its own Redis,
-    # gateways and simulated nodes: run those by name
+    # gateways and simulated nodes, compose its own registry and server and needs the docker template
+    # (aenv template build docker): run those by name
     "all": [s for s in SCENARIOS if s not in ("rl-groups", "lazy", "cluster", "cluster-sim", "scale", "interpreter",
-                                               "bandwidth", "teams", "console")],
+                                               "bandwidth", "teams", "console", "compose")],
 }
 NO_SERVER = {"cluster-sim"}  # scenarios that start what they measure (no aenv server, no baselines)
 

@@ -142,3 +142,33 @@ def test_cluster_sim_scenario_smoke(tmp_path: Path) -> None:
     assert all(r["n"] > 0 for r in sc["rows"])
     if (tmp_path / "out" / "chart.png").exists():  # matplotlib installed: the cluster chart too
         assert (tmp_path / "out" / "cluster-sim.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_compose_scenario_smoke(tmp_path: Path) -> None:
+    """``compose`` is run by name (its own registry and server; the docker template): its smoke has the
+    compose-up row (aenv, and the host's docker compose where the private dockerd starts) and, where the
+    runtime forks a compose sandbox, the fork ×4 rows; otherwise a note says why."""
+    if os.geteuid() != 0:
+        pytest.skip("the ns runtime needs root")
+    from bench.compose import compose_plugin
+
+    if compose_plugin() is None:
+        pytest.skip("the docker template is not built (aenv template build docker)")
+    env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost", "PYTHONPATH": str(REPO / "src")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--smoke", "--scenarios", "compose", "--runtime", "ns",
+         "--json", str(tmp_path / "compose.json"), "--out", str(tmp_path / "out")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=580,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run = json.loads((tmp_path / "compose.json").read_text())["runs"]["ns"]
+    sc = run["scenarios"]["compose"]
+    rows = {(r["metric"], r["system"]): r for r in sc["rows"]}
+    assert rows[("compose up → services healthy", "aenv-ns")]["n"] == 1
+    if not any("docker baseline unavailable" in n for n in run.get("notes", [])):
+        assert rows[("compose up → services healthy", "docker")]["n"] == 1
+    fork = ("compose fork ×4 → both services answer in every child", "aenv-ns")
+    assert fork in rows or any("fork of a compose sandbox refused" in n for n in sc["notes"]), sc
+    assert all(r["n"] > 0 and r["p50"] > 0 for r in sc["rows"])
