@@ -20,6 +20,19 @@ REPO = Path(__file__).resolve().parents[2]
 PERCENTILES = ("min", "p50", "p95", "p99", "max")
 
 
+def _by_name(tmp_path: Path, scenario: str, *args: str, timeout: float = 280) -> dict:  # type: ignore[type-arg]
+    """``python -m bench --smoke --scenarios SCENARIO ARGS`` of this checkout; the results' JSON."""
+    env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost", "PYTHONPATH": str(REPO / "src")}
+    out = tmp_path / f"{scenario}.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--smoke", "--scenarios", scenario, *args, "--json", str(out),
+         "--out", str(tmp_path / "out")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:  # type: ignore[type-arg]
     if os.geteuid() != 0:
@@ -79,14 +92,7 @@ def test_scale_scenario_smoke(tmp_path: Path) -> None:
     children, docker where it can start) has the idle and fork rows, a per-step series, and kills all."""
     if os.geteuid() != 0:
         pytest.skip("the ns runtime needs root")
-    env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost", "PYTHONPATH": str(REPO / "src")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench", "--smoke", "--scenarios", "scale", "--runtime", "ns",
-         "--json", str(tmp_path / "scale.json"), "--out", str(tmp_path / "out")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=280,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    sc = json.loads((tmp_path / "scale.json").read_text())["runs"]["ns"]["scenarios"]["scale"]
+    sc = _by_name(tmp_path, "scale", "--runtime", "ns")["runs"]["ns"]["scenarios"]["scale"]
     ours = {r["metric"]: r for r in sc["rows"] if r["system"] == "aenv-ns"}
     assert ours["scale: idle sandboxes reached"]["p50"] == 6
     assert ours["scale fork: children of one parent"]["p50"] == 4
@@ -103,14 +109,8 @@ def test_lazy_scenario_smoke(tmp_path: Path) -> None:
     """``lazy`` is run by name (its own registry and servers): its smoke has lazy and full-pull rows."""
     if os.geteuid() != 0:
         pytest.skip("the ns runtime needs root")
-    env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost", "PYTHONPATH": str(REPO / "src")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench", "--smoke", "--scenarios", "lazy", "--baseline", "none", "--runtime", "ns",
-         "--json", str(tmp_path / "lazy.json"), "--out", str(tmp_path / "out")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=580,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    sc = json.loads((tmp_path / "lazy.json").read_text())["runs"]["ns"]["scenarios"]["lazy"]
+    results = _by_name(tmp_path, "lazy", "--baseline", "none", "--runtime", "ns", timeout=580)
+    sc = results["runs"]["ns"]["scenarios"]["lazy"]
     if not sc["rows"]:
         assert any("skipped" in n for n in sc["notes"])
         return
@@ -127,14 +127,7 @@ def test_cluster_sim_scenario_smoke(tmp_path: Path) -> None:
 
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
-    env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost", "PYTHONPATH": str(REPO / "src")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench", "--smoke", "--scenarios", "cluster-sim", "--json", str(tmp_path / "sim.json"),
-         "--out", str(tmp_path / "out")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=280,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    sc = json.loads((tmp_path / "sim.json").read_text())["runs"]["ns"]["scenarios"]["cluster-sim"]
+    sc = _by_name(tmp_path, "cluster-sim")["runs"]["ns"]["scenarios"]["cluster-sim"]
     metrics = {(r["metric"], r["system"]) for r in sc["rows"]}
     assert ("10 nodes: creates/s (8 clients)", "sim, 3 gateways") in metrics
     assert ("10 nodes: node killed → fenced (dead) on every gateway", "sim, 3 gateways") in metrics
@@ -156,14 +149,7 @@ def test_compose_scenario_smoke(tmp_path: Path) -> None:
 
     if compose_plugin() is None:
         pytest.skip("the docker template is not built (aenv template build docker)")
-    env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost", "PYTHONPATH": str(REPO / "src")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench", "--smoke", "--scenarios", "compose", "--runtime", "ns",
-         "--json", str(tmp_path / "compose.json"), "--out", str(tmp_path / "out")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=580,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    run = json.loads((tmp_path / "compose.json").read_text())["runs"]["ns"]
+    run = _by_name(tmp_path, "compose", "--runtime", "ns", timeout=580)["runs"]["ns"]
     sc = run["scenarios"]["compose"]
     rows = {(r["metric"], r["system"]): r for r in sc["rows"]}
     assert rows[("compose up → services healthy", "aenv-ns")]["n"] == 1
