@@ -185,10 +185,14 @@ def setup_dev(root: str) -> None:
     mount("shm", f"{dev}/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=65536k")
 
 
-def mount_proc(root: str, boot_id: str | None) -> None:
-    """/proc of the sandbox's PID namespace (mounted by a process in it), hardened, its own boot id."""
+def mount_proc(root: str, boot_id: str | None, *, nested: bool = False) -> None:
+    """/proc of the sandbox's PID namespace (mounted by a process in it), hardened, its own boot id.
+    ``nested`` (Docker inside, user namespace only): /proc/sys/net stays writable, as dockerd sets its
+    network's sysctls (the kernel checks those against the sandbox's own network namespace)."""
     _mkdir(f"{root}/proc")
     mount("proc", f"{root}/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    if nested:  # bound before /proc/sys is made read-only: its recursive bind keeps this one writable
+        bind(f"{root}/proc/sys/net", f"{root}/proc/sys/net", extra=MS_NOSUID | MS_NODEV | MS_NOEXEC)
     harden_proc(f"{root}/proc")
     if boot_id:
         bind(boot_id, f"{root}/proc/{BOOT_ID}", readonly=True, extra=MS_NOSUID | MS_NODEV | MS_NOEXEC)
@@ -337,11 +341,16 @@ def enter(cfg: dict) -> None:  # type: ignore[type-arg]
 
 
 def _contain_and_report(cfg: dict, pid: int, start: int) -> None:  # type: ignore[type-arg]
-    """Step 6 and the report: after pivot_root, in the sandbox's final namespaces."""
-    drop_capabilities()
+    """Step 6 and the report: after pivot_root, in the sandbox's final namespaces. A ``nested`` sandbox
+    (Docker inside; only ever in a user namespace) keeps every capability *of its user namespace* and
+    gets the filter's nested variant, which lets it mount and make namespaces, as dockerd and runc must."""
+    nested = bool(cfg.get("nested"))
+    if not nested:
+        drop_capabilities()
     if cfg.get("seccomp", True):
-        syscall_filter.install(no_new_privs=bool(cfg.get("no_new_privs", False)))
-    limit_current_capabilities()
+        syscall_filter.install(no_new_privs=bool(cfg.get("no_new_privs", False)), nested=nested)
+    if not nested:
+        limit_current_capabilities()
     os.setsid()
     report({"pid": pid, "start": start})
     # stdio from inside the sandbox only: CRIU refuses fds that point at host files.
@@ -377,7 +386,21 @@ def _build_idmapped_root(cfg: dict, userns_fd: int, host_uid: int, *,  # type: i
         if populate:
             _mkdir(f"{root}/proc")
             populate_root(root, cfg)
+            if cfg.get("nested"):
+                bind_nested_data(root, rw)
     return root
+
+
+NESTED_DATA = "/var/lib/docker"
+
+
+def bind_nested_data(root: str, rw: str) -> None:
+    """Docker's data directory on the sandbox directory's own filesystem, beside the root's upper: on
+    the root overlay, dockerd's overlay2 could not stack (overlayfs is no upper layer) and would fall
+    back to copying every image layer whole."""
+    data = f"{rw}/nested-data"
+    _mkdir(data, 0o711)
+    mount(data, volume_point(root, NESTED_DATA), None, MS_BIND)
 
 
 def restore_mounts(cfg: dict) -> None:  # type: ignore[type-arg]
@@ -437,6 +460,32 @@ CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = (
     0x00020000, 0x04000000, 0x08000000, 0x20000000, 0x40000000)
 
 
+CLONE_NEWCGROUP = 0x02000000
+
+
+def mount_nested_sys() -> None:
+    """/sys for Docker inside (the root is the working directory; the host's /proc still mounted): the
+    sandbox network's own sysfs (runc mounts one in each container it starts, which the kernel allows
+    only where a sysfs is already fully visible in the mount namespace), and under it the cgroup
+    hierarchies in a cgroup namespace rooted at the sandbox's cgroups (runc wants them mounted even
+    when, as here, it makes no cgroup of its own: the sandbox's limits bound every container)."""
+    _mkdir("sys")
+    mount("sysfs", "sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    if _libc.unshare(CLONE_NEWCGROUP) != 0:
+        _check(-1, "unshare cgroup namespace")
+    mount("tmpfs", "sys/fs/cgroup", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=755")
+    with open("/proc/self/cgroup") as fh:
+        hierarchies = [line.split(":")[1] for line in fh.read().splitlines() if line.count(":") >= 2]
+    for controllers in filter(None, hierarchies):  # "" is the unified (v2) hierarchy's line
+        target = f"sys/fs/cgroup/{controllers.replace('name=', '')}"
+        _mkdir(target)
+        options = f"none,{controllers}" if controllers.startswith("name=") else controllers
+        try:
+            mount("cgroup", target, "cgroup", MS_NOSUID | MS_NODEV | MS_NOEXEC, options)
+        except OSError:  # a hierarchy this namespace may not mount: the others are enough for runc
+            os.rmdir(target)
+
+
 def run_in_userns(cfg: dict) -> None:  # type: ignore[type-arg]
     """The whole start with a user namespace (``cfg["userns"]``: an inherited fd of it and the host
     uid its root maps to). The server runs us directly, not under ``unshare``: the mounts need host
@@ -470,7 +519,9 @@ def run_in_userns(cfg: dict) -> None:  # type: ignore[type-arg]
     if cfg.get("nice"):
         os.nice(int(cfg["nice"]))
     pid, start = host_identity()  # the host's /proc is still mounted beside ours
-    mount_proc(".", None)
+    mount_proc(".", None, nested=bool(cfg.get("nested")))
+    if cfg.get("nested"):
+        mount_nested_sys()
     if boot_id is not None:
         idmap.attach(boot_id, f"proc/{BOOT_ID}")
         mount("none", f"proc/{BOOT_ID}", None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)

@@ -69,6 +69,11 @@ DENIED: dict[str, int] = {
     "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442,
     "quotactl_fd": 443, "set_mempolicy_home_node": 450, "open_tree_attr": 467,
 }
+# What a nested sandbox (Docker inside, ``launch._contain_and_report``) may call besides: dockerd and
+# runc mount, pivot, make and join namespaces and a session keyring. Its user namespace bounds them.
+NESTED_ALLOWED = frozenset({
+    "mount", "umount2", "pivot_root", "unshare", "setns", "keyctl", "add_key", "request_key", "open_tree",
+    "move_mount", "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr", "open_tree_attr"})
 CLONE = 56
 CLONE3 = 435
 PERSONALITY = 135
@@ -103,9 +108,10 @@ def _first_arg_test(nr: int, code: int, k: int, err: int) -> list[tuple[int, int
     ]
 
 
-def program() -> list[tuple[int, int, int, int]]:
+def program(nested: bool = False) -> list[tuple[int, int, int, int]]:
     """The filter as (code, jt, jf, k) instructions. Every test is a pair "jump over the next
-    instruction unless it matches; return", so no jump is longer than the 255 BPF allows."""
+    instruction unless it matches; return", so no jump is longer than the 255 BPF allows. ``nested``:
+    the syscalls of ``NESTED_ALLOWED`` and ``clone`` with namespace flags are allowed too."""
     allow = _stmt(_RET_K, SECCOMP_RET_ALLOW)
     prog = [
         _stmt(_LD_W_ABS, _ARCH),
@@ -115,11 +121,12 @@ def program() -> list[tuple[int, int, int, int]]:
         _jump(_JGT_K, LAST_REVIEWED, 0, 1),  # also catches x32 (bit 30 set)
         _errno(errno.ENOSYS),
     ]
-    for nr in sorted(set(DENIED.values())):
+    denied = {nr for name, nr in DENIED.items() if not (nested and name in NESTED_ALLOWED)}
+    for nr in sorted(denied):
         prog += [_jump(_JEQ_K, nr, 0, 1), _errno(errno.EPERM)]
     prog += [_jump(_JEQ_K, CLONE3, 0, 1), _errno(errno.ENOSYS)]
-    # clone: the flags are its first argument on x86_64; any namespace flag is refused
-    prog += _first_arg_test(CLONE, _JSET_K, CLONE_NAMESPACES, errno.EPERM)
+    if not nested:  # clone: the flags are its first argument on x86_64; any namespace flag is refused
+        prog += _first_arg_test(CLONE, _JSET_K, CLONE_NAMESPACES, errno.EPERM)
     # personality: only the values Docker allows
     n = len(PERSONALITY_ALLOWED)
     prog += [_jump(_JEQ_K, PERSONALITY, 0, n + 3), _stmt(_LD_W_ABS, _ARG0_LO)]
@@ -141,7 +148,7 @@ def _prctl(libc: ctypes.CDLL, what: str, option: int, *args: object) -> None:
         raise OSError(err, f"prctl({what}): {errno.errorcode.get(err, err)}")
 
 
-def install(no_new_privs: bool = False) -> None:
+def install(no_new_privs: bool = False, nested: bool = False) -> None:
     """Load the filter into this (single-threaded) process; its children and everything it execs
     inherit it, and it cannot be undone. Without ``no_new_privs`` the kernel lets only a process
     holding CAP_SYS_ADMIN load a filter, so the launcher loads it before it trims its own capabilities:
@@ -150,7 +157,7 @@ def install(no_new_privs: bool = False) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if no_new_privs:
         _prctl(libc, "PR_SET_NO_NEW_PRIVS", PR_SET_NO_NEW_PRIVS, 1)
-    prog = program()
+    prog = program(nested)
     blob = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *ins) for ins in prog))
     fprog = _SockFprog(len(prog), ctypes.cast(blob, ctypes.c_void_p))
     _prctl(libc, "PR_SET_SECCOMP", PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
@@ -204,38 +205,56 @@ def bench(ctx: typer.Context) -> None:
 
 
 def template_build(
-    name: str = typer.Argument(..., help="what to build: code-interpreter"),
+    name: str = typer.Argument(..., help="what to build: code-interpreter or docker"),
     register: bool = typer.Option(True, help="register the template in this machine's state dir"),
     with_languages: bool = typer.Option(
         True, "--with-languages/--python-only",
-        help="R (IRkernel) and Node.js (javascript, typescript) in the template: Debian packages, ~160 MB"),
+        help="code-interpreter: R (IRkernel) and Node.js (javascript, typescript) in the template: Debian packages, ~160 MB"),
 ) -> None:
-    """Build a built-in template on this machine (needs root, PyPI and the Debian mirror), then register it.
+    """Build a built-in template on this machine (needs root and the Debian mirror), then register it.
 
-    `code-interpreter` makes `code-interpreter-v1` (the default of `e2b-code-interpreter`): a Debian rootfs
-    (the base's packages plus R, IRkernel and Node.js) with overlay layers holding ipykernel, jupyter_client,
-    matplotlib, numpy, pandas and the TypeScript compiler, and the service on port 49999. Languages: python,
-    javascript, typescript, r and bash (python and bash with --python-only); no Java (no kernel reachable).
+    `code-interpreter` makes `code-interpreter-v1` (the default of `e2b-code-interpreter`; needs PyPI too): a
+    Debian rootfs (the base's packages plus R, IRkernel and Node.js) with overlay layers holding ipykernel,
+    jupyter_client, matplotlib, numpy, pandas and the TypeScript compiler, and the service on port 49999.
+    Languages: python, javascript, typescript, r and bash (python and bash with --python-only).
+
+    `docker` makes `docker`: the base's packages plus Debian's docker.io and iptables, and Compose v2 (the
+    `docker compose` plugin, from trixie's docker-compose package); dockerd starts with the sandbox, which
+    runs Docker inside (`docker run`, `docker build`, `docker compose up`; see docs/docker.md).
+
     Layers are cached under <cache_dir>/rootfs/; a running server sees the template at once.
     """
     from aenv.config import load_settings
     from aenv.core.templates import TemplateCatalog
+    from aenv.images import docker_template
     from aenv.images.errors import BootstrapError
     from aenv.images.interpreter import TEMPLATE_NAME, ensure_interpreter_layers
-    from aenv.store.sqlite import Store
+    from aenv.store.sqlite import Store, TemplateRow
 
     printer = Printer()
-    if name not in ("code-interpreter", TEMPLATE_NAME):
-        printer.fail(f"unknown built-in template '{name}'", hint="available: code-interpreter", status=ExitStatus.USAGE)
+    kinds = {"code-interpreter": TEMPLATE_NAME, TEMPLATE_NAME: TEMPLATE_NAME,
+             "docker": docker_template.TEMPLATE_NAME}
+    if name not in kinds:
+        printer.fail(f"unknown built-in template '{name}'", hint="available: code-interpreter, docker",
+                     status=ExitStatus.USAGE)
     settings = load_settings()
     t0 = time.monotonic()
+
+    def log(line: str) -> None:
+        printer.err.print(line, markup=False, highlight=False)
+
     try:
-        layers = ensure_interpreter_layers(settings, with_languages=with_languages,
-                                           log=lambda line: printer.err.print(line, markup=False, highlight=False))
+        if kinds[name] == TEMPLATE_NAME:
+            layers = ensure_interpreter_layers(settings, with_languages=with_languages, log=log)
+            registrar: Callable[[TemplateCatalog], TemplateRow] = lambda c: c.register_interpreter(layers)  # noqa: E731
+        else:
+            docker_layers = docker_template.ensure_docker_layers(settings, log=log)
+            registrar = lambda c: c.register_docker(docker_layers)  # noqa: E731
     except BootstrapError as exc:
-        printer.fail("building code-interpreter-v1 failed", causes=[str(exc)], hint="run as root with PyPI and the Debian mirror reachable")
+        printer.fail(f"building {kinds[name]} failed", causes=[str(exc)],
+                     hint="run as root with the Debian mirror (and, for code-interpreter, PyPI) reachable")
     printer.info(f"layers ready in {time.monotonic() - t0:.1f}s")
     if register:
         settings.state_dir.mkdir(parents=True, exist_ok=True)
-        row = TemplateCatalog(settings, Store(settings.db_path)).register_interpreter(layers)
+        row = registrar(TemplateCatalog(settings, Store(settings.db_path)))
         printer.data(f"template {row.alias} registered ({row.size_bytes / 1e6:.0f} MB of packages)")

@@ -75,7 +75,7 @@ class TemplateFlows:
 
     def ensure_base(self) -> None:
         """Register the default ``base`` template from the cached bootstrap rootfs (building it if
-        missing; blocking) and ``code-interpreter-v1`` if its layers are built."""
+        missing; blocking) and ``code-interpreter-v1`` and ``docker`` if their layers are built."""
         row = self.ctx.store.get_template("base")
         if row is None or (row.kind is TemplateKind.BOOTSTRAP and not Path(row.rootfs).is_dir()):
             rootfs = ensure_base_rootfs(self.ctx.settings)
@@ -84,6 +84,7 @@ class TemplateFlows:
             )
             log.info("template base registered from %s", rootfs)
         self.ctx.templates.register_interpreter_if_built()
+        self.ctx.templates.register_docker_if_built()
 
     async def pull(
         self,

@@ -17,7 +17,7 @@ from typing import Any
 from aenv.config import Settings
 from aenv.core.ids import new_id
 from aenv.errors import Conflict, TemplateNotFound
-from aenv.images import interpreter
+from aenv.images import docker_template, interpreter
 from aenv.images.templates import PulledImage
 from aenv.kinds import TemplateKind
 from aenv.runtime.base import SandboxImage
@@ -173,6 +173,31 @@ class TemplateCatalog:
         if row is not None and row.lowers == [str(p) for p in layers.lowers]:
             return row
         return self.register_interpreter(layers)
+
+    def register_docker(self, layers: docker_template.DockerLayers) -> TemplateRow:
+        """Register (or refresh) ``docker``: Docker and Compose inside (``nested_containers``)."""
+        return self.register(
+            alias=docker_template.TEMPLATE_NAME,
+            kind=TemplateKind.BOOTSTRAP,
+            rootfs=layers.base,
+            lowers=layers.lowers,
+            config={"start_cmd": docker_template.START_CMD, "ready_cmd": docker_template.READY_CMD,
+                    "nested_containers": True},
+            source="aenv:docker (docker.io from bookworm, Compose v2 from trixie)",
+            template_id=docker_template.TEMPLATE_NAME,
+            size_bytes=interpreter.tree_size(layers.base),
+        )
+
+    def register_docker_if_built(self) -> TemplateRow | None:
+        """Server start-up: (re)register ``docker`` when its layers are already in the cache, never
+        building anything (``aenv template build docker`` does)."""
+        layers = docker_template.docker_layers_if_built(self.settings)
+        if layers is None:
+            return None
+        row = self.store.get_template(docker_template.TEMPLATE_NAME)
+        if row is not None and row.lowers == [str(p) for p in layers.lowers]:
+            return row
+        return self.register_docker(layers)
 
     def list_templates(self) -> list[TemplateRow]:
         return self.store.list_templates()

@@ -179,8 +179,9 @@ def _stderr_log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _locked_build(final: Path, build: Callable[[Path], None], log: Log) -> Path:
-    """Run ``build(tmp)`` once for ``final``: flock, skip if present, tmp dir, rename into place."""
+def locked_build(final: Path, build: Callable[[Path], None], log: Log) -> Path:
+    """Run ``build(tmp)`` once for ``final``: flock, skip if present, tmp dir, rename into place (the
+    layers of every built-in template: code-interpreter, docker)."""
     if final.is_dir():
         log(f"  → {final} (cached)")
         return final
@@ -354,11 +355,11 @@ def ensure_interpreter_layers(
     base = ensure_base_rootfs(settings, packages=base_packages(with_languages))
     log(f"  → {base}")
     log("[2/3] python packages layer")
-    pkgs = _locked_build(
+    pkgs = locked_build(
         packages_layer_path(settings, packages), lambda t: _build_packages(t, packages, log), log
     )
     log("[3/3] interpreter service layer")
-    svc = _locked_build(service_layer_path(settings), lambda t: _build_service(t, log), log)
+    svc = locked_build(service_layer_path(settings), lambda t: _build_service(t, log), log)
     return InterpreterLayers(service=svc, packages=pkgs, base=base)
 
 

@@ -251,7 +251,10 @@ def render(host_addrs: Iterable[str], blocked: Sequence[str], resolver: str, sli
     nat.append("COMMIT")
     dns = "ACCEPT" if policy.resolver_allowed(resolver) else "REJECT"
     flt = ["*filter", ":INPUT ACCEPT [0:0]", ":FORWARD DROP [0:0]", ":OUTPUT ACCEPT [0:0]",
-           *private.gateway_rules(policy.private_nets, policy.deny_nets), "-A OUTPUT -o lo -j ACCEPT"]  # fmt: skip
+           *private.gateway_rules(policy.private_nets, policy.deny_nets), "-A OUTPUT -o lo -j ACCEPT",
+           # only what leaves through slirp4netns's tap is filtered: a sandbox that runs Docker inside
+           # reaches its own containers' bridges (no other sandbox has an interface besides these two)
+           "-A OUTPUT ! -o tap0 -j ACCEPT"]  # fmt: skip
     if proxy_port is not None and policy.needs_proxy:  # redirected to the proxy (still routed out here)
         flt.append("-A OUTPUT -d 127.0.0.1/32 -m conntrack --ctstate DNAT -j ACCEPT")
     for proto in ("udp", "tcp"):
@@ -261,5 +264,9 @@ def render(host_addrs: Iterable[str], blocked: Sequence[str], resolver: str, sli
     flt += [f"-A OUTPUT -d {cidr} -j REJECT" for cidr in blocked]
     flt += [f"-A OUTPUT -d {net} -j ACCEPT" for net in policy.allowed_nets()]
     flt += [f"-A OUTPUT -d {net} -j REJECT" for net in policy.deny_nets]
+    # What a sandbox forwards (only one that runs Docker inside has anything to forward: its containers'
+    # traffic) meets the same rules on its way out; the rest of it stays between its own bridges.
+    rules = [line for line in flt if line.startswith("-A OUTPUT ")]
+    flt += [line.replace("-A OUTPUT ", "-A FORWARD ", 1) for line in rules] + ["-A FORWARD -j ACCEPT"]
     flt.append("COMMIT")
     return "\n".join(nat + flt) + "\n"

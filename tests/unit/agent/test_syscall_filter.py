@@ -64,3 +64,32 @@ def test_program_jumps_stay_inside_the_program() -> None:
         if code & 0x07 == 0x05:  # BPF_JMP
             assert i + 1 + max(jt, jf) < len(prog)
     assert prog[-1] == (0x06, 0, 0, syscall_filter.SECCOMP_RET_ALLOW)
+
+
+NESTED_CHILD = r"""
+import ctypes, errno, json
+from aenv.agent import syscall_filter
+syscall_filter.install(no_new_privs=True, nested=True)
+libc = ctypes.CDLL(None, use_errno=True)
+def sc(nr, *a):
+    r = libc.syscall(nr, *a)
+    return errno.errorcode.get(ctypes.get_errno(), "?") if r < 0 else "ok"
+out = {"unshare": sc(272, 0x10000000 | 0x00020000)}  # a user and a mount namespace of our own ...
+out["mount"] = sc(165, b"none", b"/tmp", b"tmpfs", 0, None)  # ... so this tmpfs is only ours
+out["keyctl"] = sc(250, 0, -3, 0)  # KEYCTL_GET_KEYRING_ID of the session keyring: not refused by the filter
+out["bpf"] = sc(321, 0, 0, 0)
+out["perf"] = sc(298, 0, 0, -1, -1, 0)
+print(json.dumps(out))
+"""
+
+
+def test_nested_filter_lets_docker_mount_and_make_namespaces() -> None:
+    """The nested variant (Docker inside, only ever in the sandbox's own user namespace) lets through
+    what dockerd and runc need, and still refuses the rest (bpf, perf_event_open...)."""
+    proc = subprocess.run([sys.executable, "-c", NESTED_CHILD], capture_output=True, text=True, timeout=60, check=True)
+    out = json.loads(proc.stdout)
+    if out["unshare"] != "ok":
+        pytest.skip(f"this host does not let a process make a user namespace ({out['unshare']})")
+    assert out["mount"] == "ok" and out["keyctl"] != "EPERM", out
+    assert out["bpf"] == "EPERM" and out["perf"] == "EPERM", out
+    assert all(nr in syscall_filter.DENIED for nr in syscall_filter.NESTED_ALLOWED)

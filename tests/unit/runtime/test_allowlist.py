@@ -26,7 +26,19 @@ def _rules(entries: list[str], allow: list[str] | None = None, deny: list[str] |
 
 
 def _filter(lines: list[str]) -> list[str]:
-    return lines[lines.index("*filter"):]
+    """The filter table's OUTPUT part (FORWARD repeats its rules: ``test_forwarded_traffic_meets_the_same_rules``)."""
+    return [line for line in lines[lines.index("*filter"):] if not line.startswith("-A FORWARD ")]
+
+
+def test_forwarded_traffic_meets_the_same_rules() -> None:
+    """A sandbox running Docker inside forwards its containers' traffic: the same rules, in order, then
+    the rest accepted as OUTPUT's policy does; only what goes out through the tap is filtered."""
+    lines = _rules(["localhost:9000", "10.1.2.0/24"], deny=["0.0.0.0/0"])
+    out = [line.removeprefix("-A OUTPUT ") for line in lines if line.startswith("-A OUTPUT ")
+           and lines.index(line) > lines.index("*filter")]
+    fwd = [line.removeprefix("-A FORWARD ") for line in lines if line.startswith("-A FORWARD ")]
+    assert fwd == [*out, "-j ACCEPT"]
+    assert "! -o tap0 -j ACCEPT" in fwd and fwd.index("! -o tap0 -j ACCEPT") < fwd.index("-d 10.0.0.0/8 -j REJECT")
 
 
 def test_entries_parse_with_ports_scopes_names_and_host_services() -> None:
@@ -59,8 +71,8 @@ def test_entries_the_server_refuses_to_start_with(entry: str, says: str) -> None
 def test_default_filter_is_unchanged_by_an_empty_allowlist() -> None:
     assert render(["192.0.2.2"], BLOCKED_RANGES, SLIRP_DNS, SLIRP_DNS) == "\n".join(_rules([])) + "\n"
     accepted = [line for line in _filter(_rules([])) if line.endswith("-j ACCEPT")]
-    assert accepted == ["-A OUTPUT -o lo -j ACCEPT", *(f"-A OUTPUT -d {SLIRP_DNS}/32 -p {p} --dport 53 -j ACCEPT"
-                                                       for p in ("udp", "tcp"))]
+    assert accepted == ["-A OUTPUT -o lo -j ACCEPT", "-A OUTPUT ! -o tap0 -j ACCEPT",
+                        *(f"-A OUTPUT -d {SLIRP_DNS}/32 -p {p} --dport 53 -j ACCEPT" for p in ("udp", "tcp"))]
 
 
 def test_every_sandbox_entry_is_accepted_before_the_private_ranges_are_rejected() -> None:

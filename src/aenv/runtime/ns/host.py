@@ -85,6 +85,9 @@ class NsHost:
         if sbx.from_zygote:
             return ("it was started from the zygote, whose preloaded files CRIU cannot map "
                     "(AENV_NS_ZYGOTE=1 with CRIU present)")
+        if sbx.nested:
+            return ("it runs Docker inside (dockerd, containerd and their containers in namespaces and mounts "
+                    "of their own), which CRIU cannot dump on ns; the vm runtime forks and snapshots such sandboxes")
         return None
 
     def check_userns(self) -> None:
@@ -181,6 +184,16 @@ class NsHost:
         assert self.tools is not None
         if allow_internet and not slirp_available():
             raise RuntimeFailure("internet access needs slirp4netns and iptables on the host (apt-get install slirp4netns iptables)")
+        if template.nested_containers and not self.settings.ns_nested_containers:
+            raise InvalidRequest(
+                f"template '{template.template_id}' runs Docker inside (nested_containers), which this ns node "
+                "does not allow: its sandboxes could rewrite their own firewall (set ns_nested_containers to "
+                "allow it, or run such templates on the vm runtime)", template=template.template_id)
+        if template.nested_containers and self.userns is None:
+            raise InvalidRequest(
+                f"template '{template.template_id}' runs Docker inside (nested_containers), which an ns sandbox "
+                "allows only in a user namespace of its own; this server runs them without one (ns_userns_uid=0)",
+                template=template.template_id)
         return LaunchOptions(template=template, tools=self.tools, allow_internet=allow_internet,
                              default_limits=limits, debug_log=self.debug_log, nice=nice, zygote=self.zygote,
                              disk=self.disk if self.disk.active else None, userns=self.userns_at(uid_slot),

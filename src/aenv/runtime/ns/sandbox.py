@@ -226,6 +226,7 @@ class NsSandbox:
         self.template_id = opts.template.template_id if opts else ""
         # forked from the zygote: CRIU cannot dump it (criu.py); unknown after a restart = assume so
         self.from_zygote = bool(opts and opts.zygote is not None)
+        self.nested = bool(opts and opts.template.nested_containers)  # Docker inside (launch.py "nested")
         # The overlay lowers this sandbox runs on (top first) and how many of them, from the top,
         # are snapshot layers: a snapshot of it records both so a restore can rebuild the stack.
         self.lowers: list[str] = opts.lowers() if opts else []
@@ -280,6 +281,7 @@ class NsSandbox:
             "resolv_conf": RESOLV_CONF if opts.allow_internet else None, "boot_id": str(self.paths.boot_id),
             "argv": agent_argv(opts), "env": {}, "log": None,
             "volumes": [[str(v.source), v.path, v.read_only] for v in opts.volumes],
+            "nested": opts.template.nested_containers,
         }
         cfg["nice"] = opts.nice
         report = await opts.zygote.launch(cfg) if opts.zygote is not None else None
@@ -522,6 +524,7 @@ class NsSandbox:
             "lowers": self.lowers,
             "snapshot_depth": self.snapshot_depth,
             "zygote": self.from_zygote,
+            "nested": self.nested,
         }
 
     def write_state(self) -> None:
@@ -540,6 +543,7 @@ class NsSandbox:
         sbx.lowers = [str(p) for p in data.get("lowers") or []]
         sbx.snapshot_depth = int(data.get("snapshot_depth") or 0)
         sbx.from_zygote = bool(data.get("zygote", True))
+        sbx.nested = bool(data.get("nested"))
         return sbx
 
     def alive(self) -> bool:

@@ -214,7 +214,16 @@ class NsSnapshots:
         return self.host.criu_status()
 
     def best_mode(self, sbx: NsSandbox) -> SnapshotMode:
-        return SnapshotMode.FULL if self.host.full_refusal(sbx) is None else SnapshotMode.FILESYSTEM
+        why = self.host.full_refusal(sbx)
+        if why is not None and sbx.nested:
+            raise self._nested_refusal(sbx, why)
+        return SnapshotMode.FULL if why is None else SnapshotMode.FILESYSTEM
+
+    @staticmethod
+    def _nested_refusal(sbx: NsSandbox, why: str) -> StateError:
+        """Docker inside on ns: neither its processes (CRIU) nor its images and containers (they live
+        beside the root's upper, ``launch.bind_nested_data``, which a filesystem snapshot does not keep)."""
+        return StateError(f"sandbox {sbx.name} cannot be snapshotted or forked on ns: {why}", sandbox_id=sbx.name)
 
     async def fork_mode(self, sandbox_id: str) -> SnapshotMode:
         return await asyncio.to_thread(self.best_mode, self.table.get(sandbox_id))
@@ -225,6 +234,9 @@ class NsSnapshots:
             raise InvalidRequest(f"unknown snapshot mode '{mode}': use full or filesystem")
         mode = SnapshotMode(mode)
         sbx = self.table.get(sandbox_id)
+        if sbx.nested:
+            why = await asyncio.to_thread(self.host.full_refusal, sbx)
+            raise self._nested_refusal(sbx, why or "it runs Docker inside")
         if mode is SnapshotMode.FULL:
             why = await asyncio.to_thread(self.host.full_refusal, sbx)
             if why is not None:

@@ -218,7 +218,7 @@ def _snapshots(tmp: Path, log: list[str], allow_internet: bool = False, from_zyg
 
     paths = Paths(tmp / "sbx")
     paths.upper.mkdir(parents=True)
-    sbx = SimpleNamespace(name="sb1", cgroup=_FakeCgroup(log, tmp), init=ProcRef(4242, 1), paths=paths, quiesce=quiesce,
+    sbx = SimpleNamespace(name="sb1", nested=False, cgroup=_FakeCgroup(log, tmp), init=ProcRef(4242, 1), paths=paths, quiesce=quiesce,
                           allow_internet=allow_internet, from_zygote=from_zygote, lowers=["/rootfs"],
                           snapshot_depth=0, opts=None)
     table = NsTable()

@@ -1,0 +1,113 @@
+"""Docker inside an ns sandbox (the ``docker`` template, issue 40), through the unmodified E2B SDK: dockerd
+runs in the sandbox's own user namespace (rootless, its cgroups the sandbox's), pulls a Docker Hub name
+through the operator's mirror (the session's local registry, reached through the allowlist), builds a
+two-step Dockerfile, runs two containers that find each other by name on a user network, and publishes
+a port the sandbox proxy reaches. A node that does not allow it answers a 400 naming the setting, and a
+fork or snapshot of such a sandbox a 409 saying why (CRIU cannot dump it on ns).
+
+ns only: the vm runtime's Docker inside is ``test_docker_vm.py``."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from aenv.testing.server import API_KEY, Server, start_server, stop_server
+from tests.fixtures.docker import docker_env, mirror_to, register_docker
+from tests.fixtures.plugin import PushedImages
+
+PAGE = "served-from-a-nested-container"
+
+
+@pytest.fixture(scope="module")
+def docker_server(tmp_path_factory: pytest.TempPathFactory, pushed_images: PushedImages,
+                  runtime_name: str) -> Iterator[Server]:
+    if runtime_name != "ns":
+        pytest.skip("Docker inside an ns sandbox (the vm runtime's: test_docker_vm.py)")
+    if "busybox" in pushed_images.skipped:
+        pytest.skip(f"no busybox fixture image: {pushed_images.skipped['busybox']}")
+    port = int(pushed_images.registry.host.rsplit(":", 1)[1])
+    srv = start_server(tmp_path_factory.mktemp("docker-ns"), "ns", {**docker_env(port), "AENV_POOL_SIZE": "0"})
+    try:
+        register_docker(srv)
+        yield srv
+    finally:
+        stop_server(srv)
+
+
+def _sdk(server: Server) -> dict[str, Any]:
+    return {"api_key": API_KEY, "api_url": server.url, "sandbox_url": server.url}
+
+
+@pytest.fixture(scope="module")
+def sbx(docker_server: Server, pushed_images: PushedImages) -> Iterator[Any]:
+    from e2b import Sandbox
+
+    sandbox = Sandbox.create("docker", timeout=600, **_sdk(docker_server))
+    port = int(pushed_images.registry.host.rsplit(":", 1)[1])
+    sandbox.files.write("/etc/docker/daemon.json", mirror_to(port))
+    sandbox.commands.run("for i in $(seq 300); do docker info >/dev/null 2>&1 && break; sleep 0.1; done; "
+                         "kill -HUP $(cat /var/run/docker.pid)", user="root", timeout=60)
+    yield sandbox
+    with contextlib.suppress(Exception):
+        sandbox.kill()
+
+
+def _root(sandbox: Any, cmd: str, timeout: float = 180) -> str:
+    return str(sandbox.commands.run(cmd, user="root", timeout=timeout).stdout)
+
+
+def test_docker_run_pulls_a_docker_hub_name_through_the_mirror(sbx: Any) -> None:
+    out = _root(sbx, "docker run --rm busybox:latest echo hello-from-nested; docker info --format '{{.Driver}}'")
+    assert out.split() == ["hello-from-nested", "overlay2"]
+    assert "busybox" in _root(sbx, "docker images --format '{{.Repository}}'")
+
+
+def test_docker_build_of_a_two_step_dockerfile(sbx: Any) -> None:
+    sbx.files.write("/root/ctx/Dockerfile",
+                    "FROM busybox:latest\nRUN echo step-one > /one\nRUN cat /one /one > /two\nCMD [\"cat\", \"/two\"]\n")
+    _root(sbx, "docker build -q -t aenv-test/two-step /root/ctx")
+    assert _root(sbx, "docker run --rm aenv-test/two-step").split() == ["step-one", "step-one"]
+
+
+def test_containers_find_each_other_and_a_published_port_is_reachable(sbx: Any, docker_server: Server) -> None:
+    sbx.files.write("/root/www/index.html", PAGE + "\n")
+    _root(sbx, "docker network create web-net >/dev/null && docker run -d --name web --network web-net "
+               "-v /root/www:/www:ro -p 8080:80 busybox:latest httpd -f -p 80 -h /www >/dev/null")
+    # by name through Docker's embedded DNS server of the user network (busybox-static's wget crashes
+    # in static glibc's service lookup, so plain HTTP over nc)
+    by_name = _root(sbx, "docker run --rm --network web-net busybox:latest sh -c 'for i in $(seq 50); do "
+                         "ip=$(busybox nslookup web | sed -n \"s/^Address: *//p\" | tail -1); [ -n \"$ip\" ] && "
+                         "printf \"GET / HTTP/1.0\\r\\n\\r\\n\" | busybox nc -w 5 $ip 80 | tail -1 | grep . && break; "
+                         "sleep 0.2; done'")
+    assert by_name.strip() == PAGE
+    # the sandbox's own port 8080 (docker-proxy), through the sandbox proxy as get_host(8080) is
+    got = httpx.get(docker_server.url, headers={"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8080"},
+                    timeout=60)
+    assert got.status_code == 200 and got.text.strip() == PAGE
+
+
+def test_fork_and_snapshot_answer_409_naming_why(sbx: Any, docker_server: Server) -> None:
+    headers = {"X-API-Key": API_KEY}
+    for path, body in ((f"/sandboxes/{sbx.sandbox_id}/fork", {"count": 1}),
+                       (f"/sandboxes/{sbx.sandbox_id}/snapshots", {})):
+        r = httpx.post(docker_server.url + path, json=body, headers=headers, timeout=120)
+        assert r.status_code == 409, (path, r.text)
+        assert "Docker inside" in r.json()["message"], r.text
+    assert _root(sbx, "docker ps --format '{{.Names}}'").split() == ["web"]  # it runs on, untouched
+
+
+def test_a_node_that_does_not_allow_it_answers_400_naming_the_setting(server: Server, tmp_path: Path,
+                                                                       runtime_name: str) -> None:
+    from e2b import Sandbox, SandboxException
+
+    if runtime_name != "ns":
+        pytest.skip("the ns runtime's setting")
+    register_docker(server)  # the session's server: ns_nested_containers left at its default (off)
+    with pytest.raises(SandboxException, match="ns_nested_containers"):
+        Sandbox.create("docker", timeout=60, **_sdk(server))
