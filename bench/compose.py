@@ -43,7 +43,7 @@ from tests.fixtures.compose_images import APP_IMAGE, APP_PORT, COMPOSE_YAML, RED
 from tests.fixtures.registry import start_registry
 
 FORKS = 4
-HIT = f"wget -qO- http://127.0.0.1:{APP_PORT}/cgi-bin/hit"
+HIT = f"curl -fsS http://127.0.0.1:{APP_PORT}/cgi-bin/hit"
 TITLE = "compose project (app + redis) in a sandbox"
 
 

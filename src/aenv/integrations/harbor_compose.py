@@ -63,6 +63,7 @@ from harbor.environments.tar_transfer import (
     tar_pack_succeeded,
 )
 from harbor.models.task.config import NetworkMode
+from harbor.models.trial.paths import EnvironmentPaths
 from pydantic import Field
 
 from aenv.integrations.compose_layers import interpolate, merge_files
@@ -223,6 +224,9 @@ class AenvComposeEnvironment(ComposeServiceOpsMixin, BaseEnvironment):
             await self._start_by_sdk(project, offline, metadata)
         if self.options.renew_interval_sec > 0:
             self._renew = asyncio.create_task(self._renew_loop())
+        # what a Docker environment's log mounts would have made: Harbor copies into and out of them
+        paths = EnvironmentPaths.for_os(self.os)
+        await self.ensure_dirs([paths.agent_dir, paths.verifier_dir, paths.artifacts_dir])
         await self._upload_environment_dir_after_start()
 
     async def _start_by_route(self, project: dict[str, Any], offline: bool, metadata: dict[str, str]) -> None:
