@@ -160,7 +160,7 @@ def _check(srv: Server, sandbox_id: str) -> None:
 
 def _hit_until_up(srv: Server, sandbox_id: str, deadline_s: float = 120.0) -> int:
     """A forked child's first successful hit (its services may still be coming back): the count."""
-    from e2b.exceptions import CommandExitException
+    from e2b import CommandExitException
 
     deadline = time.monotonic() + deadline_s
     while True:
