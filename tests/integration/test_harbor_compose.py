@@ -7,13 +7,15 @@ project in one sandbox of the ``docker`` template:
 * ``route``: through aenv's ``POST /sandboxes-compose`` (images fetched by aenv's registry client from the
   session's local registry, then loaded into the sandbox's dockerd);
 * ``sdk``: ``docker compose up --wait`` inside a sandbox made through the E2B SDK, its dockerd pulling from
-  that registry through the private-egress port the server opens for it.
+  that registry through the private-egress port the server opens for it (``main`` from a gzip copy of
+  ``debian:bookworm``: Docker 20.10 cannot unpack the fixture's zstd layers).
 
 Slow (Harbor's start-up, the sandbox's dockerd); per runtime: ``AENV_TEST_RUNTIME=ns|vm pytest -m slow
 tests/integration/test_harbor_compose.py``."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 from collections.abc import Iterator
@@ -22,7 +24,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from aenv.images.registry import RegistryClient
 from aenv.testing.server import API_KEY, Server, start_server, stop_server
+from tests.fixtures.compose_images import DEBIAN_GZIP_IMAGE, push_compose_images
 from tests.fixtures.harbor import (
     COMPOSE_TASK_VERIFIER_OUT,
     compose_task_files,
@@ -55,15 +59,22 @@ def compose_server(
     _needs_runtime(runtime_name)
     for image in ("debian:bookworm", "redis:7", "aenv/counter-app:1"):
         pushed_images.require(image)
+    asyncio.run(_push_gzip_main(pushed_images.registry.url))
     port = pushed_images.registry.host.rsplit(":", 1)[1]
     srv = start_server(tmp_path_factory.mktemp("compose-server"), runtime_name, {
         "AENV_REGISTRY_MIRRORS": f"docker.io={pushed_images.registry.url}", "AENV_POOL_SIZE": "0",
-        "AENV_PRIVATE_EGRESS": f"localhost:{port}",
+        "AENV_PRIVATE_EGRESS": f"localhost:{port}", "AENV_NS_NESTED_CONTAINERS": "1",
     })  # fmt: skip
     try:
         yield srv
     finally:
         stop_server(srv)
+
+
+async def _push_gzip_main(registry_url: str) -> None:
+    """``debian:bookworm-gzip`` for mode=sdk, whose dockerd pulls it (Docker 20.10 unpacks no zstd)."""
+    async with RegistryClient(mirrors={"docker.io": registry_url}) as client:
+        await push_compose_images(client, main=True)
 
 
 def _require(server: Server, mode: str) -> None:
@@ -90,7 +101,8 @@ def test_harbor_compose_task_oracle_scores_one(
     tmp_path: Path, record_property: pytest.RecordProperty,
 ) -> None:  # fmt: skip
     _require(compose_server, mode)
-    task = write_task(tmp_path / "compose-counter", compose_task_files())
+    main = "debian:bookworm" if mode == "route" else DEBIAN_GZIP_IMAGE  # aenv's route loads zstd layers too
+    task = write_task(tmp_path / "compose-counter", compose_task_files(main))
     jobs = tmp_path / "jobs"
     cmd = [str(harbor.parent / "harbor"), "run", "-p", str(task), "-e", ENVIRONMENT, "-a", "oracle",
            "-o", str(jobs), "--job-name", "aenv", "-k", "1", "-n", "1", "-y", "-q", "--ek", f"mode={mode}"]  # fmt: skip
