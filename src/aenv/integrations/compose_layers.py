@@ -12,8 +12,9 @@ list form too); ``volumes`` and ``devices`` by target path; ``command``, ``entry
 appended without duplicates.
 
 Interpolation substitutes only the variables it is given (``${VAR}``, ``${VAR:-default}``,
-``${VAR-default}``, ``$VAR``) and leaves everything else as written, ``$$`` escapes included: the compose
-CLI in the sandbox interpolates the project again, and must see what an unmerged file would have shown it.
+``${VAR-default}``, ``$VAR``) and leaves everything else as written, ``$$`` escapes included: Compose
+interpolates the project again (aenv's route with ``composeEnv``, the CLI in an sdk-mode sandbox), and must
+see what an unmerged file would have shown it. So a substituted value has its ``$`` doubled.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _substitute(m: re.Match[str], env: Mapping[str, str]) -> str:
     if name in env:
         if m.group("op") == ":-" and env[name] == "":
             return m.group("default")
-        return env[name]
+        return env[name].replace("$", "$$")  # a literal value: Compose's own pass must not expand it
     if m.group("op") is not None:
         return m.group("default")
     return m.group(0)

@@ -14,13 +14,13 @@ The project is Harbor's layers merged into one (``compose_layers.py``): ``main``
 ``--extra-docker-compose`` overlays and the task's environment variables for ``main``. Two ways up
 (``--ek mode=...``):
 
-* ``route`` (default): aenv's ``POST /sandboxes-compose``. aenv fetches every image through its registry
-  client and mirrors, loads them into the sandbox's dockerd and answers once ``compose up --wait``
-  succeeded; no sandbox pulls anything. Services by image only (a ``main`` built from a Dockerfile needs
-  ``mode=sdk``).
+* ``route`` (default): aenv's ``POST /sandboxes-compose`` (docs/docker.md). aenv fetches every image through
+  its registry client and mirrors, loads them into the sandbox's dockerd, builds ``build:`` services from
+  the contexts sent with the request (``main``'s: the task's environment/) and answers once
+  ``compose up --wait`` succeeded; no sandbox pulls anything, and a project that fails is torn down by aenv.
 * ``sdk``: a sandbox of the ``docker`` template through the E2B SDK, then ``docker compose up --wait``
-  inside, as the DinD providers do; images are pulled by the sandbox's dockerd (``registry_mirror``
-  points it at a mirror the sandbox may reach), and ``build:`` works.
+  inside, as Harbor's DinD providers do; images are pulled by the sandbox's dockerd (``registry_mirror``
+  points it at a mirror the sandbox may reach, or the operator's ``package_mirrors`` ``docker`` entry does).
 
 Then every operation is Harbor's own Compose operations (``DinDComposeOps``: ``docker compose exec`` into
 a service, ``docker compose cp`` through the sandbox's filesystem) run by the E2B SDK as root in the
@@ -32,6 +32,7 @@ where Harbor's Docker environment would cut ``main`` off its own sidecars too.
 from __future__ import annotations
 
 import asyncio
+import base64
 import re
 import shlex
 import tempfile
@@ -71,6 +72,7 @@ from aenv.integrations.compose_layers import interpolate, merge_files
 COMPOSE_DIR = "/harbor/compose"
 PROJECT_FILE = f"{COMPOSE_DIR}/docker-compose.yaml"
 ENVIRONMENT_DIR = "/harbor/environment"  # the task's environment/, the build context of ``main``
+ROUTE_DIR = "/var/lib/aenv-compose"  # where the route leaves the checked file (docs/docker.md)
 KEEP_RUNNING = ["sh", "-c", "sleep infinity"]
 _UNSAFE = re.compile(r"[^a-z0-9_-]")
 
@@ -80,12 +82,12 @@ class AenvComposeOptions(EnvironmentOptions):
 
     mode: Literal["route", "sdk"] = Field(default="route", description="route: aenv's POST /sandboxes-compose; "
                                           "sdk: docker compose up in a docker-template sandbox")  # fmt: skip
-    template: str = Field(default="docker", description="sdk mode: the template with Docker and Compose")
+    template: str = Field(default="docker", description="the template with Docker and Compose")
     registry_mirror: str | None = Field(default=None, description="sdk mode: dockerd's registry mirror "
                                         "(e.g. http://10.0.2.2:5000, reachable through private egress)")  # fmt: skip
     sandbox_timeout_sec: int = Field(default=3600, gt=0, description="the sandbox's timeout, renewed while it runs")
     renew_interval_sec: float = Field(default=600.0, ge=0, description="seconds between renewals; 0: none")
-    up_timeout_sec: int = Field(default=600, gt=0, description="bound on bringing the services up")
+    up_timeout_sec: int = Field(default=600, gt=0, le=3600, description="bound on bringing the services up")
 
 
 class _SandboxCompose(DinDComposeOps):
@@ -97,6 +99,7 @@ class _SandboxCompose(DinDComposeOps):
 
     def __init__(self, env: AenvComposeEnvironment) -> None:
         self._env = env
+        self.compose = ["docker", "compose"]  # + the project, its file and directory once started
 
     def _sandbox(self) -> AsyncSandbox:
         if self._env._sandbox is None:
@@ -111,9 +114,7 @@ class _SandboxCompose(DinDComposeOps):
         return ExecResult(stdout=res.stdout, stderr=res.stderr, return_code=res.exit_code)
 
     async def _compose_exec(self, subcommand: list[str], timeout_sec: int | None = None) -> ExecResult:
-        argv = ["docker", "compose", "-p", self._env.project_name, "-f", PROJECT_FILE,
-                "--project-directory", ENVIRONMENT_DIR, *subcommand]  # fmt: skip
-        return await self._host_exec(shlex.join(argv), timeout_sec)
+        return await self._host_exec(shlex.join([*self.compose, *subcommand]), timeout_sec)
 
     async def _stage_file_to_host(self, source_path: Path | str, host_path: str) -> None:
         await self._sandbox().files.write(host_path, Path(source_path).read_bytes(), user="root")
@@ -192,16 +193,36 @@ class AenvComposeEnvironment(ComposeServiceOpsMixin, BaseEnvironment):
         if prebuilt:
             main["image"] = self.task_env_config.docker_image
         elif (self.environment_dir / DOCKERFILE_NAME).exists():
-            main.update(build={"context": ENVIRONMENT_DIR}, image=f"hb__{self.project_name}", pull_policy="build")
-        layers: list[dict[str, Any]] = [{"services": {MAIN_SERVICE_NAME: main}}]
+            main.update(build={"context": ENVIRONMENT_DIR}, image=f"hb__{self.project_name}")
+            if self.options.mode == "sdk":
+                main["pull_policy"] = "build"  # always built, never looked up in a registry
+        layers: list[dict[str, Any]] = [{"name": self.project_name, "services": {MAIN_SERVICE_NAME: main}}]
         variables = merge_compose_env(user_env=self._startup_env(), infra_env=self._infra_env(prebuilt),
                                       logger=self.logger)  # fmt: skip
         files = [self.environment_dir / COMPOSE_FILE_NAME, *self.extra_docker_compose_paths]
         for path in (p for p in files if p.exists()):
             layers.append(interpolate(yaml.safe_load(path.read_text()) or {}, variables))
-        if startup := self._startup_env():
-            layers.append({"services": {MAIN_SERVICE_NAME: {"environment": startup}}})
+        if startup := self._startup_env():  # literal values: "$" escaped for Compose's own interpolation
+            env = {k: v.replace("$", "$$") for k, v in startup.items()}
+            layers.append({"services": {MAIN_SERVICE_NAME: {"environment": env}}})
         return merge_files(layers)
+
+    def build_contexts(self, project: dict[str, Any]) -> dict[str, str]:
+        """Each ``build:`` service's context (``main``'s: the task's environment/; another's: its path
+        under it) as the base64 gzip tar the route takes."""
+        out: dict[str, str] = {}
+        for name, svc in project.get("services", {}).items():
+            build = (svc or {}).get("build")
+            if build is None:
+                continue
+            context = build if isinstance(build, str) else build.get("context", ".")
+            path = self.environment_dir if context == ENVIRONMENT_DIR else (self.environment_dir / context).resolve()
+            if not path.is_dir() or not path.is_relative_to(self.environment_dir.resolve()):
+                raise ValueError(f"services.{name}.build: context {context!r} is not a directory under "
+                                 f"{self.environment_dir}")  # fmt: skip
+            data = pack_dir_to_bytes(path, compress=True, include_root=False).getvalue()
+            out[name] = base64.b64encode(data).decode()
+        return out
 
     def _infra_env(self, prebuilt: bool) -> dict[str, str]:
         """The variables Harbor's Docker environments give a task's compose file."""
@@ -230,13 +251,16 @@ class AenvComposeEnvironment(ComposeServiceOpsMixin, BaseEnvironment):
         await self._upload_environment_dir_after_start()
 
     async def _start_by_route(self, project: dict[str, Any], offline: bool, metadata: dict[str, str]) -> None:
-        if "build" in project["services"].get(MAIN_SERVICE_NAME, {}):
-            raise ValueError("mode=route runs services by image: set the task's docker_image, or use --ek mode=sdk "
-                             "to build main from environment/Dockerfile in the sandbox")  # fmt: skip
+        """``POST /sandboxes-compose`` (docs/docker.md): answered once every service is up, healthy where it
+        has a healthcheck; a project that fails is torn down by aenv and answered as an error."""
         cfg = ConnectionConfig()
-        body = {"compose": yaml.safe_dump(project, sort_keys=False), "project": self.project_name,
-                "timeout": self.options.sandbox_timeout_sec, "metadata": metadata,
-                "allowInternetAccess": not offline, "upTimeout": self.options.up_timeout_sec}  # fmt: skip
+        body: dict[str, Any] = {
+            "templateID": self.options.template, "compose": yaml.safe_dump(project, sort_keys=False),
+            "timeout": self.options.sandbox_timeout_sec, "metadata": metadata, "allow_internet_access": not offline,
+            "startupTimeout": self.options.up_timeout_sec,
+        }  # fmt: skip
+        if contexts := await asyncio.to_thread(self.build_contexts, project):
+            body["buildContexts"] = contexts
         async with httpx.AsyncClient(base_url=cfg.api_url, timeout=self.options.up_timeout_sec + 120,
                                      headers={"X-API-Key": cfg.api_key or ""}) as client:  # fmt: skip
             resp = await client.post("/sandboxes-compose", json=body)
@@ -244,12 +268,14 @@ class AenvComposeEnvironment(ComposeServiceOpsMixin, BaseEnvironment):
             raise RuntimeError(f"aenv POST /sandboxes-compose answered {resp.status_code}: {resp.text[-3000:]}")
         answer = resp.json()
         self._sandbox = await AsyncSandbox.connect(answer["sandboxID"])
-        self.project_name = answer.get("project") or self.project_name
-        await self._ops.write_project(project)
+        self.project_name = answer["compose"]["project"]
+        self._ops.compose += ["-p", self.project_name, "-f", f"{ROUTE_DIR}/compose.yaml",
+                              "--project-directory", ROUTE_DIR]  # fmt: skip
 
     async def _start_by_sdk(self, project: dict[str, Any], offline: bool, metadata: dict[str, str]) -> None:
         self._sandbox = await AsyncSandbox.create(self.options.template, timeout=self.options.sandbox_timeout_sec,
                                                   metadata=metadata, allow_internet_access=not offline)  # fmt: skip
+        self._ops.compose += ["-p", self.project_name, "-f", PROJECT_FILE, "--project-directory", ENVIRONMENT_DIR]
         try:
             await self._ops._stage_dir_to_host(self.environment_dir, ENVIRONMENT_DIR)
             await self._ops.write_project(project)

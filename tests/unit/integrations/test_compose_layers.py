@@ -66,13 +66,14 @@ def test_null_in_a_later_file_keeps_the_earlier_value() -> None:
 
 
 def test_interpolation_substitutes_only_given_variables() -> None:
-    env = {"MAIN_IMAGE_NAME": "hb__task", "EMPTY": ""}
+    env = {"MAIN_IMAGE_NAME": "hb__task", "EMPTY": "", "PRICE": "5$"}
     tree = {
         "services": {
             "${MAIN_IMAGE_NAME}-svc": {
                 "image": "${MAIN_IMAGE_NAME}:latest",
                 "command": "echo $$HOME $HOME ${UNSET} ${UNSET:-dflt} ${EMPTY:-e} ${EMPTY-kept} $MAIN_IMAGE_NAME",
                 "ports": [8080, True],
+                "environment": {"PRICE": "${PRICE}"},
             }
         }
     }
@@ -80,3 +81,4 @@ def test_interpolation_substitutes_only_given_variables() -> None:
     assert svc["image"] == "hb__task:latest"
     assert svc["command"] == "echo $$HOME $HOME ${UNSET} dflt e  hb__task"
     assert svc["ports"] == [8080, True]
+    assert svc["environment"] == {"PRICE": "5$$"}  # Compose's second pass reads it back as "5$"
