@@ -127,8 +127,8 @@ class Settings(BaseModel):
         description="ns: run sandboxes in a user namespace whose uids/gids 0-65535 are host uids from this one (one range for all sandboxes of a server with one team; with two or more teams each team gets a 65536-uid range of its own above it, kept in the store; files on disk keep their owners; the default lies far above the ranges useradd hands out in /etc/subuid); 0 = none. Left at the default, a host that cannot (no user namespaces, a state or cache dir on a filesystem without idmapped mounts) runs sandboxes without one and says why; set explicitly, that refuses to start"
     )
     ns_nested_containers: bool = Field(
-        False,
-        description="ns: let templates that run Docker inside (nested_containers, e.g. `docker`) start on this node. Such a sandbox's root holds every capability of its own user namespace (dockerd needs them to mount, make namespaces and set up its bridge), so it can also rewrite its network namespace's firewall: the private-destination filter and egress rules are then not enforced for it (slirp4netns still keeps it off the host's loopback). Off by default; the vm runtime runs Docker inside without this trade",
+        True,
+        description="ns: let templates that run Docker inside (nested_containers, e.g. `docker`) start on this node. Such a sandbox's root holds every capability of a user namespace of its own (dockerd needs them to mount, make namespaces and set up its bridges), which widens the kernel surface it reaches (mounts of overlayfs, tmpfs, proc, sysfs and cgroups; netfilter and bridges in its own network namespace). Its egress filter stays out of its reach, in the network namespace of a router in front of it. False: such templates are refused (400) and run only on the vm runtime",
     )
     ns_release_paused_after: float = Field(
         300.0, ge=0, description="ns: seconds a sandbox stays paused (frozen) before its processes are saved to disk with CRIU and end; resume restores them (0 = at once; needs CRIU, else it stays frozen)"

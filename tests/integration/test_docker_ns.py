@@ -2,8 +2,9 @@
 runs in the sandbox's own user namespace (rootless, its cgroups the sandbox's), pulls a Docker Hub name
 through the operator's mirror (the session's local registry, reached through the allowlist), builds a
 two-step Dockerfile, runs two containers that find each other by name on a user network, and publishes
-a port the sandbox proxy reaches. A node that does not allow it answers a 400 naming the setting, and a
-fork or snapshot of such a sandbox a 409 saying why (CRIU cannot dump it on ns).
+a port the sandbox proxy reaches. Its root, with every capability of its own user namespace, still cannot
+open the egress filter (the router's). A node that does not allow it answers a 400 naming the setting,
+and a fork or snapshot of such a sandbox a 409 saying why (CRIU cannot dump it on ns).
 
 ns only: the vm runtime's Docker inside is ``test_docker_vm.py``."""
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -102,12 +102,42 @@ def test_fork_and_snapshot_answer_409_naming_why(sbx: Any, docker_server: Server
     assert _root(sbx, "docker ps --format '{{.Names}}'").split() == ["web"]  # it runs on, untouched
 
 
-def test_a_node_that_does_not_allow_it_answers_400_naming_the_setting(server: Server, tmp_path: Path,
-                                                                       runtime_name: str) -> None:
+def test_a_node_that_does_not_allow_it_answers_400_naming_the_setting(
+        docker_server: Server, tmp_path_factory: pytest.TempPathFactory) -> None:
     from e2b import Sandbox, SandboxException
 
-    if runtime_name != "ns":
-        pytest.skip("the ns runtime's setting")
-    register_docker(server)  # the session's server: ns_nested_containers left at its default (off)
-    with pytest.raises(SandboxException, match="ns_nested_containers"):
-        Sandbox.create("docker", timeout=60, **_sdk(server))
+    srv = start_server(tmp_path_factory.mktemp("docker-off"), "ns",
+                       {"AENV_NS_NESTED_CONTAINERS": "0", "AENV_POOL_SIZE": "0"})
+    try:
+        register_docker(srv)
+        with pytest.raises(SandboxException, match="ns_nested_containers") as err:
+            Sandbox.create("docker", timeout=60, **_sdk(srv))
+        assert "400" in str(err.value)
+    finally:
+        stop_server(srv)
+
+
+def test_its_root_cannot_open_the_egress_filter(docker_server: Server, pushed_images: PushedImages) -> None:
+    """The filter is the router's (``launch._behind_router``), out of reach of the sandbox's user namespace:
+    with every firewall rule it can see flushed, the host's services stay closed but for the allowlist's
+    port, from the sandbox and from its containers alike."""
+    from e2b import Sandbox
+
+    allowed = int(pushed_images.registry.host.rsplit(":", 1)[1])
+    closed = int(docker_server.url.rsplit(":", 1)[1])  # aenv's own API port: never opened to sandboxes
+    sandbox = Sandbox.create("docker", timeout=300, **_sdk(docker_server))
+    try:
+        sandbox.files.write("/etc/docker/daemon.json", mirror_to(allowed))
+        _root(sandbox, "for i in $(seq 300); do docker info >/dev/null 2>&1 && break; sleep 0.1; done; "
+                       "kill -HUP $(cat /var/run/docker.pid); sleep 1")
+        nc = "printf \"GET /v2/ HTTP/1.0\\r\\n\\r\\n\" | busybox nc -w 5 10.0.2.2 PORT | head -1 | grep -c 200 || true"
+        inside = _root(sandbox, f"docker run --rm busybox:latest sh -c '{nc.replace('PORT', str(allowed))}; "
+                                f"{nc.replace('PORT', str(closed))}'")
+        assert inside.split() == ["1", "0"], inside
+        probe = "curl -s -m 5 -o /dev/null -w '%{http_code} ' http://10.0.2.2:PORT/v2/"
+        out = _root(sandbox, "iptables -F; iptables -t nat -F; iptables-legacy -F; iptables-legacy -t nat -F; "
+                             f"{probe.replace('PORT', str(allowed))}; {probe.replace('PORT', str(closed))}; true")
+        assert out.split() == ["200", "000"], out
+    finally:
+        with contextlib.suppress(Exception):
+            sandbox.kill()

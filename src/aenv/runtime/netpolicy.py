@@ -33,6 +33,7 @@ from aenv.runtime.allowlist import HOST_SERVICES, TAP_ADDR, Allowlist
 from aenv.runtime.egress_rules import HeaderRule
 
 ALL_TRAFFIC = "0.0.0.0/0"
+NESTED_NET = "10.0.3.0/30"  # a nested sandbox's link to its router (agent/launch.py: ROUTER_ADDR, NESTED_ADDR)
 MAX_ENTRIES = 256  # per list: every entry is an iptables rule on a sandbox's path out
 MAX_DNS_SERVERS = 10  # as E2B
 _LABEL = r"(?!-)[a-z0-9-]{1,63}(?<!-)"
@@ -248,6 +249,8 @@ def render(host_addrs: Iterable[str], blocked: Sequence[str], resolver: str, sli
                 nat.append(f"-A OUTPUT -p tcp -d {net} -j RETURN")
             for net in policy.deny_nets:
                 nat.append(f"-A OUTPUT -p tcp -d {net} -j REDIRECT --to-ports {proxy_port}")
+    # A nested sandbox's router (``launch._behind_router``) sends its sandbox's traffic out as its own.
+    nat.append(f"-A POSTROUTING -s {NESTED_NET} -o tap0 -j MASQUERADE")
     nat.append("COMMIT")
     dns = "ACCEPT" if policy.resolver_allowed(resolver) else "REJECT"
     flt = ["*filter", ":INPUT ACCEPT [0:0]", ":FORWARD DROP [0:0]", ":OUTPUT ACCEPT [0:0]",

@@ -153,3 +153,17 @@ def test_host_names_resolve_on_the_host() -> None:
 
     assert "127.0.0.1" in resolve_on_host("localhost")
     assert resolve_on_host("no-such-name.invalid") == []
+
+
+def test_the_nested_link_is_masqueraded_out_of_the_tap() -> None:
+    """The launcher's router addresses (stdlib-only, so its own constants) lie in the net the filter
+    masquerades."""
+    import ipaddress
+
+    from aenv.agent import launch
+    from aenv.runtime.netpolicy import NESTED_NET
+
+    net = ipaddress.ip_network(NESTED_NET)
+    assert net.prefixlen == launch.NESTED_PREFIX
+    assert {ipaddress.ip_address(launch.ROUTER_ADDR), ipaddress.ip_address(launch.NESTED_ADDR)} <= set(net.hosts())
+    assert f"-A POSTROUTING -s {NESTED_NET} -o tap0 -j MASQUERADE" in _rules([])

@@ -187,8 +187,8 @@ class NsHost:
         if template.nested_containers and not self.settings.ns_nested_containers:
             raise InvalidRequest(
                 f"template '{template.template_id}' runs Docker inside (nested_containers), which this ns node "
-                "does not allow: its sandboxes could rewrite their own firewall (set ns_nested_containers to "
-                "allow it, or run such templates on the vm runtime)", template=template.template_id)
+                "does not allow (ns_nested_containers is off): run such templates on the vm runtime",
+                template=template.template_id)
         if template.nested_containers and self.userns is None:
             raise InvalidRequest(
                 f"template '{template.template_id}' runs Docker inside (nested_containers), which an ns sandbox "

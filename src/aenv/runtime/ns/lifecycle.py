@@ -211,10 +211,10 @@ class NsLifecycle:
         if sbx.allow_internet and sbx.slirp is not None and not sbx.slirp.ref.alive():
             assert sbx.init is not None
             with contextlib.suppress(Exception):
-                sbx.slirp = await Slirp.start(sbx.init.pid, key=sandbox_id, again=True)
+                sbx.slirp = await Slirp.start(sbx.net_pid, key=sandbox_id, again=True)
                 await asyncio.to_thread(sbx.write_state)
         if sbx.allow_internet and sbx.init is not None:
-            sbx.egress.foreign = await foreign_rules(sbx.init.pid)
+            sbx.egress.foreign = await foreign_rules(sbx.net_pid)
         self.table.add(sandbox_id, sbx, spec)
         return True
 

@@ -81,6 +81,8 @@ async def reconcile(layout: Layout, sandboxes_dir: Path, pool_dir: Path | Iterab
             served.update(sbx.cgroup.pids())
             if sbx.init is not None:
                 served.add(sbx.init.pid)
+            if sbx.router is not None:
+                served.add(sbx.router.pid)
             await sbx.aclose(remove_dir=top)
             handled.add(sbx.cgroup.name)
             report.killed.append(sbx.name)

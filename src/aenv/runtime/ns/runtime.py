@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from aenv.config import Settings
-from aenv.errors import RuntimeFailure, SandboxUnreachable, StateError
+from aenv.errors import InvalidRequest, RuntimeFailure, SandboxUnreachable, StateError
 from aenv.kinds import SnapshotMode
 from aenv.mux import ByteStream, MuxError
 from aenv.runtime import shaping
@@ -211,7 +211,7 @@ class NsRuntime:
             await sbx.warm_up()
             await self._until_ready(sbx, template)
             if sbx.allow_internet and sbx.init is not None:
-                await sbx.egress.prepare(sbx.init.pid)
+                await sbx.egress.prepare(sbx.net_pid)
         except BaseException:  # cancelled (the pool closes): nobody would own it, so it ends here
             await sbx.aclose()
             raise
@@ -294,7 +294,7 @@ class NsRuntime:
                 hand_out = functools.partial(self._hand_out, sbx, sid, root, limits, spec.disk_mb)
                 # pooled under the base filter: a policy is written while /init and the answer go
                 policy = sbx.allow_internet and sbx.init is not None and ENFORCER.has(sid)
-                sbx.egress.hand_out(sid, functools.partial(ENFORCER.start_install, sid, sbx.init.pid, host.host_addrs)
+                sbx.egress.hand_out(sid, functools.partial(ENFORCER.start_install, sid, sbx.net_pid, host.host_addrs)
                                     if policy and sbx.init is not None else None, sbx.cut_network)
             else:
                 await host.ensure_tools()
@@ -304,7 +304,7 @@ class NsRuntime:
                 sbx = await host.launch(sid, root, opts, keep_root=in_place)
             if (hand_out is not None or sbx is prelaunched) and sbx.allow_internet and sbx.init and SHAPER.custom(sid):
                 # made under another name, with the default limits: this sandbox's before it is used
-                await asyncio.to_thread(SHAPER.apply, sid, sbx.init.pid)
+                await asyncio.to_thread(SHAPER.apply, sid, sbx.net_pid)
             await sbx.init_envd(init_payload(spec), meanwhile=hand_out)
             if hand_out is None:  # launched for this create (a pooled one was ready before it was pooled)
                 await self._until_ready(sbx, template, spec.access_token)
@@ -314,7 +314,7 @@ class NsRuntime:
                 await sbx.aclose(remove_dir=None if in_place else spec.workdir)
             if isinstance(exc, (EnvdError, MuxError)):
                 raise SandboxUnreachable(f"sandbox {sid}: envd did not come up: {exc}", sandbox_id=sid) from exc
-            if isinstance(exc, Exception) and not isinstance(exc, RuntimeFailure | StateError):
+            if isinstance(exc, Exception) and not isinstance(exc, RuntimeFailure | StateError | InvalidRequest):
                 raise RuntimeFailure(f"sandbox {sid}: start failed: {exc}", sandbox_id=sid) from exc
             raise
         sbx.last_cpu = None
@@ -409,9 +409,9 @@ class NsRuntime:
         if sbx is not None:
             await sbx.egress.settled()  # after the hand-out's filter, never beside it
         if sbx is not None and sbx.allow_internet and sbx.init is not None and sbx.alive():
-            await ENFORCER.install(sandbox_id, sbx.init.pid, self.host.host_addrs)
+            await ENFORCER.install(sandbox_id, sbx.net_pid, self.host.host_addrs)
             if sbx.egress.foreign:  # ours is in force: an older server's rules go
-                await drop_foreign_rules(sbx.init.pid)
+                await drop_foreign_rules(sbx.net_pid)
                 sbx.egress.foreign = False
 
     async def _egress_ensured(self, sandbox_id: str, started: Awaitable[RuntimeState]) -> RuntimeState:
@@ -423,7 +423,7 @@ class NsRuntime:
         if sbx is None or sbx.egress.pending:
             return state
         if sbx.allow_internet and sbx.init is not None and ENFORCER.has(sandbox_id):
-            await ENFORCER.ensure(sandbox_id, sbx.init.pid, self.host.host_addrs)
+            await ENFORCER.ensure(sandbox_id, sbx.net_pid, self.host.host_addrs)
         return state
 
     def capabilities(self) -> dict[str, Any]:

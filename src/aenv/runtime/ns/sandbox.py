@@ -63,7 +63,7 @@ from aenv.runtime.ns.disk import DiskQuota, remove_tree
 from aenv.runtime.ns.handout import HandOutFilter
 from aenv.runtime.ns.userns import SharedUserns
 from aenv.runtime.ns.zygote import Zygote
-from aenv.runtime.process import ProcRef, Reaped
+from aenv.runtime.process import ProcRef, Reaped, proc_start_time
 from aenv.runtime.tools import launch_argv
 
 log = logging.getLogger(__name__)
@@ -227,6 +227,9 @@ class NsSandbox:
         # forked from the zygote: CRIU cannot dump it (criu.py); unknown after a restart = assume so
         self.from_zygote = bool(opts and opts.zygote is not None)
         self.nested = bool(opts and opts.template.nested_containers)  # Docker inside (launch.py "nested")
+        # A nested sandbox's router (``launch._behind_router``): the launcher, whose network namespace
+        # holds the tap and the egress filter. None: those are the init's own.
+        self.router: ProcRef | None = None
         # The overlay lowers this sandbox runs on (top first) and how many of them, from the top,
         # are snapshot layers: a snapshot of it records both so a restore can rebuild the stack.
         self.lowers: list[str] = opts.lowers() if opts else []
@@ -299,11 +302,16 @@ class NsSandbox:
         if "pid" not in report:
             raise LaunchError(f"sandbox {self.name}: launcher failed: {report.get('error', 'no output')}")
         self.init = ProcRef(int(report["pid"]), int(report["start"]))
+        if self.nested and self._stage1 is not None:
+            start = proc_start_time(self._stage1.proc.pid)
+            if start is None:
+                raise LaunchError(f"sandbox {self.name}: its network router ended at start")
+            self.router = ProcRef(self._stage1.proc.pid, start)
         self.write_state()
         if opts.allow_internet:
             # filter first: the tap device (and so any route out) only exists once slirp is up
-            await ENFORCER.install(self.name, self.init.pid, host_addrs)
-            self.slirp = await Slirp.start(self.init.pid, key=self.name)
+            await ENFORCER.install(self.name, self.net_pid, host_addrs)
+            self.slirp = await Slirp.start(self.net_pid, key=self.name)
             fault_point("ns.slirp.started")
             self.write_state()
         await self._connect(wait=True)
@@ -525,6 +533,7 @@ class NsSandbox:
             "snapshot_depth": self.snapshot_depth,
             "zygote": self.from_zygote,
             "nested": self.nested,
+            "router": [self.router.pid, self.router.start] if self.router else None,
         }
 
     def write_state(self) -> None:
@@ -544,10 +553,20 @@ class NsSandbox:
         sbx.snapshot_depth = int(data.get("snapshot_depth") or 0)
         sbx.from_zygote = bool(data.get("zygote", True))
         sbx.nested = bool(data.get("nested"))
+        sbx.router = ProcRef(*data["router"]) if data.get("router") else None
         return sbx
 
     def alive(self) -> bool:
         return self.init is not None and self.init.alive()
+
+    @property
+    def net_pid(self) -> int:
+        """The process whose network namespace has the tap, the egress filter and the shaping: the
+        router of a nested sandbox, else the init."""
+        if self.router is not None:
+            return self.router.pid
+        assert self.init is not None
+        return self.init.pid
 
     # ---- teardown -------------------------------------------------------------------------------
     async def aclose(self, remove_dir: Path | None = None) -> None:
@@ -589,7 +608,7 @@ class NsSandbox:
                 await self.slirp.aclose()
         elif self.opts is None and self.init is not None:
             # rebuilt from ns.json after a crash: a slirp may run that ns.json never recorded
-            await asyncio.to_thread(kill_slirps_serving, {self.init.pid})
+            await asyncio.to_thread(kill_slirps_serving, {self.net_pid})
         if remove_cgroup:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(self.cgroup.remove)

@@ -97,7 +97,7 @@ async def test_an_older_servers_rules_go_once_ours_are_written(tmp_path: Path, m
     after a filter of ours is in force, and once."""
     log: list[str] = []
     rt = NsRuntime(Settings(state_dir=tmp_path / "state", cache_dir=tmp_path / "cache"), pool_size=0)
-    sbx = SimpleNamespace(allow_internet=True, init=ProcRef(4242, 1), alive=lambda: True, egress=HandOutFilter("s1"))
+    sbx = SimpleNamespace(allow_internet=True, init=ProcRef(4242, 1), net_pid=4242, alive=lambda: True, egress=HandOutFilter("s1"))
     sbx.egress.foreign = True
     rt.table.running["s1"] = sbx  # type: ignore[assignment]
 
