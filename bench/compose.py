@@ -184,6 +184,7 @@ async def _push(registry_url: str) -> None:
 
 @contextlib.contextmanager
 def _server(tmp: Path, runtime: str, registry_url: str) -> Iterator[Server]:
+    tmp.mkdir(parents=True, exist_ok=True)
     srv = start_server(tmp, runtime, {"AENV_REGISTRY_MIRRORS": f"docker.io={registry_url}", "AENV_POOL_SIZE": "0"})
     try:
         yield srv
