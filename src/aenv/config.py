@@ -212,7 +212,17 @@ class Settings(BaseModel):
     package_mirrors: dict[str, str] = Field(
         default_factory=dict, description="the operator's package mirrors, written into every sandbox at "
         "create: pip = an index URL (PIP_INDEX_URL), npm = a registry URL (NPM_CONFIG_REGISTRY), apt = a "
-        "Debian mirror URL (/etc/apt/sources.list); reachable from sandboxes through private_egress"
+        "Debian mirror URL (/etc/apt/sources.list), docker = a Docker Hub mirror (dockerd's registry-mirrors, in "
+        "sandboxes with Docker inside); reachable from sandboxes through private_egress"
+    )
+    compose_max_bytes: int = Field(1 << 20, gt=0, description="compose sandboxes: the largest Compose file accepted, bytes")
+    compose_max_services: int = Field(24, gt=0, description="compose sandboxes: the most services one project may have")
+    compose_max_context_bytes: int = Field(
+        64 << 20, gt=0, description="compose sandboxes: the build contexts of one request together, bytes (as uploaded, and unpacked)"
+    )
+    compose_startup_timeout: float = Field(
+        300.0, gt=0, description="compose sandboxes: seconds from the request to every service up (image fetch, create, "
+        "docker load, compose up --wait) unless the request's startupTimeout says otherwise"
     )
     ws_max_message: int = Field(
         16 * 1024 * 1024, gt=0, description="largest WebSocket message relayed into or out of a sandbox, bytes"
@@ -332,7 +342,7 @@ class Settings(BaseModel):
 
 
 VOLUMES_NAME = ".volumes"  # under the sandboxes dir (``Settings.volumes_dir``)
-MIRROR_KINDS = ("pip", "npm", "apt")  # ``package_mirrors``' keys
+MIRROR_KINDS = ("pip", "npm", "apt", "docker")  # ``package_mirrors``' keys
 
 _LIST_FIELDS = {"api_keys", "admin_keys", "insecure_registries", "webhook_urls", "private_egress"}
 _DICT_FIELDS = {"registry_mirrors", "key_quotas", "package_mirrors"}

@@ -1,6 +1,7 @@
 """Docker inside an ns sandbox (the ``docker`` template, issue 40), through the unmodified E2B SDK: dockerd
 runs in the sandbox's own user namespace (rootless, its cgroups the sandbox's), pulls a Docker Hub name
-through the operator's mirror (the session's local registry, reached through the allowlist), builds a
+through the operator's Docker mirror (``package_mirrors``: the session's local registry, reached through the
+allowlist), builds a
 two-step Dockerfile, runs two containers that find each other by name on a user network, and publishes
 a port the sandbox proxy reaches. Its root, with every capability of its own user namespace, still cannot
 open the egress filter (the router's). A node that does not allow it answers a 400 naming the setting,
@@ -17,8 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
+from aenv.runtime.allowlist import HOST_SERVICES
 from aenv.testing.server import API_KEY, Server, start_server, stop_server
-from tests.fixtures.docker import docker_env, mirror_to, register_docker
+from tests.fixtures.docker import docker_env, register_docker
 from tests.fixtures.plugin import PushedImages
 
 PAGE = "served-from-a-nested-container"
@@ -32,7 +34,8 @@ def docker_server(tmp_path_factory: pytest.TempPathFactory, pushed_images: Pushe
     if "busybox" in pushed_images.skipped:
         pytest.skip(f"no busybox fixture image: {pushed_images.skipped['busybox']}")
     port = int(pushed_images.registry.host.rsplit(":", 1)[1])
-    srv = start_server(tmp_path_factory.mktemp("docker-ns"), "ns", {**docker_env(port), "AENV_POOL_SIZE": "0"})
+    srv = start_server(tmp_path_factory.mktemp("docker-ns"), "ns", {
+        **docker_env(port), "AENV_POOL_SIZE": "0", "AENV_PACKAGE_MIRRORS": f"docker=http://{HOST_SERVICES}:{port}"})
     try:
         register_docker(srv)
         yield srv
@@ -45,14 +48,10 @@ def _sdk(server: Server) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def sbx(docker_server: Server, pushed_images: PushedImages) -> Iterator[Any]:
+def sbx(docker_server: Server) -> Iterator[Any]:
     from e2b import Sandbox
 
-    sandbox = Sandbox.create("docker", timeout=600, **_sdk(docker_server))
-    port = int(pushed_images.registry.host.rsplit(":", 1)[1])
-    sandbox.files.write("/etc/docker/daemon.json", mirror_to(port))
-    sandbox.commands.run("for i in $(seq 300); do docker info >/dev/null 2>&1 && break; sleep 0.1; done; "
-                         "kill -HUP $(cat /var/run/docker.pid)", user="root", timeout=60)
+    sandbox = Sandbox.create("docker", timeout=600, **_sdk(docker_server))  # the mirror in its daemon.json
     yield sandbox
     with contextlib.suppress(Exception):
         sandbox.kill()
@@ -102,6 +101,19 @@ def test_fork_and_snapshot_answer_409_naming_why(sbx: Any, docker_server: Server
     assert _root(sbx, "docker ps --format '{{.Names}}'").split() == ["web"]  # it runs on, untouched
 
 
+def test_pause_and_resume_keep_the_containers_running(sbx: Any, docker_server: Server) -> None:
+    """ns pauses by freezing the sandbox's cgroup (dockerd, containerd and the containers with it); a
+    nested sandbox is never released to disk (CRIU cannot dump it), so it resumes as it was."""
+    from e2b import Sandbox
+
+    assert sbx.pause()
+    resumed = Sandbox.connect(sbx.sandbox_id, timeout=600, **_sdk(docker_server))
+    assert _root(resumed, "docker ps --format '{{.Names}}'").split() == ["web"]
+    got = httpx.get(docker_server.url, headers={"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8080"},
+                    timeout=60)
+    assert got.status_code == 200 and got.text.strip() == PAGE
+
+
 def test_a_node_that_does_not_allow_it_answers_400_naming_the_setting(
         docker_server: Server, tmp_path_factory: pytest.TempPathFactory) -> None:
     from e2b import Sandbox, SandboxException
@@ -127,9 +139,6 @@ def test_its_root_cannot_open_the_egress_filter(docker_server: Server, pushed_im
     closed = int(docker_server.url.rsplit(":", 1)[1])  # aenv's own API port: never opened to sandboxes
     sandbox = Sandbox.create("docker", timeout=300, **_sdk(docker_server))
     try:
-        sandbox.files.write("/etc/docker/daemon.json", mirror_to(allowed))
-        _root(sandbox, "for i in $(seq 300); do docker info >/dev/null 2>&1 && break; sleep 0.1; done; "
-                       "kill -HUP $(cat /var/run/docker.pid); sleep 1")
         nc = "printf \"GET /v2/ HTTP/1.0\\r\\n\\r\\n\" | busybox nc -w 5 10.0.2.2 PORT | head -1 | grep -c 200 || true"
         inside = _root(sandbox, f"docker run --rm busybox:latest sh -c '{nc.replace('PORT', str(allowed))}; "
                                 f"{nc.replace('PORT', str(closed))}'")

@@ -24,8 +24,8 @@ import pytest
 from e2b import Sandbox
 
 from aenv.runtime.allowlist import HOST_SERVICES
-from aenv.testing.gateway import sdk_env
-from aenv.testing.server import API_KEY, Server, discard_vm_state, start_server, stop_server
+from aenv.testing.gateway import serving
+from aenv.testing.server import API_KEY, Server, start_server
 from tests.fixtures.interpreter import register_interpreter
 from tests.fixtures.privatehosts import (
     INDEX,
@@ -88,13 +88,8 @@ def _env(h: PrivateHosts) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def allow_server(tmp_path_factory: pytest.TempPathFactory, runtime_name: str, hosts: PrivateHosts) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("aenv-allow"), runtime_name, extra_env=_env(hosts))
-    try:
-        with sdk_env(srv.url):
-            yield srv
-    finally:
-        stop_server(srv)
-        discard_vm_state(srv.state_dir)
+    with serving(start_server(tmp_path_factory.mktemp("aenv-allow"), runtime_name, extra_env=_env(hosts))) as srv:
+        yield srv
 
 
 def _probe(sbx: Sandbox, targets: list[str], path: str = "/probe") -> dict[str, str]:
@@ -240,19 +235,14 @@ def test_smolagents_installs_a_tools_requirement_from_the_private_index(
 
 def test_a_default_server_refuses_private_ranges_and_the_host(
         tmp_path_factory: pytest.TempPathFactory, runtime_name: str, hosts: PrivateHosts) -> None:
-    srv = start_server(tmp_path_factory.mktemp("aenv-default"), runtime_name)
-    try:
-        with sdk_env(srv.url):
-            sbx = Sandbox.create("base", timeout=300)
-            try:
-                assert _reached(_probe(sbx, _everything(hosts, _port(srv)))) == set()
-            finally:
-                sbx.kill()
-            with pytest.raises(Exception, match="not allowed"):
-                Sandbox.create("base", timeout=60, network={"allow_out": [INDEX]})
-    finally:
-        stop_server(srv)
-        discard_vm_state(srv.state_dir)
+    with serving(start_server(tmp_path_factory.mktemp("aenv-default"), runtime_name)) as srv:
+        sbx = Sandbox.create("base", timeout=300)
+        try:
+            assert _reached(_probe(sbx, _everything(hosts, _port(srv)))) == set()
+        finally:
+            sbx.kill()
+        with pytest.raises(Exception, match="not allowed"):
+            Sandbox.create("base", timeout=60, network={"allow_out": [INDEX]})
 
 
 def test_tool_wheel_is_a_real_wheel(tmp_path: Path) -> None:

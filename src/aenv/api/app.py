@@ -21,6 +21,7 @@ from aenv.api.proxy import SandboxProxy
 from aenv.api.routes_builds import router as builds_router
 from aenv.api.routes_builds import uploads as build_uploads_router
 from aenv.api.routes_cluster import router as cluster_router
+from aenv.api.routes_compose import router as compose_router
 from aenv.api.routes_console import EventHub
 from aenv.api.routes_console import router as console_read_router
 from aenv.api.routes_console_ops import router as console_ops_router
@@ -154,6 +155,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None, *, ensure_bas
     api.include_router(builds_router)
     api.include_router(build_uploads_router)
     api.include_router(sandboxes_router)
+    api.include_router(compose_router)
     api.include_router(fleet_router)
     api.include_router(cluster_router)
     api.include_router(leases_router)

@@ -187,3 +187,18 @@ class ResumeBody(ConnectBody):
 class PauseBody(_Strict):
     memory: StrictBool | None = None  # false: keep the files only; the resume is a cold start
     requireHealthyGuest: StrictBool | None = None
+
+
+class NewComposeSandbox(NewSandbox):
+    """``POST /sandboxes-compose`` (shaped after AgentENV's): a create's fields (the template defaults to
+    ``docker``) plus the Compose project. ``composeEnv``: the variables the file is interpolated with (the
+    node's own environment and ``.env`` files are not read); ``profiles``: the profiles to enable;
+    ``buildContexts``: per service with a ``build``, its context as a base64 tar (gzip or plain);
+    ``startupTimeout``: seconds until every service must be up (the server's ``compose_startup_timeout``)."""
+
+    templateID: str = Field("docker", min_length=1, max_length=256)
+    compose: str = Field(min_length=1)
+    composeEnv: dict[str, str] | None = None
+    profiles: list[str] | None = None
+    buildContexts: dict[str, str] | None = None
+    startupTimeout: StrictInt | None = Field(default=None, ge=1, le=3600)

@@ -72,8 +72,10 @@ def _check_metadata_size(meta: dict[str, str], limit: int) -> None:
         raise InvalidRequest(f"metadata too large: {size} bytes, the limit is {limit}")
 
 
-async def _create(request: Request, body: NewSandbox, orch: Orchestrator, idempotency_key: str | None,
-                  secure_default: bool) -> JSONResponse:
+def create_request(request: Request, body: NewSandbox, orch: Orchestrator, idempotency_key: str | None,
+                   secure_default: bool) -> CreateRequest:
+    """A create's body checked (unsupported fields, sizes, the team's template and lease) and made core's
+    request: for ``POST /sandboxes`` and for compose sandboxes (``routes_compose.py``)."""
     body.refuse_unsupported()
     owner = tenancy.owner(request)
     tenancy.check_template_use(request, body.templateID)  # another team's private template: unknown
@@ -84,7 +86,7 @@ async def _create(request: Request, body: NewSandbox, orch: Orchestrator, idempo
     _check_metadata_size(env_vars, orch.settings.max_metadata_bytes * 4)
     if idempotency_key is not None and not (0 < len(idempotency_key) <= 255):
         raise InvalidRequest("Idempotency-Key must be 1-255 characters")
-    req = CreateRequest(
+    return CreateRequest(
         template=body.templateID,
         timeout=body.timeout,
         metadata=meta,
@@ -103,7 +105,11 @@ async def _create(request: Request, body: NewSandbox, orch: Orchestrator, idempo
         volume_mounts=tuple(parse_mounts([(m.name, m.path, m.readOnly) for m in body.volumeMounts or ()])),
         bandwidth=body.bandwidth.request() if body.bandwidth is not None else None,
     )
-    sbx = await orch.create(req)
+
+
+async def _create(request: Request, body: NewSandbox, orch: Orchestrator, idempotency_key: str | None,
+                  secure_default: bool) -> JSONResponse:
+    sbx = await orch.create(create_request(request, body, orch, idempotency_key, secure_default))
     return JSONResponse(serialize.sandbox(sbx), status_code=201)
 
 

@@ -15,6 +15,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from aenv.core import network as net
+from aenv.core.compose import ComposeResult
 from aenv.core.table import LiveSandbox
 from aenv.envd import ENVD_VERSION
 from aenv.kinds import SandboxState
@@ -63,6 +64,17 @@ def sandbox(sbx: LiveSandbox) -> dict[str, Any]:
     if row.access_token:
         out["envdAccessToken"] = row.access_token
     return out
+
+
+def compose(result: ComposeResult) -> dict[str, Any]:
+    """A compose sandbox's project: each service's state and its published ports, with the host the
+    sandbox proxy serves each under (what the SDK's ``sbx.get_host(port)`` says)."""
+    sid, domain = result.sandbox.id, DOMAIN.get()
+    return {"project": result.project, "services": [
+        {"name": s.name, "state": s.state, "health": s.health or None, "exitCode": s.exit_code,
+         "ports": [{"port": p.published, "target": p.target, "protocol": p.protocol,
+                    "host": f"{p.published}-{sid}.{domain}"} for p in s.ports]}
+        for s in result.services]}
 
 
 def _common(sbx: LiveSandbox) -> dict[str, Any]:

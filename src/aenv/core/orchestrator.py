@@ -31,6 +31,7 @@ from aenv.core import bandwidth, mirrors, team_disk
 from aenv.core import network as net
 from aenv.core.admission import Admission
 from aenv.core.builds import TemplateBuilds
+from aenv.core.compose import ComposeFlows
 from aenv.core.context import Context
 from aenv.core.fleet import KillReport, kill_matching
 from aenv.core.ids import new_id, new_token
@@ -97,6 +98,7 @@ class Orchestrator:
         self.snapshots = SnapshotFlows(self.ctx, self.sync)
         self.template_flows = TemplateFlows(self.ctx)
         self.builds = TemplateBuilds(self.ctx, self, self.snapshots, self.template_flows)
+        self.compose = ComposeFlows(settings, self, self.template_flows.builder)  # Compose projects in a sandbox
         self.shared_templates = TemplateShare(self.ctx, self.snapshots, self.template_flows)  # build once, run anywhere
         self.builds.publish, self.sync.template_fetch = self.shared_templates.publish, self.shared_templates.fetch
         self.admission = Admission(settings, self.table)
@@ -272,6 +274,8 @@ class Orchestrator:
                 else:
                     state = await self.runtime.create(spec)
                 await mirrors.write_apt_sources(self.settings, self.runtime, sandbox_id, row.access_token)
+                await mirrors.write_docker_mirror(self.settings, self.runtime, sandbox_id, row.access_token,
+                                                  spec.template.nested_containers)
             except BaseException:
                 await self.ctx.forget(row)
                 raise

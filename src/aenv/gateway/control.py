@@ -332,6 +332,7 @@ def _relay(got: Relayed | Response) -> Response:
 # ---- routes: creates and lists ------------------------------------------------------------------
 @router.post("/sandboxes")
 @router.post("/v2/sandboxes")
+@router.post("/sandboxes-compose")  # a compose sandbox is placed like any create (core/compose.py on the node)
 async def create(request: Request) -> Response:
     return await gateway(request).create(request)
 

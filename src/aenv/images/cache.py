@@ -35,13 +35,13 @@ import shutil
 import sqlite3
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from aenv.errors import ImageError
-from aenv.images.errors import CacheError
+from aenv.images.errors import CacheError, DigestMismatch
 from aenv.images.manifest import Descriptor
 from aenv.images.progress import ProgressCallback, PullEvent, emit
 from aenv.images.reference import Reference
@@ -112,6 +112,7 @@ class LayerCache:
         self.downloads = 0  # blobs actually fetched by this process (tests and bench read it)
         self.bytes_downloaded = 0
         self._inflight: dict[str, asyncio.Future[LayerInfo]] = {}
+        self._blobs_inflight: dict[str, asyncio.Future[Path]] = {}  # kept whole (ensure_blob)
         self._sem = asyncio.Semaphore(max_parallel)
         for d in ("unpacked", "blobs/sha256", "tmp"):
             (root / d).mkdir(parents=True, exist_ok=True)
@@ -258,7 +259,7 @@ class LayerCache:
         for entry in self.entries():
             if excess <= 0:
                 break
-            if entry.pinned_by or entry.digest in self._inflight:
+            if entry.pinned_by or self._busy(entry.digest):
                 continue
             self._remove(entry)
             removed.append(entry)
@@ -273,10 +274,13 @@ class LayerCache:
             return self.evict()
         removed = []
         for entry in self.entries():
-            if not entry.pinned_by and entry.digest not in self._inflight:
+            if not entry.pinned_by and not self._busy(entry.digest):
                 self._remove(entry)
                 removed.append(entry)
         return removed
+
+    def _busy(self, digest: str) -> bool:
+        return digest in self._inflight or digest in self._blobs_inflight
 
     def _remove(self, entry: CacheEntry) -> None:
         path = self._kind_path(entry.digest, entry.kind)
@@ -402,6 +406,103 @@ class LayerCache:
             _rm(layer_tmp)
         emit(progress, PullEvent(r, "done", desc.digest, desc.size, desc.size))
         return self._info(desc.digest, reused=False)
+
+
+    # -- whole blobs (Docker inside a sandbox loads them as they are) ------------------------------
+
+    def has_blob(self, digest: str) -> bool:
+        row = self._db.execute("SELECT 1 FROM layers WHERE digest=? AND kind='blob'", (digest,)).fetchone()
+        return row is not None and self.blob_path(digest).is_file()
+
+    async def ensure_blob(self, client: RegistryClient, ref: Reference, desc: Descriptor) -> Path:
+        """The verified blob of ``desc`` as stored by the registry (compressed), downloaded once per node
+        and shared (``blobs/sha256/<hex>``, counted in the budget like a layer). Callers pin it while they
+        read it; concurrent callers share one download."""
+        _hex(desc.digest)
+        if self.has_blob(desc.digest):
+            self.touch([desc.digest])
+            return self.blob_path(desc.digest)
+        return await self._single_flight(desc.digest, lambda: self._fetch_blob(client, ref, desc))
+
+    async def ensure_plain_tar(self, blob: Path, diff_id: str, where: str) -> Path:
+        """The uncompressed tar of a zstd layer ``blob``, kept under its diff_id (verified against it):
+        Docker 20.10's ``docker load`` takes gzip layers, not zstd ones."""
+        _hex(diff_id)
+        if self.has_blob(diff_id):
+            self.touch([diff_id])
+            return self.blob_path(diff_id)
+
+        async def make() -> Path:
+            tmp = self._tmp("plain")
+            try:
+                size = await asyncio.to_thread(_decompress_zstd, blob, tmp, diff_id, where)
+                return self._publish_blob(tmp, diff_id, size, where)
+            finally:
+                _rm(tmp)
+
+        return await self._single_flight(diff_id, make)
+
+    async def _single_flight(self, digest: str, make: Callable[[], Awaitable[Path]]) -> Path:
+        fut = self._blobs_inflight.get(digest)
+        if fut is not None:
+            return await asyncio.shield(fut)
+        fut = asyncio.get_running_loop().create_future()
+        self._blobs_inflight[digest] = fut
+        try:
+            path = await make()
+        except BaseException as exc:
+            if isinstance(exc, Exception):
+                fut.set_exception(exc)
+                fut.exception()  # a lone caller must not log "never retrieved"
+            else:
+                fut.cancel()
+            raise
+        finally:
+            self._blobs_inflight.pop(digest, None)
+        fut.set_result(path)
+        return path
+
+    async def _fetch_blob(self, client: RegistryClient, ref: Reference, desc: Descriptor) -> Path:
+        tmp = self._tmp("blob")
+        try:
+            async with self._sem:
+                self.evict(need_bytes=desc.size)
+                await client.download_blob(ref, desc, tmp)
+                self.downloads += 1
+                self.bytes_downloaded += desc.size
+            return self._publish_blob(tmp, desc.digest, desc.size, str(ref))
+        finally:
+            _rm(tmp)
+
+    def _publish_blob(self, tmp: Path, digest: str, size: int, where: str) -> Path:
+        try:
+            with self._publish_lock():
+                if not self.blob_path(digest).is_file():
+                    os.rename(tmp, self.blob_path(digest))
+                self._insert(digest, "blob", size, None)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise CacheError(where, f"disk full while storing {digest}: {exc}") from exc
+            raise CacheError(where, f"storing {digest}: {exc}") from exc
+        return self.blob_path(digest)
+
+
+def _decompress_zstd(blob: Path, out: Path, diff_id: str, where: str) -> int:
+    """Decompress ``blob`` into ``out``, checking the result's sha256 against ``diff_id``; its size."""
+    import hashlib
+
+    import zstandard
+
+    h, n = hashlib.sha256(), 0
+    with open(blob, "rb") as src, open(out, "wb") as dst:
+        reader = zstandard.ZstdDecompressor().stream_reader(src, read_across_frames=True)
+        while chunk := reader.read(1 << 20):
+            h.update(chunk)
+            dst.write(chunk)
+            n += len(chunk)
+    if "sha256:" + h.hexdigest() != diff_id:
+        raise DigestMismatch(where, diff_id, "sha256:" + h.hexdigest())
+    return n
 
 
 def _rm(path: Path) -> None:

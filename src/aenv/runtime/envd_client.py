@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -283,6 +283,33 @@ async def upload(stream: _Stream, path: str, data: bytes, user: str = "root", to
     raw_request = build_request("POST", f"/files?path={quote(path)}&username={quote(user)}", data,
                                 headers, "application/octet-stream")
     response = await exchange(stream, raw_request)
+    if not 200 <= response.status < 300:
+        raise EnvdError(f"upload to {path} failed: envd answered {response.status}", response.status, response.body)
+
+
+async def upload_stream(stream: _Stream, path: str, size: int, chunks: AsyncIterator[bytes], user: str = "root",
+                        token: str | None = None) -> None:
+    """Write ``size`` bytes from ``chunks`` to ``path`` in the sandbox through envd's ``/files``, without
+    holding them in memory (an image archive of hundreds of MB). The stream is closed either way."""
+    from urllib.parse import quote
+
+    headers = as_user(user) | ({"X-Access-Token": token} if token else {}) | {
+        "Content-Type": "application/octet-stream", "Content-Length": str(size)}
+    sent = 0
+    try:
+        await stream.write(build_request("POST", f"/files?path={quote(path)}&username={quote(user)}", None, headers))
+        async for chunk in chunks:
+            sent += len(chunk)
+            if sent > size:
+                raise EnvdError(f"upload to {path}: more than the {size} bytes announced")
+            await stream.write(chunk)
+    except BaseException:
+        await stream.aclose()
+        raise
+    if sent != size:
+        await stream.aclose()
+        raise EnvdError(f"upload to {path}: {sent} of the {size} bytes announced")
+    response = parse_response(await _read(stream, to_eof=True))
     if not 200 <= response.status < 300:
         raise EnvdError(f"upload to {path} failed: envd answered {response.status}", response.status, response.body)
 

@@ -101,6 +101,17 @@ def sdk_env(url: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
+@contextlib.contextmanager
+def serving(srv: Server) -> Iterator[Server]:
+    """A test's own server with the SDKs pointed at it; stopped, its VM state discarded, when the block ends."""
+    try:
+        with sdk_env(srv.url):
+            yield srv
+    finally:
+        stop_server(srv)
+        discard_vm_state(srv.state_dir)
+
+
 def wait_for(cond: Callable[[], bool], timeout: float = 60.0) -> None:
     """Poll ``cond`` every 0.1 s until it holds; AssertionError after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

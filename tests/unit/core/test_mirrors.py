@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from aenv.config import Settings, load_settings
-from aenv.core.mirrors import apt_sources, env_for
+from aenv.core.mirrors import apt_sources, docker_daemon_config, env_for
 
 
 def test_pip_and_npm_go_into_the_environment_and_apt_into_a_sources_list() -> None:
@@ -30,3 +30,17 @@ def test_allowlist_and_mirrors_from_the_environment(tmp_path: object) -> None:
                                "AENV_PACKAGE_MIRRORS": "pip=http://10.1.2.3:8080/simple"})
     assert s.private_egress == ["named:10.1.2.3:8000", "localhost:9000"]
     assert s.package_mirrors == {"pip": "http://10.1.2.3:8080/simple"}
+
+
+def test_the_docker_mirror_is_merged_into_dockerds_config() -> None:
+    s = Settings(package_mirrors={"docker": "http://10.0.2.2:5000/"})
+    current = {"log-driver": "json-file", "registry-mirrors": ["https://other.example"]}
+    assert docker_daemon_config(s, current) == {
+        "log-driver": "json-file", "registry-mirrors": ["https://other.example", "http://10.0.2.2:5000"],
+        "insecure-registries": ["10.0.2.2:5000"]}
+    again = docker_daemon_config(s, docker_daemon_config(s, {}) or {})
+    assert again == {"registry-mirrors": ["http://10.0.2.2:5000"], "insecure-registries": ["10.0.2.2:5000"]}
+    assert docker_daemon_config(Settings(package_mirrors={"docker": "https://hub.internal"}), {}) == {
+        "registry-mirrors": ["https://hub.internal"]}
+    assert docker_daemon_config(Settings(), {"a": 1}) is None
+    assert env_for(s) == {} and apt_sources(s) is None  # only a sandbox with Docker inside gets it

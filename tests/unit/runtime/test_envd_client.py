@@ -135,3 +135,26 @@ def test_exit_code_and_dechunk() -> None:
     chunked = b"".join(f"{len(p):x}\r\n".encode() + p + b"\r\n" for p in (body[:10], body[10:])) + b"0\r\n\r\n"
     assert dechunk(chunked) == body
     assert process_body("/bin/sh", ["-c", "true"])[5:] == b'{"process": {"cmd": "/bin/sh", "args": ["-c", "true"]}}'
+
+
+async def _chunks(*parts: bytes):  # type: ignore[no-untyped-def]
+    for part in parts:
+        yield part
+
+
+async def test_upload_stream_sends_the_announced_length_and_checks_it() -> None:
+    from aenv.runtime.envd_client import upload_stream
+
+    s = FakeStream(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n[]")
+    await upload_stream(s, "/var/x y.tar", 6, _chunks(b"abc", b"def"), token="tok")
+    head, _, body = s.sent.partition(b"\r\n\r\n")
+    assert head.startswith(b"POST /files?path=/var/x%20y.tar&username=root HTTP/1.1")
+    assert b"Content-Length: 6" in head and b"X-Access-Token: tok" in head and body == b"abcdef" and s.closed
+    for size, parts in ((5, (b"abc", b"def")), (7, (b"abc", b"def"))):
+        s = FakeStream(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n[]")
+        with pytest.raises(EnvdError, match="announced"):
+            await upload_stream(s, "/x", size, _chunks(*parts))
+        assert s.closed
+    s = FakeStream(b"HTTP/1.1 507 Insufficient Storage\r\nContent-Length: 0\r\n\r\n")
+    with pytest.raises(EnvdError, match="507"):
+        await upload_stream(s, "/x", 3, _chunks(b"abc"))
