@@ -25,8 +25,9 @@ import httpx
 import pytest
 
 from aenv.images.registry import RegistryClient
-from aenv.testing.server import API_KEY, Server, start_server, stop_server
+from aenv.testing.server import API_KEY, Server, discard_vm_state, start_server, stop_server
 from tests.fixtures.compose_images import DEBIAN_GZIP_IMAGE, push_compose_images
+from tests.fixtures.docker import docker_env, register_docker
 from tests.fixtures.harbor import (
     COMPOSE_TASK_VERIFIER_OUT,
     compose_task_files,
@@ -52,42 +53,30 @@ def harbor() -> Path:
 def compose_server(
     harbor: Path, tmp_path_factory: pytest.TempPathFactory, pushed_images: PushedImages, runtime_name: str
 ) -> Iterator[Server]:
-    """A server whose ``docker.io`` is the session's registry, which sandboxes may also reach at
-    ``10.0.2.2:<its port>`` (private egress) for ``mode=sdk``."""
+    """A server with the ``docker`` template whose ``docker.io`` is the session's registry, which sandboxes
+    may also reach at ``10.0.2.2:<its port>`` (private egress) for ``mode=sdk``."""
     from tests.integration.conftest import _needs_runtime
 
     _needs_runtime(runtime_name)
     for image in ("debian:bookworm", "redis:7", "aenv/counter-app:1"):
         pushed_images.require(image)
     asyncio.run(_push_gzip_main(pushed_images.registry.url))
-    port = pushed_images.registry.host.rsplit(":", 1)[1]
+    port = int(pushed_images.registry.host.rsplit(":", 1)[1])
     srv = start_server(tmp_path_factory.mktemp("compose-server"), runtime_name, {
-        "AENV_REGISTRY_MIRRORS": f"docker.io={pushed_images.registry.url}", "AENV_POOL_SIZE": "0",
-        "AENV_PRIVATE_EGRESS": f"localhost:{port}", "AENV_NS_NESTED_CONTAINERS": "1",
+        "AENV_REGISTRY_MIRRORS": f"docker.io={pushed_images.registry.url}", "AENV_POOL_SIZE": "0", **docker_env(port),
     })  # fmt: skip
     try:
+        register_docker(srv)  # built or found in the cache; skips saying why where it cannot be built
         yield srv
     finally:
         stop_server(srv)
+        discard_vm_state(srv.state_dir)
 
 
 async def _push_gzip_main(registry_url: str) -> None:
     """``debian:bookworm-gzip`` for mode=sdk, whose dockerd pulls it (Docker 20.10 unpacks no zstd)."""
     async with RegistryClient(mirrors={"docker.io": registry_url}) as client:
         await push_compose_images(client, main=True)
-
-
-def _require(server: Server, mode: str) -> None:
-    """Skip with the reason where this server cannot run a compose sandbox (no docker template; no route)."""
-    headers = {"X-API-Key": API_KEY}
-    templates = httpx.get(f"{server.url}/templates", headers=headers, timeout=30).json()
-    names = {a for t in templates for a in [t.get("templateID"), *(t.get("aliases") or [])]}
-    if "docker" not in names:
-        pytest.skip("no docker template on this server (aenv template build docker)")
-    if mode == "route":
-        probe = httpx.post(f"{server.url}/sandboxes-compose", json={}, headers=headers, timeout=30)
-        if probe.status_code in (404, 405):
-            pytest.skip("this server has no POST /sandboxes-compose")
 
 
 def _running(server: Server) -> list[str]:
@@ -100,7 +89,6 @@ def test_harbor_compose_task_oracle_scores_one(
     harbor: Path, compose_server: Server, pushed_images: PushedImages, runtime_name: str, mode: str,
     tmp_path: Path, record_property: pytest.RecordProperty,
 ) -> None:  # fmt: skip
-    _require(compose_server, mode)
     main = "debian:bookworm" if mode == "route" else DEBIAN_GZIP_IMAGE  # aenv's route loads zstd layers too
     task = write_task(tmp_path / "compose-counter", compose_task_files(main))
     jobs = tmp_path / "jobs"
