@@ -5,7 +5,8 @@ the counter in redis by service name; reward 1. Harbor loads aenv's environment 
 project in one sandbox of the ``docker`` template:
 
 * ``route``: through aenv's ``POST /sandboxes-compose`` (images fetched by aenv's registry client from the
-  session's local registry, then loaded into the sandbox's dockerd);
+  session's local registry, then loaded into the sandbox's dockerd); ``route-build`` too, with ``main``
+  built in the sandbox from the task's ``environment/Dockerfile``, sent as its build context;
 * ``sdk``: ``docker compose up --wait`` inside a sandbox made through the E2B SDK, its dockerd pulling from
   that registry through the private-egress port the server opens for it (``main`` from a gzip copy of
   ``debian:bookworm``: Docker 20.10 cannot unpack the fixture's zstd layers).
@@ -84,16 +85,18 @@ def _running(server: Server) -> list[str]:
     return [s["sandboxID"] for s in resp.json()]
 
 
-@pytest.mark.parametrize("mode", ["route", "sdk"])
+@pytest.mark.parametrize("mode", ["route", "sdk", "route-build"])
 def test_harbor_compose_task_oracle_scores_one(
     harbor: Path, compose_server: Server, pushed_images: PushedImages, runtime_name: str, mode: str,
     tmp_path: Path, record_property: pytest.RecordProperty,
 ) -> None:  # fmt: skip
-    main = "debian:bookworm" if mode == "route" else DEBIAN_GZIP_IMAGE  # aenv's route loads zstd layers too
-    task = write_task(tmp_path / "compose-counter", compose_task_files(main))
+    main = DEBIAN_GZIP_IMAGE if mode == "sdk" else "debian:bookworm"  # aenv's route loads zstd layers too
+    build = mode == "route-build"  # main built from environment/Dockerfile, its context sent with the request
+    task = write_task(tmp_path / "compose-counter", compose_task_files(main, build=build))
     jobs = tmp_path / "jobs"
     cmd = [str(harbor.parent / "harbor"), "run", "-p", str(task), "-e", ENVIRONMENT, "-a", "oracle",
-           "-o", str(jobs), "--job-name", "aenv", "-k", "1", "-n", "1", "-y", "-q", "--ek", f"mode={mode}"]  # fmt: skip
+           "-o", str(jobs), "--job-name", "aenv", "-k", "1", "-n", "1", "-y", "-q",
+           "--ek", f"mode={mode.removesuffix('-build')}"]  # fmt: skip
     if mode == "sdk":
         cmd += ["--ek", f"registry_mirror=http://10.0.2.2:{pushed_images.registry.host.rsplit(':', 1)[1]}"]
     env = harbor_env(compose_server.url, PYTHONPATH=str(REPO / "src"))
@@ -106,7 +109,8 @@ def test_harbor_compose_task_oracle_scores_one(
     result = json.loads((trial / "result.json").read_text())
     assert result.get("exception_info") is None, result["exception_info"]
     assert result["verifier_result"]["rewards"] == {"reward": 1.0}, result["verifier_result"]
-    assert (trial / "verifier" / "test-stdout.txt").read_text() == COMPOSE_TASK_VERIFIER_OUT
+    origin = "dockerfile\n" if build else ""  # what main's Dockerfile left in the image
+    assert (trial / "verifier" / "test-stdout.txt").read_text() == COMPOSE_TASK_VERIFIER_OUT + origin
     assert _running(compose_server) == []  # the environment's stop killed the sandbox and its services
     print(f"{runtime_name}/{mode}: trial {seconds(result):.1f} s "
           f"(environment setup {seconds(result['environment_setup']):.1f} s)")  # fmt: skip
