@@ -6,7 +6,8 @@ project in one sandbox of the ``docker`` template:
 
 * ``route``: through aenv's ``POST /sandboxes-compose`` (images fetched by aenv's registry client from the
   session's local registry, then loaded into the sandbox's dockerd); ``route-build`` too, with ``main``
-  built in the sandbox from the task's ``environment/Dockerfile``, sent as its build context;
+  built in the sandbox from the task's ``environment/Dockerfile``, sent as its build context, and the task
+  ``no-network`` (the sandbox offline, its services still reaching each other);
 * ``sdk``: ``docker compose up --wait`` inside a sandbox made through the E2B SDK, its dockerd pulling from
   that registry through the private-egress port the server opens for it (``main`` from a gzip copy of
   ``debian:bookworm``: Docker 20.10 cannot unpack the fixture's zstd layers).
@@ -92,7 +93,8 @@ def test_harbor_compose_task_oracle_scores_one(
 ) -> None:  # fmt: skip
     main = DEBIAN_GZIP_IMAGE if mode == "sdk" else "debian:bookworm"  # aenv's route loads zstd layers too
     build = mode == "route-build"  # main built from environment/Dockerfile, its context sent with the request
-    task = write_task(tmp_path / "compose-counter", compose_task_files(main, build=build))
+    # route-build also runs offline: the sandbox without internet, its services still reaching each other
+    task = write_task(tmp_path / "compose-counter", compose_task_files(main, build=build, offline=build))
     jobs = tmp_path / "jobs"
     cmd = [str(harbor.parent / "harbor"), "run", "-p", str(task), "-e", ENVIRONMENT, "-a", "oracle",
            "-o", str(jobs), "--job-name", "aenv", "-k", "1", "-n", "1", "-y", "-q",
