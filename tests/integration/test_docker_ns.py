@@ -101,17 +101,28 @@ def test_fork_and_snapshot_answer_409_naming_why(sbx: Any, docker_server: Server
     assert _root(sbx, "docker ps --format '{{.Names}}'").split() == ["web"]  # it runs on, untouched
 
 
+def test_its_root_sees_its_own_cgroups_and_cannot_raise_their_limits(sbx: Any) -> None:
+    """The cgroup hierarchies runc wants are mounted in a cgroup namespace rooted at the sandbox's cgroups;
+    their files stay the host's, so every capability of its user namespace does not lift its limits."""
+    out = _root(sbx, "cat /proc/self/cgroup | grep memory; "
+                     "echo 109951162777600 > /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null "
+                     "&& echo raised || echo refused; "
+                     "cat /proc/sys/vm/swappiness > /proc/sys/vm/swappiness 2>/dev/null && echo sysctl "
+                     "|| echo kernel-sysctls-closed")
+    assert out.split() == [out.split()[0], "refused", "kernel-sysctls-closed"], out
+    assert out.split()[0].endswith(":memory:/"), out  # the namespace's root is the sandbox's own cgroup
+
+
 def test_pause_and_resume_keep_the_containers_running(sbx: Any, docker_server: Server) -> None:
     """ns pauses by freezing the sandbox's cgroup (dockerd, containerd and the containers with it); a
     nested sandbox is never released to disk (CRIU cannot dump it), so it resumes as it was."""
     from e2b import Sandbox
 
+    _root(sbx, "docker run -d --name sleeper busybox:latest sleep 100000 >/dev/null")
     assert sbx.pause()
     resumed = Sandbox.connect(sbx.sandbox_id, timeout=600, **_sdk(docker_server))
-    assert _root(resumed, "docker ps --format '{{.Names}}'").split() == ["web"]
-    got = httpx.get(docker_server.url, headers={"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8080"},
-                    timeout=60)
-    assert got.status_code == 200 and got.text.strip() == PAGE
+    assert "sleeper" in _root(resumed, "docker ps --format '{{.Names}}'").split()
+    assert _root(resumed, "docker exec sleeper echo still-here").strip() == "still-here"
 
 
 def test_a_node_that_does_not_allow_it_answers_400_naming_the_setting(
@@ -150,3 +161,36 @@ def test_its_root_cannot_open_the_egress_filter(docker_server: Server, pushed_im
     finally:
         with contextlib.suppress(Exception):
             sandbox.kill()
+
+
+def test_a_killed_servers_successor_adopts_it_behind_its_router(tmp_path_factory: pytest.TempPathFactory,
+                                                               pushed_images: PushedImages) -> None:
+    """kill -9 of the server: the next one on its state dir adopts the sandbox, its router with it (the tap,
+    the filter: recorded in ns.json), and its containers run on, reachable through the new proxy."""
+    import os
+    import signal
+
+    from e2b import Sandbox
+
+    port = int(pushed_images.registry.host.rsplit(":", 1)[1])
+    env = {**docker_env(port), "AENV_POOL_SIZE": "0", "AENV_PACKAGE_MIRRORS": f"docker=http://{HOST_SERVICES}:{port}"}
+    tmp = tmp_path_factory.mktemp("docker-crash")
+    srv = start_server(tmp, "ns", env)
+    try:
+        register_docker(srv)
+        sandbox = Sandbox.create("docker", timeout=600, **_sdk(srv))
+        sandbox.files.write("/root/www/index.html", PAGE + "\n")
+        _root(sandbox, "docker run -d --name web -v /root/www:/www:ro -p 8080:80 busybox:latest httpd -f -p 80 -h /www")
+        os.killpg(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait(timeout=30)
+        srv = start_server(tmp, "ns", env)
+        got = httpx.get(srv.url, headers={"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "8080"},
+                        timeout=60)
+        assert got.status_code == 200 and got.text.strip() == PAGE
+        adopted = Sandbox.connect(sandbox.sandbox_id, timeout=600, **_sdk(srv))
+        closed = int(srv.url.rsplit(":", 1)[1])
+        out = _root(adopted, f"iptables-legacy -F; curl -s -m 5 -o /dev/null -w '%{{http_code}}' "
+                             f"http://{HOST_SERVICES}:{closed}/health; true")
+        assert out.strip() == "000"
+    finally:
+        stop_server(srv)

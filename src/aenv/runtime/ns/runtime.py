@@ -449,6 +449,10 @@ class NsRuntime:
             "criu": status.describe(),
             "disk quota": host.disk.describe(),
             "pool_size": self.pool_size,
+            "docker inside": (("yes: rootless dockerd in a user namespace of its own, behind a router holding "
+                               "its egress filter; no fork or snapshot") if host.userns is not None
+                              else "no: it needs the user namespace") if host.settings.ns_nested_containers
+                             else "refused (ns_nested_containers = false)",
         }
 
     # ---- helpers for tests and diagnostics ------------------------------------------------------
