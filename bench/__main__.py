@@ -40,6 +40,7 @@ from bench import (
     chaos,
     cluster,
     cluster_sim,
+    compose,
     core,
     density,
     forks,
@@ -84,6 +85,7 @@ SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "bandwidth": bandwidth.bandwidth,
     "teams": teams.teams,
     "console": console_list.console_scale,
+    "compose": compose.compose_sandboxes,
 }
 GROUPS = {
     "core": ["create", "concurrent", "roundtrip", "files", "pause"],
@@ -93,9 +95,10 @@ GROUPS = {
     # the code-interpreter template's layers on first use (PyPI), bandwidth makes a test host's network
     # namespace (root) and takes tens of seconds of transfers, teams starts a server of its own and bursts
     # 200 creates, console fills 2,000 sandboxes and drives a browser, cluster-sim starts its own Redis,
-    # gateways and simulated nodes, chaos its own 3-node cluster (root, Ray) whose parts it kills: run those by name
+    # gateways and simulated nodes, chaos its own 3-node cluster (root, Ray) whose parts it kills, compose its
+    # own registry and server and needs the docker template (aenv template build docker): run those by name
     "all": [s for s in SCENARIOS if s not in ("rl-groups", "lazy", "cluster", "cluster-sim", "chaos", "scale",
-                                               "interpreter", "bandwidth", "teams", "console")],
+                                               "interpreter", "bandwidth", "teams", "console", "compose")],
 }
 NO_SERVER = {"cluster-sim", "chaos"}  # scenarios that start what they measure (no aenv server, no baselines)
 

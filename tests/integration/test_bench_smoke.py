@@ -20,6 +20,23 @@ REPO = Path(__file__).resolve().parents[2]
 PERCENTILES = ("min", "p50", "p95", "p99", "max")
 
 
+def _by_name(tmp_path: Path, scenario: str, *args: str, timeout: float = 280,  # type: ignore[type-arg]
+             stderr_to: str | None = None) -> dict:
+    """``python -m bench --smoke --scenarios SCENARIO ARGS`` of this checkout; the results' JSON (its stderr,
+    what the run printed, written to ``stderr_to``)."""
+    env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost", "PYTHONPATH": str(REPO / "src")}
+    out = tmp_path / f"{scenario}.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--smoke", "--scenarios", scenario, *args, "--json", str(out),
+         "--out", str(tmp_path / "out")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    if stderr_to is not None:
+        Path(stderr_to).write_text(proc.stderr)
+    return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:  # type: ignore[type-arg]
     if os.geteuid() != 0:
@@ -79,14 +96,7 @@ def test_scale_scenario_smoke(tmp_path: Path) -> None:
     children, docker where it can start) has the idle and fork rows, a per-step series, and kills all."""
     if os.geteuid() != 0:
         pytest.skip("the ns runtime needs root")
-    env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost", "PYTHONPATH": str(REPO / "src")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench", "--smoke", "--scenarios", "scale", "--runtime", "ns",
-         "--json", str(tmp_path / "scale.json"), "--out", str(tmp_path / "out")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=280,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    sc = json.loads((tmp_path / "scale.json").read_text())["runs"]["ns"]["scenarios"]["scale"]
+    sc = _by_name(tmp_path, "scale", "--runtime", "ns")["runs"]["ns"]["scenarios"]["scale"]
     ours = {r["metric"]: r for r in sc["rows"] if r["system"] == "aenv-ns"}
     assert ours["scale: idle sandboxes reached"]["p50"] == 6
     assert ours["scale fork: children of one parent"]["p50"] == 4
@@ -103,33 +113,14 @@ def test_lazy_scenario_smoke(tmp_path: Path) -> None:
     """``lazy`` is run by name (its own registry and servers): its smoke has lazy and full-pull rows."""
     if os.geteuid() != 0:
         pytest.skip("the ns runtime needs root")
-    env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost", "PYTHONPATH": str(REPO / "src")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench", "--smoke", "--scenarios", "lazy", "--baseline", "none", "--runtime", "ns",
-         "--json", str(tmp_path / "lazy.json"), "--out", str(tmp_path / "out")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=580,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    sc = json.loads((tmp_path / "lazy.json").read_text())["runs"]["ns"]["scenarios"]["lazy"]
+    results = _by_name(tmp_path, "lazy", "--baseline", "none", "--runtime", "ns", timeout=580)
+    sc = results["runs"]["ns"]["scenarios"]["lazy"]
     if not sc["rows"]:
         assert any("skipped" in n for n in sc["notes"])
         return
     systems = {r["system"] for r in sc["rows"]}
     assert systems == {"aenv-ns lazy", "full pull (aenv-ns)"}
     assert all(r["n"] > 0 and r["p50"] > 0 for r in sc["rows"])
-
-
-def _by_name(tmp_path: Path, name: str, timeout: int) -> tuple[str, dict]:  # type: ignore[type-arg]
-    """``python -m bench --smoke --scenarios NAME`` (a scenario that starts what it measures): its stderr and
-    its scenario's results, once it exited 0."""
-    env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost", "PYTHONPATH": str(REPO / "src")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench", "--smoke", "--scenarios", name, "--json", str(tmp_path / "r.json"),
-         "--out", str(tmp_path / "out")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc.stderr, json.loads((tmp_path / "r.json").read_text())["runs"]["ns"]["scenarios"][name]
 
 
 @pytest.mark.timeout(300)
@@ -140,7 +131,7 @@ def test_cluster_sim_scenario_smoke(tmp_path: Path) -> None:
 
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
-    _, sc = _by_name(tmp_path, "cluster-sim", 280)
+    sc = _by_name(tmp_path, "cluster-sim")["runs"]["ns"]["scenarios"]["cluster-sim"]
     metrics = {(r["metric"], r["system"]) for r in sc["rows"]}
     assert ("10 nodes: creates/s (8 clients)", "sim, 3 gateways") in metrics
     assert ("10 nodes: node killed → fenced (dead) on every gateway", "sim, 3 gateways") in metrics
@@ -161,10 +152,35 @@ def test_chaos_scenario_smoke(tmp_path: Path) -> None:
 
     if os.geteuid() != 0 or importlib.util.find_spec("ray") is None or shutil.which("redis-server") is None:
         pytest.skip("chaos needs root, Ray and redis-server")
-    stderr, sc = _by_name(tmp_path, "chaos", 580)
+    stderr = (tmp_path / "chaos.stderr").as_posix()
+    sc = _by_name(tmp_path, "chaos", timeout=580, stderr_to=stderr)["runs"]["ns"]["scenarios"]["chaos"]
+    stderr = Path(stderr).read_text()
     assert "| fault | rollouts | ok | infra-failed | by reason | error | wrong | lost |" in stderr
     metrics = {r["metric"] for r in sc["rows"]}
     for fault in ("redis", "gateway", "node", "all"):
         label = "all faults" if fault == "all" else f"{fault} fault"
         assert f"chaos, {label}: lost (hung, raised or unscored)" in metrics
     assert sc["chaos"]["counts"]["all"]["rollouts"] == len(sc["chaos"]["rollouts"]) == 18
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_compose_scenario_smoke(tmp_path: Path) -> None:
+    """``compose`` is run by name (its own registry and server; the docker template): its smoke has the
+    compose-up row (aenv, and the host's docker compose where the private dockerd starts) and, where the
+    runtime forks a compose sandbox, the fork ×4 rows; otherwise a note says why."""
+    if os.geteuid() != 0:
+        pytest.skip("the ns runtime needs root")
+    from bench.compose import compose_plugin
+
+    if compose_plugin() is None:
+        pytest.skip("the docker template is not built (aenv template build docker)")
+    run = _by_name(tmp_path, "compose", "--runtime", "ns", timeout=580)["runs"]["ns"]
+    sc = run["scenarios"]["compose"]
+    rows = {(r["metric"], r["system"]): r for r in sc["rows"]}
+    assert rows[("compose up → services healthy", "aenv-ns")]["n"] == 1
+    if not any("docker baseline unavailable" in n for n in run.get("notes", [])):
+        assert rows[("compose up → services healthy", "docker")]["n"] == 1
+    fork = ("compose fork ×4 → both services answer in every child", "aenv-ns")
+    assert fork in rows or any("fork of a compose sandbox refused" in n for n in sc["notes"]), sc
+    assert all(r["n"] > 0 and r["p50"] > 0 for r in sc["rows"])

@@ -9,15 +9,13 @@ runtime: ``AENV_TEST_RUNTIME=ns|vm pytest -m slow tests/integration/test_harbor.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-from datetime import datetime
 from pathlib import Path
 
 import pytest
 
-from aenv.testing.server import API_KEY, Server
-from tests.fixtures.harbor import harbor_python
+from aenv.testing.server import Server
+from tests.fixtures.harbor import harbor_env, harbor_python, seconds, write_task
 from tests.fixtures.plugin import PushedImages
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -74,30 +72,6 @@ cat /app/greeting.txt /app/facts.txt
 VERIFIER_OUT = "hello from aenv\nseed from the build context\nbuilt-in-image\nagent\nagent\ntool-ok\n/app\n"
 
 
-def _write_task(root: Path) -> Path:
-    for rel, text in TASK.items():
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        if rel.endswith(".sh"):
-            path.chmod(0o755)
-    return root
-
-
-def _harbor_env(server: Server) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
-    env.update(
-        E2B_API_URL=server.url, E2B_SANDBOX_URL=server.url, E2B_API_KEY=API_KEY,
-        NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost",
-        LITELLM_LOCAL_MODEL_COST_MAP="True",  # no fetch of a price list from the internet at import
-    )  # fmt: skip
-    return env
-
-
-def _seconds(span: dict[str, str]) -> float:
-    return (datetime.fromisoformat(span["finished_at"]) - datetime.fromisoformat(span["started_at"])).total_seconds()
-
-
 @pytest.fixture(scope="session")
 def harbor() -> Path:
     """Session-scoped, so a missing Harbor skips before a registry and a server are started."""
@@ -109,11 +83,11 @@ def test_harbor_oracle_scores_one(
     record_property: pytest.RecordProperty,
 ) -> None:  # fmt: skip
     pushed_images.require("debian:bookworm")
-    task = _write_task(tmp_path / "greeting")
+    task = write_task(tmp_path / "greeting", TASK)
     jobs = tmp_path / "jobs"
     cmd = [str(harbor.parent / "harbor"), "run", "-p", str(task), "-e", "e2b", "-a", "oracle",
            "-o", str(jobs), "--job-name", "aenv", "-k", "2", "-n", "2", "-y", "-q"]  # fmt: skip
-    res = subprocess.run(cmd, cwd=tmp_path, env=_harbor_env(mirror_server), capture_output=True, text=True,
+    res = subprocess.run(cmd, cwd=tmp_path, env=harbor_env(mirror_server.url), capture_output=True, text=True,
                          timeout=1200, check=False)  # fmt: skip
     output = (res.stdout + res.stderr)[-4000:]
     assert res.returncode == 0, output
@@ -127,7 +101,7 @@ def test_harbor_oracle_scores_one(
         assert result.get("exception_info") is None, result["exception_info"]
         assert result["verifier_result"]["rewards"] == {"reward": 1.0}, result["verifier_result"]
         assert (trial / "verifier" / "test-stdout.txt").read_text() == VERIFIER_OUT
-        walls.append(_seconds(result))
+        walls.append(seconds(result))
         print(f"{runtime_name}: trial {trial.name}: {walls[-1]:.1f} s "
-              f"(environment setup {_seconds(result['environment_setup']):.1f} s)")  # fmt: skip
+              f"(environment setup {seconds(result['environment_setup']):.1f} s)")  # fmt: skip
     record_property("harbor_trial_seconds", walls)
