@@ -40,7 +40,7 @@ from tests.fixtures.harbor import (
 )
 from tests.fixtures.plugin import PushedImages
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.timeout(1500)]
 
 REPO = Path(__file__).resolve().parents[2]
 ENVIRONMENT = "aenv.integrations.harbor_compose:AenvComposeEnvironment"
@@ -86,7 +86,8 @@ def _running(server: Server) -> list[str]:
     return [s["sandboxID"] for s in resp.json()]
 
 
-@pytest.mark.parametrize("mode", ["route", "sdk", "route-build"])
+@pytest.mark.parametrize("mode", ["route", pytest.param("sdk", marks=pytest.mark.slow),
+                                  pytest.param("route-build", marks=pytest.mark.slow)])
 def test_harbor_compose_task_oracle_scores_one(
     harbor: Path, compose_server: Server, pushed_images: PushedImages, runtime_name: str, mode: str,
     tmp_path: Path, record_property: pytest.RecordProperty,
