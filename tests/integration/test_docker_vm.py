@@ -148,7 +148,7 @@ def test_fork_x4_every_child_has_the_running_container(web: Any, docker_server: 
                 child.kill()
 
 
-def test_pause_to_disk_and_a_snapshot_keep_the_container_running(web: Any, docker_server: Server) -> None:
+def test_pause_to_disk_a_snapshot_and_a_rollback_keep_the_container_running(web: Any, docker_server: Server) -> None:
     from e2b import Sandbox
 
     assert web.pause()  # released to disk at once (AENV_VM_RELEASE_PAUSED_AFTER=0): QEMU ends
@@ -161,6 +161,14 @@ def test_pause_to_disk_and_a_snapshot_keep_the_container_running(web: Any, docke
         assert _root(copy, "docker ps --format '{{.Names}}'").split() == ["web"]
     finally:
         copy.kill()
+    # rollback (aenv's extension): the container removed after the snapshot runs again, serving its page
+    _root(resumed, "docker rm -f web >/dev/null")
+    got = httpx.post(f"{docker_server.url}/sandboxes/{resumed.sandbox_id}/rollback",
+                     json={"snapshotID": snap.snapshot_id}, headers={"X-API-Key": API_KEY}, timeout=900)
+    assert got.status_code == 200, got.text
+    back = Sandbox.connect(resumed.sandbox_id, timeout=900, **_sdk(docker_server))
+    assert _root(back, "docker ps --format '{{.Names}}'").split() == ["web"]
+    assert _page(docker_server, back) == PAGE
 
 
 def test_a_cold_boot_on_its_disk_starts_dockerd_again(docker_server: Server) -> None:
