@@ -169,10 +169,7 @@ class TemplateCatalog:
         layers = interpreter.interpreter_layers_if_built(self.settings)
         if layers is None:
             return None
-        row = self.store.get_template(interpreter.TEMPLATE_NAME)
-        if row is not None and row.lowers == [str(p) for p in layers.lowers]:
-            return row
-        return self.register_interpreter(layers)
+        return self._registered_over(interpreter.TEMPLATE_NAME, layers.lowers) or self.register_interpreter(layers)
 
     def register_docker(self, layers: docker_template.DockerLayers) -> TemplateRow:
         """Register (or refresh) ``docker``: Docker and Compose inside (``nested_containers``)."""
@@ -194,10 +191,12 @@ class TemplateCatalog:
         layers = docker_template.docker_layers_if_built(self.settings)
         if layers is None:
             return None
-        row = self.store.get_template(docker_template.TEMPLATE_NAME)
-        if row is not None and row.lowers == [str(p) for p in layers.lowers]:
-            return row
-        return self.register_docker(layers)
+        return self._registered_over(docker_template.TEMPLATE_NAME, layers.lowers) or self.register_docker(layers)
+
+    def _registered_over(self, name: str, lowers: list[Path]) -> TemplateRow | None:
+        """The built-in template ``name`` when its row already names these layers (nothing to refresh)."""
+        row = self.store.get_template(name)
+        return row if row is not None and row.lowers == [str(p) for p in lowers] else None
 
     def list_templates(self) -> list[TemplateRow]:
         return self.store.list_templates()
