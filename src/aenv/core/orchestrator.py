@@ -269,6 +269,7 @@ class Orchestrator:
             try:
                 fault_point("create.stored")
                 await net.enforce(self.runtime, row)  # before the sandbox has a network namespace
+                await self.template_flows.ready_to_start(template)
                 if snapshot is not None:
                     state = await self.snapshots.runtime.create_from_snapshot(spec, Path(snapshot.dir), result_of(snapshot))
                 else:

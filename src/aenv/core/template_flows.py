@@ -53,6 +53,11 @@ class TemplateFlows:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
+    async def ready_to_start(self, row: TemplateRow) -> None:
+        """A lazy image's reader, if it died, restarted and its root remounted before a sandbox lands on it."""
+        if row.config.get("lazy_file") and self.builder.lazy.available:
+            await self.builder.lazy.ready()
+
     def note_started(self, row: TemplateRow) -> None:
         """A sandbox of ``row`` started: the first one of a lazy image records what it touched as the
         image's prefetch list (published with its index, replayed by every later cold start)."""

@@ -58,6 +58,7 @@ class LazyImages:
         if self.reason is None:
             self.reason = fuse_support()
         self._converting: dict[str, asyncio.Task[None]] = {}
+        self._healing = asyncio.Lock()  # a create waits out a restart half done (daemon up, roots not yet remounted)
         try:  # errors logged before this server started were another server's to report
             self._log_pos = (self.daemon.root / "daemon.log").stat().st_size
         except OSError:
@@ -206,8 +207,17 @@ class LazyImages:
             log.error("aenv-lazyd: %s", ln.split(" ERROR ", 1)[1])
         return len(lines)
 
+    async def ready(self) -> None:
+        """Before a sandbox starts on a lazy root: a dead daemon is healed now, and a heal under way is
+        waited for, so the new sandbox never lands on the old (dead) mount."""
+        await self.heal()
+
     async def heal(self) -> bool:
         """Restart a dead daemon (its cache is adopted as is) and remount every root; True if it had to."""
+        async with self._healing:
+            return await self._heal()
+
+    async def _heal(self) -> bool:
         names = self.daemon.registered()
         if not names or self.daemon.alive():
             return False
