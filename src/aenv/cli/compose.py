@@ -3,13 +3,14 @@
 The file is sent as it is; the server interpolates it once, with the variables it references taken as
 Compose takes them here (this shell's environment over the project's ``.env``, ``--env`` over both: only
 the names the file uses leave this machine). Each service with a ``build:`` sends its context directory
-as a tar (its ``.dockerignore`` is not read: keep contexts small)."""
+as a tar, less what its ``.dockerignore`` leaves out (``dockerignore.py``), as Docker would send it."""
 
 from __future__ import annotations
 
 import base64
 import io
 import os
+import posixpath
 import re
 import tarfile
 from pathlib import Path
@@ -19,6 +20,7 @@ import typer
 import yaml
 
 from aenv.cli.client import ServerClient
+from aenv.cli.dockerignore import DockerIgnore
 from aenv.cli.output import ExitStatus, Printer
 
 compose_app = typer.Typer(help="Docker Compose projects in a sandbox (template `docker`; docs/docker.md).",
@@ -56,20 +58,28 @@ def compose_env(text: str, env_file: Path | None, overrides: dict[str, str]) -> 
     return {**{k: v for k, v in known.items() if k in names}, **overrides}
 
 
-def context_tar(directory: Path, limit: int = MAX_CONTEXT_BYTES) -> bytes:
-    """The directory as a gzip tar (names relative to it), refused past ``limit`` bytes of files."""
+def context_tar(directory: Path, limit: int = MAX_CONTEXT_BYTES, keep: tuple[str, ...] = ()) -> bytes:
+    """The directory as a gzip tar (names relative to it), less what its ``.dockerignore`` leaves out
+    (``keep``: the Dockerfile, which Docker sends whatever the file says), refused past ``limit`` bytes
+    of files."""
+    ignore = DockerIgnore.of_context(directory)
     total = 0
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
         for root, dirs, files in os.walk(directory):
+            rel = os.path.relpath(root, directory)
+            prefix = "" if rel == "." else f"{rel}/"
+            if not ignore.re_includes:  # nothing below an excluded directory can come back: skip it
+                dirs[:] = [d for d in dirs if not ignore.excluded(prefix + d)]
             dirs.sort()
-            for name in sorted(files):
-                path = Path(root) / name
-                total += path.lstat().st_size
+            names = [n for n in sorted(files) if prefix + n in keep or not ignore.excluded(prefix + n)]
+            for name in names:
+                total += (Path(root) / name).lstat().st_size
                 if total > limit:
-                    raise ValueError(f"build context {directory} holds more than {limit} bytes")
-            tar.add(root, arcname=os.path.relpath(root, directory), recursive=False)
-            for name in sorted(files):
+                    raise ValueError(f"build context {directory} holds more than {limit} bytes "
+                                     f"(after its {'.dockerignore' if ignore.rules else 'missing .dockerignore'})")
+            tar.add(root, arcname=rel, recursive=False)
+            for name in names:
                 path = Path(root) / name
                 tar.add(path, arcname=os.path.relpath(path, directory), recursive=False)
     return buf.getvalue()
@@ -96,7 +106,8 @@ def build_contexts(text: str, project_dir: Path) -> dict[str, str]:
         directory = (project_dir / context).resolve()
         if not directory.is_dir():
             raise ValueError(f"services.{name}.build.context: {directory} is not a directory")
-        out[str(name)] = base64.b64encode(context_tar(directory)).decode()
+        dockerfile = posixpath.normpath(str(spec.get("dockerfile") or "Dockerfile"))
+        out[str(name)] = base64.b64encode(context_tar(directory, keep=(dockerfile,))).decode()
     return out
 
 
