@@ -38,6 +38,7 @@ import marshal
 import os
 import struct
 import sys
+import types
 
 try:  # the zygote imports us as a module ...
     from aenv.agent import idmap, syscall_filter
@@ -66,7 +67,6 @@ MS_PRIVATE = 1 << 18
 MNT_DETACH = 0x2
 SYS_PIVOT_ROOT = 155  # x86_64
 PR_CAPBSET_DROP = 24
-PR_SET_DUMPABLE = 4
 SIOCGIFFLAGS = 0x8913
 SIOCSIFFLAGS = 0x8914
 IFF_UP = 0x1
@@ -487,38 +487,24 @@ def mount_nested_sys() -> None:
             os.rmdir(target)
 
 
-CLONE_NEWUSER = 0x10000000
-# The link between a nested sandbox and its router: the router's end, the sandbox's end, the prefix.
-ROUTER_ADDR, NESTED_ADDR, NESTED_PREFIX = "10.0.3.1", "10.0.3.2", 30
-NESTED_IDS = "0 0 65536\n"  # the nested user namespace's ids are the sandbox's own
-
-
-def _ip(*args: str) -> None:
-    """Run the host's iproute2 ``ip`` (fork and exec: the host Python's stdlib cannot be imported any more
-    once we are in the sandbox's user namespace, its directory being host root's)."""
-    exe = next((p for p in ("/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip") if os.path.exists(p)), None)
-    if exe is None:
-        raise OSError("iproute2's ip is not installed on the host (apt-get install iproute2)")
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.execve(exe, ["ip", *args], {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
-        finally:
-            os._exit(127)
-    _, status = os.waitpid(pid, 0)
-    if status != 0:
-        raise OSError(f"ip {' '.join(args)} failed (status {os.waitstatus_to_exitcode(status)})")
+def _nested() -> types.ModuleType:
+    """``nested.py``, imported only by a sandbox that runs Docker inside."""
+    try:
+        from aenv.agent import nested
+    except ImportError:  # run as ``python -I -S``: this directory is on the path (``BOOT``)
+        import nested  # type: ignore[no-redef,import-not-found]
+    return nested
 
 
 def _behind_router(cfg: dict, fds: list[int]) -> None:  # type: ignore[type-arg]
     """A sandbox that runs Docker inside holds every capability of a user namespace of its own, so its
     network namespace's firewall is its to change. This process (the sandbox's root user namespace)
-    becomes a router instead: a network namespace of its own, where slirp4netns attaches and the host's
-    egress filter is installed (``net_pid``: this process), and which the sandbox cannot touch: its
-    user namespace, made here, is a child of ours. The two are linked by a veth pair; the router
-    forwards what the sandbox sends out through its tap (the filter's FORWARD rules, then
-    masquerading). Forks: the child returns, in the new user namespace, for ``run_in_userns`` to make
-    the sandbox's other namespaces in it; this process stays behind as the router and reaps it."""
+    becomes a router instead (``nested.py``): a network namespace of its own, where slirp4netns attaches
+    and the host's egress filter is installed (``net_pid``: this process), and which the sandbox cannot
+    touch: its user namespace, made by the child, is a child of ours. Forks: the child returns, in the
+    new user and network namespaces, for ``run_in_userns`` to make the sandbox's other namespaces in
+    them; this process stays behind as the router and reaps it."""
+    nested = _nested()
     if _libc.unshare(CLONE_NEWNS | CLONE_NEWNET) != 0:
         _check(-1, "unshare the router's namespaces")
     loopback_up()
@@ -528,42 +514,12 @@ def _behind_router(cfg: dict, fds: list[int]) -> None:  # type: ignore[type-arg]
     if child == 0:
         os.close(up_r)
         os.close(down_w)
-        if _libc.unshare(CLONE_NEWUSER) != 0:
-            _check(-1, "unshare the nested user namespace")
-        # joining the sandbox's user namespace left us undumpable: our /proc files root's, whose uid
-        # the router does not have; dumpable, they are our own uid's, and the router may write the maps
-        _check(_libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
-        os.write(up_w, b"u")
-        if os.read(down_r, 1) != b"m":
-            raise OSError("the router did not map the nested user namespace")
-        if _libc.unshare(CLONE_NEWNET) != 0:
-            _check(-1, "unshare the nested network namespace")
-        os.write(up_w, b"n")
-        if os.read(down_r, 1) != b"v":
-            raise OSError("the router did not link the nested network namespace")
-        os.close(up_w)
-        os.close(down_r)
-        _ip("addr", "add", f"{NESTED_ADDR}/{NESTED_PREFIX}", "dev", "eth0")
-        _ip("link", "set", "eth0", "up")
-        _ip("route", "add", "default", "via", ROUTER_ADDR)
+        nested.sandbox_side(up_w, down_r)
         return
     os.close(up_w)
     os.close(down_r)
     try:
-        if os.read(up_r, 1) != b"u":
-            raise OSError("the nested sandbox ended before its user namespace was made")
-        for name in ("uid_map", "gid_map"):
-            with open(f"/proc/{child}/{name}", "w") as fh:
-                fh.write(NESTED_IDS)
-        os.write(down_w, b"m")
-        if os.read(up_r, 1) != b"n":
-            raise OSError("the nested sandbox ended before its network namespace was made")
-        _ip("link", "add", "aenv-nested", "type", "veth", "peer", "name", "eth0", "netns", str(child))
-        _ip("addr", "add", f"{ROUTER_ADDR}/{NESTED_PREFIX}", "dev", "aenv-nested")
-        _ip("link", "set", "aenv-nested", "up")
-        with open("/proc/sys/net/ipv4/ip_forward", "w") as fh:  # the host's /proc: our (router's) netns
-            fh.write("1")
-        os.write(down_w, b"v")
+        nested.router_side(child, up_r, down_w)
     except BaseException as exc:
         report({"error": f"{type(exc).__name__}: {exc}"})
         os.kill(child, 9)

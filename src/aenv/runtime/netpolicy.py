@@ -33,7 +33,7 @@ from aenv.runtime.allowlist import HOST_SERVICES, TAP_ADDR, Allowlist
 from aenv.runtime.egress_rules import HeaderRule
 
 ALL_TRAFFIC = "0.0.0.0/0"
-NESTED_NET = "10.0.3.0/30"  # a nested sandbox's link to its router (agent/launch.py: ROUTER_ADDR, NESTED_ADDR)
+NESTED_NET = "10.0.3.0/30"  # a nested sandbox's link to its router (agent/nested.py: ROUTER_ADDR, NESTED_ADDR)
 MAX_ENTRIES = 256  # per list: every entry is an iptables rule on a sandbox's path out
 MAX_DNS_SERVERS = 10  # as E2B
 _LABEL = r"(?!-)[a-z0-9-]{1,63}(?<!-)"

@@ -160,10 +160,10 @@ def test_the_nested_link_is_masqueraded_out_of_the_tap() -> None:
     masquerades."""
     import ipaddress
 
-    from aenv.agent import launch
+    from aenv.agent import nested
     from aenv.runtime.netpolicy import NESTED_NET
 
     net = ipaddress.ip_network(NESTED_NET)
-    assert net.prefixlen == launch.NESTED_PREFIX
-    assert {ipaddress.ip_address(launch.ROUTER_ADDR), ipaddress.ip_address(launch.NESTED_ADDR)} <= set(net.hosts())
+    assert net.prefixlen == nested.NESTED_PREFIX
+    assert {ipaddress.ip_address(nested.ROUTER_ADDR), ipaddress.ip_address(nested.NESTED_ADDR)} <= set(net.hosts())
     assert f"-A POSTROUTING -s {NESTED_NET} -o tap0 -j MASQUERADE" in _rules([])

@@ -26,8 +26,9 @@ from aenv.runtime.network import Slirp, foreign_rules
 from aenv.runtime.ns import cgroups
 from aenv.runtime.ns.disk import remove_tree
 from aenv.runtime.ns.host import LaunchReady, NsHost, Start
+from aenv.runtime.ns.paths import STATE_FILE, Paths
 from aenv.runtime.ns.release import RELEASED_DIR, NsReleaser, read_json
-from aenv.runtime.ns.sandbox import STATE_FILE, NsSandbox, Paths
+from aenv.runtime.ns.sandbox import NsSandbox
 from aenv.runtime.ns.table import NsTable
 from aenv.runtime.shaping import SHAPER
 

@@ -30,7 +30,8 @@ from pathlib import Path
 from aenv.runtime.network import kill_slirps_serving
 from aenv.runtime.ns.cgroups import Cgroup, Layout, list_names
 from aenv.runtime.ns.disk import remove_tree
-from aenv.runtime.ns.sandbox import STATE_FILE, NsSandbox
+from aenv.runtime.ns.paths import STATE_FILE
+from aenv.runtime.ns.sandbox import NsSandbox
 
 log = logging.getLogger("aenv.runtime.ns")
 

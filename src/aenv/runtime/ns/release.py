@@ -166,7 +166,7 @@ class NsReleaser:
         on_netns = self.restorer.filter_while_restoring(sbx, asyncio.get_running_loop())
 
         def restore() -> int:
-            from aenv.runtime.ns.sandbox import Paths
+            from aenv.runtime.ns.paths import Paths
 
             Paths(root).reset()
             sbx.paths.prepare()
@@ -204,7 +204,8 @@ class NsReleaser:
                 await asyncio.to_thread(shutil.rmtree, root / RELEASED_DIR)
             return False
         from aenv.runtime.ns import cgroups
-        from aenv.runtime.ns.sandbox import STATE_FILE, NsSandbox
+        from aenv.runtime.ns.paths import STATE_FILE
+        from aenv.runtime.ns.sandbox import NsSandbox
 
         layout = self.host.layout
         assert layout is not None

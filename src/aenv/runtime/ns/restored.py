@@ -22,7 +22,8 @@ from aenv.runtime.envd_client import init_payload
 from aenv.runtime.network import Slirp
 from aenv.runtime.ns import cgroups, identity
 from aenv.runtime.ns.host import NsHost
-from aenv.runtime.ns.sandbox import NsSandbox, Paths
+from aenv.runtime.ns.paths import Paths
+from aenv.runtime.ns.sandbox import NsSandbox
 from aenv.runtime.ns.table import NsTable
 from aenv.runtime.process import ProcRef
 

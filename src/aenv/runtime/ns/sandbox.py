@@ -34,7 +34,6 @@ import shutil
 import stat
 import subprocess
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +60,7 @@ from aenv.runtime.ns.cgroups import Cgroup, Layout
 from aenv.runtime.ns.checkpoint import DEBUG_LOG
 from aenv.runtime.ns.disk import DiskQuota, remove_tree
 from aenv.runtime.ns.handout import HandOutFilter
+from aenv.runtime.ns.paths import SOCKET_NAME, Paths
 from aenv.runtime.ns.userns import SharedUserns
 from aenv.runtime.ns.zygote import Zygote
 from aenv.runtime.process import ProcRef, Reaped, proc_start_time
@@ -68,65 +68,11 @@ from aenv.runtime.tools import launch_argv
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "ns.json"
-BOOT_ID_FILE = "boot_id"
 RUN_MOUNT = "/.aenv-run"
-SOCKET_NAME = "mux.sock"
 
 
 class LaunchError(RuntimeError):
     pass
-
-
-@dataclass(frozen=True)
-class Paths:
-    root: Path
-
-    @property
-    def upper(self) -> Path:
-        return self.root / "upper"
-
-    @property
-    def work(self) -> Path:
-        return self.root / "work"
-
-    @property
-    def merged(self) -> Path:
-        return self.root / "rootfs"
-
-    @property
-    def run(self) -> Path:
-        return self.root / "run"
-
-    @property
-    def state_file(self) -> Path:
-        return self.root / STATE_FILE
-
-    @property
-    def socket(self) -> Path:
-        return self.run / SOCKET_NAME
-
-    @property
-    def boot_id(self) -> Path:
-        return self.root / BOOT_ID_FILE
-
-    def prepare(self) -> None:
-        for d in (self.upper, self.work, self.merged, self.run):
-            d.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.root, 0o700)
-
-    def reset(self) -> None:
-        """Make work, run and the mount point fresh for a new start on the same upper (a cold start
-        after a files-only pause, a restart after a failed rollback)."""
-        for d in (self.work, self.run, self.merged):
-            shutil.rmtree(d, ignore_errors=True)
-        self.root.mkdir(parents=True, exist_ok=True)
-
-    def new_boot_id(self) -> str:
-        """Write a fresh boot id (the kernel's format: a random UUID and a newline) for the next start."""
-        value = str(uuid.uuid4())
-        self.boot_id.write_text(value + "\n")
-        return value
 
 
 @dataclass(frozen=True)

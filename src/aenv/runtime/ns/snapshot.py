@@ -529,7 +529,7 @@ def _take_back(root: Path, aside: Path) -> None:
     """Undo the set-aside after a failed start: the old root (moved whole to ``aside``) goes back
     into place over whatever the failed start left there; work, run and the mount point are made
     fresh, the upper is kept. A no-op for the upper if the root never left."""
-    from aenv.runtime.ns.sandbox import Paths
+    from aenv.runtime.ns.paths import Paths
 
     if aside.exists():
         remove_tree(root)

@@ -10,7 +10,8 @@ import pytest
 from aenv.mux import StreamClosed
 from aenv.runtime.envd_client import EnvdError
 from aenv.runtime.ns.cgroups import Cgroup, Layout
-from aenv.runtime.ns.sandbox import NsSandbox, Paths
+from aenv.runtime.ns.paths import Paths
+from aenv.runtime.ns.sandbox import NsSandbox
 
 NO_CONTENT = b"HTTP/1.1 204 No Content\r\n\r\n"
 

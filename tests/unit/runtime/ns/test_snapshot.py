@@ -204,7 +204,7 @@ def _snapshots(tmp: Path, log: list[str], allow_internet: bool = False, from_zyg
 
     from aenv.config import Settings
     from aenv.runtime.ns.host import NsHost
-    from aenv.runtime.ns.sandbox import Paths
+    from aenv.runtime.ns.paths import Paths
     from aenv.runtime.ns.table import NsTable
     from aenv.runtime.process import ProcRef
 
