@@ -41,6 +41,7 @@ from bench import (
     cluster,
     cluster_sim,
     compose,
+    console_sim,
     core,
     density,
     forks,
@@ -85,6 +86,7 @@ SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "bandwidth": bandwidth.bandwidth,
     "teams": teams.teams,
     "console": console_list.console_scale,
+    "console-sim": console_sim.console_sim,
     "compose": compose.compose_sandboxes,
 }
 GROUPS = {
@@ -98,9 +100,10 @@ GROUPS = {
     # gateways and simulated nodes, chaos its own 3-node cluster (root, Ray) whose parts it kills, compose its
     # own registry and server and needs the docker template (aenv template build docker): run those by name
     "all": [s for s in SCENARIOS if s not in ("rl-groups", "lazy", "cluster", "cluster-sim", "chaos", "scale",
-                                               "interpreter", "bandwidth", "teams", "console", "compose")],
+                                               "interpreter", "bandwidth", "teams", "console", "compose",
+                                               "console-sim")],
 }
-NO_SERVER = {"cluster-sim", "chaos"}  # scenarios that start what they measure (no aenv server, no baselines)
+NO_SERVER = {"cluster-sim", "chaos", "console-sim"}  # scenarios that start what they measure (no aenv server, no baselines)
 
 
 def select(spec: str) -> list[str]:
