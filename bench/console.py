@@ -503,6 +503,18 @@ def _live(browser: Any, url: str, client: Any, key: str, knobs: Knobs, run: str,
 
 
 # ---- the scenario ---------------------------------------------------------------------------------------
+def paint_phase(browser: Any, client: Any, url: str, key: str, total: int, knobs: Knobs, system: str = CONSOLE
+                ) -> list[Row]:  # fmt: skip
+    """The JSON routes and the first-paint samples, alternating (after one browser sample not kept:
+    chromium's first context), and the walk of every page: their rows."""
+    _sample(browser, url, key, total)
+    got = alternate(knobs.list_calls, [("json", lambda: _json_routes(client)),
+                                       ("console", lambda: _sample(browser, url, key, total))],
+                    limits={"console": knobs.samples})  # fmt: skip
+    walk = _walk(client)
+    return _paint_rows(cast(list[dict[str, Any]], got["json"]), cast(list[Paint], got["console"]), walk, total, system)
+
+
 def _paint_rows(json_calls: list[dict[str, Any]], paints: list[Paint], walk: tuple[float, int, int], total: int,
                 CONSOLE: str = CONSOLE) -> list[Row]:  # noqa: N803 - the module's name for the browser's rows
     def of(name: str) -> list[float]:
@@ -620,12 +632,7 @@ def console_scale(ctx: Ctx) -> dict[str, Any]:
             rows.append(row("console fill: create (SDK)", "aenv-ns", lat,
                             note=f"`Sandbox.create(\"base\", metadata={{run}})`, {knobs.threads} at a time"))
             with _browser() as browser:
-                _sample(browser, srv.url, key, total)  # warm-up, not kept: chromium's first context
-                got = alternate(knobs.list_calls, [("json", lambda: _json_routes(client)),
-                                                   ("console", lambda: _sample(browser, srv.url, key, total))],
-                                limits={"console": knobs.samples})
-                walk = _walk(client)
-                rows += _paint_rows(cast(list[dict[str, Any]], got["json"]), cast(list[Paint], got["console"]), walk, total)
+                rows += paint_phase(browser, client, srv.url, key, total, knobs)
                 with Events(srv.url, key) as events:
                     live = _live(browser, srv.url, client, key, knobs, run, made)
                     time.sleep(0.5)

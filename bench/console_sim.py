@@ -30,11 +30,11 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from bench import console as base
 from bench.context import Ctx
-from bench.rows import Row, alternate, ms_since, row, scenario, value_row
+from bench.rows import Row, ms_since, row, scenario, value_row
 
 TITLE = "console-sim: the sandbox list through the real gateway over simulated nodes, 2,000 rows, 100 creates/s"
 CONSOLE = "gateway + sim console"
@@ -47,8 +47,8 @@ def _env_int(name: str, full: int, small: int, smoke: bool) -> int:
     return int(raw) if raw else (small if smoke else full)
 
 
-def _fill(url: str, count: int, run: str, made: list[str]) -> tuple[list[float], list[str], float]:
-    """``count`` sandboxes through the SDK, ``FILL_THREADS`` at a time: latencies, failures, seconds."""
+def _fill(url: str, count: int, run: str, made: list[str]) -> tuple[list[Row], list[str]]:
+    """``count`` sandboxes through the SDK, ``FILL_THREADS`` at a time: the fill's rows, and notes."""
     from e2b import Sandbox
 
     kw = base._sdk(url)
@@ -67,7 +67,12 @@ def _fill(url: str, count: int, run: str, made: list[str]) -> tuple[list[float],
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(FILL_THREADS) as pool:
         lat = [x for x in pool.map(one, range(count)) if x is not None]
-    return lat, failures, time.perf_counter() - t0
+    took = time.perf_counter() - t0
+    sdk = f"`Sandbox.create(\"base\", metadata={{run}})` via the gateway, {FILL_THREADS} at a time"
+    return [value_row("console fill: live sandboxes", "gateway + sim", len(made), len(made), "count",
+                      note=f"{len(made) / max(took, 1e-9):.0f}/s over {took:.1f} s; {len(failures)} failed"),
+            row("console fill: create (SDK)", "gateway + sim", lat, note=sdk)], \
+        [f"fill creates that failed: {len(failures)}, first: {failures[0]}"] if failures else []
 
 
 def _big(c: Any, client: Any, browser: Any, url: str, key: str, have: int, big: int, run: str, samples: int
@@ -105,7 +110,7 @@ def console_sim(ctx: Ctx) -> dict[str, Any]:
 
     import httpx
 
-    from bench.cluster_sim import SimCluster
+    from bench.cluster_sim import SimCluster, cpu_meter
 
     if shutil.which("redis-server") is None:
         return scenario(TITLE, [], ["redis-server is not installed (Debian's redis-server): skipped"])
@@ -126,28 +131,25 @@ def console_sim(ctx: Ctx) -> dict[str, Any]:
             c.start()
             url = c.gateways(1)[0]
             with httpx.Client(base_url=url, headers={"X-API-KEY": key}, trust_env=False, timeout=120) as client:
-                lat, failed, fill_s = _fill(url, knobs.count, run, made)
+                fill_rows, fill_notes = _fill(url, knobs.count, run, made)
+                rows += fill_rows
+                notes += fill_notes
                 total = int(client.get("/aenv/sandboxes/summary").json()["total"])
-                rows.append(value_row("console fill: live sandboxes", "gateway + sim", len(made), len(made), "count",
-                                      note=f"{len(made) / max(fill_s, 1e-9):.0f}/s over {fill_s:.1f} s; "
-                                           f"{len(failed)} failed; summary total {total}"))
-                rows.append(row("console fill: create (SDK)", "gateway + sim", lat,
-                                note=f"`Sandbox.create(\"base\", metadata={{run}})` via the gateway, {FILL_THREADS} at a time"))
-                if failed:
-                    notes.append(f"fill creates that failed: {len(failed)}, first: {failed[0]}")
+                notes.append(f"after the fill the summary's total was {total} (what each first paint waits for)")
                 with base._browser() as browser:
-                    base._sample(browser, url, key, total)  # warm-up, not kept: chromium's first context
-                    got = alternate(knobs.list_calls, [("json", lambda: base._json_routes(client)),
-                                                       ("console", lambda: base._sample(browser, url, key, total))],
-                                    limits={"console": knobs.samples})
-                    walk = base._walk(client)
-                    rows += base._paint_rows(cast(list[dict[str, Any]], got["json"]), cast(list[base.Paint], got["console"]),
-                                             walk, total, CONSOLE)
+                    rows += base.paint_phase(browser, client, url, key, total, knobs, CONSOLE)
+                    gw_cpu: dict[str, float] = {}
+                    sim_cpu: dict[str, float] = {}
+                    assert c.sim is not None
                     with base.Events(url, key) as events:
-                        live = base._live(browser, url, client, key, knobs, run, made)
+                        with cpu_meter(c.gateway_pids(), gw_cpu), cpu_meter([c.sim.pid], sim_cpu):
+                            live = base._live(browser, url, client, key, knobs, run, made)
                         time.sleep(0.5)
                     live_rows, live_notes = base._live_rows(live, events, knobs, "gateway + sim", CONSOLE)
                     rows += live_rows
+                    rows.append(value_row("console live: CPU while creates arrive", "the gateway", gw_cpu["cpu"] * 100, 1,
+                                          "% of a core", note=f"the simnode process (every node): {sim_cpu['cpu'] * 100:.0f}%; "
+                                          "the live phase's whole span (creates, its SSE streams, the page's reloads)"))
                     notes += live_notes
                     have = int(client.get("/aenv/sandboxes/summary").json()["total"])
                     rows += _big(c, client, browser, url, key, have, big, run, max(2, knobs.samples // 2))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import json
 import random
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -22,13 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote_plus
 
+from aenv.api import sse  # the real node's frames (that module imports FastAPI only to answer with them)
+from aenv.api.sse import RESYNC, frame
+
 MAX_LIMIT = 100  # the real node's MAX_LIST_LIMIT
 MAX_BATCH_IDS = 100  # sandboxes in one GET /sandboxes/metrics, as on a real node
 QUEUE = 2048  # events a slow reader may fall behind by before it is told to reload (as the real hub)
-KEEPALIVE_S = 15.0
-RETRY = b"retry: 2000\n\n"
-KEEPALIVE = b": keepalive\n\n"
-RESYNC = b"event: resync\ndata: {}\n\n"
 STATES = ("running", "paused")
 
 
@@ -70,15 +68,10 @@ def query_of(raw: str) -> dict[str, str]:
 
 def metadata_filter(raw: str | None) -> dict[str, str]:
     """The SDKs' double-encoded ``metadata`` query value, decoded as the real node does."""
-    out: dict[str, str] = {}
-    for pair in unquote_plus(raw or "").split("&"):
-        if not pair:
-            continue
-        parts = pair.split("=")
-        if len(parts) != 2:
-            raise BadQuery(f"invalid metadata filter: '{pair}' is not key=value")
-        out[unquote_plus(parts[0])] = unquote_plus(parts[1])
-    return out
+    pairs = [p.split("=") for p in unquote_plus(raw or "").split("&") if p]
+    if bad := next((p for p in pairs if len(p) != 2), None):
+        raise BadQuery(f"invalid metadata filter: '{'='.join(bad)}' is not key=value")
+    return {unquote_plus(k): unquote_plus(v) for k, v in pairs}
 
 
 def states(raw: str | None) -> set[str]:
@@ -148,11 +141,6 @@ def metrics(sandboxes: dict[str, SimSandbox], raw_ids: str, rng: random.Random) 
     return {"sandboxes": out}
 
 
-def frame(event: str, data: Any) -> bytes:
-    """One Server-Sent Event, as the real node writes it (``aenv.api.sse.frame``)."""
-    return f"event: {event}\ndata: ".encode() + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
-
-
 class SimEvents:
     """The node's lifecycle events, fanned out to its open ``/aenv/events`` streams (the gateway holds one
     per node while a console is open)."""
@@ -184,20 +172,12 @@ class SimEvents:
                     queue.get_nowait()
             queue.put_nowait(None)
 
-    async def stream(self, keepalive_s: float = KEEPALIVE_S) -> AsyncIterator[bytes]:
+    async def stream(self, keepalive_s: float = sse.KEEPALIVE_S) -> AsyncIterator[bytes]:
         queue: asyncio.Queue[bytes | None] = asyncio.Queue(QUEUE)
         self.readers.add(queue)
         try:
-            yield RETRY
-            while True:
-                try:
-                    item = await asyncio.wait_for(queue.get(), keepalive_s)
-                except TimeoutError:
-                    yield KEEPALIVE
-                    continue
-                if item is None:
-                    return
-                yield item
+            async for chunk in sse.frames(queue, keepalive_s):
+                yield chunk
         finally:
             self.readers.discard(queue)
 
