@@ -28,6 +28,7 @@ MAX_LIMIT = 100  # the real node's MAX_LIST_LIMIT
 MAX_BATCH_IDS = 100  # sandboxes in one GET /sandboxes/metrics, as on a real node
 QUEUE = 2048  # events a slow reader may fall behind by before it is told to reload (as the real hub)
 STATES = ("running", "paused")
+EVENT_FIELDS = ("sandboxID", "templateID", "alias", "metadata", "startedAt", "endAt", "cpuCount", "memoryMB")
 
 
 def iso(ts: float) -> str:
@@ -152,8 +153,10 @@ class SimEvents:
     def emit(self, event: str, sbx: SimSandbox, node_id: str) -> None:
         if not self.readers:
             return
-        state = "paused" if event == "paused" else ("killed" if event == "killed" else sbx.state)
-        data = frame("lifecycle", {"event": event, **sbx.listed(node_id), "state": state, "at": iso(time.time())})
+        state = "killed" if event == "killed" else sbx.state
+        item = sbx.listed(node_id)  # the real hub's fields (api/routes_console.py), no more
+        data = frame("lifecycle", {"event": event, **{k: item[k] for k in EVENT_FIELDS}, "state": state,
+                                   "at": iso(time.time())})  # fmt: skip
         for queue in list(self.readers):
             if queue.full():  # the reader fell behind: it is told to reload
                 with contextlib.suppress(asyncio.QueueEmpty):
