@@ -41,6 +41,7 @@ from bench import (
     cluster,
     cluster_sim,
     compose,
+    console_sim,
     core,
     density,
     forks,
@@ -85,6 +86,7 @@ SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "bandwidth": bandwidth.bandwidth,
     "teams": teams.teams,
     "console": console_list.console_scale,
+    "console-sim": console_sim.console_sim,
     "compose": compose.compose_sandboxes,
 }
 GROUPS = {
@@ -94,13 +96,15 @@ GROUPS = {
     # Ray and root, scale fills half the host's memory (a full run takes many minutes), interpreter builds
     # the code-interpreter template's layers on first use (PyPI), bandwidth makes a test host's network
     # namespace (root) and takes tens of seconds of transfers, teams starts a server of its own and bursts
-    # 200 creates, console fills 2,000 sandboxes and drives a browser, cluster-sim starts its own Redis,
+    # 200 creates, console fills 2,000 sandboxes and drives a browser (console-sim too, through a gateway
+    # over simulated nodes), cluster-sim starts its own Redis,
     # gateways and simulated nodes, chaos its own 3-node cluster (root, Ray) whose parts it kills, compose its
     # own registry and server and needs the docker template (aenv template build docker): run those by name
     "all": [s for s in SCENARIOS if s not in ("rl-groups", "lazy", "cluster", "cluster-sim", "chaos", "scale",
-                                               "interpreter", "bandwidth", "teams", "console", "compose")],
+                                               "interpreter", "bandwidth", "teams", "console", "compose",
+                                               "console-sim")],
 }
-NO_SERVER = {"cluster-sim", "chaos"}  # scenarios that start what they measure (no aenv server, no baselines)
+NO_SERVER = {"cluster-sim", "chaos", "console-sim"}  # scenarios that start what they measure (no aenv server, no baselines)
 
 
 def select(spec: str) -> list[str]:

@@ -92,9 +92,10 @@ def _free_port() -> int:
 class SimCluster:
     """Redis, one simnode process with ``n`` nodes, and the gateways in front (started by ``gateways``)."""
 
-    def __init__(self, tmp: Path, n: int, extra_ports: int = 64) -> None:
+    def __init__(self, tmp: Path, n: int, extra_ports: int = 64, sim_args: tuple[str, ...] = ()) -> None:
         self.tmp = tmp
         self.n = n
+        self.sim_args = sim_args  # more simnode flags (e.g. --capacity)
         self.redis: RedisProc | None = None
         self.sim: subprocess.Popen[bytes] | None = None
         self.gws: list[tuple[subprocess.Popen[bytes], str]] = []
@@ -106,7 +107,7 @@ class SimCluster:
         self.redis = start_redis(self.tmp / "redis")
         argv = [sys.executable, "-m", "aenv.testing.simnode", "--nodes", str(self.n), "--base-port", str(self.base),
                 "--admin-port", str(self.admin_port), "--redis", self.redis.url, "--templates", str(TEMPLATES),
-                "--warm-per-node", str(WARM_PER_NODE), "--log-level", "info"]  # fmt: skip
+                "--warm-per-node", str(WARM_PER_NODE), "--log-level", "info", *self.sim_args]  # fmt: skip
         with (self.tmp / "sim.log").open("ab") as log:
             self.sim = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self._wait(lambda: self.stats()["alive"] == self.n, 300, "simnode", self.tmp / "sim.log")

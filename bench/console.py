@@ -205,9 +205,9 @@ def spread_note(values: list[float], unit: str = "ms") -> str:
 
 
 # ---- the server's side ---------------------------------------------------------------------------------
-def _sdk(srv: Server) -> dict[str, Any]:
-    """The e2b SDK's keyword arguments for this scenario's own server."""
-    return {"api_url": srv.url, "sandbox_url": srv.url, "api_key": _sdk_key()}
+def _sdk(url: str) -> dict[str, Any]:
+    """The e2b SDK's keyword arguments for the server (or gateway) at ``url``."""
+    return {"api_url": url, "sandbox_url": url, "api_key": _sdk_key()}
 
 
 @dataclass
@@ -271,7 +271,7 @@ def _fill(srv: Server, knobs: Knobs, run: str, made: list[str]) -> tuple[list[fl
     from bench.scale import Knobs as RampKnobs
     from bench.scale import Ramp
 
-    kw = _sdk(srv)
+    kw = _sdk(srv.url)
 
     def create(record: Callable[[str], None]) -> float:
         t0 = time.perf_counter()
@@ -427,16 +427,16 @@ class Live:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def _live(browser: Any, srv: Server, client: Any, key: str, knobs: Knobs, run: str, made: list[str]) -> Live:
+def _live(browser: Any, url: str, client: Any, key: str, knobs: Knobs, run: str, made: list[str]) -> Live:
     """The console open on the list while the pacer creates ``knobs.live_creates`` at ``knobs.rate``/s."""
     from e2b import Sandbox
 
     from bench.scale import meminfo
 
-    kw = _sdk(srv)
+    kw = _sdk(url)
     live = Live()
     total_kb = meminfo()["MemTotal"]
-    context, page, _ = _logged_in(browser, srv.url, key, None)
+    context, page, _ = _logged_in(browser, url, key, None)
     try:
         page.wait_for_timeout(2500)  # the reload the event stream's open asks for, done
         page.evaluate(SEEN_JS)
@@ -503,8 +503,20 @@ def _live(browser: Any, srv: Server, client: Any, key: str, knobs: Knobs, run: s
 
 
 # ---- the scenario ---------------------------------------------------------------------------------------
-def _paint_rows(json_calls: list[dict[str, Any]], paints: list[Paint], walk: tuple[float, int, int], total: int
-                ) -> list[Row]:
+def paint_phase(browser: Any, client: Any, url: str, key: str, total: int, knobs: Knobs, system: str = CONSOLE
+                ) -> list[Row]:  # fmt: skip
+    """The JSON routes and the first-paint samples, alternating (after one browser sample not kept:
+    chromium's first context), and the walk of every page: their rows."""
+    _sample(browser, url, key, total)
+    got = alternate(knobs.list_calls, [("json", lambda: _json_routes(client)),
+                                       ("console", lambda: _sample(browser, url, key, total))],
+                    limits={"console": knobs.samples})  # fmt: skip
+    walk = _walk(client)
+    return _paint_rows(cast(list[dict[str, Any]], got["json"]), cast(list[Paint], got["console"]), walk, total, system)
+
+
+def _paint_rows(json_calls: list[dict[str, Any]], paints: list[Paint], walk: tuple[float, int, int], total: int,
+                CONSOLE: str = CONSOLE) -> list[Row]:  # noqa: N803 - the module's name for the browser's rows
     def of(name: str) -> list[float]:
         return [c[name] for c in json_calls if c.get(name) is not None]
 
@@ -542,7 +554,8 @@ def _paint_rows(json_calls: list[dict[str, Any]], paints: list[Paint], walk: tup
     ]
 
 
-def _live_rows(live: Live, events: Events, knobs: Knobs) -> tuple[list[Row], list[str]]:
+def _live_rows(live: Live, events: Events, knobs: Knobs, server: str = "aenv-ns", CONSOLE: str = CONSOLE  # noqa: N803
+               ) -> tuple[list[Row], list[str]]:
     delays, missing = show_delays(live.created, live.seen)
     sse = events.arrivals()
     sse_delays = [sse[s] - at for s, at in live.created.items() if s in sse]
@@ -561,19 +574,19 @@ def _live_rows(live: Live, events: Events, knobs: Knobs) -> tuple[list[Row], lis
                  f"{SHOW_S:.0f} s (not in these samples)"),
         row("console live: a new sandbox", "SDK create latency, same creates", live.latencies,
             note=f"`Sandbox.create` call → return; start lag behind the pacer's schedule {spread_note(live.lags)}"),
-        row("  console live: 201 → its event on the bench's SSE stream", "aenv-ns", sse_delays,
+        row("  console live: 201 → its event on the bench's SSE stream", server, sse_delays,
             note=f"a separate httpx stream of /aenv/events; {n_ok - len(sse_delays)} of {n_ok} without a created event"),
         row("  console live: the page's own list request", CONSOLE, live.page_lists,
             note=f"Playwright's request timing (responseEnd); {reloads} list fetches while it ran"),
         row("  console live: JSON first page, polled meanwhile", "JSON GET /v2/sandboxes?limit=50", live.polled,
             note="the bench, every 0.5 s while the pacer ran"),
-        value_row("console live: creates answered", "aenv-ns", answered, n_ok, "/s",
+        value_row("console live: creates answered", server, answered, n_ok, "/s",
                   note=f"target {knobs.rate:g}/s × {knobs.live_s:g} s = {knobs.live_creates} (open-loop pacer, "
                        f"{LIVE_THREADS} threads; all started by {live.issued_s:.1f} s); {n_ok} answered over "
                        f"{span_s:.1f} s; {len(live.failures)} failed; {live.skipped} not made (host at the live floor)"),
         value_row("console live: rows not shown within 10 s", CONSOLE, len(missing), n_ok, "count",
                   note=f"of {n_ok} created; the page reloads its 50 newest at most once a second"),
-        value_row("console live: SSE events on the bench's stream", "aenv-ns", sum(kinds.values()),
+        value_row("console live: SSE events on the bench's stream", server, sum(kinds.values()),
                   sum(kinds.values()), "count",
                   note=", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) + (f"; {events.error}" if events.error else "")),
     ]
@@ -619,14 +632,9 @@ def console_scale(ctx: Ctx) -> dict[str, Any]:
             rows.append(row("console fill: create (SDK)", "aenv-ns", lat,
                             note=f"`Sandbox.create(\"base\", metadata={{run}})`, {knobs.threads} at a time"))
             with _browser() as browser:
-                _sample(browser, srv.url, key, total)  # warm-up, not kept: chromium's first context
-                got = alternate(knobs.list_calls, [("json", lambda: _json_routes(client)),
-                                                   ("console", lambda: _sample(browser, srv.url, key, total))],
-                                limits={"console": knobs.samples})
-                walk = _walk(client)
-                rows += _paint_rows(cast(list[dict[str, Any]], got["json"]), cast(list[Paint], got["console"]), walk, total)
+                rows += paint_phase(browser, client, srv.url, key, total, knobs)
                 with Events(srv.url, key) as events:
-                    live = _live(browser, srv, client, key, knobs, run, made)
+                    live = _live(browser, srv.url, client, key, knobs, run, made)
                     time.sleep(0.5)
                 live_rows, live_notes = _live_rows(live, events, knobs)
                 rows += live_rows

@@ -142,6 +142,26 @@ def test_cluster_sim_scenario_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_console_sim_scenario_smoke(tmp_path: Path) -> None:
+    """``console-sim`` is run by name (Redis, 3 simulated nodes, a gateway, Chromium; ~30 s): its smoke fills
+    through the SDK, paints the list, shows every live create's row, and pages at 1,000 live."""
+    import shutil
+
+    from tests.fixtures.browser import CHROMIUM
+
+    if shutil.which("redis-server") is None or not Path(CHROMIUM).exists():
+        pytest.skip("redis-server or chromium is not installed")
+    sc = _by_name(tmp_path, "console-sim")["runs"]["ns"]["scenarios"]["console-sim"]
+    rows = {(r["metric"], r["system"]): r for r in sc["rows"]}
+    assert rows[("console fill: live sandboxes", "gateway + sim")]["p50"] == 20
+    assert rows[("console: first page of the list", "gateway + sim console, logged in")]["n"] > 0
+    assert rows[("console live: rows not shown within 10 s", "gateway + sim console")]["p50"] == 0
+    assert rows[("console live: a new sandbox", "gateway + sim console")]["n"] > 0
+    assert rows[("console at 1,000 live: first page of the list", "JSON GET /v2/sandboxes?limit=50")]["n"] == 20
+
+
+@pytest.mark.slow
 @pytest.mark.cluster
 @pytest.mark.timeout(600)
 def test_chaos_scenario_smoke(tmp_path: Path) -> None:

@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fastapi.responses import StreamingResponse
+if TYPE_CHECKING:
+    from fastapi.responses import StreamingResponse
 
 KEEPALIVE_S = 15.0  # a comment line this often keeps idle proxies from closing the stream
 RETRY = b"retry: 2000\n\n"
@@ -24,12 +25,12 @@ def frame(event: str, data: Any) -> bytes:
     return f"event: {event}\ndata: ".encode() + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def frames(queue: asyncio.Queue[bytes | None]) -> AsyncIterator[bytes]:
-    """The queue's frames, a keep-alive whenever it stays quiet for ``KEEPALIVE_S``, until ``None``."""
+async def frames(queue: asyncio.Queue[bytes | None], keepalive_s: float = KEEPALIVE_S) -> AsyncIterator[bytes]:
+    """The queue's frames, a keep-alive whenever it stays quiet for ``keepalive_s``, until ``None``."""
     yield RETRY
     while True:
         try:
-            item = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
+            item = await asyncio.wait_for(queue.get(), keepalive_s)
         except TimeoutError:
             yield KEEPALIVE
             continue
@@ -39,5 +40,7 @@ async def frames(queue: asyncio.Queue[bytes | None]) -> AsyncIterator[bytes]:
 
 
 def response(body: AsyncIterator[bytes]) -> StreamingResponse:
+    from fastapi.responses import StreamingResponse  # here: the simulated nodes write frames without FastAPI
+
     return StreamingResponse(body, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip

@@ -6,8 +6,10 @@ What each node answers (the calls ``aenv.gateway`` makes): ``/health``; ``/aenv/
 ``starting``, ``warm``: its warm pool per template); ``POST /sandboxes`` and ``/v2/sandboxes`` (a sampled
 start latency, a hand-out from the warm pool when it has one of the template, 429 ``reason: capacity``
 past its capacity, as the real admission; the sandbox is bound in the directory before the answer, as a
-real node's store does); ``GET``/``DELETE /sandboxes/{id}`` and the sandbox's sub-routes; the list routes;
-``/templates`` and ``/snapshots`` (empty). Sandboxes are dict entries: nothing runs.
+real node's store does); ``GET``/``DELETE /sandboxes/{id}``, pause and resume, and the sandbox's other
+sub-routes; ``/templates`` and ``/snapshots`` (empty); and the console's reads (``simnode_reads.py``): the
+paged list, the summary, the batch metrics, the lifecycle event stream (``/aenv/events``) and the kill by
+metadata. Sandboxes are dict entries: nothing runs.
 
 Nodes can be killed (the listener and every open connection closed, heartbeats stop) and brought back (a
 new incarnation registers: what the directory bound to the old one is no longer its own, and it starts
@@ -16,7 +18,7 @@ checks: a node whose heartbeat is older than ``failures × period`` is declared 
 real ``mark_dead`` (its bindings fenced: lost).
 
 An admin listener (``--admin-port``) drives it: ``GET /stats``, ``POST /kill?node=ID``,
-``POST /revive?node=ID``, ``POST /join?count=K``, ``POST /fill?count=K`` (sandboxes made in place, bound
+``POST /revive?node=ID``, ``POST /join?count=K``, ``POST /fill?count=K[&metadata=k%3Dv]`` (sandboxes made in place, bound
 in pipelined batches: directory memory at 100,000 sandboxes without 100,000 relayed creates),
 ``POST /clear``.
 
@@ -45,6 +47,8 @@ import redis
 from aenv import __version__
 from aenv.directory import keys
 from aenv.directory.node import DirectoryError, NodeDirectory, connect, mark_dead
+from aenv.testing import simnode_reads as reads
+from aenv.testing.simnode_reads import Headed, SimEvents, SimSandbox, Stream
 
 log = logging.getLogger("aenv.simnode")
 
@@ -107,11 +111,14 @@ REASONS = {200: "OK", 201: "Created", 204: "No Content", 400: "Bad Request", 404
 
 
 def encode_answer(status: int, body: Any, keep_alive: bool = True) -> bytes:
-    """An HTTP/1.1 response with a JSON body (none for 204 or ``None``)."""
+    """An HTTP/1.1 response with a JSON body (none for 204 or ``None``; ``Headed``: with its headers)."""
+    extra = body.headers if isinstance(body, Headed) else {}
+    body = body.body if isinstance(body, Headed) else body
     data = b"" if body is None or status == 204 else json.dumps(body, separators=(",", ":")).encode()
     head = [f"HTTP/1.1 {status} {REASONS.get(status, 'Status')}", f"content-length: {len(data)}"]
     if data:
         head.append("content-type: application/json")
+    head += [f"{k}: {v}" for k, v in extra.items()]
     if not keep_alive:
         head.append("connection: close")
     return ("\r\n".join(head) + "\r\n\r\n").encode() + data
@@ -146,6 +153,9 @@ async def serve_http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                 return
             body = await reader.readexactly(int(headers.get("content-length", "0") or 0))
             status, answer = await handle(method, path, query, headers, body)
+            if isinstance(answer, Stream):
+                await reads.stream_answer(reader, writer, status, answer)
+                return  # a stream ends its connection
             keep = headers.get("connection", "").lower() != "close"
             writer.write(encode_answer(status, answer, keep_alive=keep))
             await writer.drain()
@@ -156,21 +166,6 @@ async def serve_http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
     finally:
         with contextlib.suppress(Exception):
             writer.close()
-
-
-@dataclass
-class SimSandbox:
-    id: str
-    template: str
-    started_at: float
-    token: str
-
-    def describe(self, node_id: str) -> dict[str, Any]:
-        return {"sandboxID": self.id, "templateID": self.template, "alias": self.template, "clientID": node_id,
-                "envdVersion": "0.2.0", "envdAccessToken": self.token, "domain": None,
-                "startedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started_at)),
-                "endAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started_at + 3600)),
-                "cpuCount": 1, "memoryMB": 512, "metadata": {}, "state": "running"}  # fmt: skip
 
 
 @dataclass
@@ -196,6 +191,8 @@ class SimNode:
     server: asyncio.Server | None = None
     writers: set[asyncio.StreamWriter] = field(default_factory=set)
     directory: NodeDirectory | None = None
+    events: SimEvents = field(default_factory=SimEvents)
+    seq: int = 0  # sandboxes made, for the list's order
 
     def __post_init__(self) -> None:
         self.capacity = self.capacity or self.rng.randint(*self.cfg.capacity)
@@ -231,6 +228,7 @@ class SimNode:
     async def kill(self) -> None:
         """Stop answering and heartbeating at once: listener and every connection closed."""
         self.alive = False
+        self.events.close()
         if self.server is not None:
             self.server.close()
         for w in list(self.writers):
@@ -259,34 +257,86 @@ class SimNode:
             self.writers.discard(writer)
 
     async def handle(self, method: str, path: str, query: str, headers: dict[str, str], body: bytes) -> Answer:
-        parts = [p for p in path.split("/") if p]
-        if parts and parts[0] == "v2":
-            parts = parts[1:]
         if path == "/health":
             return 200, {"status": "ok", "version": __version__}
         if path == "/aenv/info":
             return 200, self.info()
+        if path == "/aenv/events" and method == "GET":
+            return 200, Stream(self.events.stream())
         await asyncio.sleep(sample_ms(self.rng, self.cfg.call_ms) / 1000)
+        try:
+            return await self._route(method, path, reads.query_of(query), body)
+        except reads.BadQuery as exc:
+            return 400, {"code": 400, "message": str(exc)}
+
+    async def _route(self, method: str, path: str, q: dict[str, str], body: bytes) -> Answer:
+        parts = [p for p in path.split("/") if p]
+        v2 = bool(parts) and parts[0] == "v2"
+        parts = parts[1:] if v2 else parts
         if parts == ["sandboxes"]:
             if method == "POST":
                 return await self.create(body)
-            return 200, [s.describe(self.id) for s in self.sandboxes.values()]
+            if v2:
+                page, token = reads.list_page(self.sandboxes.values(), q)
+                return 200, Headed([s.listed(self.id) for s in page], {"X-Next-Token": token} if token else {})
+            listed = reads.matching(self.sandboxes.values(), {**q, "state": "running"})  # legacy: running only
+            return 200, [s.listed(self.id) for s in listed]
+        if parts == ["sandboxes", "metrics"] and method == "GET":
+            return 200, reads.metrics(self.sandboxes, q.get("sandbox_ids", ""), self.rng)
+        if path == "/aenv/sandboxes/summary":
+            return 200, reads.summary(self.sandboxes.values(), q)
+        if (method, path) in (("DELETE", "/aenv/sandboxes"), ("POST", "/aenv/sandboxes/kill")):
+            return await self.kill_matching(q, body)
         if len(parts) >= 2 and parts[0] == "sandboxes":
-            sbx = self.sandboxes.get(parts[1])
-            if sbx is None:
-                return not_found(parts[1])
-            if method == "DELETE" and len(parts) == 2:
-                await self.remove(sbx.id)
-                return 204, None
-            return 200, sbx.describe(self.id)
+            return await self._one(method, parts[1], parts[2:])
         if parts and parts[0] in ("templates", "snapshots", "default-templates", "volumes"):
             return 200, []
         return 404, {"code": 404, "message": f"{method} {path} is not simulated", "reason": "sim"}
 
+    async def _one(self, method: str, sandbox_id: str, rest: list[str]) -> Answer:
+        """A sandbox's own routes: read, kill, pause, resume (connect); any other sub-route reads it."""
+        sbx = self.sandboxes.get(sandbox_id)
+        if sbx is None:
+            return not_found(sandbox_id)
+        if method == "DELETE" and not rest:
+            await self.remove(sbx.id)
+            return 204, None
+        if method == "POST" and rest == ["pause"]:
+            if sbx.state != "paused":
+                sbx.state = "paused"
+                self.events.emit("paused", sbx, self.id)
+            return 204, None
+        if method == "POST" and rest in (["resume"], ["connect"]):
+            was = sbx.state
+            if was == "paused":
+                sbx.state = "running"
+                self.events.emit("resumed", sbx, self.id)
+            return (201 if was == "paused" else 200), sbx.describe(self.id)
+        return 200, sbx.describe(self.id)
+
+    async def kill_matching(self, q: dict[str, str], body: bytes) -> Answer:
+        """Every sandbox whose metadata has all the filter's pairs, killed (an empty filter refused)."""
+        if q.get("metadata") is not None:
+            wanted = reads.metadata_filter(q["metadata"])
+        else:
+            try:
+                wanted = {str(k): str(v) for k, v in dict(json.loads(body or b"{}").get("metadata") or {}).items()}
+            except (ValueError, AttributeError, TypeError):
+                return 400, {"code": 400, "message": "body: {\"metadata\": {key: value}}"}
+        if not wanted:
+            return 400, {"code": 400, "message": "metadata: give at least one key=value pair"}
+        ids = [s.id for s in self.sandboxes.values() if all(s.metadata.get(k) == v for k, v in wanted.items())]
+        for sid in ids:
+            await self.remove(sid)
+        return 200, {"killed": ids, "failed": []}
+
     async def create(self, body: bytes) -> Answer:
         try:
-            template = str(json.loads(body or b"{}").get("templateID") or "base")
-        except (ValueError, AttributeError):
+            req = json.loads(body or b"{}")
+            template = str(req.get("templateID") or "base")
+            metadata = {str(k): str(v) for k, v in dict(req.get("metadata") or {}).items()}
+            timeout = float(req.get("timeout") or 300)
+        except (ValueError, AttributeError, TypeError):
             return 400, {"code": 400, "message": "body: not a JSON object"}
         if len(self.sandboxes) + self.starting >= self.capacity:
             self.refused += 1
@@ -300,7 +350,9 @@ class SimNode:
                 await asyncio.sleep(sample_ms(self.rng, self.cfg.warm_ms) / 1000)
             else:
                 await asyncio.sleep(sample_ms(self.rng, self.cfg.create_ms) / 1000)
-            sbx = SimSandbox("s" + secrets.token_hex(10), template, time.time(), secrets.token_hex(8))
+            self.seq += 1
+            sbx = SimSandbox("s" + secrets.token_hex(10), template, time.time(), secrets.token_hex(8), metadata,
+                             timeout_s=timeout, seq=self.seq)  # fmt: skip
             assert self.directory is not None
             try:  # bound before the answer, as a real node's store does
                 await asyncio.to_thread(self.directory.bind, sbx.id)
@@ -311,6 +363,7 @@ class SimNode:
         self.sandboxes[sbx.id] = sbx
         self.creates += 1
         self.warm_set_hits += template in self.warm
+        self.events.emit("created", sbx, self.id)
         return 201, sbx.describe(self.id)
 
     def _refill(self, template: str) -> None:
@@ -318,16 +371,19 @@ class SimNode:
             self.pool[template] = min(self.cfg.pool_size, self.pool[template] + 1)
 
     async def remove(self, sandbox_id: str) -> None:
-        self.sandboxes.pop(sandbox_id, None)
+        sbx = self.sandboxes.pop(sandbox_id, None)
+        if sbx is not None:
+            self.events.emit("killed", sbx, self.id)
         if self.directory is not None:
             await asyncio.to_thread(self.directory.unbind, sandbox_id)
 
-    def fill(self, count: int, template: str) -> list[str]:
-        """``count`` sandboxes made in place (no start latency), bound in one pipelined batch with the real
-        ``BIND`` script. Blocking: run it in a thread."""
+    def fill(self, count: int, template: str, metadata: dict[str, str] | None = None) -> list[str]:
+        """``count`` sandboxes made in place (no start latency, no events), bound in one pipelined batch
+        with the real ``BIND`` script. Blocking: run it in a thread."""
         assert self.directory is not None
-        made = [SimSandbox("s" + secrets.token_hex(10), template, time.time(), secrets.token_hex(8))
-                for _ in range(count)]  # fmt: skip
+        made = [SimSandbox("s" + secrets.token_hex(10), template, time.time(), secrets.token_hex(8),
+                           dict(metadata or {}), seq=self.seq + i + 1) for i in range(count)]  # fmt: skip
+        self.seq += count
         script = self.client.register_script(keys.BIND)
         pipe = self.client.pipeline(transaction=False)
         for sbx in made:
@@ -398,8 +454,8 @@ class Sim:
             self.nodes[n.id] = n
         return [n.id for n in fresh]
 
-    async def fill(self, count: int) -> int:
-        """``count`` sandboxes spread evenly over the live nodes, made in place."""
+    async def fill(self, count: int, metadata: dict[str, str] | None = None) -> int:
+        """``count`` sandboxes spread evenly over the live nodes, made in place (with ``metadata``)."""
         live = [n for n in self.nodes.values() if n.alive]
         if not live:
             return 0
@@ -409,7 +465,7 @@ class Sim:
         for i, node in enumerate(live):
             k = per + (i < extra)
             for off in range(0, k, 5000):
-                made += len(await asyncio.to_thread(node.fill, min(5000, k - off), names[i % len(names)]))
+                made += len(await asyncio.to_thread(node.fill, min(5000, k - off), names[i % len(names)], metadata))
         return made
 
     async def clear(self) -> int:
@@ -449,7 +505,8 @@ class Sim:
         if path == "/join":
             return 200, {"joined": await self.join(int(q.get("count", "1")))}
         if path == "/fill":
-            return 200, {"made": await self.fill(int(q.get("count", "0")))}
+            meta = reads.metadata_filter(q.get("metadata"))  # e.g. run=X: the fill's sandboxes tagged
+            return 200, {"made": await self.fill(int(q.get("count", "0")), meta)}
         if path == "/clear":
             return 200, {"removed": await self.clear()}
         return 404, {"code": 404, "message": f"{method} {path}: unknown (or no such node)"}
@@ -466,7 +523,8 @@ def raise_fd_limit() -> int:
 async def amain(args: argparse.Namespace) -> None:
     raise_fd_limit()
     client = connect(args.redis)
-    cfg = SimConfig(templates=args.templates, warm_per_node=args.warm_per_node)
+    cfg = SimConfig(templates=args.templates, warm_per_node=args.warm_per_node,
+                    capacity=(args.capacity, args.capacity) if args.capacity else SimConfig.capacity)
     sim = Sim(client, args.base_port, cfg, args.seed)
     await sim.join(args.nodes)
     admin = await asyncio.start_server(lambda r, w: serve_http(r, w, sim.admin), "127.0.0.1", args.admin_port)
@@ -493,6 +551,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--redis", required=True, help="the cluster directory, redis://HOST:PORT")
     ap.add_argument("--templates", type=int, default=SimConfig.templates)
     ap.add_argument("--warm-per-node", type=int, default=SimConfig.warm_per_node)
+    ap.add_argument("--capacity", type=int, default=0, help="live sandboxes each node admits [default: 100-400]")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-level", default="warning")
     args = ap.parse_args(argv)

@@ -16,8 +16,9 @@ def test_select_groups_names_and_order() -> None:
     # rl's rows already hold rl-groups'; lazy starts its own registry and servers, run by name
     assert select("all") == [s for s in SCENARIOS if s not in ("rl-groups", "lazy", "cluster", "cluster-sim", "chaos",
                                                                 "scale", "interpreter", "bandwidth", "teams", "console",
-                                                                "compose")]
+                                                                "compose", "console-sim")]
     assert select("cluster-sim") == ["cluster-sim"]
+    assert select("console-sim") == ["console-sim"]
     assert select("chaos") == ["chaos"]
     assert select("compose") == ["compose"]
     assert select("scale") == ["scale"]
