@@ -39,22 +39,22 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import json
 import os
 import shutil
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from rich.console import Console
 
+from bench.console_probe import SHOW_S, Events, schedule, show_delays, spread_note
 from bench.context import Ctx
-from bench.rows import Row, alternate, ms_since, pct, row, scenario, value_row
+from bench.rows import Row, alternate, ms_since, row, scenario, value_row
 
 if TYPE_CHECKING:
     from aenv.testing.server import Server
@@ -64,7 +64,6 @@ TITLE = "console: the sandbox list at 2,000 live sandboxes, first paint and live
 PAGE = 50  # the console's page size (static/pages/sandboxes.js)
 FIRST_PAGE = f"/v2/sandboxes?limit={PAGE}&state=running,paused"
 CONSOLE = "aenv-ns console"  # the browser's rows; the JSON routes' rows are their baselines
-SHOW_S = 10.0  # a created sandbox's row must show within this
 LIVE_FLOOR = 0.1  # the live phase creates nothing more once MemAvailable is at most this fraction of MemTotal
 LIVE_THREADS = 128
 
@@ -146,121 +145,10 @@ class Knobs:
         return max(1, round(self.rate * self.live_s))
 
 
-# ---- pure parts (unit-tested) ------------------------------------------------------------------------
-def schedule(rate: float, n: int) -> list[float]:
-    """An open-loop pacer's start offsets (s): ``n`` starts, evenly ``1/rate`` apart from 0."""
-    return [i / rate for i in range(n)]
-
-
-def show_delays(created: Mapping[str, float], seen: Mapping[str, float], within_ms: float = SHOW_S * 1000
-                ) -> tuple[list[float], list[str]]:
-    """Per created sandbox (its 201 in epoch ms), the ms until its row was first seen (epoch ms), and the
-    IDs not seen within ``within_ms``. A row may show a little before the client got the 201 (the event
-    goes out as the server answers): such delays stay negative, as measured."""
-    delays, missing = [], []
-    for sid, at in created.items():
-        shown = seen.get(sid)
-        if shown is None or shown - at > within_ms:
-            missing.append(sid)
-        else:
-            delays.append(shown - at)
-    return delays, missing
-
-
-class SseParser:
-    """Server-Sent Events, line by line: ``feed(line)`` returns ``(event, data)`` when a blank line ends
-    one (comments and ``retry:`` lines alone give nothing)."""
-
-    def __init__(self) -> None:
-        self.event, self.data = "", []  # type: tuple[str, list[str]]
-
-    def feed(self, line: str) -> tuple[str, str] | None:
-        line = line.rstrip("\r\n")
-        if not line:
-            out = (self.event or "message", "\n".join(self.data)) if self.data else None
-            self.event, self.data = "", []
-            return out
-        if line.startswith(":"):
-            return None
-        name, _, value = line.partition(":")
-        value = value[1:] if value.startswith(" ") else value
-        if name == "event":
-            self.event = value
-        elif name == "data":
-            self.data.append(value)
-        return None
-
-
-def rate_of(stamps: Iterable[float]) -> float:
-    """Events per second over the span of ``stamps`` (seconds): n-1 intervals; 0 for fewer than two."""
-    s = sorted(stamps)
-    return (len(s) - 1) / (s[-1] - s[0]) if len(s) > 1 and s[-1] > s[0] else 0.0
-
-
-def spread_note(values: list[float], unit: str = "ms") -> str:
-    """p50/p95/max of ``values`` for a note ('–' for none)."""
-    if not values:
-        return "–"
-    return f"p50 {pct(values, 50):.0f} / p95 {pct(values, 95):.0f} / max {max(values):.0f} {unit}"
-
-
 # ---- the server's side ---------------------------------------------------------------------------------
 def _sdk(url: str) -> dict[str, Any]:
     """The e2b SDK's keyword arguments for the server (or gateway) at ``url``."""
     return {"api_url": url, "sandbox_url": url, "api_key": _sdk_key()}
-
-
-@dataclass
-class Events:
-    """A separate SSE stream of ``/aenv/events``, read in a thread: each event's kind (a lifecycle event's
-    own: created, killed, ...; else the SSE event's name: resync), its sandbox and its arrival (epoch ms)."""
-
-    url: str
-    key: str
-    got: list[tuple[str, str, float]] = field(default_factory=list)
-    error: str = ""
-    _client: Any = None
-    _thread: threading.Thread | None = None
-    _open: threading.Event = field(default_factory=threading.Event)
-
-    def __enter__(self) -> Events:
-        import httpx
-
-        self._client = httpx.Client(base_url=self.url, headers={"X-API-KEY": self.key}, trust_env=False,
-                                    timeout=httpx.Timeout(10, read=None))
-        self._thread = threading.Thread(target=self._read, name="console-sse", daemon=True)
-        self._thread.start()
-        self._open.wait(10)
-        return self
-
-    def _read(self) -> None:
-        parser = SseParser()
-        try:
-            with self._client.stream("GET", "/aenv/events") as resp:
-                self._open.set()
-                for line in resp.iter_lines():
-                    got = parser.feed(line)
-                    if got is not None:
-                        data = json.loads(got[1]) if got[1].startswith("{") else {}
-                        kind = str(data.get("event") or got[0]) if got[0] == "lifecycle" else got[0]
-                        self.got.append((kind, str(data.get("sandboxID", "")), time.time() * 1000))
-        except Exception as exc:  # noqa: BLE001 - closing the client ends the stream; anything else is reported
-            self.error = f"{type(exc).__name__}: {exc}"
-        finally:
-            self._open.set()
-
-    def __exit__(self, *exc: object) -> None:
-        self._client.close()
-        if self._thread is not None:
-            self._thread.join(5)
-
-    def arrivals(self, kind: str = "created") -> dict[str, float]:
-        """The first arrival (epoch ms) of each sandbox's lifecycle event of ``kind``."""
-        out: dict[str, float] = {}
-        for event, sid, at in list(self.got):
-            if event == kind and sid and sid not in out:
-                out[sid] = at
-        return out
 
 
 def _fill(srv: Server, knobs: Knobs, run: str, made: list[str]) -> tuple[list[float], str, float]:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import console as base
+from bench.console_probe import Events
 from bench.context import Ctx
 from bench.rows import Row, ms_since, row, scenario, value_row
 
@@ -141,7 +142,7 @@ def console_sim(ctx: Ctx) -> dict[str, Any]:
                     gw_cpu: dict[str, float] = {}
                     sim_cpu: dict[str, float] = {}
                     assert c.sim is not None
-                    with base.Events(url, key) as events:
+                    with Events(url, key) as events:
                         with cpu_meter(c.gateway_pids(), gw_cpu), cpu_meter([c.sim.pid], sim_cpu):
                             live = base._live(browser, url, client, key, knobs, run, made)
                         time.sleep(0.5)

@@ -17,7 +17,7 @@ from e2b import Sandbox
 
 from aenv.testing.server import API_KEY
 from bench.cluster_sim import SimCluster
-from bench.console import SseParser
+from bench.console_probe import SseParser
 from tests.fixtures.browser import browser  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.timeout(300)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.console import Knobs, SseParser, rate_of, schedule, show_delays, spread_note
+from bench.console import Knobs
+from bench.console_probe import SseParser, rate_of, schedule, show_delays, spread_note
 
 
 def test_knobs_default_smoke_and_env() -> None:
