@@ -426,6 +426,10 @@ class NsRuntime:
             await ENFORCER.ensure(sandbox_id, sbx.net_pid, self.host.host_addrs)
         return state
 
+    def yield_bursts(self, on: bool) -> None:
+        """BurstYielding: a team's burst restores give way to another team's creates (``bursts.py``)."""
+        self.snapshots.bursts.set(on)
+
     def capabilities(self) -> dict[str, Any]:
         host = self.host
         status = host.criu_status()
