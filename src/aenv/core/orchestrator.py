@@ -103,7 +103,7 @@ class Orchestrator:
         self.builds.publish, self.sync.template_fetch = self.shared_templates.publish, self.shared_templates.fetch
         self.admission = Admission(settings, self.table)
         self.snapshots.check_quota = self.admission.check_quota  # forks count for the parent's team
-        if isinstance(runtime, BurstYielding):  # a team's burst gives way to another team's creates
+        if settings.team_burst_yield and isinstance(runtime, BurstYielding):  # a burst gives way to other teams
             self.admission.on_contention = runtime.yield_bursts
         self._tasks: list[asyncio.Task[None]] = []
         self._idempotency: dict[str, asyncio.Future[LiveSandbox]] = {}

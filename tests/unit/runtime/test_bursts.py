@@ -49,3 +49,21 @@ def test_a_start_made_while_on_is_weighed_once_it_exists() -> None:
         assert cg.weights == [True]
         cg.exists = False  # the start failed and its cgroup went: leaving is quiet
     assert cg.weights == [True]
+
+
+def test_a_refill_during_a_burst_goes_first_and_back_to_the_pools_weight() -> None:
+    """A pool refill begun while burst starts are in flight is another team's next create: the burst
+    yields while it runs (whatever core says), and the entry ends at the pool's lowest weight."""
+    bursts = BurstWeights()
+    start, refill = _Cgroup(), _Cgroup()
+    assert not bursts.busy
+    with bursts.starting(start):
+        assert bursts.busy and not bursts.yielding
+        with bursts.refilling(refill):
+            assert bursts.yielding and start.weights == [True]
+            bursts.set(True)  # core: another team's create comes meanwhile
+            bursts.set(False)  # and goes: the refill still runs, the burst still yields
+            assert start.weights[-1] is True
+        assert not bursts.yielding and start.weights[-1] is False
+        assert refill.weights == [True]  # back to the pool's weight
+    assert start.weights[-1] is False

@@ -468,12 +468,15 @@ class NsSnapshots:
         on_netns = self.restorer.filter_while_restoring(sbx, loop)
 
         burst = live and spec.in_burst
+        refill_first = not live and self.bursts.busy  # another team's next create: ahead of the burst
 
         def prepare_and_restore() -> int:
             return restore_into(sbx, spec, None if stacked else Path(layers[0]), snapshot / CRIU_DIR, exe, tools,
-                                on_netns, low_weight=not live, bursts=self.bursts if burst else None)
+                                on_netns, low_weight=not live and not refill_first,
+                                bursts=self.bursts if burst else None)
 
-        with self.bursts.starting(sbx.cgroup) if burst else contextlib.nullcontext():
+        with (self.bursts.starting(sbx.cgroup) if burst else
+              self.bursts.refilling(sbx.cgroup) if refill_first else contextlib.nullcontext()):
             try:
                 async with self._images.reading(snapshot / CRIU_DIR):  # its pagemaps never switched mid-restore
                     pid = await outlive_cancel(loop.run_in_executor(_restore_pool(), prepare_and_restore))
