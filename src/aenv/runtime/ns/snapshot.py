@@ -468,7 +468,8 @@ class NsSnapshots:
         on_netns = self.restorer.filter_while_restoring(sbx, loop)
 
         burst = live and spec.in_burst
-        refill_first = not live and self.bursts.busy  # another team's next create: ahead of the burst
+        # another team's next create: ahead of the burst (bursts.py)
+        refill_first = not live and self.bursts.busy and self.host.settings.team_burst_yield
 
         def prepare_and_restore() -> int:
             return restore_into(sbx, spec, None if stacked else Path(layers[0]), snapshot / CRIU_DIR, exe, tools,
