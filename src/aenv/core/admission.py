@@ -195,9 +195,8 @@ class Admission:
         """Whether a create of ``team`` is one of a burst on a server of several teams (the team has other
         starts in flight): it then starts fresh, so the few pooled sandboxes go to the other teams' creates
         (a burst gains little from them; a lone create of another team would otherwise pay a full start on
-        a host the burst keeps busy). Starting a burst's restores at a low CPU weight was measured too
-        (``bench/teams.py``): the other team's p50 37.6 -> 19.8 ms, the burst of 200 12.2 -> 19.5 s; not
-        taken."""
+        a host the burst keeps busy). Its restores give way only while another team creates
+        (``contended``): at a low CPU weight throughout, the burst of 200 took 19.5 s instead of 12.2."""
         return len(self.teams.teams()) >= 2 and self._starting_by_team.get(team, 0) > 1
 
     def contended(self) -> bool:
