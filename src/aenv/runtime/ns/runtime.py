@@ -292,6 +292,9 @@ class NsRuntime:
                 # than the thread hop, and it is the create's hot path. It runs while envd handles
                 # /init (see init_envd's ``meanwhile``).
                 hand_out = functools.partial(self._hand_out, sbx, sid, root, limits, spec.disk_mb)
+                # its CPU weight first, not meanwhile: at the pool's, its envd would answer /init behind
+                # every other cgroup (a burst's restores: bursts.py)
+                sbx.cgroup.set_weight(low=False)
                 # pooled under the base filter: a policy is written while /init and the answer go
                 policy = sbx.allow_internet and sbx.init is not None and ENFORCER.has(sid)
                 sbx.egress.hand_out(sid, functools.partial(ENFORCER.start_install, sid, sbx.net_pid, host.host_addrs)
@@ -327,7 +330,6 @@ class NsRuntime:
             sbx.opts.disk.limit(sbx.paths.root, disk_mb)  # pooled at the default size
         if sbx.opts is None or sbx.opts.default_limits != limits:  # pooled at the default limits
             sbx.cgroup.set_limits(*limits)
-        sbx.cgroup.set_weight(low=False)
         sbx.reprioritize(0)
         sbx.rename(sid, root)
         assert sbx.init is not None
