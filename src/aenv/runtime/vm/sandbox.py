@@ -310,6 +310,8 @@ class VmSandbox:
         if not 200 <= answer.status < 300:
             raise RuntimeFailure(f"envd /init answered {answer.status}: {answer.body[:200]!r}", sandbox_id=sid)
         self.host_facts = answer.headers.get("x-aenv-host-facts", "")
+        if "relay=failed" in self.host_facts:  # a guest program listens on a rule's port of its loopback
+            log.warning("sandbox %s: the guest could not relay every port of its own-host rules (console log)", sid)
         if "limits=failed" in self.host_facts:
             log.warning("sandbox %s: the guest could not set its pids/memory limits (see its console log)", sid)
         if "hostTime=set" not in self.host_facts or "reseed" not in self.host_facts:
@@ -320,8 +322,8 @@ class VmSandbox:
         that cannot be told keeps its old set: a curl to a new rule's sandbox URL stays on its loopback."""
         try:
             answer = await self.envd_call("POST", "/init", json.dumps(loopback_relay(sandbox_id)).encode())
-            if answer.status >= 300:
-                log.warning("sandbox %s: envd refused the loopback relays (%d)", sandbox_id, answer.status)
+            if answer.status >= 300 or "relay=failed" in answer.headers.get("x-aenv-host-facts", ""):
+                log.warning("sandbox %s: envd did not take every loopback relay (%d)", sandbox_id, answer.status)
         except Exception as exc:  # noqa: BLE001 - see the docstring
             log.warning("sandbox %s: loopback relays not updated: %r", sandbox_id, exc)
 
