@@ -8,6 +8,9 @@ its own with two teams (``AENV_TEAMS``), in the same run.
   so B's create waits for one start slot, not behind A's queue; what is left is the CPU the burst takes.
 * ``team A burst, create``: each of A's creates, from the burst's start to its answer (the queue included).
 
+Passes, each on a server of its own: as configured; with ``team_burst_yield`` off (the burst's restores
+keep their CPU weight while B's create is in flight); and (full runs) without the per-team cap.
+
 The create is E2B's ``POST /v2/sandboxes`` (what the SDK sends), measured to its answer.
 """
 
@@ -130,7 +133,9 @@ def _pass(ctx: Ctx, burst: int, extra: dict[str, str]) -> Pass:
 def teams(ctx: Ctx) -> dict[str, Any]:
     burst = 40 if ctx.smoke else 200
     system = f"aenv-{ctx.runtime}"
-    passes = [(system, _pass(ctx, burst, {}))]
+    passes = [(system, _pass(ctx, burst, {})),
+              # the same without the burst giving way (core/admission.py ``contended``): what that buys
+              (f"burst not yielding ({system})", _pass(ctx, burst, {"AENV_TEAM_BURST_YIELD": "false"}))]
     if not ctx.smoke:  # the same, one team allowed every start slot: what the per-team cap buys
         passes.append((f"no per-team cap ({system})", _pass(ctx, burst, {"AENV_TEAM_CONCURRENT_STARTS": "31"})))
     rows, notes = [], []

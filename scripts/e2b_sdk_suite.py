@@ -75,10 +75,6 @@ EXEMPT_CLUSTER: dict[str, str] = {
 # Run, and expected to fail (strict xfail: one that starts passing fails the run, so the list
 # shrinks; a reason starting with "timing" is non-strict: it races a fixed wait). Node ID -> (runtimes, reason).
 KNOWN: dict[str, tuple[tuple[str, ...], str]] = {
-    **{f"{d}/test_network.py::test_firewall_transform_injects_headers": (("vm",),
-       "curl in a vm guest sends *.aenv.localhost to the guest's own loopback, which never leaves the guest, so "
-       "the egress proxy's route to the sidecar's URL (runtime/egress_own.py, in the QEMU jail's filter) is not "
-       "reached; passes on ns (with a real sandbox_domain, DNS naming the host, the jail's redirect would apply: untested)") for d in BOTH},
     **{f"{d}/test_network.py::test_mask_request_host": (("vm",),
        "timing, TCG only (no KVM on this host): the test gives `python3 -c '<http.server>'` a fixed 2 s to listen; "
        "in a TCG guest on 2 cores it listens after 3-4.5 s (measured; the masked Host then arrives "

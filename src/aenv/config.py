@@ -61,6 +61,10 @@ class Settings(BaseModel):
         default=None, gt=0, description="with several teams, the starts one team may have at once (the other "
         "slots stay free for the other teams); unset = 2 per CPU (a start is CPU-bound: more at once only adds latency)"
     )
+    team_burst_yield: bool = Field(
+        True, description="with several teams, a team's burst of starts runs at the lowest CPU weight while another "
+        "team has a create in flight (ns), so that create is served at about its usual latency"
+    )
     admission_group_key: str = Field(
         "run", description="metadata key whose value, with the API key, makes a fair-share group of the admission queue"
     )

@@ -76,6 +76,10 @@ class Admission:
         self._starting_by_team: dict[str, int] = {}  # start slots each team holds
         self.on_refused: Callable[[str, str | None, str], None] | None = None  # (team, run, reason): run_metrics.py
         self.refusals: dict[tuple[str, str], int] = {}  # (team, quota) -> refusals, for /metrics
+        # Called with True when a team's burst should yield the CPU (``contended``), False when it need
+        # not any more: the runtime weighs the burst's starts down meanwhile (runtime.base.BurstYielding).
+        self.on_contention: Callable[[bool], None] | None = None
+        self._contended = False
 
     # ---- what callers see -----------------------------------------------------------------------
     @property
@@ -191,16 +195,34 @@ class Admission:
         """Whether a create of ``team`` is one of a burst on a server of several teams (the team has other
         starts in flight): it then starts fresh, so the few pooled sandboxes go to the other teams' creates
         (a burst gains little from them; a lone create of another team would otherwise pay a full start on
-        a host the burst keeps busy). Starting a burst's restores at a low CPU weight was measured too
-        (``bench/teams.py``): the other team's p50 37.6 -> 19.8 ms, the burst of 200 12.2 -> 19.5 s; not
-        taken."""
+        a host the burst keeps busy). Its restores give way only while another team creates
+        (``contended``): at a low CPU weight throughout, the burst of 200 took 19.5 s instead of 12.2."""
         return len(self.teams.teams()) >= 2 and self._starting_by_team.get(team, 0) > 1
+
+    def contended(self) -> bool:
+        """Whether a burst should give way now: on a server of several teams, a team holds more than one
+        start slot while another team has a create in flight (holding a slot or waiting for one). Only
+        then do the burst's starts run at a low CPU weight: at a low weight throughout, a burst of 200
+        took 19.5 s instead of 12.2 (``in_burst``); this way it gives way for the other team's few
+        creates only, and the lone creates of a team are never weighed down."""
+        if len(self.teams.teams()) < 2:
+            return False
+        bursting = {t for t, n in self._starting_by_team.items() if n > 1}
+        return bool(bursting) and any(t not in bursting for t in (*self._starting_by_team, *self._queues))
+
+    def _contention_changed(self) -> None:
+        now = self.contended()
+        if now != self._contended:
+            self._contended = now
+            if self.on_contention is not None:
+                self.on_contention(now)
 
     def _eligible(self, team: str) -> bool:
         return self._starting_by_team.get(team, 0) < self.team_cap
 
     def _take(self, team: str) -> None:
         self._starting_by_team[team] = self._starting_by_team.get(team, 0) + 1
+        self._contention_changed()
 
     async def _acquire(self, team: str, run: str) -> None:
         waiters_first = any(self._eligible(t) for t in self._queues)  # served in turn before a newcomer
@@ -215,6 +237,7 @@ class Admission:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._queues.setdefault(team, OrderedDict()).setdefault(run, deque()).append(fut)
         self._waiting += 1
+        self._contention_changed()
         started = time.monotonic()
         try:
             await asyncio.wait_for(asyncio.shield(fut), self.settings.admission_wait)
@@ -243,6 +266,7 @@ class Admission:
                 del runs[run]
             if not runs:
                 del self._queues[team]
+            self._contention_changed()
         fut.cancel()
 
     def _release(self, team: str) -> None:
@@ -269,6 +293,7 @@ class Admission:
                 fut.set_result(None)  # the slot passes on: ``starting`` stays the same
                 return
         self.starting -= 1
+        self._contention_changed()
 
     def _retry_hint(self) -> float:
         """Seconds until a retry might be admitted: the queue ahead of it, at about one start per second a slot."""

@@ -60,7 +60,7 @@ from aenv.images import ProgressCallback
 from aenv.kinds import SnapshotMode, TemplateKind
 from aenv.mux import ByteStream, StreamRefused
 from aenv.runtime import ksm
-from aenv.runtime.base import ResourceSample, Runtime, RuntimeState, SnapshotResult
+from aenv.runtime.base import BurstYielding, ResourceSample, Runtime, RuntimeState, SnapshotResult
 from aenv.store.gone_log import EXPIRED, KILLED, REAPED, GoneLog
 from aenv.store.sqlite import SandboxRow, SnapshotRow, Store, TemplateRow, now
 
@@ -103,6 +103,8 @@ class Orchestrator:
         self.builds.publish, self.sync.template_fetch = self.shared_templates.publish, self.shared_templates.fetch
         self.admission = Admission(settings, self.table)
         self.snapshots.check_quota = self.admission.check_quota  # forks count for the parent's team
+        if settings.team_burst_yield and isinstance(runtime, BurstYielding):  # a burst gives way to other teams
+            self.admission.on_contention = runtime.yield_bursts
         self._tasks: list[asyncio.Task[None]] = []
         self._idempotency: dict[str, asyncio.Future[LiveSandbox]] = {}
         # Called with a sandbox ID when it becomes usable (created, resumed); must not block. The proxy

@@ -18,7 +18,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from aenv.envd import limits, mergeable, trust
+from aenv.envd import limits, mergeable, relay, trust
 from aenv.envd.auth import TokenMiddleware
 from aenv.envd.connect import Receive, Scope, Send
 from aenv.envd.files import FilesRoutes, error_response
@@ -113,6 +113,7 @@ def build_app(state: SandboxState | None = None, table: ProcessTable | None = No
     filesystem = FilesystemService(state)
     files = FilesRoutes(state)
     sampler = MetricsSampler()
+    relays = relay.Relays()
 
     async def health(request: Request) -> Response:
         return Response(status_code=204)
@@ -136,6 +137,7 @@ def build_app(state: SandboxState | None = None, table: ProcessTable | None = No
             host_time, seed = parse_host_facts(body)
             wanted_limits = limits.parse(body)
             egress_ca = trust.check(body["aenvEgressCa"]) if body.get("aenvEgressCa") is not None else None
+            loopback = relay.parse(body["aenvLoopbackRelay"]) if body.get("aenvLoopbackRelay") is not None else None
             apply_init(state, body)
         except ClientDisconnect:
             return Response(status_code=400)
@@ -149,6 +151,8 @@ def build_app(state: SandboxState | None = None, table: ProcessTable | None = No
             except OSError as exc:
                 log.warning("init: cannot trust the egress CA: %s", exc)
                 done["egressCa"] = "failed"
+        if loopback is not None:  # a vm's loopback to this server's sandbox hosts (envd/relay.py)
+            done["relay"] = await relays.set(*loopback)
         mergeable.rearm()  # /init follows every restore: processes started from now on are mergeable again
         if wanted_limits is not None:
             try:

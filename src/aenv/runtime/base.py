@@ -219,6 +219,16 @@ class EgressCapable(Protocol):
 
 
 @runtime_checkable
+class BurstYielding(Protocol):
+    """Optional runtime extension: a team's burst gives way to another team's creates
+    (``core/admission.py``: ``contended``)."""
+
+    def yield_bursts(self, on: bool) -> None:
+        """While ``on``, the starts in flight of specs with ``in_burst`` (and those that begin meanwhile)
+        run at the lowest CPU weight; off, at the ordinary one. On the event loop: must not block long."""
+
+
+@runtime_checkable
 class BandwidthCapable(Protocol):
     """Optional runtime extension: per-sandbox bandwidth limits (``runtime/shaping.py``)."""
 

@@ -199,3 +199,71 @@ async def test_a_teams_burst_leaves_start_slots_for_another_team() -> None:
     await asyncio.gather(b, *burst)
     assert adm.starting == 0 and adm.waiting == 0
     assert not _admission(max_concurrent_starts=4).in_burst("a")  # one team: the pool is all its own
+
+
+async def test_a_burst_yields_only_while_another_team_has_a_create_in_flight() -> None:
+    """``contended`` goes on when another team's create comes during a burst, off when it is done (not when
+    the burst is), and the runtime hears each change once (``on_contention``)."""
+    teams = {"a": TeamSpec(keys=["ka"]), "b": TeamSpec(keys=["kb"]), "c": TeamSpec(keys=["kc"])}
+    adm = _admission(teams=teams, max_concurrent_starts=6, team_concurrent_starts=3)
+    heard: list[bool] = []
+    adm.on_contention = heard.append
+    holds = {t: asyncio.Event() for t in ("a", "b", "c")}
+
+    async def create(team: str) -> None:
+        async with adm.slot(team, None):
+            await holds[team].wait()
+
+    a1 = asyncio.create_task(create("a"))
+    b1 = asyncio.create_task(create("b"))
+    await _ticks()
+    assert not adm.contended() and heard == []  # two lone creates: nobody bursts
+    burst = [asyncio.create_task(create("a")) for _ in range(5)]
+    await _ticks()
+    assert adm.contended() and heard == [True]  # a bursts (3 slots, 3 waiting) while b's create is in flight
+    holds["b"].set()
+    await b1
+    await _ticks()
+    assert not adm.contended() and heard == [True, False]  # b done: a's burst has the CPU back
+    holds["b"].clear()
+    b2 = asyncio.create_task(create("b"))
+    await _ticks()
+    assert heard == [True, False, True]
+    holds["c"].set()
+    await create("c")  # a third team's create in and out while b's is still in flight: no change heard
+    assert heard == [True, False, True]
+    holds["b"].set()
+    await b2
+    holds["a"].set()
+    await asyncio.gather(a1, *burst)
+    assert adm.starting == 0 and adm.waiting == 0 and not adm.contended()
+    assert heard == [True, False, True, False]
+
+
+async def test_two_bursts_or_one_team_never_yield() -> None:
+    adm = _admission(teams={"a": TeamSpec(keys=["ka"]), "b": TeamSpec(keys=["kb"])}, max_concurrent_starts=6,
+                     team_concurrent_starts=3)
+    heard: list[bool] = []
+    adm.on_contention = heard.append
+    hold = asyncio.Event()
+
+    async def create(team: str) -> None:
+        async with adm.slot(team, None):
+            await hold.wait()
+
+    tasks = [asyncio.create_task(create(t)) for t in ("a", "a", "b", "b")]
+    await _ticks()
+    # b's first create came during a's burst (a gave way), its second made b a burst too: neither gives way
+    assert adm.starting == 4 and not adm.contended() and heard == [True, False]
+    hold.set()
+    await asyncio.gather(*tasks)
+    hold.clear()
+    assert not adm.contended() and heard[-1] is False
+    alone = _admission(max_concurrent_starts=6)  # one team (no teams configured)
+    alone.on_contention = heard.append
+    heard.clear()
+    tasks = [asyncio.create_task(_holder(alone, hold)()) for _ in range(4)]
+    await _ticks()
+    assert not alone.contended() and heard == []
+    hold.set()
+    await asyncio.gather(*tasks)

@@ -146,3 +146,29 @@ async def test_handlers_are_held_and_cancelled_when_the_sandbox_goes() -> None:
     enforcer.forget("sbx")
     await asyncio.sleep(0.05)
     assert ended == ["sbx"] and not egress._HANDLERS
+
+
+def test_a_vm_guest_relays_its_loopback_on_the_own_ports_only() -> None:
+    """What each vm ``/init`` carries (``vm/sandbox.loopback_relay``, run by ``envd/relay.py``): the ports of
+    the rules naming this server's sandbox hosts, to slirp's gateway; none without such a rule, a policy or
+    a ``sandbox_domain`` (the empty set is sent too, so a restored guest drops its snapshot's relays)."""
+    from aenv.runtime import network
+    from aenv.runtime.egress import ENFORCER
+    from aenv.runtime.vm.sandbox import loopback_relay
+
+    rule = [{"transform": {"headers": {"X": "y"}}}]
+    sid = "relay-test-sbx"
+    try:
+        network.configure_own(OwnHosts("aenv.localhost", 8443, "127.0.0.1", 9000, True))
+        ENFORCER.register(sid, parse(None, None, None, [], rules={f"{NAME}:8443": rule, "api.example.com": rule},
+                                     bind=lambda n: n))
+        assert loopback_relay(sid) == {"aenvLoopbackRelay": {"to": "10.0.2.2", "ports": [8443]}}
+        ENFORCER.register(sid, parse(None, None, None, [], rules={"api.example.com": rule}, bind=lambda n: n))
+        assert loopback_relay(sid)["aenvLoopbackRelay"]["ports"] == []
+        ENFORCER.register(sid, parse(None, None, None, [], rules={f"{NAME}:8443": rule}, bind=lambda n: n))
+        network.configure_own(None)
+        assert loopback_relay(sid)["aenvLoopbackRelay"]["ports"] == []
+        assert loopback_relay("no-policy")["aenvLoopbackRelay"]["ports"] == []
+    finally:
+        network.configure_own(None)
+        ENFORCER.register(sid, None)

@@ -292,6 +292,9 @@ class NsRuntime:
                 # than the thread hop, and it is the create's hot path. It runs while envd handles
                 # /init (see init_envd's ``meanwhile``).
                 hand_out = functools.partial(self._hand_out, sbx, sid, root, limits, spec.disk_mb)
+                # its CPU weight first, not meanwhile: at the pool's, its envd would answer /init behind
+                # every other cgroup (a burst's restores: bursts.py)
+                sbx.cgroup.set_weight(low=False)
                 # pooled under the base filter: a policy is written while /init and the answer go
                 policy = sbx.allow_internet and sbx.init is not None and ENFORCER.has(sid)
                 sbx.egress.hand_out(sid, functools.partial(ENFORCER.start_install, sid, sbx.net_pid, host.host_addrs)
@@ -327,7 +330,6 @@ class NsRuntime:
             sbx.opts.disk.limit(sbx.paths.root, disk_mb)  # pooled at the default size
         if sbx.opts is None or sbx.opts.default_limits != limits:  # pooled at the default limits
             sbx.cgroup.set_limits(*limits)
-        sbx.cgroup.set_weight(low=False)
         sbx.reprioritize(0)
         sbx.rename(sid, root)
         assert sbx.init is not None
@@ -425,6 +427,10 @@ class NsRuntime:
         if sbx.allow_internet and sbx.init is not None and ENFORCER.has(sandbox_id):
             await ENFORCER.ensure(sandbox_id, sbx.net_pid, self.host.host_addrs)
         return state
+
+    def yield_bursts(self, on: bool) -> None:
+        """BurstYielding: a team's burst restores give way to another team's creates (``bursts.py``)."""
+        self.snapshots.bursts.set(on)
 
     def capabilities(self) -> dict[str, Any]:
         host = self.host

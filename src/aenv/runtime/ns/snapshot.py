@@ -53,6 +53,7 @@ from aenv.errors import InvalidRequest, RuntimeFailure, StateError
 from aenv.kinds import SnapshotMode
 from aenv.runtime.base import RuntimeState, SandboxSpec, SnapshotResult
 from aenv.runtime.ns import checkpoint, criu, image_links
+from aenv.runtime.ns.bursts import BurstWeights
 from aenv.runtime.ns.checkpoint import CheckpointError
 from aenv.runtime.ns.disk import remove_tree
 from aenv.runtime.ns.host import LaunchReady, NsHost, Prelaunch, Start
@@ -208,6 +209,7 @@ class NsSnapshots:
         # Each sandbox's latest full snapshot's CRIU images: what the next one's pages are compared to.
         self._last_images: OrderedDict[str, Path] = OrderedDict()
         self._images = ImagesGate()  # restores and the page linker take turns on a dump's images
+        self.bursts = BurstWeights()  # a team's burst gives way to another team's creates (bursts.py)
 
     # -- what is possible --
     def criu_status(self) -> criu.CriuStatus:
@@ -465,20 +467,27 @@ class NsSnapshots:
         loop = asyncio.get_running_loop()
         on_netns = self.restorer.filter_while_restoring(sbx, loop)
 
+        burst = live and spec.in_burst
+        # another team's next create: ahead of the burst (bursts.py)
+        refill_first = not live and self.bursts.busy and self.host.settings.team_burst_yield
+
         def prepare_and_restore() -> int:
             return restore_into(sbx, spec, None if stacked else Path(layers[0]), snapshot / CRIU_DIR, exe, tools,
-                                on_netns, low_weight=not live)
+                                on_netns, low_weight=not live and not refill_first,
+                                bursts=self.bursts if burst else None)
 
-        try:
-            async with self._images.reading(snapshot / CRIU_DIR):  # its pagemaps never switched mid-restore
-                pid = await outlive_cancel(loop.run_in_executor(_restore_pool(), prepare_and_restore))
-            await self.restorer.attach(sbx, spec, pid, live=live, filtered=on_netns is not None)
-        except BaseException as exc:
-            await sbx.aclose(remove_dir=None if root else spec.workdir)
-            if isinstance(exc, CheckpointError | OSError):
-                raise RuntimeFailure(f"sandbox {spec.sandbox_id}: process restore failed: {exc}",
-                                     sandbox_id=spec.sandbox_id) from exc
-            raise
+        with (self.bursts.starting(sbx.cgroup) if burst else
+              self.bursts.refilling(sbx.cgroup) if refill_first else contextlib.nullcontext()):
+            try:
+                async with self._images.reading(snapshot / CRIU_DIR):  # its pagemaps never switched mid-restore
+                    pid = await outlive_cancel(loop.run_in_executor(_restore_pool(), prepare_and_restore))
+                await self.restorer.attach(sbx, spec, pid, live=live, filtered=on_netns is not None)
+            except BaseException as exc:
+                await sbx.aclose(remove_dir=None if root else spec.workdir)
+                if isinstance(exc, CheckpointError | OSError):
+                    raise RuntimeFailure(f"sandbox {spec.sandbox_id}: process restore failed: {exc}",
+                                         sandbox_id=spec.sandbox_id) from exc
+                raise
         return sbx
 
 
@@ -495,11 +504,13 @@ def _restore_pool() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def restore_into(sbx: NsSandbox, spec: SandboxSpec, upper: Path | None, images: Path, exe: str, tools: Path,
-                 on_netns: Callable[[int], None] | None = None, low_weight: bool = False) -> int:
+                 on_netns: Callable[[int], None] | None = None, low_weight: bool = False,
+                 bursts: BurstWeights | None = None) -> int:
     """Blocking: make ``sbx``'s directory and cgroups, copy ``upper`` in (None: an empty upper, the
     snapshot's upper is a lower of ``sbx``), restore ``images`` (``on_netns``: ``checkpoint.restore``'s); the pid.
     ``low_weight``: a pool refill; CRIU runs in the sandbox's cgroups, so giving them the pool's CPU
-    weight first keeps the whole restore, not only what follows it, from slowing live sandboxes."""
+    weight first keeps the whole restore, not only what follows it, from slowing live sandboxes. ``bursts``:
+    one of a burst's starts, weighed as the burst should be now (``bursts.py``)."""
     paths, cg, opts = sbx.paths, sbx.cgroup, sbx.opts
     shutil.rmtree(paths.upper, ignore_errors=True)
     if opts is not None and opts.disk is not None:  # the quota subvolume must exist before the copy lands in it
@@ -513,6 +524,8 @@ def restore_into(sbx: NsSandbox, spec: SandboxSpec, upper: Path | None, images: 
     cg.set_limits(spec.cpu_count, spec.memory_mb, spec.pids_limit)
     if low_weight:
         cg.set_weight(low=True)
+    elif bursts is not None:
+        bursts.weigh(cg)
     return checkpoint.restore(exe, images, lowers=sbx.lowers, upper=paths.upper, work=paths.work,
                               merged=paths.merged, run_dir=paths.run, tools=tools, boot_id=paths.boot_id,
                               procs_files=cg.procs_files(), on_netns=on_netns,

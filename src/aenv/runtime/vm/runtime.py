@@ -524,6 +524,7 @@ class VmRuntime:
         if sbx is not None and sbx.machine.cfg.network == "user" and sbx.machine.alive:
             await ENFORCER.install(sandbox_id, sbx.machine.proc.pid, await asyncio.to_thread(netjail.host_addresses),
                                    jail=True)
+            await sbx.update_relay(sandbox_id)
 
     async def _egress_ensure(self, sandbox_id: str) -> None:
         sbx = self.table.running.get(sandbox_id)

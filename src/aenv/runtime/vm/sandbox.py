@@ -24,7 +24,9 @@ from typing import Any
 
 from aenv.errors import RuntimeFailure
 from aenv.mux import MuxError, MuxSession, MuxStream
+from aenv.runtime import network
 from aenv.runtime.base import SandboxSpec, VolumeBind
+from aenv.runtime.egress import ENFORCER
 from aenv.runtime.envd_client import (
     CONNECT_JSON,
     ENVD_PORT,
@@ -56,6 +58,16 @@ def host_facts() -> dict[str, Any]:
     of one snapshot share the kernel CRNG state until reseeded). Sent in each new session's HELLO
     and in ``POST /init``."""
     return {"hostTime": time.time(), "seed": base64.b64encode(os.urandom(SEED_BYTES)).decode()}
+
+
+def loopback_relay(sandbox_id: str) -> dict[str, Any]:
+    """The ``/init`` field that has envd pipe the guest's loopback on the ports of the sandbox's header rules
+    for this server's own sandbox hosts to slirp's gateway (``envd/relay.py``): there the jail's filter
+    sends them to the egress proxy, as an ns sandbox's filter sends its loopback (``egress_own.py``). The
+    whole set, every time (empty: none), so a restored guest drops relays its snapshot had."""
+    own, policy = network.own_hosts(), ENFORCER.policies.get(sandbox_id)
+    ports = own.ports(policy.rules) if own is not None and policy is not None else ()
+    return {"aenvLoopbackRelay": {"to": network.SLIRP_GATEWAY, "ports": list(ports)}}
 
 
 def run_paths(run_dir: Path) -> dict[str, Path]:
@@ -291,17 +303,29 @@ class VmSandbox:
         limits inside the guest (envd.limits: a bomb stays in its cgroup). envd's
         ``X-Aenv-Host-Facts`` answer says whether clock and RNG were really set (kept in
         :attr:`host_facts`, a warning when not)."""
-        payload = init_payload(spec) | host_facts()
+        payload = init_payload(spec) | host_facts() | loopback_relay(spec.sandbox_id)
         payload["limits"] = {"pids": pids_limit, "memoryReserveMB": GUEST_MEMORY_RESERVE_MB}
         answer = await self.envd_call("POST", "/init", json.dumps(payload).encode())
         sid = spec.sandbox_id
         if not 200 <= answer.status < 300:
             raise RuntimeFailure(f"envd /init answered {answer.status}: {answer.body[:200]!r}", sandbox_id=sid)
         self.host_facts = answer.headers.get("x-aenv-host-facts", "")
+        if "relay=failed" in self.host_facts:  # a guest program listens on a rule's port of its loopback
+            log.warning("sandbox %s: the guest could not relay every port of its own-host rules (console log)", sid)
         if "limits=failed" in self.host_facts:
             log.warning("sandbox %s: the guest could not set its pids/memory limits (see its console log)", sid)
         if "hostTime=set" not in self.host_facts or "reseed" not in self.host_facts:
             log.warning("sandbox %s: guest clock/RNG not fully refreshed after restore: %r", sid, self.host_facts)
+
+    async def update_relay(self, sandbox_id: str) -> None:
+        """The running guest's loopback relays follow its new rules (:func:`loopback_relay`). A guest
+        that cannot be told keeps its old set: a curl to a new rule's sandbox URL stays on its loopback."""
+        try:
+            answer = await self.envd_call("POST", "/init", json.dumps(loopback_relay(sandbox_id)).encode())
+            if answer.status >= 300 or "relay=failed" in answer.headers.get("x-aenv-host-facts", ""):
+                log.warning("sandbox %s: envd did not take every loopback relay (%d)", sandbox_id, answer.status)
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            log.warning("sandbox %s: loopback relays not updated: %r", sandbox_id, exc)
 
     async def warm_paths(self) -> None:
         """Run the request paths a new sandbox's first calls take (``/init`` with clock and seed,
