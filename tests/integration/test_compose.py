@@ -141,9 +141,9 @@ def test_fork_x4_of_a_compose_sandbox_keeps_both_services_answering(docker_ready
                 box.kill()
 
 
-def context_tar() -> str:
+def context_tar(base: str = "busybox:latest") -> str:
     buf = io.BytesIO()
-    files = {"Dockerfile": b"FROM busybox:latest\nCOPY greeting.txt /greeting.txt\nRUN cat /greeting.txt > /built\n"
+    files = {"Dockerfile": f"FROM {base}\n".encode() + b"COPY greeting.txt /greeting.txt\nRUN cat /greeting.txt > /built\n"
                            b"CMD [\"sh\", \"-c\", \"httpd -f -p 9000 -h /\"]\n",
              "greeting.txt": b"built-in-the-sandbox\n"}
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
@@ -154,15 +154,23 @@ def context_tar() -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def test_a_service_is_built_from_its_uploaded_context(docker_ready: Server) -> None:
+@pytest.mark.parametrize("pinned", [False, True], ids=["tag", "digest"])
+def test_a_service_is_built_from_its_uploaded_context(docker_ready: Server, pushed_images: PushedImages,
+                                                      pinned: bool) -> None:
+    """Also from a base pinned by digest: loaded under a tag, the Dockerfile's FROM is pointed at it (else the
+    build would ask a registry for the digest)."""
     from e2b import Sandbox
 
+    base = f"busybox@{pushed_images.require('busybox:latest')}" if pinned else "busybox:latest"
     text = "services:\n  app:\n    build: ./app\n    ports: ['9000:9000']\n"
-    resp = compose_up(docker_ready, compose=text, buildContexts={"app": context_tar()})
+    resp = compose_up(docker_ready, compose=text, buildContexts={"app": context_tar(base)})
     assert resp.status_code == 201, resp.text
     sbx = Sandbox.connect(resp.json()["sandboxID"])
     try:
         assert by_host(docker_ready, sbx.get_host(9000), "/built").text == "built-in-the-sandbox\n"
+        if pinned:  # built on the image the node loaded, not on a pull of the digest through the mirror
+            digests = sbx.commands.run("docker images --digests --format '{{.Repository}} {{.Digest}}'", user="root")
+            assert base.split("@")[1] not in digests.stdout, digests.stdout
     finally:
         sbx.kill()
 

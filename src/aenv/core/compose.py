@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aenv.config import Settings
-from aenv.core.compose_build import Context, check_context, dockerfile_bases
+from aenv.core.compose_build import Context, check_context, dockerfile_bases, rewrite_bases
 from aenv.core.compose_spec import ComposeLimits, ComposeProject, parse_project
 from aenv.core.models import CreateRequest
 from aenv.core.table import LiveSandbox
@@ -196,6 +196,16 @@ class ComposeFlows:
             await upload(stream, f"{WORKDIR}/build/{ctx.service}.tar", ctx.data, token=token)
             tar, dest = shlex.quote(f"{WORKDIR}/build/{ctx.service}.tar"), shlex.quote(f"{WORKDIR}/build/{ctx.service}")
             unpack.append(f"mkdir -p {dest} && tar -xf {tar} -C {dest} --no-same-owner && rm -f {tar}")
+        pinned = {image: im.tags[0] for image, im in images.items() if parse_reference(image).digest}
+        for ctx in contexts:  # a FROM pinned by digest names the tag it was loaded under
+            build = project.services[ctx.service].build
+            if pinned and ctx.dockerfile is not None and build is not None:
+                rewritten = rewrite_bases(ctx.dockerfile, pinned)
+                if rewritten != ctx.dockerfile:
+                    stream = await self.door.open_stream(sbx.id, ENVD_PORT)
+                    path = f"{WORKDIR}/build/{ctx.service}/{build.dockerfile.removeprefix('./')}"
+                    await upload(stream, path + ".aenv", rewritten.encode(), token=token)
+                    unpack.append(f"mv -f {shlex.quote(path + '.aenv')} {shlex.quote(path)}")
         text = project.render({name: im.tags[0] for name, im in images.items()},
                               {n: f"{WORKDIR}/build/{n}" for n, s in project.services.items() if s.build is not None})
         stream = await self.door.open_stream(sbx.id, ENVD_PORT)

@@ -102,6 +102,27 @@ def dockerfile_bases(text: str, build_args: Mapping[str, str]) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def rewrite_bases(text: str, tags: Mapping[str, str]) -> str:
+    """The Dockerfile with each ``FROM`` naming one of ``tags`` (written literally) naming its local tag
+    instead: an image pinned by digest is loaded under a tag (``docker load`` cannot record a digest),
+    and the classic builder, finding no image of that digest, would ask a registry the sandbox may not
+    reach. The content is the same: the node fetched it by that digest and checked it. Other lines,
+    comments and continuations are kept as they are."""
+    out = []
+    for line in text.splitlines(keepends=True):
+        head = line.lstrip()
+        word, _, rest = head.partition(" ")
+        if word.upper() == "FROM":
+            parts = rest.split()
+            image = next((p for p in parts if not p.startswith("--")), None)
+            if image is not None and image in tags:
+                indent = line[: len(line) - len(head)]
+                new = rest.replace(image, tags[image], 1)
+                line = f"{indent}{word} {new}"
+        out.append(line)
+    return "".join(out)
+
+
 def _instructions(text: str) -> list[str]:
     """Logical lines: comments dropped, backslash continuations joined."""
     out: list[str] = []

@@ -8,7 +8,7 @@ import tarfile
 
 import pytest
 
-from aenv.core.compose_build import check_context, dockerfile_bases
+from aenv.core.compose_build import check_context, dockerfile_bases, rewrite_bases
 from aenv.errors import InvalidRequest
 
 
@@ -70,3 +70,23 @@ FROM busybox
     assert dockerfile_bases(text, {}) == ["debian:bookworm", "alpine:3.23", "busybox"]
     assert dockerfile_bases(text, {"BASE": "ubuntu:22.04", "TAG": "3.20"}) == ["ubuntu:22.04", "alpine:3.20", "busybox"]
     assert dockerfile_bases("", {}) == []
+
+
+def test_a_from_pinned_by_digest_names_the_tag_it_was_loaded_under() -> None:
+    digest = "sha256:" + "ab" * 32
+    pinned = f"busybox@{digest}"
+    text = (f"# FROM {pinned} in a comment stays\nARG X=1\nFROM --platform=linux/amd64 {pinned} AS base\n"
+            f"RUN echo {pinned}\n  from {pinned}\nFROM base\nFROM redis:7\n")
+    tags = {pinned: "docker.io/library/busybox:aenv-abababababababab"}
+    out = rewrite_bases(text, tags)
+    assert out.splitlines() == [
+        f"# FROM {pinned} in a comment stays",
+        "ARG X=1",
+        "FROM --platform=linux/amd64 docker.io/library/busybox:aenv-abababababababab AS base",
+        f"RUN echo {pinned}",  # not a FROM: left alone
+        "  from docker.io/library/busybox:aenv-abababababababab",
+        "FROM base",
+        "FROM redis:7",
+    ]
+    assert dockerfile_bases(out, {}) == ["docker.io/library/busybox:aenv-abababababababab", "redis:7"]
+    assert rewrite_bases(text, {}) == text
