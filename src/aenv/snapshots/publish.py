@@ -25,6 +25,7 @@ import os
 import re
 import secrets
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -115,11 +116,21 @@ async def materialize(
         if template_lowers is None:
             raise ManifestError(f"snapshot {manifest.snapshot_id} needs its template's lowers on this host")
         record["base_lowers"] = [str(p) for p in template_lowers]
+    await _download(repo, manifest, paths, dest, lambda rel: True)
+    return record
+
+
+async def _download(repo: SnapshotRepository, manifest: Manifest, paths: list[str], dest: Path,
+                    wanted: Callable[[str], bool]) -> None:  # fmt: skip
+    """The ``wanted`` layers into a hidden directory beside ``dest``, renamed into place when whole."""
     tmp = dest.parent / f"{FETCH_PREFIX}{dest.name}-{secrets.token_hex(4)}"
     try:
         tmp.mkdir(parents=True)
         for layer, rel in zip(manifest.layers, paths, strict=True):
-            await repo.get_layer(layer, tmp / rel)
+            if wanted(rel):
+                await repo.get_layer(layer, tmp / rel)
+            elif rel == UPPER:
+                (tmp / UPPER).mkdir()
         if dest.exists():  # an empty or partial leftover: the row said it was gone
             shutil.rmtree(dest)
         os.rename(tmp, dest)
@@ -127,7 +138,6 @@ async def materialize(
         with contextlib.suppress(OSError):
             shutil.rmtree(tmp)
         raise
-    return record
 
 
 async def materialize_files_elsewhere(
@@ -146,20 +156,7 @@ async def materialize_files_elsewhere(
     record["stack"], record["base_lowers"] = [], [root]
     record["data"].pop("lowers", None)
     record["data"].pop("snapshot_depth", None)
-    tmp = dest.parent / f"{FETCH_PREFIX}{dest.name}-{secrets.token_hex(4)}"
-    try:
-        tmp.mkdir(parents=True)
-        (tmp / UPPER).mkdir()
-        for layer, rel in zip(manifest.layers, paths, strict=True):
-            if rel != UPPER and not rel.startswith(STACK + "/"):
-                await repo.get_layer(layer, tmp / rel)
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.rename(tmp, dest)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            shutil.rmtree(tmp)
-        raise
+    await _download(repo, manifest, paths, dest, lambda rel: rel != UPPER and not rel.startswith(STACK + "/"))
     return record
 
 
