@@ -127,6 +127,8 @@ def test_a_build_runs_once_and_starts_on_every_node_and_a_later_one(cluster: Clu
         assert st is not None, i
         assert st["chunks_fetched"] == st["chunks_touched"] and st["max_fetches_per_chunk"] == 1, (i, st)
         assert 0 < int(st["fetched"]) < int(st["stored"]) == lazy["stored"], (i, st)  # type: ignore[call-overload]
+        print(f"node n{i + 1}: fetched {st['fetched']} of {st['stored']} bytes stored, {st['chunks_fetched']} chunks "
+              f"of {lazy['chunks']}")
     for i in range(NODES):  # same ID and name on every node
         got = httpx.get(f"{cluster.url(i)}/templates/aliases/{name}", headers=KEY, trust_env=False)
         assert got.status_code == 200 and got.json()["templateID"] == info.template_id, (i, got.text)
