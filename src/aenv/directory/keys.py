@@ -175,6 +175,16 @@ redis.call('PUBLISH', 'aenv:events', 'lost ' .. ARGV[1] .. ' ' .. ARGV[2])
 return 1
 """
 
+# The volume bound to this node (KEYS and ARGV as BIND_VOLUME's, first four and five).
+_SET_VOLUME = """
+redis.call('DEL', KEYS[3])
+redis.call('HSET', KEYS[3], 'node', ARGV[1], 'incarnation', ARGV[2], 'owner', ARGV[4], 'name', ARGV[5])
+redis.call('SADD', KEYS[2], ARGV[3])
+redis.call('SET', KEYS[4], ARGV[3])
+redis.call('PUBLISH', 'aenv:events', 'vbind ' .. ARGV[3] .. ' ' .. ARGV[1])
+return 1
+"""
+
 # KEYS: node hash, node's volume set, volume hash, name key. ARGV: node id, incarnation, volume id, owner,
 # name. A name another volume holds is refused (TAKEN), whichever node that volume is on.
 BIND_VOLUME = _FENCE + """
@@ -186,13 +196,7 @@ if held and held ~= ARGV[3] then
       .. ' on node ' .. where .. ')')
   end
 end
-redis.call('DEL', KEYS[3])
-redis.call('HSET', KEYS[3], 'node', ARGV[1], 'incarnation', ARGV[2], 'owner', ARGV[4], 'name', ARGV[5])
-redis.call('SADD', KEYS[2], ARGV[3])
-redis.call('SET', KEYS[4], ARGV[3])
-redis.call('PUBLISH', 'aenv:events', 'vbind ' .. ARGV[3] .. ' ' .. ARGV[1])
-return 1
-"""
+""" + _SET_VOLUME
 
 # Same keys and arguments: only this node's binding (and the name, if it still names this volume) goes.
 UNBIND_VOLUME = _FENCE + """
@@ -223,10 +227,4 @@ if held and held ~= ARGV[3] then
   return redis.error_reply('TAKEN a volume named ' .. ARGV[5] .. ' already exists (volume ' .. held .. ')')
 end
 redis.call('SREM', KEYS[6], ARGV[3])
-redis.call('DEL', KEYS[3])
-redis.call('HSET', KEYS[3], 'node', ARGV[1], 'incarnation', ARGV[2], 'owner', ARGV[4], 'name', ARGV[5])
-redis.call('SADD', KEYS[2], ARGV[3])
-redis.call('SET', KEYS[4], ARGV[3])
-redis.call('PUBLISH', 'aenv:events', 'vbind ' .. ARGV[3] .. ' ' .. ARGV[1])
-return 1
-"""
+""" + _SET_VOLUME
