@@ -152,7 +152,7 @@ def test_a_second_server_starts_lazily_from_what_the_first_published_to_s3(
             r = aenv(a, "pull", image, "--name", "s3bb")
             assert r.returncode == 0, r.stderr
             keys = wait_key(seaweedfs, prefix, "/index.json", a)
-            assert [k.rsplit("/", 1)[1] for k in keys] == ["data", "index.json"]
+            assert [k.rsplit("/", 1)[1] for k in keys] == ["claim", "data", "index.json"]  # claim: one converter
             log = a.log_path.read_text()
             assert "lazy publish to" in log and "refused" in log and f"published to store {seaweedfs.url(prefix)}" in log
         finally:
