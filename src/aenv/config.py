@@ -144,14 +144,15 @@ class Settings(BaseModel):
     insecure_registries: list[str] = Field(default_factory=list)
     layer_cache_bytes: int = Field(20 * 1024**3, gt=0, description="byte budget of the image layer cache")
     lazy_images: bool = Field(
-        False, description="start images on demand where a lazy artifact exists (FUSE reader aenv-lazyd; needs /dev/fuse and root); otherwise, and when off, images are pulled whole"
+        False, description="start images on demand where a lazy artifact exists (FUSE reader aenv-lazyd; needs /dev/fuse and root); otherwise, and when off, images are pulled whole. Default: off on a single machine, on in cluster mode (cluster_redis set)"
     )
     lazy_cache_bytes: int = Field(10 * 1024**3, gt=0, description="byte budget of the lazy images' chunk cache (one for all images; pinned ones apart)")
     lazy_store: str | None = Field(
         None,
         description="store for lazy artifacts a registry will not take: a directory (a path or file:///dir) or an "
         "object store s3://bucket[/prefix] (endpoint, region and keys as for an s3 snapshot_store: "
-        "snapshot_store_endpoint, snapshot_store_region, AENV_S3_* / AWS_* in the environment); unset = <state_dir>/lazy-store",
+        "snapshot_store_endpoint, snapshot_store_region, AENV_S3_* / AWS_* in the environment); unset = <state_dir>/lazy-store, "
+        "or in cluster mode the snapshot_store when one is set (the nodes share it: an image is converted once per cluster)",
     )
     lazy_publish: bool = Field(True, description="with lazy_images: convert an image pulled whole and publish its lazy artifact (registry, else store)")
     log_level: str = Field("info")
@@ -273,6 +274,17 @@ class Settings(BaseModel):
             raise ValueError("tls_cert and tls_key go together: set both or neither")
         if self.egress_extra_ca is not None and not self.egress_extra_ca.is_file():
             raise ValueError(f"egress_extra_ca: {self.egress_extra_ca} is not a file")
+        return self
+
+    @model_validator(mode="after")
+    def _cluster_lazy(self) -> Settings:
+        """Cluster mode: lazy images on and their artifacts in the store the nodes share, unless set."""
+        if not self.cluster_redis:
+            return self
+        if "lazy_images" not in self.model_fields_set:
+            self.lazy_images = True
+        if "lazy_store" not in self.model_fields_set and self.snapshot_store and self.snapshot_store.strip():
+            self.lazy_store = self.snapshot_store.strip()
         return self
 
     @model_validator(mode="after")

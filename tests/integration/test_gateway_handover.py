@@ -4,13 +4,15 @@ gateway and the unmodified E2B SDK (no Ray: the test fences the dead node as the
 
 The node's server is killed with SIGKILL (its sandboxes outlive it, frozen, unreachable); ``connect``
 through the gateway then runs the sandbox on the other node from its published pause: its files, and
-with CRIU its processes and their memory. The dead node, started again, kills its own stale copy.
+with CRIU its processes and their memory, and the volume it mounts (its data published with the pause,
+taken over by the adopting node). The dead node, started again, kills its own stale copy.
 A sandbox lost without a published pause still answers the 404 naming its node. Tests run in file order.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import time
 from collections.abc import Iterator
@@ -88,10 +90,12 @@ def test_the_adopt_route_is_authenticated_and_refuses_what_is_not_lost(cluster: 
 def moved(cluster: Cluster) -> dict[str, Any]:
     """A sandbox with a file and an in-memory process, paused (published), its node killed, then
     connected to through the gateway; and a running sandbox on the same node (nothing published)."""
-    from e2b import Sandbox
+    from e2b import Sandbox, Volume
 
-    sbx = Sandbox.create("base", timeout=600)
+    vol = Volume.create(f"ho-{secrets.token_hex(3)}")  # on some node; the sandbox lands beside it
+    sbx = Sandbox.create("base", timeout=600, volume_mounts={"/data": vol})
     home = cluster.home(sbx.sandbox_id)
+    sbx.files.write("/data/vol.txt", "the volume came along")
     made = httpx.post(cluster.url(home) + "/v2/sandboxes", json={"templateID": "base"}, headers=KEY, trust_env=False)
     assert made.status_code == 201, made.text
     sbx.files.write("/home/user/kept.txt", "the files came along")
@@ -112,6 +116,7 @@ def moved(cluster: Cluster) -> dict[str, Any]:
     back = Sandbox.connect(sbx.sandbox_id, timeout=600)
     t2 = time.monotonic()
     return {"sbx": sbx, "back": back, "home": home, "secret": secret, "running": made.json()["sandboxID"], "second": second,
+            "vol": vol,
             "timings": f"pause -> published {t0 - t_pause:.2f}s; node killed -> fenced {t1 - t0:.2f}s; "
                        f"connect (adopted elsewhere) {t2 - t1:.2f}s; death -> resumed elsewhere {t2 - t0:.2f}s"}
 
@@ -126,6 +131,17 @@ def test_a_published_pause_resumes_on_another_node_under_its_id(cluster: Cluster
     assert back.commands.run("hostname").stdout.strip() == sid
     assert back.files.read("/home/user/kept.txt") == "the files came along"
     assert moved["sbx"].commands.run("echo same token").stdout.strip() == "same token"  # the old handle works on
+
+
+def test_its_volume_moved_with_it(cluster: Cluster, moved: dict[str, Any]) -> None:
+    """The volume's data travelled with the published pause: the adopting node holds the volume now
+    (same ID, name and token), bound to it in the directory, mounted where it was."""
+    vol, other = moved["vol"], 1 - moved["home"]
+    assert moved["back"].commands.run("cat /data/vol.txt").stdout == "the volume came along"
+    assert cluster.r.hget(keys.volume_key(vol.volume_id), "node") == f"n{other + 1}"
+    assert vol.read_file("/vol.txt") == "the volume came along"  # through the gateway, on its new node
+    got = httpx.get(f"{cluster.gw}/volumes/{vol.volume_id}", headers=KEY, trust_env=False)
+    assert got.status_code == 200 and got.headers["x-aenv-node"] == f"n{other + 1}", got.text
 
 
 @pytest.mark.skipif(not CRIU.usable, reason=f"process snapshots need CRIU >= 4.2 ({CRIU.reason})")

@@ -23,7 +23,6 @@ import httpx
 import obstore
 import pytest
 
-from aenv.config import default_cache_dir
 from aenv.images.lazy.lazyd import LazyDaemon, fuse_support
 from aenv.images.lazy.publish import (
     LazyArtifact,
@@ -32,9 +31,8 @@ from aenv.images.lazy.publish import (
     find_in_object_store,
     publish_to_object_store,
 )
-from aenv.images.reference import parse_reference
-from aenv.images.registry import RegistryClient
 from aenv.testing.server import API_KEY, Server, discard_vm_state, start_server, stop_server
+from tests.fixtures.lazyimage import drop_local_copy
 from tests.fixtures.plugin import PushedImages
 from tests.fixtures.registry import available, start_registry
 from tests.fixtures.seaweedfs import SeaweedFS, seaweedfs, unique_prefix  # noqa: F401
@@ -116,17 +114,6 @@ def recorded_prefetch(sw: SeaweedFS, prefix: str, wait: float = 20.0) -> list[in
         time.sleep(0.2)
 
 
-def drop_local_copy(registry_url: str, image: str) -> None:
-    """Remove the template dir of ``image`` (a digest only this test pushed) from the shared cache dir."""
-
-    async def digest() -> str:
-        async with RegistryClient(mirrors={"docker.io": registry_url}) as c:
-            return (await c.resolve(parse_reference(image))).manifest_digest
-
-    cache = Path(os.environ.get("AENV_CACHE_DIR") or default_cache_dir())
-    shutil.rmtree(cache / "images" / asyncio.run(digest()).split(":", 1)[1])
-
-
 def finish(srv: Server) -> None:
     stop_server(srv)
     discard_vm_state(srv.state_dir)
@@ -165,7 +152,7 @@ def test_a_second_server_starts_lazily_from_what_the_first_published_to_s3(
             r = aenv(a, "pull", image, "--name", "s3bb")
             assert r.returncode == 0, r.stderr
             keys = wait_key(seaweedfs, prefix, "/index.json", a)
-            assert [k.rsplit("/", 1)[1] for k in keys] == ["data", "index.json"]
+            assert [k.rsplit("/", 1)[1] for k in keys] == ["claim", "data", "index.json"]  # claim: one converter
             log = a.log_path.read_text()
             assert "lazy publish to" in log and "refused" in log and f"published to store {seaweedfs.url(prefix)}" in log
         finally:

@@ -11,15 +11,18 @@ the same id once its own node is declared dead.
   head; a kill of the sandbox takes the snapshots it published out of the store (those this server
   process published: a restart forgets them, and the store keeps them); on an adopting node, also the
   snapshot it was adopted from (listed there as a snapshot until then).
-  A sandbox that mounts volumes is not published: the volumes stay on its node, and a copy elsewhere
-  would run without them; lost with its node, it answers the 404 naming that node. Neither is a vm
-  sandbox: a vm snapshot's disk is layered on its node's own template build, which no other node has.
+  A sandbox that mounts volumes publishes their data with its pause (each volume's directory as a
+  snapshot of its own in the store, taken while the sandbox is frozen: E2B's volumes have one writer),
+  named in the pause with the volume's ID, name, owner and token. A vm sandbox is not published: a vm
+  snapshot's disk is layered on its node's own template build, which no other node has.
 * **Withdraw.** A resume here (connect, autoResume) withdraws the published pause: the state it names is
   stale from then on. A publish that finishes after a resume, or after a later pause, records nothing.
 * **Adopt.** ``adopt`` (the gateway's ``connect``/``resume`` of a sandbox lost with its node) fetches the
   snapshot from the store, takes the binding over in one fenced script (``keys.ADOPT``: only while it
-  still says lost with that snapshot, so two nodes cannot both adopt), and starts the sandbox from the
-  snapshot under its old id and tokens. A failed start gives the binding back (lost, published). The dead
+  still says lost with that snapshot, so two nodes cannot both adopt), takes its volumes over
+  (``keys.ADOPT_VOLUME``: only from the dead node, fenced like the binding; their data fetched from the
+  store into volumes of the same IDs, names and tokens here), and starts the sandbox from the
+  snapshot under its old id and tokens, its volumes mounted where they were. A failed start gives the binding back (lost, published). The dead
   node, should it return, kills its copy: the directory no longer binds the id to it (``recovery.py``).
 """
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,9 +49,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("aenv.core")
 
 # The row fields a published pause carries to the adopting node (the rest is the node's own: runtime
-# state, lineage, creation order; volume mounts are per node and are not carried).
+# state, lineage, creation order); its volumes travel beside them (``volumes``).
 CARRIED = ("alias", "cpu_count", "memory_mb", "disk_mb", "auto_pause", "auto_resume", "auto_pause_memory",
-           "allow_internet", "metadata", "env_vars", "access_token", "traffic_token", "network", "has_network", "owner")  # fmt: skip
+           "allow_internet", "metadata", "env_vars", "access_token", "traffic_token", "network", "has_network", "owner",
+           "volume_mounts")  # fmt: skip
 
 
 def carried(row: SandboxRow) -> dict[str, Any]:
@@ -71,9 +76,6 @@ class PauseHandover:
     def on_event(self, event: str, row: SandboxRow, extra: dict[str, str]) -> None:
         """An orchestrator hook (must not block): a pause keeping memory is published, a resume withdraws."""
         if event == "paused" and row.pause_mode is SnapshotMode.FULL and row.paused_at is not None:
-            if row.volume_mounts:  # its volumes live on this node: elsewhere it would run without them
-                log.info("sandbox=%s: its pause is not published (it mounts volumes, which stay on this node)", row.id)
-                return
             if row.runtime == "vm":  # its disk is layered on this node's template build (runtime/vm/snapshot.py)
                 log.info("sandbox=%s: its pause is not published (a vm snapshot runs only on its node)", row.id)
                 return
@@ -115,17 +117,68 @@ class PauseHandover:
             await snapshots._settled(snap.id)  # vm: its files are written after the snapshot answered
             await self.orch.sync.publish_now(snap)
             self._uploaded.setdefault(sandbox_id, []).append(snap.id)
+            volumes = await self._publish_volumes(sbx, paused_at)
             async with sbx.lock:
                 if not self._still_paused(sbx, paused_at):
                     log.info("sandbox=%s resumed while its pause was published: not recorded", sandbox_id)
                     return
-                published = await asyncio.to_thread(self.directory.publish_pause, sandbox_id, snap.id, carried(sbx.row))
+                row = {**carried(sbx.row), "volumes": volumes}
+                published = await asyncio.to_thread(self.directory.publish_pause, sandbox_id, snap.id, row)
         except Exception as exc:  # noqa: BLE001 - the pause stands; only its copy elsewhere is missing
             log.warning("sandbox=%s: its pause is not published (another node cannot resume it): %s", sandbox_id, exc)
             return
         if published:
             log.info("sandbox=%s pause published as snapshot=%s mode=%s in %.2fs", sandbox_id, snap.id, snap.mode,
                      now() - t0)  # fmt: skip
+
+    async def _publish_volumes(self, sbx: LiveSandbox, paused_at: float) -> list[dict[str, Any]]:
+        """Each volume the sandbox mounts, its directory published as a snapshot of its own (while the
+        sandbox stays paused: nothing of it writes there meanwhile). Raises what failed."""
+        from aenv.core.ids import new_id
+        from aenv.snapshots.publish import publish_snapshot
+
+        out: list[dict[str, Any]] = []
+        if not sbx.row.volume_mounts:
+            return out
+        repo, vols = self.orch.ctx.repository, self.orch.volumes
+        for vid in dict.fromkeys(str(m["volumeID"]) for m in sbx.row.volume_mounts):
+            vol = vols.log.get(vid)
+            if vol is None or repo is None:
+                raise StateError(f"volume {vid} is gone or there is no snapshot store")
+            async with sbx.lock:
+                if not self._still_paused(sbx, paused_at):
+                    return out
+                snapshot_id = new_id()
+                await publish_snapshot(repo, snapshot_id=snapshot_id, directory=vols.root, mode="filesystem",
+                                       runtime=self.orch.runtime.name, template_id="volume", result={"layers": [vid]},
+                                       created_at=now(), meta={"volume": vid, "owner": vol.owner})  # fmt: skip
+            self._uploaded.setdefault(sbx.id, []).append(snapshot_id)
+            out.append({"id": vid, "name": vol.name, "owner": vol.owner, "token": vol.token,
+                        "created_at": vol.created_at, "snapshot": snapshot_id})  # fmt: skip
+        return out
+
+    async def _adopt_volumes(self, pause: PublishedPause) -> None:
+        """The pause's volumes taken over from the dead node and filled from the store (see module doc)."""
+        if not pause.row.get("volumes"):
+            return
+        repo, vols = self.orch.ctx.repository, self.orch.volumes
+        for info in pause.row["volumes"]:
+            vid, name, owner = str(info["id"]), str(info["name"]), str(info.get("owner") or "")
+            if vols.log.get(vid) is None:
+                manifest = await repo.find_manifest(str(info["snapshot"])) if repo is not None else None
+                if manifest is None or len(manifest.layers) != 1:
+                    raise StateError(f"sandbox '{pause.sandbox_id}': the data of its volume {name} is not in the "
+                                     "snapshot store", sandbox_id=pause.sandbox_id)  # fmt: skip
+                try:
+                    await asyncio.to_thread(self.directory.adopt_volume, vid, owner, name, pause.node)
+                except NotAdoptable as exc:
+                    raise Conflict(f"sandbox '{pause.sandbox_id}': its volume {name} cannot be taken over: {exc}",
+                                   sandbox_id=pause.sandbox_id) from None  # fmt: skip
+                fetched = vols.root / f".adopt-{vid}"
+                await asyncio.to_thread(shutil.rmtree, fetched, True)
+                await repo.get_layer(manifest.layers[0], fetched)
+                await vols.adopt(info, fetched)
+            self._uploaded.setdefault(pause.sandbox_id, []).append(str(info["snapshot"]))  # gone with the sandbox
 
     async def settled(self, sandbox_id: str) -> None:
         """Until a publish of ``sandbox_id`` in progress is done (tests, bench)."""
@@ -171,6 +224,13 @@ class PauseHandover:
             await asyncio.to_thread(self.directory.adopt, pause)
         except NotAdoptable as exc:
             raise Conflict(f"sandbox '{sandbox_id}' cannot be adopted: {exc}", sandbox_id=sandbox_id) from None
+        try:
+            await self._adopt_volumes(pause)
+        except BaseException:
+            with contextlib.suppress(AenvError):
+                self.directory.unbind(sandbox_id)
+            await asyncio.to_thread(self.directory.give_back, pause)
+            raise
         row = self._row(pause, template.id, timeout, snap.id)
         spec = ctx.spec_for(row, template)
         sbx = LiveSandbox(row=row, spec=spec)

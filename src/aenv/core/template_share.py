@@ -9,21 +9,29 @@ a vm template's snapshot is layered on each node's own ``base`` disk build; vm n
   build steps' upper dirs under it), then a template manifest keyed by
   the template ID names it, with the template's rows (IDs, aliases and tags, config, resources, owner)
   and the build ID (``aenv.snapshots.templates``);
+- **lazily** (with ``lazy_images``, on by default in cluster mode): the building node also flattens the
+  template's whole tree (its layers over the image's) into the chunked ext4 of ``aenv.images.lazy``
+  and puts it in the same store (``lazy/<hex>/``, named in the manifest's ``lazy``);
 - **fetch** (any node, on first use): a create of a name or ID this node does not have looks it up in
-  the store, downloads and checks the layers (whole layers, not lazily chunked), records the snapshot
-  (internal, published) and registers the rows under the same IDs, aliases and tags; so a node down
-  during the build, or added after it, gets the template when a sandbox of it first lands there;
+  the store. Where the manifest names a lazy artifact and aenv-lazyd runs here, the artifact is mounted
+  (a hidden image template ``lazy-<hex>`` under the rows) and only the chunks sandboxes read are ever
+  fetched; only the snapshot's process image (ns full mode) is downloaded whole. Otherwise (no artifact,
+  no FUSE: the log says which) the layers are downloaded whole and checked. Either way the snapshot is
+  recorded (internal, published) and the rows registered under the same IDs, aliases and tags; so a
+  node down during the build, or added after it, gets the template when a sandbox of it first lands there;
 - **delete**: a template deleted here is taken out of the store too (its default row or ID: the whole
   template; another tag's row: that row), and a delete of one this node never fetched still removes it
   from the store. A gateway sends a delete to every node (``gateway/control.py``).
 
-The image template at the root of the build (``base``, or a pulled image's) is not in the store: the
-fetching node must have it by ID or alias, as for any fetched snapshot (``sync.py``).
+The image template at the root of the build (``base``, or a pulled image's) is not in the store's
+layers: a node fetching them whole must have it by ID or alias, as for any fetched snapshot (``sync.py``);
+the lazy artifact holds it (a lazy node needs nothing but the artifact).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from pathlib import Path
@@ -35,7 +43,7 @@ from aenv.core.snapshots import SnapshotFlows
 from aenv.core.sync import disk_usage, image_template, short_error
 from aenv.core.template_flows import TemplateFlows
 from aenv.core.templates import family_of
-from aenv.errors import RuntimeFailure, StateError, TemplateNotFound
+from aenv.errors import AenvError, RuntimeFailure, StateError, TemplateNotFound
 from aenv.kinds import TemplateKind
 from aenv.store.sqlite import SnapshotRow, TemplateRow, now
 
@@ -108,7 +116,7 @@ class TemplateShare:
         manifest = TemplateManifest(
             template_id=family, build_id=build_id, snapshot_id=snap.id, runtime=self.ctx.runtime.name,
             owner=rows[0].owner, base=base_entry(base, snap.template_id), rows=[row_entry(r) for r in rows],
-            created_at=now(),
+            created_at=now(), lazy=await self._publish_lazy(family, snap),
         )  # fmt: skip
         await put_template(repo, manifest)
         if old is not None and old.snapshot_id != snap.id:  # a rebuild: the previous build's snapshot goes
@@ -116,8 +124,48 @@ class TemplateShare:
                 await repo.delete(old.snapshot_id)
             except FileNotFoundError:
                 pass
+            await self._delete_lazy(old.lazy)
         log.info("template=%s build=%s published to the store in %.2fs", family, build_id, time.perf_counter() - t0)
         return True
+
+    def _lazy_store(self) -> Any:
+        from aenv.images.lazy.service import store_at
+
+        url = self.ctx.settings.snapshot_store_url
+        assert url is not None  # shared: a store is set
+        return store_at(url, self.ctx.settings)
+
+    async def _publish_lazy(self, family: str, snap: SnapshotRow) -> dict[str, Any]:
+        """The template's flattened tree as a lazy artifact in the store ({} when lazy images are off
+        or it failed: nodes then fetch the layers whole, as the log says)."""
+        settings = self.ctx.settings
+        if not (settings.lazy_images and settings.lazy_publish):
+            return {}
+        from aenv.snapshots.record import normalize
+
+        record = normalize(snap.result)
+        lowers = [str(Path(snap.dir) / "upper"), *record["stack"], *record["base_lowers"]]
+        digest = lazy_digest(snap.id)
+        t0 = time.perf_counter()
+        try:
+            art = await self.flows.builder.lazy.publish_tree(self._lazy_store(), digest, lowers)
+        except Exception as exc:
+            log.warning("template=%s: no lazy artifact (nodes fetch its layers whole): %s", family, short_error(exc))
+            return {}
+        log.info("template=%s lazy artifact published in %.2fs (%d chunks, %d bytes stored)", family,
+                 time.perf_counter() - t0, len(art.index.chunks), art.index.stored_bytes)  # fmt: skip
+        return {"digest": digest, "chunks": len(art.index.chunks), "stored": art.index.stored_bytes}
+
+    async def _delete_lazy(self, lazy: dict[str, Any]) -> None:
+        digest = lazy.get("digest")
+        if not isinstance(digest, str):
+            return
+        from aenv.images.lazy.publish import delete_from_store
+
+        try:
+            await delete_from_store(self._lazy_store(), digest)
+        except Exception as exc:
+            log.warning("lazy artifact %s not deleted from the store: %s", digest, short_error(exc))
 
     # ---- fetch ----------------------------------------------------------------------------------
     async def fetch(self, name: str) -> bool:
@@ -152,8 +200,10 @@ class TemplateShare:
         if manifest.runtime != self.ctx.runtime.name:
             raise StateError(f"template '{name}' was built on the {manifest.runtime} runtime; this node runs "
                              f"{self.ctx.runtime.name}", template=name)  # fmt: skip
-        base = self._base_here(name, manifest.base)
         t0 = time.perf_counter()
+        if await self._fetch_lazily(name, manifest):
+            return True
+        base = self._base_here(name, manifest.base)
         snap = self.ctx.store.get_snapshot(manifest.snapshot_id)
         if snap is None or snap.id != manifest.snapshot_id or snap.state != "ready" or not Path(snap.dir).is_dir():
             snap_manifest = await repo.find_manifest(manifest.snapshot_id)
@@ -176,6 +226,76 @@ class TemplateShare:
             self._register(entry, base, manifest.owner, manifest.snapshot_id)
         log.info("template=%s (%s) fetched from the store in %.2fs", manifest.template_id, name, time.perf_counter() - t0)
         return True
+
+    async def _fetch_lazily(self, name: str, manifest: Any) -> bool:
+        """The template registered here over its lazy artifact; False: fetch its layers whole."""
+        t0 = time.perf_counter()
+        lazy_base = await self._lazy_base(name, manifest)
+        if lazy_base is None:
+            return False
+        snap = await self._fetch_snapshot(manifest, lazy_base, Path(lazy_base.rootfs))
+        for entry in manifest.rows:  # no await from here on: the snapshot GC keeps what a template points at
+            self._register(entry, lazy_base, manifest.owner, snap.id)
+        log.info("template=%s (%s) fetched lazily from the store in %.2fs: its files on demand",
+                 manifest.template_id, name, time.perf_counter() - t0)  # fmt: skip
+        return True
+
+    async def _lazy_base(self, name: str, manifest: Any) -> TemplateRow | None:
+        """The template's lazy artifact mounted here, as a hidden image template; None (the layers are
+        fetched whole, the log says why) when the manifest names none or this node cannot read one."""
+        digest = manifest.lazy.get("digest")
+        lazy = self.flows.builder.lazy
+        if not isinstance(digest, str):
+            log.info("template=%s has no lazy artifact in the store: fetching its layers whole", manifest.template_id)
+            return None
+        if not lazy.available:
+            log.info("template=%s: lazy images unavailable here (%s): fetching its layers whole",
+                     manifest.template_id, lazy.reason)  # fmt: skip
+            return None
+        from aenv.images.lazy.publish import find_in_store
+        from aenv.images.lazy.service import lazy_name
+
+        base_id = f"lazy-{lazy_name(digest)[:24]}"
+        try:
+            art = await find_in_store(self._lazy_store(), digest)
+            if art is None:
+                raise StateError(f"its artifact {digest} is not in the store")
+            root = await lazy.root_of(digest, art)
+        except (AenvError, OSError, ValueError) as exc:
+            log.warning("template=%s: lazy fetch unavailable (%s): fetching its layers whole", manifest.template_id,
+                        short_error(exc))  # fmt: skip
+            return None
+        row = self.ctx.store.get_template(base_id)
+        if row is not None and row.id == base_id:
+            return row
+        return self.ctx.templates.register(
+            alias=None, kind=TemplateKind.IMAGE, rootfs=root, lowers=[root], template_id=base_id,
+            config={"hidden": True, "lazy_digest": digest, "env": {}}, source=f"template {manifest.template_id} (lazy)",
+            size_bytes=art.index.size,
+        )  # fmt: skip
+
+    async def _fetch_snapshot(self, manifest: Any, base: TemplateRow, root: Path) -> SnapshotRow:
+        """The template's snapshot recorded here with its files read from the lazy ``root``."""
+        from aenv.snapshots.publish import materialize_files_elsewhere
+
+        snap = self.ctx.store.get_snapshot(manifest.snapshot_id)
+        if snap is not None and snap.id == manifest.snapshot_id and snap.state == "ready" and Path(snap.dir).is_dir():
+            return snap
+        snap_manifest = await self.ctx.repository.find_manifest(manifest.snapshot_id)
+        if snap_manifest is None:
+            raise RuntimeFailure(f"template '{manifest.template_id}': its snapshot {manifest.snapshot_id} is not in the store")
+        dest = self.ctx.settings.snapshots_dir / manifest.snapshot_id
+        try:
+            result = await materialize_files_elsewhere(self.ctx.repository, snap_manifest, dest, str(root))
+        except Exception as exc:
+            raise RuntimeFailure(f"fetching template '{manifest.template_id}' from the store failed: {short_error(exc)}") from None
+        snap = SnapshotRow(
+            id=manifest.snapshot_id, template_id=base.id, runtime=snap_manifest.runtime, mode=snap_manifest.mode,
+            state="ready", created_at=snap_manifest.created_at or now(), dir=str(dest), internal=True, result=result,
+            published=True, size_bytes=await asyncio.to_thread(disk_usage, dest), owner=manifest.owner,
+        )  # fmt: skip
+        self.ctx.store.put_snapshot(snap)
+        return snap
 
     def _base_here(self, name: str, base: dict[str, Any]) -> TemplateRow:
         row = image_template(self.ctx, str(base.get("id") or ""), base.get("alias"))
@@ -210,9 +330,22 @@ class TemplateShare:
             self.ctx.templates.delete(row.id, in_use=self.ctx.table.template_ids_in_use())
             await self.ctx.runtime.forget_template(row.id)
             self.snapshots.collect_garbage()
+            await self._release_lazy_bases()
             await self._unpublish(family_of(row), row.id)
         else:
             await self.flows.delete(row)
+
+    async def _release_lazy_bases(self) -> None:
+        """Hidden lazy image templates no template or snapshot rests on any more: unmounted and gone."""
+        rows = self.ctx.templates.list_templates()
+        under = {s.template_id for s in self.ctx.store.list_snapshots()}
+        roots = {str(r.rootfs) for r in rows if r.kind is TemplateKind.SNAPSHOT}
+        for r in rows:
+            digest = r.config.get("lazy_digest")
+            if r.kind is TemplateKind.IMAGE and isinstance(digest, str) and r.id not in under and str(r.rootfs) not in roots:
+                self.ctx.templates.delete(r.id, in_use=self.ctx.table.template_ids_in_use())
+                await self.ctx.runtime.forget_template(r.id)
+                await self.flows.builder.lazy.release_root(digest)
 
     async def _unpublish(self, name: str, row_id: str | None) -> bool:
         """Take template ``name`` out of the store (``row_id``: only that tag's row, unless it is the
@@ -232,7 +365,13 @@ class TemplateShare:
                 await put_template(repo, rest)
             else:
                 await delete_template(repo, manifest)
+                await self._delete_lazy(manifest.lazy)
         except Exception as exc:
             raise RuntimeFailure(f"deleting template '{name}' from the store failed: {short_error(exc)}") from None
         log.info("template=%s deleted from the store%s", manifest.template_id, f" (row {row_id})" if rest else "")
         return True
+
+
+def lazy_digest(snapshot_id: str) -> str:
+    """The name of a built template's lazy artifact: one per build (its final snapshot)."""
+    return "sha256:" + hashlib.sha256(f"aenv-template:{snapshot_id}".encode()).hexdigest()

@@ -23,6 +23,7 @@ import logging
 import posixpath
 import re
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +163,21 @@ class Volumes:
         log.info("volume=%s created name=%s", row.id, name)
         return row
 
+    async def adopt(self, info: dict[str, Any], fetched: Path) -> VolumeRow:
+        """Make the volume ``info`` (id, name, owner, token: from a published pause) here with the files
+        of ``fetched`` (its data from the snapshot store, moved in and removed). The directory binds it
+        here already; a volume this node holds is kept as it is."""
+        row = VolumeRow(id=str(info["id"]), name=str(info["name"]), owner=str(info.get("owner") or ""),
+                        token=str(info["token"]), state=READY, created_at=float(info.get("created_at") or now()))  # fmt: skip
+        async with self._lock:
+            if self.log.get(row.id) is None:
+                await asyncio.to_thread(self._make_dir, row.id)
+                await asyncio.to_thread(_fill, fetched, self.path(row.id))
+                self.log.put_adopted(row)
+                log.info("volume=%s (%s) taken over with its data from the snapshot store", row.id, row.name)
+        await asyncio.to_thread(shutil.rmtree, fetched, True)
+        return row
+
     def get(self, owner: str | None, volume_id: str) -> VolumeRow:
         """``owner``'s volume (None: anyone's, for an admin); another team's is as unknown as no volume."""
         row = self.log.get(volume_id)
@@ -234,3 +250,8 @@ class Volumes:
 def as_read_only(mounts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A fork child's mounts: its parent's, read-only (the parent keeps a read-write one)."""
     return [{**m, "readOnly": True} for m in mounts]
+
+
+def _fill(src: Path, dest: Path) -> None:
+    """Copy ``src``'s entries into the existing directory ``dest`` (owners, modes, xattrs kept)."""
+    subprocess.run(["cp", "-a", "--reflink=auto", "-T", str(src), str(dest)], check=True, capture_output=True)

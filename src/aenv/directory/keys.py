@@ -16,7 +16,9 @@ Keys (one Redis, soft state: nodes re-publish what they hold when they start):
   ``incarnation``, ``owner``, ``name``; ``aenv:node:<id>:vol`` the node's volume ids; ``aenv:volname:<owner>:<name>``
   the volume id that holds the name (names are unique per owner across the cluster, as on one node).
   A dead node's volumes stay bound to it (the files are still there, and come back with it): the
-  gateway answers for them naming the node, and the name stays taken.
+  gateway answers for them naming the node, and the name stays taken. The one exception is a volume
+  that travelled with a published pause (its data in the snapshot store): the node that adopts the
+  sandbox takes the volume over with it (``ADOPT_VOLUME``: only from a node declared dead, once).
 
 Every write a node makes runs as one script that first checks the node's record: the incarnation it
 holds must be the current one and the node ``alive``, else the write is refused (``FENCED``). A node
@@ -173,6 +175,16 @@ redis.call('PUBLISH', 'aenv:events', 'lost ' .. ARGV[1] .. ' ' .. ARGV[2])
 return 1
 """
 
+# The volume bound to this node (KEYS and ARGV as BIND_VOLUME's, first four and five).
+_SET_VOLUME = """
+redis.call('DEL', KEYS[3])
+redis.call('HSET', KEYS[3], 'node', ARGV[1], 'incarnation', ARGV[2], 'owner', ARGV[4], 'name', ARGV[5])
+redis.call('SADD', KEYS[2], ARGV[3])
+redis.call('SET', KEYS[4], ARGV[3])
+redis.call('PUBLISH', 'aenv:events', 'vbind ' .. ARGV[3] .. ' ' .. ARGV[1])
+return 1
+"""
+
 # KEYS: node hash, node's volume set, volume hash, name key. ARGV: node id, incarnation, volume id, owner,
 # name. A name another volume holds is refused (TAKEN), whichever node that volume is on.
 BIND_VOLUME = _FENCE + """
@@ -184,13 +196,7 @@ if held and held ~= ARGV[3] then
       .. ' on node ' .. where .. ')')
   end
 end
-redis.call('DEL', KEYS[3])
-redis.call('HSET', KEYS[3], 'node', ARGV[1], 'incarnation', ARGV[2], 'owner', ARGV[4], 'name', ARGV[5])
-redis.call('SADD', KEYS[2], ARGV[3])
-redis.call('SET', KEYS[4], ARGV[3])
-redis.call('PUBLISH', 'aenv:events', 'vbind ' .. ARGV[3] .. ' ' .. ARGV[1])
-return 1
-"""
+""" + _SET_VOLUME
 
 # Same keys and arguments: only this node's binding (and the name, if it still names this volume) goes.
 UNBIND_VOLUME = _FENCE + """
@@ -203,3 +209,22 @@ if redis.call('HGET', KEYS[3], 'node') == ARGV[1] then
 end
 return 0
 """
+
+# KEYS: the adopting node's hash and volume set, the volume hash, the name key, the dead node's hash and
+# volume set. ARGV: node id, incarnation, volume id, owner, name, the dead node's id. A volume whose data
+# travelled with an adopted pause moves to the adopter, only from that node and only once it is dead.
+ADOPT_VOLUME = _FENCE + """
+local cur = redis.call('HGET', KEYS[3], 'node')
+if cur == ARGV[1] then return 1 end
+if cur and cur ~= ARGV[6] then
+  return redis.error_reply('NOTADOPTABLE volume ' .. ARGV[3] .. ' is bound to node ' .. cur)
+end
+if redis.call('HGET', KEYS[5], 'status') ~= 'dead' then
+  return redis.error_reply('NOTADOPTABLE volume ' .. ARGV[3] .. ': node ' .. ARGV[6] .. ' is not declared dead')
+end
+local held = redis.call('GET', KEYS[4])
+if held and held ~= ARGV[3] then
+  return redis.error_reply('TAKEN a volume named ' .. ARGV[5] .. ' already exists (volume ' .. held .. ')')
+end
+redis.call('SREM', KEYS[6], ARGV[3])
+""" + _SET_VOLUME

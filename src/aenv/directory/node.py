@@ -86,6 +86,7 @@ class NodeDirectory:
         self._give_back = client.register_script(keys.GIVE_BACK)
         self._bind_volume = client.register_script(keys.BIND_VOLUME)
         self._unbind_volume = client.register_script(keys.UNBIND_VOLUME)
+        self._adopt_volume = client.register_script(keys.ADOPT_VOLUME)
 
     def _keys(self, sandbox_id: str) -> list[str]:
         return [keys.node_key(self.node_id), keys.node_sandboxes_key(self.node_id), keys.sandbox_key(sandbox_id)]
@@ -200,6 +201,12 @@ class NodeDirectory:
                       [self.node_id, self.incarnation, volume_id, owner, name])  # fmt: skip
         except DirectoryError as exc:
             log.warning("volume=%s: binding not removed: %s", volume_id, exc)
+
+    def adopt_volume(self, volume_id: str, owner: str, name: str, dead_node: str) -> None:
+        """Take over a volume of the dead node ``dead_node`` whose data came with an adopted pause.
+        Raises NotAdoptable (bound elsewhere, or that node is not dead), Conflict, Fenced or DirectoryError."""
+        ks = [*self._volume_keys(volume_id, owner, name), keys.node_key(dead_node), keys.node_volumes_key(dead_node)]
+        self._run(self._adopt_volume, ks, [self.node_id, self.incarnation, volume_id, owner, name, dead_node])
 
     def claim_volumes(self, volumes: list[tuple[str, str, str]]) -> dict[str, str]:
         """At start: bind to this incarnation every local volume (``(id, owner, name)``) the directory

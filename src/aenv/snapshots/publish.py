@@ -25,6 +25,7 @@ import os
 import re
 import secrets
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from aenv.snapshots.record import normalize
 from aenv.snapshots.repository import SnapshotRepository
 
 STACK = "stack"
+UPPER = "upper"  # ns: the snapshot's own files
 FETCH_PREFIX = ".fetch-"
 _PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 
@@ -114,11 +116,21 @@ async def materialize(
         if template_lowers is None:
             raise ManifestError(f"snapshot {manifest.snapshot_id} needs its template's lowers on this host")
         record["base_lowers"] = [str(p) for p in template_lowers]
+    await _download(repo, manifest, paths, dest, lambda rel: True)
+    return record
+
+
+async def _download(repo: SnapshotRepository, manifest: Manifest, paths: list[str], dest: Path,
+                    wanted: Callable[[str], bool]) -> None:  # fmt: skip
+    """The ``wanted`` layers into a hidden directory beside ``dest``, renamed into place when whole."""
     tmp = dest.parent / f"{FETCH_PREFIX}{dest.name}-{secrets.token_hex(4)}"
     try:
         tmp.mkdir(parents=True)
         for layer, rel in zip(manifest.layers, paths, strict=True):
-            await repo.get_layer(layer, tmp / rel)
+            if wanted(rel):
+                await repo.get_layer(layer, tmp / rel)
+            elif rel == UPPER:
+                (tmp / UPPER).mkdir()
         if dest.exists():  # an empty or partial leftover: the row said it was gone
             shutil.rmtree(dest)
         os.rename(tmp, dest)
@@ -126,6 +138,25 @@ async def materialize(
         with contextlib.suppress(OSError):
             shutil.rmtree(tmp)
         raise
+
+
+async def materialize_files_elsewhere(
+    repo: SnapshotRepository, manifest: Manifest, dest: Path, root: str
+) -> dict[str, Any]:
+    """``materialize`` for a snapshot whose files this host reads from ``root`` instead (a lazy
+    artifact of its whole tree, mounted): its ``upper`` is an empty dir, its stack is not fetched, and
+    only its other layers (ns full mode: the CRIU images) are downloaded. The record then rests on
+    ``root`` alone."""
+    paths = manifest.meta.get("paths")
+    if not isinstance(paths, list) or len(paths) != len(manifest.layers):
+        raise ManifestError(f"manifest of {manifest.snapshot_id} does not place its layers")
+    paths = [safe_relpath(p) for p in paths]
+    record = normalize({"data": manifest.runtime_data, "paused_ms": manifest.meta.get("paused_ms")})
+    record["layers"] = [safe_relpath(p) for p in manifest.meta.get("own_layers") or []]
+    record["stack"], record["base_lowers"] = [], [root]
+    record["data"].pop("lowers", None)
+    record["data"].pop("snapshot_depth", None)
+    await _download(repo, manifest, paths, dest, lambda rel: rel != UPPER and not rel.startswith(STACK + "/"))
     return record
 
 

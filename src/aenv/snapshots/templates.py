@@ -42,6 +42,9 @@ class TemplateManifest:
     base: dict[str, Any] = field(default_factory=dict)  # the image template at the root: id, alias, source
     rows: list[dict[str, Any]] = field(default_factory=list)  # one per tag: ROW_FIELDS
     created_at: float = 0.0
+    # the template's whole tree as a lazy artifact in the same store ({"digest", "chunks", "stored"}):
+    # a node with aenv-lazyd fetches only the chunks its sandboxes read; empty: nodes fetch the layers
+    lazy: dict[str, Any] = field(default_factory=dict)
 
     def names(self) -> list[str]:
         """Every name a create may use for it: the ID, each row's ID and alias, and the plain name."""
@@ -68,6 +71,7 @@ class TemplateManifest:
                 template_id=str(body["template_id"]), build_id=str(body["build_id"]),
                 snapshot_id=str(body["snapshot_id"]), runtime=str(body["runtime"]), owner=str(body.get("owner") or ""),
                 base=dict(body.get("base") or {}), rows=rows, created_at=float(body.get("created_at") or 0.0),
+                lazy=dict(body.get("lazy") or {}),
             )  # fmt: skip
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ManifestError(f"malformed template manifest: {exc}") from None

@@ -51,6 +51,12 @@ class VolumeLog:
                 binder.unbind_volume(row.id, row.owner, row.name)
             raise StoreError(f"cannot record volume '{row.name}': {exc}") from exc
 
+    def put_adopted(self, row: VolumeRow) -> None:
+        """Record a volume taken over from a dead node (the directory binds it here already)."""
+        with self.store._tx() as db:
+            db.execute(f"INSERT OR REPLACE INTO volumes ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})",
+                       tuple(getattr(row, c) for c in _COLUMNS))  # fmt: skip
+
     def set_state(self, volume_id: str, state: str) -> None:
         with self.store._tx() as db:
             db.execute("UPDATE volumes SET state = ? WHERE id = ?", (state, volume_id))

@@ -19,6 +19,7 @@ from aenv.testing.server import (
     KEEP_SANDBOXES,
     Server,
     Tls,
+    discard_lazy_state,
     discard_vm_state,
     free_port,
     healthy_or_stopped,
@@ -80,6 +81,7 @@ class NodeCluster:
             for sid in self.ids_on(i):
                 httpx.delete(f"{self.url(i)}/sandboxes/{sid}", headers=KEY, trust_env=False)
             stop_server(node)
+            discard_lazy_state(node.state_dir)  # cluster mode turns lazy images on: aenv-lazyd and its mounts
             if self.runtime == "vm":
                 discard_vm_state(node.state_dir)  # QEMUs a killed node left, its template RAM in /dev/shm
 

@@ -209,6 +209,19 @@ def discard_vm_state(state_dir: Path) -> None:
             remove_tree(shm)
 
 
+def discard_lazy_state(state_dir: Path) -> None:
+    """For a stopped server whose state is thrown away: unmount its lazy roots and stop its ``aenv-lazyd``
+    (both outlive the server on purpose, as its sandboxes do). Only once its sandboxes are gone."""
+    from aenv.images.lazy.lazyd import LazyDaemon
+
+    lazy = Path(state_dir) / "lazy"
+    if not (lazy / "daemon.pid").exists():
+        return
+    for root in sorted((lazy / "roots").glob("*")):
+        subprocess.run(["umount", str(root)], check=False, capture_output=True)
+    LazyDaemon(lazy, 0).stop()
+
+
 def _stop(server: Server, sig: int) -> None:
     if server.proc.poll() is None:
         try:

@@ -58,11 +58,12 @@ async def test_a_resume_withdraws_and_a_files_only_pause_publishes_nothing() -> 
     assert directory.withdrawn == ["sbx1"]
 
 
-async def test_a_pause_of_a_sandbox_with_volumes_is_not_published() -> None:
-    """Its volumes stay on its node: a copy adopted elsewhere would run without them."""
+async def test_a_pause_of_a_sandbox_with_volumes_is_published_with_them_and_a_vm_one_is_not() -> None:
+    """Its volumes' data travels with its pause (``_publish_volumes``); a vm sandbox's pause stays home."""
     h = _handover(Directory())
     h.on_event("paused", _row(pause_mode=SnapshotMode.FULL, paused_at=1.0, volume_mounts=[{"name": "v", "path": "/d"}]), {})
-    assert h._tasks == {}
+    assert list(h._tasks) == ["sbx1"]
+    h._tasks.pop("sbx1").cancel()
     h.on_event("paused", _row(pause_mode=SnapshotMode.FULL, paused_at=1.0, runtime="vm"), {})
     assert h._tasks == {}  # nor is a vm sandbox's: its disk is layered on this node's template build
     h.on_event("paused", _row(pause_mode=SnapshotMode.FULL, paused_at=1.0), {})

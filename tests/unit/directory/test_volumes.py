@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from aenv.directory import keys
-from aenv.directory.node import Fenced, mark_dead
+from aenv.directory.node import Fenced, NotAdoptable, mark_dead
 from aenv.directory.reader import DirectoryReader
 from aenv.errors import Conflict, StoreError
 from aenv.store.sqlite import Store
@@ -98,3 +98,18 @@ def test_the_store_binds_a_volume_before_its_row(client: redis.Redis, tmp_path: 
     assert vols.get("v3") is None
     store.close()
     other.close()
+
+
+def test_a_volume_moves_with_an_adopted_pause_only_from_a_dead_node(client: redis.Redis) -> None:
+    a, b, c = _node(client), _node(client, "n2"), _node(client, "n3")
+    a.bind_volume("v1", "own", "data")
+    with pytest.raises(NotAdoptable, match="node n1 is not declared dead"):
+        b.adopt_volume("v1", "own", "data", "n1")
+    mark_dead(client, "n1", "raylet gone")
+    b.adopt_volume("v1", "own", "data", "n1")
+    assert keys.strs(client.hgetall(keys.volume_key("v1")))["node"] == "n2"
+    assert client.smembers(keys.node_volumes_key("n2")) == {"v1"} and not client.smembers(keys.node_volumes_key("n1"))
+    assert client.get(keys.volume_name_key("own", "data")) == "v1"
+    b.adopt_volume("v1", "own", "data", "n1")  # again (a retried adoption): a no-op
+    with pytest.raises(NotAdoptable, match="bound to node n2"):
+        c.adopt_volume("v1", "own", "data", "n1")  # once: a second adopter finds it moved

@@ -110,3 +110,21 @@ async def test_prefetch_replays_the_list(tmp_path: Path) -> None:
     assert await reader.prefetch("img") == 3
     assert all(reader.cache.has("img", i) for i in (3, 4, 7))
     assert len(src.requests) == 2  # 3+4 coalesced, 7 alone
+
+
+async def test_a_miss_queued_while_a_fetch_runs_is_fetched_too(tmp_path: Path) -> None:
+    """A read that misses while an earlier fetch is in flight (a loop device's read-ahead behind a read)
+    gets its own fetch: it never waits for a later read to kick it."""
+    raw, index, src = build(tmp_path)
+    src.gate = asyncio.Event()
+    reader = LazyReader(ChunkCache(tmp_path / "c", 1 << 30))
+    reader.add("img", index, src)
+    first = asyncio.create_task(reader.read("img", 0, CS))
+    while not src.requests:  # the first fetch is in flight, held at the gate
+        await asyncio.sleep(0.001)
+    second = asyncio.create_task(reader.read("img", 8 * CS, CS))
+    while len(src.requests) < 2:  # fetched although the first has not finished
+        await asyncio.sleep(0.001)
+    src.gate.set()
+    assert await asyncio.wait_for(first, 5) == raw[:CS] and await asyncio.wait_for(second, 5) == raw[8 * CS : 9 * CS]
+    await reader.aclose()

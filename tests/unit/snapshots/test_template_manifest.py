@@ -3,11 +3,13 @@ publish / find by any name / delete round trip on a local object store."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from aenv.snapshots.manifest import Manifest, ManifestError
+from aenv.snapshots.publish import materialize_files_elsewhere, publish_snapshot
 from aenv.snapshots.repository import SnapshotRepository, make_store
 from aenv.snapshots.templates import (
     TemplateManifest,
@@ -36,6 +38,8 @@ def _manifest(snapshot: str = "snap1") -> TemplateManifest:
 def test_the_manifest_round_trips_and_names_every_way_to_ask_for_it() -> None:
     m = _manifest()
     assert TemplateManifest.from_bytes(m.to_bytes()) == m
+    lazy = replace(m, lazy={"digest": "sha256:" + "a" * 64, "chunks": 3, "stored": 100})
+    assert TemplateManifest.from_bytes(lazy.to_bytes()) == lazy and m.lazy == {}
     assert m.names() == ["t1", "my/tpl", "t1-abc", "my/tpl:v2"]
     assert [r["id"] for r in m.without_row("t1-abc").rows] == ["t1"] and len(m.rows) == 2
     assert template_key("t1") == "templates/t1.json"
@@ -76,3 +80,23 @@ async def test_publish_find_by_any_name_and_delete(repo: SnapshotRepository, tmp
     assert await repo.find_manifest("snap1") is None and not await repo.layer_exists(layer.digest)
     store = tmp_path / "store"
     assert not list((store / "templates").glob("*")) and not list((store / "template-names").glob("*"))
+
+
+async def test_a_lazy_node_fetches_only_what_is_not_in_the_tree(repo: SnapshotRepository, tmp_path: Path) -> None:
+    """A node reading the template's tree from its lazy artifact downloads the process image alone: the
+    snapshot's upper is an empty dir, its stack is not fetched, and the record rests on the lazy root."""
+    snap, parent = tmp_path / "snap", tmp_path / "parent-upper"
+    (snap / "upper" / "opt").mkdir(parents=True)
+    (snap / "upper" / "opt" / "b").write_text("built")
+    (snap / "criu").mkdir()
+    (snap / "criu" / "pages.img").write_bytes(b"p" * 100)
+    parent.mkdir()
+    (parent / "step").write_text("a step")
+    result = {"layers": ["upper", "criu"], "stack": [str(parent)], "base_lowers": ["/base"], "data": {}}
+    m = await publish_snapshot(repo, snapshot_id="snap1", directory=snap, mode="full", runtime="ns",
+                               template_id="base", result=result)  # fmt: skip
+    dest = tmp_path / "fetched"
+    record = await materialize_files_elsewhere(repo, m, dest, "/lazy/root")
+    assert record["stack"] == [] and record["base_lowers"] == ["/lazy/root"] and record["layers"] == ["upper", "criu"]
+    assert (dest / "criu" / "pages.img").read_bytes() == b"p" * 100
+    assert (dest / "upper").is_dir() and not list((dest / "upper").iterdir()) and not (dest / "stack").exists()

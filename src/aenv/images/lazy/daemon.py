@@ -154,6 +154,8 @@ class LazyFS(mfusepy.Operations):  # type: ignore[misc]
             "chunks_fetched": len(mine),
             "max_fetches_per_chunk": max(mine, default=0),
             "touched": self.reader.touched(img),
+            # the stored (non-zero) chunks reads touched: what a cold cache fetches, prefetch aside
+            "chunks_touched": sum(1 for i in self.reader.touched(img) if not index.chunks[i].zero),
             "evictions": self.reader.cache.evictions,
             "cache_unpinned_bytes": self.reader.cache.unpinned_bytes,
         }

@@ -23,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -236,3 +238,91 @@ async def find_in_object_store(store: ObjectStore, subject_digest: str) -> LazyA
     if len(raw) > MAX_INDEX_BYTES:
         raise LazyFormatError(f"lazy index {index_key(subject_digest)}: {len(raw)} bytes")
     return LazyArtifact(parse_index(raw), store.source(subject_digest), store.where(subject_digest))
+
+
+# -- either store: what the servers use --------------------------------------------------------------
+
+Store = Path | ObjectStore
+CLAIM_STALE_S = 1800.0  # a conversion claim older than this was left by a converter that died
+
+
+async def publish_to_store(store: Store, subject_digest: str, image: Path, work: Path) -> LazyArtifact:
+    if isinstance(store, ObjectStore):
+        return await publish_to_object_store(store, subject_digest, image, work)
+    return await asyncio.to_thread(publish_to_dir, store, subject_digest, image)
+
+
+async def find_in_store(store: Store, subject_digest: str) -> LazyArtifact | None:
+    if isinstance(store, ObjectStore):
+        return await find_in_object_store(store, subject_digest)
+    return await asyncio.to_thread(find_in_dir, store, subject_digest)
+
+
+def claim_key(subject_digest: str) -> str:
+    return f"lazy/{subject_digest.split(':', 1)[-1]}/claim"
+
+
+async def claim(store: Store, subject_digest: str, holder: str) -> bool:
+    """Take the right to convert ``subject_digest`` (one converter per cluster: nodes that share the
+    store and pull the same image at once convert it once). False when another holder has a fresh
+    claim; a claim older than ``CLAIM_STALE_S`` is taken over."""
+    body = json.dumps({"holder": holder, "at": time.time()}).encode()
+    if isinstance(store, ObjectStore):
+        import obstore
+
+        try:
+            await obstore.put_async(store.store, claim_key(subject_digest), body, mode="create")
+            return True
+        except Exception as exc:  # obstore's AlreadyExistsError (a FileExistsError on local stores)
+            if "exist" not in type(exc).__name__.lower() and not isinstance(exc, FileExistsError):
+                raise
+        got = await obstore.get_async(store.store, claim_key(subject_digest))
+        old = bytes(await got.bytes_async())
+        if _claim_fresh(old):
+            return False
+        await obstore.put_async(store.store, claim_key(subject_digest), body)
+        return True
+    return await asyncio.to_thread(_claim_dir, store, subject_digest, body)
+
+
+def _claim_fresh(raw: bytes) -> bool:
+    try:
+        return bool(time.time() - float(json.loads(raw)["at"]) < CLAIM_STALE_S)
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+def _claim_dir(store: Path, subject_digest: str, body: bytes) -> bool:
+    path = store / claim_key(subject_digest)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            try:
+                if _claim_fresh(path.read_bytes()):
+                    return False
+                path.unlink()
+            except FileNotFoundError:
+                pass
+            continue
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(body)
+        return True
+    return False
+
+
+async def delete_from_store(store: Store, subject_digest: str) -> None:
+    """Remove an artifact (index first: a reader never finds an index without its data), and its claim."""
+    if isinstance(store, ObjectStore):
+        import obstore
+
+        for key in (index_key(subject_digest), data_key(subject_digest), claim_key(subject_digest)):
+            try:
+                await obstore.delete_async(store.store, key)
+            except FileNotFoundError:
+                pass
+        return
+    d = store_dir(store, subject_digest)
+    (d / "index.json").unlink(missing_ok=True)
+    await asyncio.to_thread(shutil.rmtree, d, True)

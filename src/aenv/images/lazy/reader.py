@@ -148,6 +148,7 @@ class LazyReader:
         self._inflight: dict[tuple[str, int], asyncio.Future[bytes]] = {}
         self._queue: dict[str, set[int]] = {}
         self._kick: dict[str, asyncio.Task[None]] = {}
+        self._runs: set[asyncio.Task[None]] = set()
         self.counters = Counters()
 
     def add(self, name: str, index: LazyIndex, source: Source) -> None:
@@ -162,7 +163,7 @@ class LazyReader:
         return list(self._images[name].touched)
 
     async def aclose(self) -> None:
-        for t in self._kick.values():
+        for t in [*self._kick.values(), *self._runs]:
             t.cancel()
         for img in self._images.values():
             await img.source.aclose()
@@ -224,7 +225,12 @@ class LazyReader:
                 run.append(i)
             else:
                 runs.append([i])
-        await asyncio.gather(*(self._fetch_run(name, run) for run in runs))
+        # Started, not awaited: this dispatch ends with the queue it popped, so a miss queued while these
+        # fetches run starts a dispatch of its own (awaiting them here left such a miss waiting forever).
+        for run in runs:
+            task = asyncio.create_task(self._fetch_run(name, run))
+            self._runs.add(task)
+            task.add_done_callback(self._runs.discard)
 
     async def _fetch_run(self, name: str, run: list[int]) -> None:
         img = self._images[name]

@@ -13,10 +13,12 @@ Layout: ``<state_dir>/lazy/`` (the daemon's root: mnt/, images/, cache/), ``<sta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -59,6 +61,8 @@ class LazyImages:
             self.reason = fuse_support()
         self._converting: dict[str, asyncio.Task[None]] = {}
         self._healing = asyncio.Lock()  # a create waits out a restart half done (daemon up, roots not yet remounted)
+        self.conversions = 0  # conversions this server ran (claims lost to another node not counted)
+        self.holder = f"{settings.cluster_node_id or socket.gethostname()}:{settings.state_dir}"
         try:  # errors logged before this server started were another server's to report
             self._log_pos = (self.daemon.root / "daemon.log").stat().st_size
         except OSError:
@@ -77,6 +81,7 @@ class LazyImages:
         return {
             "lazy_images": self.available,
             "lazy_images_reason": self.reason or "FUSE reader (aenv-lazyd)",
+            "lazy_conversions": self.conversions,
         }
 
     async def find(self, ref: Reference, manifest_digest: str) -> pub.LazyArtifact | None:
@@ -121,10 +126,18 @@ class LazyImages:
     async def convert(
         self, ref: Reference, manifest_digest: str, manifest_size: int, tree: Callable[[], Awaitable[Path]]
     ) -> None:
-        """Flat tree → ext4 → published (registry, else store). Failures are logged, never raised."""
+        """Flat tree → ext4 → published (registry, else store). Failures are logged, never raised.
+        One converter per store: a node that finds another's claim leaves the image to it."""
         name = lazy_name(manifest_digest)
+        try:
+            if not await pub.claim(self.store, manifest_digest, self.holder):
+                log.info("lazy conversion of %s left to another node (its claim is in %s)", ref, self.store_name)
+                return
+        except Exception as exc:
+            log.warning("lazy conversion of %s: the claim in %s failed (%s); converting here", ref, self.store_name, exc)
         work = self.build_dir / name
         work.mkdir(parents=True, exist_ok=True)
+        self.conversions += 1
         try:
             img = work / "root.ext4"
             await asyncio.to_thread(make_ro_ext4, await tree(), img, self.settings.default_disk_mb)
@@ -142,8 +155,44 @@ class LazyImages:
                      len(art.index.chunks), art.index.stored_bytes)  # fmt: skip
         except Exception as exc:
             log.warning("lazy conversion of %s failed: %s", ref, exc)
+            await self._release_claim(manifest_digest)
         finally:
             await asyncio.to_thread(shutil.rmtree, work, True)
+
+    async def _release_claim(self, digest: str) -> None:
+        """A failed conversion gives its claim back: the next pull anywhere tries again."""
+        try:
+            if isinstance(self.store, pub.ObjectStore):
+                import obstore
+
+                await obstore.delete_async(self.store.store, pub.claim_key(digest))
+            else:
+                (self.store / pub.claim_key(digest)).unlink(missing_ok=True)
+        except Exception as exc:  # noqa: BLE001 - a stale claim expires on its own (CLAIM_STALE_S)
+            log.warning("lazy conversion claim of %s not released: %s", digest, exc)
+
+    # ---- built templates: a flattened tree in a store, mounted where it is used ---------------------
+    async def publish_tree(self, store: pub.Store, digest: str, lowers: list[str]) -> pub.LazyArtifact:
+        """Flatten the overlay ``lowers`` (top first) into the ext4 of the lazy format and publish it to
+        ``store`` under ``digest``. Raises what failed."""
+        work = self.build_dir / lazy_name(digest)
+        work.mkdir(parents=True, exist_ok=True)
+        try:
+            img = work / "root.ext4"
+            await asyncio.to_thread(flatten_to_ext4, lowers, img, work / "mnt")
+            return await pub.publish_to_store(store, digest, img, work)
+        finally:
+            await asyncio.to_thread(shutil.rmtree, work, True)
+
+    async def release_root(self, digest: str) -> None:
+        """Unmount a root no template uses any more and drop its registration (its chunks age out)."""
+        name = lazy_name(digest)
+        where = self.roots / name
+        if os.path.ismount(where):
+            await asyncio.to_thread(subprocess.run, ["umount", str(where)], capture_output=True)
+        with contextlib.suppress(OSError):
+            where.rmdir()
+        (self.daemon.root / "images" / f"{name}.json").unlink(missing_ok=True)
 
     async def aclose(self) -> None:
         for t in list(self._converting.values()):
@@ -270,6 +319,11 @@ def store_of(settings: Settings) -> Path | pub.ObjectStore:
     url = settings.lazy_store
     if not url:
         return Path(settings.state_dir) / "lazy-store"
+    return store_at(url, settings)
+
+
+def store_at(url: str, settings: Settings) -> Path | pub.ObjectStore:
+    """The lazy store at ``url`` (s3://bucket[/prefix], file:///dir or a path)."""
     if url.startswith("s3://"):
         where = s3_location(settings.snapshot_store_endpoint, settings.snapshot_store_region)
         store = store_from_url(url, where["endpoint"], where["region"])
@@ -291,6 +345,23 @@ def make_ro_ext4(tree: Path, out: Path, min_mb: int = 0) -> None:
         ["mkfs.ext4", "-q", "-F", "-E", "root_owner=0:0", "-L", "aenv-root", "-d", str(tree), str(out)],
         check=True, capture_output=True,
     )  # fmt: skip
+
+
+def flatten_to_ext4(lowers: list[str], out: Path, mnt: Path) -> None:
+    """The merged view of overlay layers ``lowers`` (top first: whiteouts and opaque dirs applied) as
+    the read-only ext4 of ``make_ro_ext4`` (blocking; mounts the overlay read-only at ``mnt`` meanwhile)."""
+    if len(lowers) == 1:
+        make_ro_ext4(Path(lowers[0]), out)
+        return
+    mnt.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", f"ro,lowerdir={':'.join(lowers)}", str(mnt)],
+                       capture_output=True, text=True)  # fmt: skip
+    if r.returncode != 0:
+        raise LazyUnavailable(f"overlay of {len(lowers)} layers: {r.stderr.strip()}")
+    try:
+        make_ro_ext4(mnt, out)
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True, check=False)
 
 
 def _mount_ro_ext4(image: Path, where: Path) -> None:
