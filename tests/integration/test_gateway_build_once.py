@@ -110,12 +110,21 @@ def test_a_build_runs_once_and_starts_on_every_node_and_a_later_one(cluster: Clu
     lazy = manifest["lazy"]
     assert lazy["chunks"] > 0 and (cluster.store / "lazy" / lazy["digest"].split(":")[1] / "index.json").is_file()
 
-    # every node starts it (by name or by ID), the fourth one, joining after the build, too: the same bytes
+    # a tag added through the gateway after the build reaches the store: the node that joins later knows it
+    tagged = httpx.post(cluster.gw + "/templates/tags", json={"target": name, "tags": ["v2"]}, headers=KEY,
+                        trust_env=False, timeout=60)  # fmt: skip
+    assert tagged.status_code == 201, tagged.text
+    aliases = lambda: {r["alias"] for r in json.loads(  # noqa: E731
+        (cluster.store / "templates" / f"{info.template_id}.json").read_bytes())["rows"]}
+    assert f"{name}:v2" in aliases()
+
+    # every node starts it (by name, ID or the new tag), the fourth one, joining after the build, too: the same bytes
     cluster.start_node(NODES - 1)
     wait_for(lambda: cluster.up_in_gateway(NODES))
     nodes = {n["nodeID"] for n in httpx.get(cluster.gw + "/nodes", headers=KEY, trust_env=False).json()}
     assert nodes == {f"n{i + 1}" for i in range(NODES)}
-    outputs = {i: _run_on(cluster, i, name if i % 2 else info.template_id) for i in range(NODES)}
+    outputs = {i: _run_on(cluster, i, f"{name}:v2" if i == NODES - 1 else name if i % 2 else info.template_id)
+               for i in range(NODES)}
     assert len(set(outputs.values())) == 1 and next(iter(outputs.values())).endswith("copied once\n"), outputs
 
     # the nodes that did not build it read it lazily: only the chunks their sandboxes touched were fetched
@@ -136,6 +145,10 @@ def test_a_build_runs_once_and_starts_on_every_node_and_a_later_one(cluster: Clu
         assert sbx.commands.run("cat /opt/b").stdout == outputs[builder].splitlines(keepends=True)[0]
     listed = httpx.get(cluster.gw + "/templates", headers=KEY, trust_env=False).json()
     assert [t["templateID"] for t in listed].count(info.template_id) == 1
+    untagged = httpx.request("DELETE", cluster.gw + "/templates/tags", json={"name": name, "tags": ["v2"]},
+                             headers=KEY, trust_env=False, timeout=60)  # fmt: skip
+    assert untagged.status_code == 204, untagged.text
+    assert f"{name}:v2" not in aliases() and name in {a.partition(":")[0] for a in aliases()}
 
     # deleting it through the gateway: gone from every node and from the store
     gone = httpx.delete(f"{cluster.gw}/templates/{info.template_id}", headers=KEY, trust_env=False, timeout=120)

@@ -175,13 +175,16 @@ class RemoveTagsBody(_Body):
 async def assign_tags(body: AssignTagsBody, request: Request, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
     tenancy.check_template_change(request, body.target)
     build_id, tags = orch.builds.assign_tags(body.target, body.tags)
+    await orch.shared_templates.sync_rows(orch.shared_templates.family_named(body.target))
     return JSONResponse({"tags": tags, "buildID": build_id}, status_code=201)
 
 
 @router.delete("/templates/tags", status_code=204)
 async def remove_tags(body: RemoveTagsBody, request: Request, orch: Orchestrator = Depends(orchestrator)) -> Response:
     tenancy.check_template_change(request, body.name)
+    family = orch.shared_templates.family_named(body.name)
     orch.builds.remove_tags(body.name, body.tags)
+    await orch.shared_templates.sync_rows(family)
     return Response(status_code=204)
 
 

@@ -19,6 +19,8 @@ a vm template's snapshot is layered on each node's own ``base`` disk build; vm n
   no FUSE: the log says which) the layers are downloaded whole and checked. Either way the snapshot is
   recorded (internal, published) and the rows registered under the same IDs, aliases and tags; so a
   node down during the build, or added after it, gets the template when a sandbox of it first lands there;
+- **tags**: a tag added or removed here (a gateway sends it to every node holding the template) is written
+  to the manifest's rows (``sync_rows``), so a node fetching the template later has it too;
 - **delete**: a template deleted here is taken out of the store too (its default row or ID: the whole
   template; another tag's row: that row), and a delete of one this node never fetched still removes it
   from the store. A gateway sends a delete to every node (``gateway/control.py``).
@@ -127,6 +129,37 @@ class TemplateShare:
             await self._delete_lazy(old.lazy)
         log.info("template=%s build=%s published to the store in %.2fs", family, build_id, time.perf_counter() - t0)
         return True
+
+    def family_named(self, name: str) -> str | None:
+        """The template ID behind ``name`` (a name, ``name:tag`` or an ID) where it is a built template here."""
+        try:
+            row = self.ctx.templates.resolve(name)
+        except TemplateNotFound:
+            return None
+        return family_of(row) if row.config.get("built") else None
+
+    async def sync_rows(self, family: str | None) -> None:
+        """After its tags changed here: the manifest in the store lists the template's rows as this node has
+        them, so a node that fetches it later knows the new tags (or no longer the removed ones). Only a
+        node holding the build the manifest names writes; a failure is logged, the tags stay changed here
+        (a later tag change or rebuild writes them again)."""
+        if not self.shared or family is None:
+            return
+        from dataclasses import replace
+
+        from aenv.snapshots.templates import get_template, put_template
+
+        rows = self.rows_of(family)
+        try:
+            manifest = await get_template(self.ctx.repository, family)
+            if manifest is None or not any(r.config.get("build_id") == manifest.build_id for r in rows):
+                return  # never published, or this node holds another build than the store's
+            entries = [row_entry(r) for r in rows]
+            if sorted(entries, key=lambda e: str(e["id"])) != sorted(manifest.rows, key=lambda e: str(e["id"])):
+                await put_template(self.ctx.repository, replace(manifest, rows=entries))
+                log.info("template=%s its %d tags written to the store", family, len(entries))
+        except Exception as exc:
+            log.warning("template=%s tags not written to the store: %s", family, short_error(exc))
 
     def _lazy_store(self) -> Any:
         from aenv.images.lazy.service import store_at
