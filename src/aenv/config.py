@@ -175,6 +175,12 @@ class Settings(BaseModel):
         None, description="S3 endpoint URL for an s3:// snapshot store (e.g. http://127.0.0.1:8333); unset = AWS"
     )
     snapshot_store_region: str | None = Field(None, description="S3 region (default: AWS_REGION or us-east-1)")
+    template_recheck_s: float = Field(
+        5.0, ge=0,
+        description="built templates shared through the store: a create of one this node holds asks the store "
+        "at most this often (seconds, per template) whether a newer build replaced it (a rebuild runs on one "
+        "node); 0 = at every create",
+    )
     sandbox_domain: str | None = Field(
         None,
         description="the domain in create/connect/detail responses: the SDK's sbx.get_host(port) is "

@@ -38,7 +38,8 @@ class Cluster(NodeCluster):
     def __init__(self, tmp: Path, redis_url: str) -> None:
         self.store = tmp / "store"
         super().__init__(tmp, NODES, {"AENV_API_KEYS": API_KEY, "AENV_POOL_SIZE": "0", "AENV_CLUSTER_REDIS": redis_url,
-                                      "AENV_SNAPSHOT_STORE": f"file://{self.store}"})  # fmt: skip
+                                      "AENV_SNAPSHOT_STORE": f"file://{self.store}",
+                                      "AENV_TEMPLATE_RECHECK_S": "0"})  # fmt: skip
 
     def env_of(self, i: int) -> dict[str, str]:
         return {**self.node_env, "AENV_CLUSTER_NODE_ID": f"n{i + 1}"}
@@ -74,8 +75,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisProc) -
         c.close()
 
 
-def _run_on(cluster: Cluster, i: int, ref: str) -> str:
-    """A sandbox of ``ref`` created on node ``i`` itself, used through the gateway: its output."""
+def _run_on(cluster: Cluster, i: int, ref: str, cmd: str = "cat /opt/b /srv/f.txt") -> str:
+    """A sandbox of ``ref`` created on node ``i`` itself, used through the gateway: ``cmd``'s output."""
     from e2b import Sandbox
 
     made = httpx.post(cluster.url(i) + "/v2/sandboxes", json={"templateID": ref}, headers=KEY, trust_env=False,
@@ -83,7 +84,7 @@ def _run_on(cluster: Cluster, i: int, ref: str) -> str:
     assert made.status_code == 201, (i, made.text)
     sbx = Sandbox.connect(made.json()["sandboxID"])
     try:
-        return str(sbx.commands.run("cat /opt/b /srv/f.txt").stdout)
+        return str(sbx.commands.run(cmd).stdout)
     finally:
         sbx.kill()
 
@@ -163,3 +164,26 @@ def test_a_build_runs_once_and_starts_on_every_node_and_a_later_one(cluster: Clu
     made = httpx.post(cluster.gw + "/v2/sandboxes", json={"templateID": name}, headers=KEY, trust_env=False)
     assert made.status_code == 404, made.text
     assert not Template.exists(name)
+
+
+def test_a_rebuild_on_one_node_reaches_the_nodes_that_held_the_previous_build(cluster: Cluster) -> None:
+    """A rebuild runs on one node; a node that held the previous build asks the store at its next create
+    (``template_recheck_s``: 0 here) and starts the new build, as every node does."""
+    from e2b import Template
+
+    if not cluster.up_in_gateway(NODES):  # run alone: the fourth node is not started yet
+        cluster.start_node(NODES - 1)
+        wait_for(lambda: cluster.up_in_gateway(NODES))
+    name = f"rebuilt-{secrets.token_hex(3)}"
+
+    def build(word: str) -> str:
+        return str(Template.build(Template().from_template("base").run_cmd(f"echo {word} > /opt/w"), name,
+                                  cpu_count=1, memory_mb=512).build_id)  # fmt: skip
+
+    first = build("first")
+    assert {_run_on(cluster, i, name, "cat /opt/w") for i in range(NODES)} == {"first\n"}
+    second = build("second")
+    assert second != first
+    assert {i: _run_on(cluster, i, name, "cat /opt/w") for i in range(NODES)} == dict.fromkeys(range(NODES), "second\n")
+    gone = httpx.delete(f"{cluster.gw}/templates/{name}", headers=KEY, trust_env=False, timeout=120)
+    assert gone.status_code == 204, gone.text

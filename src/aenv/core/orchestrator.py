@@ -101,6 +101,7 @@ class Orchestrator:
         self.compose = ComposeFlows(settings, self, self.template_flows.builder)  # Compose projects in a sandbox
         self.shared_templates = TemplateShare(self.ctx, self.snapshots, self.template_flows)  # build once, run anywhere
         self.builds.publish, self.sync.template_fetch = self.shared_templates.publish, self.shared_templates.fetch
+        self.sync.template_recheck = self.shared_templates.recheck
         self.admission = Admission(settings, self.table)
         self.snapshots.check_quota = self.admission.check_quota  # forks count for the parent's team
         if settings.team_burst_yield and isinstance(runtime, BurstYielding):  # a burst gives way to other teams

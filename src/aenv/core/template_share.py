@@ -19,6 +19,8 @@ a vm template's snapshot is layered on each node's own ``base`` disk build; vm n
   no FUSE: the log says which) the layers are downloaded whole and checked. Either way the snapshot is
   recorded (internal, published) and the rows registered under the same IDs, aliases and tags; so a
   node down during the build, or added after it, gets the template when a sandbox of it first lands there;
+- **recheck** (a node holding it, at a create, at most every ``template_recheck_s``): where the manifest
+  says the created row names another build (a rebuild ran on another node), that build is fetched first;
 - **tags**: a tag added or removed here (a gateway sends it to every node holding the template) is written
   to the manifest's rows (``sync_rows``), so a node fetching the template later has it too;
 - **delete**: a template deleted here is taken out of the store too (its default row or ID: the whole
@@ -82,6 +84,7 @@ class TemplateShare:
         self.snapshots = snapshots
         self.flows = flows
         self._lock: asyncio.Lock | None = None
+        self._checked: dict[str, float] = {}  # family -> when the store was last asked about it (monotonic)
 
     @property
     def shared(self) -> bool:
@@ -199,6 +202,36 @@ class TemplateShare:
             await delete_from_store(self._lazy_store(), digest)
         except Exception as exc:
             log.warning("lazy artifact %s not deleted from the store: %s", digest, short_error(exc))
+
+    # ---- recheck --------------------------------------------------------------------------------
+    async def recheck(self, row: TemplateRow) -> None:
+        """Before a create of ``row`` (a built template this node holds): where the store's manifest says
+        its tag now names another build (a rebuild, which ran on one node), fetch that build first, so
+        every node starts the same one. Asked at most every ``template_recheck_s`` per template; a store
+        that cannot be read leaves the build held here in use (logged)."""
+        if not self.shared or not row.config.get("built") or row.config.get("hidden"):
+            return
+        family = family_of(row)
+        at = time.monotonic()
+        if at - self._checked.get(family, float("-inf")) < self.ctx.settings.template_recheck_s:
+            return
+        self._checked[family] = at
+        from aenv.snapshots.templates import get_template
+
+        try:
+            manifest = await get_template(self.ctx.repository, family)
+        except Exception as exc:
+            log.warning("template=%s: the store could not be asked for a newer build: %s", family, short_error(exc))
+            return
+        entry = next((e for e in manifest.rows if e["id"] == row.id), None) if manifest is not None else None
+        if manifest is None or entry is None or entry["config"].get("build_id") == row.config.get("build_id"):
+            return
+        log.info("template=%s: the store names build %s where this node held %s: fetching it", family,
+                 entry["config"].get("build_id"), row.config.get("build_id"))  # fmt: skip
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            await self._fetch_locked(family)
 
     # ---- fetch ----------------------------------------------------------------------------------
     async def fetch(self, name: str) -> bool:

@@ -103,3 +103,32 @@ def test_what_is_shared_and_what_stays_on_the_host(tmp_path: Path) -> None:
         store.close()
     entry = row_entry(row)
     assert entry["id"] == "t1" and entry["alias"] == "t" and entry["config"] == {"built": True}
+
+
+async def test_a_node_holding_a_build_starts_the_rebuild_the_store_names(nodes: list[Orchestrator]) -> None:
+    """A rebuild runs on one node; a node that held the previous build asks the store at its next create
+    (at most every ``template_recheck_s``, 5 s by default) and starts the new build."""
+    a, b, _ = nodes
+
+    async def rebuild(build_id: str) -> None:
+        sbx = await a.create(CreateRequest(template="base", timeout=600))
+        snap = await a.snapshots.checkpoint(sbx.id, SnapshotMode.FILESYSTEM)
+        a.templates.register(alias="tpl", kind=TemplateKind.SNAPSHOT, rootfs=Path(a.templates.resolve("base").rootfs),
+                             config={"snapshot": snap.id, "built": True, "family": "fam1", "build_id": build_id},
+                             template_id="fam1", source=f"build {build_id}")  # fmt: skip
+        await a.kill(sbx.id)
+        assert await a.shared_templates.publish("fam1", build_id, snap.id)
+
+    async def started_build() -> str:
+        sbx = await b.create(CreateRequest(template="tpl", timeout=600))
+        await b.kill(sbx.id)
+        return str(b.get_template("tpl").config["build_id"])
+
+    await rebuild("b1")
+    assert await started_build() == "b1"  # fetched on first use
+    await rebuild("b2")
+    assert await started_build() == "b2"  # held b1: the store was asked, b2 fetched
+    await rebuild("b3")
+    assert await started_build() == "b2"  # asked again only once template_recheck_s has passed
+    b.shared_templates._checked.clear()
+    assert await started_build() == "b3"
