@@ -109,3 +109,53 @@ async def test_ready_counts_are_per_template_over_network_modes() -> None:
     pool.take(T, True)  # one handed out: counted again only once refilled
     assert pool.ready_counts() == {"t": 3}
     await pool.aclose()
+
+
+def gated_pool(size: int) -> tuple[WarmPool, list[FakeSandbox], asyncio.Event]:
+    """A pool whose refills finish only once the returned event is set."""
+    made: list[FakeSandbox] = []
+    gate = asyncio.Event()
+
+    async def factory(template: SandboxImage, net: bool, uid_slot: int) -> FakeSandbox:
+        await gate.wait()
+        sbx = FakeSandbox(len(made))
+        made.append(sbx)
+        return sbx
+
+    return WarmPool(size, factory, refill_delay=0), made, gate  # type: ignore[arg-type]
+
+
+async def test_take_soon_gets_the_sandbox_of_the_refill_under_way() -> None:
+    pool, made, gate = gated_pool(1)
+    pool.want(T, False)  # a refill under way, held at the gate
+    await asyncio.sleep(0)
+    waiting = asyncio.create_task(pool.take_soon(T, False, within=60))
+    await asyncio.sleep(0)
+    assert not waiting.done()  # the slot is empty: it waits for the refill rather than answering None
+    gate.set()
+    got = await waiting
+    assert got is made[0]
+    await pool.wait_ready(T, False)  # and the slot refills after the take, as after any other
+    assert len(made) == 2 and pool.ready_count(T, False) == 1
+    await pool.aclose()
+
+
+async def test_take_soon_without_a_refill_under_way_answers_at_once() -> None:
+    pool, made, gate = gated_pool(1)
+    # a cold key: no refill had begun (the take starts the first), so there is nothing ahead to wait for
+    assert await pool.take_soon(T, False, within=60) is None
+    gate.set()
+    await pool.wait_ready(T, False)
+    assert await pool.take_soon(T, False, within=60) is made[0]  # a ready one: taken as take() does
+    await pool.aclose()
+
+
+async def test_take_soon_gives_up_after_within_and_the_refill_still_lands() -> None:
+    pool, made, gate = gated_pool(1)
+    pool.want(T, False)
+    await asyncio.sleep(0)
+    assert await pool.take_soon(T, False, within=0.01) is None  # the caller starts one of its own
+    gate.set()
+    await pool.wait_ready(T, False)
+    assert pool.ready_count(T, False) == 1 and not made[0].closed  # not lost: the next create's
+    await pool.aclose()
