@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -41,7 +40,6 @@ class _Slot:
     ready: deque[NsSandbox] = field(default_factory=deque)
     filling: asyncio.Task[None] | None = None
     failures: int = 0
-    arrivals: list[asyncio.Future[None]] = field(default_factory=list)  # take_soon's waiters
 
 
 class WarmPool:
@@ -84,33 +82,6 @@ class WarmPool:
                 break
             asyncio.create_task(cand.aclose())
         self._refill(slot)
-        return got
-
-    async def take_soon(self, template: SandboxImage, allow_internet: bool, uid_slot: int = 0,
-                        within: float = 0.3) -> NsSandbox | None:
-        """:meth:`take`; or, when the slot is empty while a refill is already under way, the sandbox that
-        refill adds if it comes within ``within`` seconds. Why: during another team's burst a team's
-        back-to-back creates can outrun its refills (each ~100-260 ms then), and a create that then
-        restores a sandbox of its own took 200-500 ms, beside the refill it competed with for the CPU;
-        the refill under way is ahead of it."""
-        key = pool_key(template, allow_internet, uid_slot)
-        slot = self._slots.get(key)
-        under_way = slot is not None and slot.filling is not None and not slot.filling.done() and not slot.failures
-        got = self.take(template, allow_internet, uid_slot)
-        if got is not None or slot is None or not under_way or slot.filling is None:
-            return got
-        arrived: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        slot.arrivals.append(arrived)
-        t0 = time.monotonic()
-        try:
-            await asyncio.wait({arrived, slot.filling}, timeout=within)
-        finally:
-            with contextlib.suppress(ValueError):
-                slot.arrivals.remove(arrived)
-            arrived.cancel()
-        got = self.take(template, allow_internet, uid_slot) if slot.ready else None
-        log.debug("pool %s: waited %.0f ms for its refill: %s", template.template_id, (time.monotonic() - t0) * 1e3,
-                  "taken" if got is not None else "none came")
         return got
 
     def want(self, template: SandboxImage, allow_internet: bool, uid_slot: int = 0) -> None:
@@ -156,9 +127,6 @@ class WarmPool:
                 await sbx.aclose()
                 return
             slot.ready.append(sbx)
-            for waiter in slot.arrivals:
-                if not waiter.done():
-                    waiter.set_result(None)
 
     async def forget(self, template_id: str | None = None) -> None:
         """Kill the ready sandboxes of one template (all when None) and stop keeping it hot, e.g.

@@ -276,7 +276,8 @@ class NsRuntime:
         in_place = root is not None  # rollback: on failure remove only the ns dir, not the whole workdir
         root = root or spec.workdir / "ns"
         sbx = prelaunched or (
-            await self._pooled(spec) if use_pool and not spec.in_burst and not snapshot_layers else None)
+            self.pool.take(spec.template, spec.allow_internet, spec.uid_slot)
+            if use_pool and not spec.in_burst and not snapshot_layers else None)
         if sbx is None and not in_place and not spec.volumes:  # not pooled: the template's process image, if any
             restored = await self.procimages.start(spec, template, snapshot_layers)
             if restored is not None:
@@ -333,19 +334,11 @@ class NsRuntime:
         return self.table.state(sbx, spec.workdir)
 
     def _contended(self) -> bool:
-        """Whether another team's burst is starting (bursts.py): a create then waits briefly for a refill
-        under way (``_pooled``) and its hand-out answers ``/init`` at a high CPU weight. Why the weight:
-        during the burst a hand-out's envd took 1-34 ms (median 4.0) to answer /init, against ~1 ms
-        alone, beside the burst's sandboxes restored meanwhile (ordinary weight once restored) and the
-        pool's refills (ordinary weight during a burst)."""
+        """Whether another team's burst is starting (bursts.py): a hand-out then answers ``/init`` at a
+        high CPU weight. Why: during the burst a hand-out's envd took 1-34 ms (median 4.0) to answer
+        /init, against ~1 ms alone, beside the burst's sandboxes restored meanwhile (ordinary weight
+        once restored) and the pool's refills (ordinary weight during a burst)."""
         return self.snapshots.bursts.busy and self.settings.team_burst_yield
-
-    async def _pooled(self, spec: SandboxSpec) -> NsSandbox | None:
-        """A pooled sandbox for ``spec``, if one is ready. While another team's burst is starting, one
-        the pool is refilling (at the ordinary weight then: bursts.py) is worth a short wait."""
-        if self._contended():
-            return await self.pool.take_soon(spec.template, spec.allow_internet, spec.uid_slot)
-        return self.pool.take(spec.template, spec.allow_internet, spec.uid_slot)
 
     def _hand_out(self, sbx: NsSandbox, sid: str, root: Path, limits: tuple[int, int, int], disk_mb: int) -> None:
         if sbx.opts is not None and sbx.opts.disk is not None and sbx.opts.disk_mb != disk_mb:
