@@ -194,13 +194,14 @@ class Cgroup:
             _write(memory / "memory.memsw.limit_in_bytes", str(mem))
         _write(self.dir("pids") / "pids.max", str(pids))
 
-    def set_weight(self, low: bool) -> None:
+    def set_weight(self, low: bool, high: bool = False) -> None:
         """CPU weight relative to other cgroups. Pooled sandboxes start with the lowest weight so a
-        refill never steals CPU from live sandboxes (nice alone does not cross cgroups)."""
+        refill never steals CPU from live sandboxes (nice alone does not cross cgroups). ``high``: ten
+        times the ordinary, for a hand-out's ``/init`` during a burst (``runtime.py``)."""
         if self.layout.version == 2:
-            _write(self.dir("cpu") / "cpu.weight", "1" if low else "100")
+            _write(self.dir("cpu") / "cpu.weight", "1" if low else "1000" if high else "100")
         else:
-            _write(self.dir("cpu") / "cpu.shares", "2" if low else "1024")
+            _write(self.dir("cpu") / "cpu.shares", "2" if low else "10240" if high else "1024")
 
     def pids(self, controller: str | None = None) -> list[int]:
         """Members of every hierarchy (what kill and reconcile need), or of ``controller``'s alone

@@ -143,3 +143,17 @@ def test_v1_memory_limit_can_be_raised_past_memsw(tmp_path: Path) -> None:
         for d in layout.parents():
             with contextlib.suppress(OSError):
                 d.rmdir()
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_weights_low_ordinary_and_a_hand_outs_high(tmp_path: Path, fake_v1: Layout, version: int) -> None:
+    layout = fake_v1 if version == 1 else Layout(version=2, v2=tmp_path / "unified")
+    cg = Cgroup(layout, "sbx1")
+    cg.dir("cpu").mkdir(parents=True, exist_ok=True)
+    weight = cg.dir("cpu") / ("cpu.shares" if version == 1 else "cpu.weight")
+    seen = []
+    for low, high in ((True, False), (False, False), (False, True), (True, True)):
+        cg.set_weight(low=low, high=high)
+        seen.append(weight.read_text())
+    # low wins over high: a pooled sandbox is never raised above the ones in use
+    assert seen == (["2", "1024", "10240", "2"] if version == 1 else ["1", "100", "1000", "1"])
