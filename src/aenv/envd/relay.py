@@ -43,7 +43,9 @@ def parse(value: object) -> tuple[str, tuple[int, ...]]:
     return str(addr), tuple(sorted(set(ports)))
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Copy one direction of a relayed connection until EOF, then half-close (the host's egress proxy
+    relays the same way: ``runtime/egress.py``)."""
     try:
         while data := await reader.read(_CHUNK):
             writer.write(data)
@@ -97,7 +99,7 @@ class Relays:
                 writer.close()
                 return
             try:
-                await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+                await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
             finally:
                 for w in (writer, up_writer):
                     w.close()

@@ -41,6 +41,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from aenv.envd.relay import pipe
 from aenv.runtime import egress_rules, network
 from aenv.runtime.egress_ca import EgressCa, new_ca, upstream_context
 from aenv.runtime.egress_mitm import intercept
@@ -379,7 +380,7 @@ class Enforcer:
             return
         try:
             up_writer.write(data)
-            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+            await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
         finally:
             up_writer.close()
 
@@ -418,17 +419,6 @@ class Enforcer:
                 addrs = await _query(server, name)
         self._resolved[name] = (time.monotonic(), addrs)
         return addrs
-
-
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while chunk := await reader.read(65536):
-            writer.write(chunk)
-            await writer.drain()
-        if writer.can_write_eof():
-            writer.write_eof()
-    except (ConnectionError, OSError):
-        writer.close()
 
 
 async def _query(server: str, name: str, timeout: float = 3.0) -> list[str]:
