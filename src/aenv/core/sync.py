@@ -60,7 +60,7 @@ class SnapshotSync:
         self._publish_slots: asyncio.Semaphore | None = None
         self._fetch_lock: asyncio.Lock | None = None
         self.template_fetch: Callable[[str], Awaitable[bool]] | None = None  # template_share.py's fetch
-        self.template_recheck: Callable[[TemplateRow], Awaitable[None]] | None = None  # ... and its recheck
+        self.template_recheck: Callable[[TemplateRow], Awaitable[bool]] | None = None  # ... and its recheck
 
     async def delete(self, snapshot_id: str) -> None:
         """Take a deleted snapshot out of the repository too (published or not: a publish may be
@@ -205,9 +205,8 @@ class SnapshotSync:
             if await self.fetch(name) is None:
                 raise
             return self.ctx.templates.resolve(name)
-        if tpl.config.get("built") and self.template_recheck is not None:
-            await self.template_recheck(tpl)  # a rebuild on another node: its build fetched first
-            tpl = self.ctx.templates.resolve(name)
+        if tpl.config.get("built") and self.template_recheck is not None and await self.template_recheck(tpl):
+            tpl = self.ctx.templates.resolve(name)  # a rebuild on another node: its build fetched first
         if tpl.kind is TemplateKind.SNAPSHOT and self.ctx.repository is not None:
             row = self.ctx.store.get_snapshot(tpl.id)
             if row is not None and row.id == tpl.id and row.state == "ready" and not Path(row.dir).is_dir():

@@ -38,6 +38,7 @@ import asyncio
 import hashlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +84,7 @@ class TemplateShare:
         self.ctx = ctx
         self.snapshots = snapshots
         self.flows = flows
-        self._lock: asyncio.Lock | None = None
+        self._lock = asyncio.Lock()  # fetches: one at a time, and never twice the same
         self._checked: dict[str, float] = {}  # family -> when the store was last asked about it (monotonic)
 
     @property
@@ -204,17 +205,17 @@ class TemplateShare:
             log.warning("lazy artifact %s not deleted from the store: %s", digest, short_error(exc))
 
     # ---- recheck --------------------------------------------------------------------------------
-    async def recheck(self, row: TemplateRow) -> None:
+    async def recheck(self, row: TemplateRow) -> bool:
         """Before a create of ``row`` (a built template this node holds): where the store's manifest says
         its tag now names another build (a rebuild, which ran on one node), fetch that build first, so
-        every node starts the same one. Asked at most every ``template_recheck_s`` per template; a store
-        that cannot be read leaves the build held here in use (logged)."""
+        every node starts the same one; True when it did. Asked at most every ``template_recheck_s`` per
+        template; a store that cannot be read leaves the build held here in use (logged)."""
         if not self.shared or not row.config.get("built") or row.config.get("hidden"):
-            return
+            return False
         family = family_of(row)
         at = time.monotonic()
         if at - self._checked.get(family, float("-inf")) < self.ctx.settings.template_recheck_s:
-            return
+            return False
         self._checked[family] = at
         from aenv.snapshots.templates import get_template
 
@@ -222,16 +223,14 @@ class TemplateShare:
             manifest = await get_template(self.ctx.repository, family)
         except Exception as exc:
             log.warning("template=%s: the store could not be asked for a newer build: %s", family, short_error(exc))
-            return
+            return False
         entry = next((e for e in manifest.rows if e["id"] == row.id), None) if manifest is not None else None
         if manifest is None or entry is None or entry["config"].get("build_id") == row.config.get("build_id"):
-            return
+            return False
         log.info("template=%s: the store names build %s where this node held %s: fetching it", family,
                  entry["config"].get("build_id"), row.config.get("build_id"))  # fmt: skip
-        if self._lock is None:
-            self._lock = asyncio.Lock()
         async with self._lock:
-            await self._fetch_locked(family)
+            return await self._fetch_locked(family)
 
     # ---- fetch ----------------------------------------------------------------------------------
     async def fetch(self, name: str) -> bool:
@@ -239,9 +238,7 @@ class TemplateShare:
         False when the store has no such template (or there is no shared store)."""
         if not self.shared:
             return False
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:  # one at a time, and never twice the same
+        async with self._lock:
             try:
                 self.ctx.templates.resolve(name)
                 return True  # fetched while this one waited
@@ -270,23 +267,9 @@ class TemplateShare:
         if await self._fetch_lazily(name, manifest):
             return True
         base = self._base_here(name, manifest.base)
-        snap = self.ctx.store.get_snapshot(manifest.snapshot_id)
-        if snap is None or snap.id != manifest.snapshot_id or snap.state != "ready" or not Path(snap.dir).is_dir():
-            snap_manifest = await repo.find_manifest(manifest.snapshot_id)
-            if snap_manifest is None:
-                raise RuntimeFailure(f"template '{name}': its snapshot {manifest.snapshot_id} is not in the store")
-            dest = self.ctx.settings.snapshots_dir / manifest.snapshot_id
-            try:
-                result = await materialize(repo, snap_manifest, dest, [str(p) for p in (base.lowers or [base.rootfs])])
-            except Exception as exc:
-                raise RuntimeFailure(f"fetching template '{name}' from the store failed: {short_error(exc)}") from None
-            snap = SnapshotRow(
-                id=manifest.snapshot_id, template_id=base.id, runtime=snap_manifest.runtime, mode=snap_manifest.mode,
-                state="ready", created_at=snap_manifest.created_at or now(), dir=str(dest), internal=True,
-                result=result, published=True, size_bytes=await asyncio.to_thread(disk_usage, dest),
-                owner=manifest.owner,
-            )  # fmt: skip
-            self.ctx.store.put_snapshot(snap)
+        lowers = [str(p) for p in (base.lowers or [base.rootfs])]
+        await self._fetch_snapshot(name, manifest, base,
+                                   lambda snap_manifest, dest: materialize(repo, snap_manifest, dest, lowers))
         # no await from here on: the snapshot GC keeps an internal snapshot a template points at
         for entry in manifest.rows:
             self._register(entry, base, manifest.owner, manifest.snapshot_id)
@@ -299,7 +282,12 @@ class TemplateShare:
         lazy_base = await self._lazy_base(name, manifest)
         if lazy_base is None:
             return False
-        snap = await self._fetch_snapshot(manifest, lazy_base, Path(lazy_base.rootfs))
+        from aenv.snapshots.publish import materialize_files_elsewhere
+
+        root = str(lazy_base.rootfs)
+        snap = await self._fetch_snapshot(
+            manifest.template_id, manifest, lazy_base,
+            lambda snap_manifest, dest: materialize_files_elsewhere(self.ctx.repository, snap_manifest, dest, root))
         for entry in manifest.rows:  # no await from here on: the snapshot GC keeps what a template points at
             self._register(entry, lazy_base, manifest.owner, snap.id)
         log.info("template=%s (%s) fetched lazily from the store in %.2fs: its files on demand",
@@ -340,21 +328,22 @@ class TemplateShare:
             size_bytes=art.index.size,
         )  # fmt: skip
 
-    async def _fetch_snapshot(self, manifest: Any, base: TemplateRow, root: Path) -> SnapshotRow:
-        """The template's snapshot recorded here with its files read from the lazy ``root``."""
-        from aenv.snapshots.publish import materialize_files_elsewhere
-
+    async def _fetch_snapshot(self, name: str, manifest: Any, base: TemplateRow,
+                              fill: Callable[[Any, Path], Awaitable[dict[str, Any]]]) -> SnapshotRow:
+        """The template's snapshot recorded here over ``base`` (as it is, when already here), its layers
+        downloaded into place by ``fill(snapshot manifest, dest)``: whole, or only the process image over a
+        lazy root."""
         snap = self.ctx.store.get_snapshot(manifest.snapshot_id)
         if snap is not None and snap.id == manifest.snapshot_id and snap.state == "ready" and Path(snap.dir).is_dir():
             return snap
         snap_manifest = await self.ctx.repository.find_manifest(manifest.snapshot_id)
         if snap_manifest is None:
-            raise RuntimeFailure(f"template '{manifest.template_id}': its snapshot {manifest.snapshot_id} is not in the store")
+            raise RuntimeFailure(f"template '{name}': its snapshot {manifest.snapshot_id} is not in the store")
         dest = self.ctx.settings.snapshots_dir / manifest.snapshot_id
         try:
-            result = await materialize_files_elsewhere(self.ctx.repository, snap_manifest, dest, str(root))
+            result = await fill(snap_manifest, dest)
         except Exception as exc:
-            raise RuntimeFailure(f"fetching template '{manifest.template_id}' from the store failed: {short_error(exc)}") from None
+            raise RuntimeFailure(f"fetching template '{name}' from the store failed: {short_error(exc)}") from None
         snap = SnapshotRow(
             id=manifest.snapshot_id, template_id=base.id, runtime=snap_manifest.runtime, mode=snap_manifest.mode,
             state="ready", created_at=snap_manifest.created_at or now(), dir=str(dest), internal=True, result=result,

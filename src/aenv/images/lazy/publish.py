@@ -285,6 +285,19 @@ async def claim(store: Store, subject_digest: str, holder: str) -> bool:
     return await asyncio.to_thread(_claim_dir, store, subject_digest, body)
 
 
+async def release_claim(store: Store, subject_digest: str) -> None:
+    """Give a claim back (a failed conversion: the next pull anywhere tries again)."""
+    if isinstance(store, ObjectStore):
+        import obstore
+
+        try:
+            await obstore.delete_async(store.store, claim_key(subject_digest))
+        except FileNotFoundError:
+            pass
+        return
+    (store / claim_key(subject_digest)).unlink(missing_ok=True)
+
+
 def _claim_fresh(raw: bytes) -> bool:
     try:
         return bool(time.time() - float(json.loads(raw)["at"]) < CLAIM_STALE_S)

@@ -162,12 +162,7 @@ class LazyImages:
     async def _release_claim(self, digest: str) -> None:
         """A failed conversion gives its claim back: the next pull anywhere tries again."""
         try:
-            if isinstance(self.store, pub.ObjectStore):
-                import obstore
-
-                await obstore.delete_async(self.store.store, pub.claim_key(digest))
-            else:
-                (self.store / pub.claim_key(digest)).unlink(missing_ok=True)
+            await pub.release_claim(self.store, digest)
         except Exception as exc:  # noqa: BLE001 - a stale claim expires on its own (CLAIM_STALE_S)
             log.warning("lazy conversion claim of %s not released: %s", digest, exc)
 
