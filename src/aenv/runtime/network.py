@@ -278,7 +278,7 @@ class Slirp:
         if not _private.host_ports:  # else 10.0.2.2 is the host's loopback, open only at those ports
             extra.append("--disable-host-loopback")
         try:
-            child = Reaped.spawn(
+            child = await Reaped.spawn_off_loop(
                 ["slirp4netns", "--configure", "--mtu=65520", "--ready-fd", str(wfd), *extra, str(pid), "tap0"],
                 pass_fds=(wfd,) if exit_fd is None else (wfd, exit_fd), stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

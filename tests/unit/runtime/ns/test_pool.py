@@ -109,3 +109,47 @@ async def test_ready_counts_are_per_template_over_network_modes() -> None:
     pool.take(T, True)  # one handed out: counted again only once refilled
     assert pool.ready_counts() == {"t": 3}
     await pool.aclose()
+
+
+async def test_an_emptied_pool_refills_several_at_once_and_without_delay() -> None:
+    """A pool taken empty starts its whole lack at once (bounded by the parallel starts), not one
+    after another after the refill delay: its next create would otherwise pay a whole start."""
+    running, peak = 0, 0
+    made: list[FakeSandbox] = []
+
+    async def slow_factory(template: SandboxImage, net: bool, uid_slot: int) -> FakeSandbox:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.05)
+        running -= 1
+        made.append(FakeSandbox(len(made)))
+        return made[-1]
+
+    pool = WarmPool(3, slow_factory, max_parallel=2, refill_delay=10.0)  # type: ignore[arg-type]
+    pool.want(T, False)
+    await asyncio.wait_for(pool.wait_ready(T, False), 2)  # no 10 s delay before filling an empty pool
+    assert peak == 2  # two at a time: the parallel bound
+    assert pool.take(T, False) is made[0]
+    await asyncio.sleep(0.2)
+    assert len(made) == 3  # one left in the pool: the refill waits its delay
+    await pool.aclose()
+
+
+async def test_a_failed_start_in_a_parallel_refill_keeps_the_others() -> None:
+    calls = 0
+
+    async def flaky(template: SandboxImage, net: bool, uid_slot: int) -> FakeSandbox:
+        nonlocal calls
+        calls += 1
+        mine = calls
+        await asyncio.sleep(0)
+        if mine == 1:
+            raise RuntimeError("restore failed")
+        return FakeSandbox(mine)
+
+    pool = WarmPool(2, flaky, max_parallel=2)  # type: ignore[arg-type]
+    pool.want(T, False)
+    await asyncio.sleep(0.05)
+    assert pool.ready_count(T, False) == 1  # the one that started is kept while the retry backs off
+    await pool.aclose()
