@@ -160,7 +160,7 @@ async def _requests(key: str, client: _Side, up: asyncio.StreamWriter, host: str
                     await client.write(_refused(421, "Misdirected Request", why))
                     raise ConnectionAbortedError from None
                 try:
-                    add = headers_for()
+                    add = await asyncio.to_thread(headers_for)  # a store read (cluster: Redis): off the loop
                 except UnresolvedSecret as exc:
                     log.warning("sandbox=%s egress to %s refused: the secret '%s' of its rules no longer exists",
                                 key, host, exc)
