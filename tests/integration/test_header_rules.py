@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -20,7 +19,7 @@ import pytest
 from e2b import Sandbox, Secret
 
 from aenv.testing.server import API_KEY, KEEP_SANDBOXES, Server, discard_vm_state, start_server, stop_server
-from tests.fixtures.echohosts import EchoHosts, echo_hosts
+from tests.fixtures.echohosts import EchoHosts, hosts  # noqa: F401
 
 pytestmark = pytest.mark.sdk
 
@@ -29,15 +28,7 @@ ROTATED = SECRET + "-v2"
 H = {"X-API-KEY": API_KEY}
 
 
-@pytest.fixture(scope="module")
-def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EchoHosts]:
-    if os.geteuid() != 0:
-        pytest.skip("needs root")
-    with echo_hosts(tmp_path_factory.mktemp("echo-pki")) as h:
-        yield h
-
-
-def _server(tmp: Path, runtime: str, hosts: EchoHosts, port: int | None = None) -> Server:
+def _server(tmp: Path, runtime: str, hosts: EchoHosts, port: int | None = None) -> Server:  # noqa: F811
     if runtime == "vm":
         from aenv.config import Settings
         from aenv.runtime.vm.runtime import unavailable_reason
@@ -95,7 +86,7 @@ def _on_disk(root: Path, needle: bytes) -> list[str]:
     return found
 
 
-def test_header_rules_with_a_secret(tmp_path: Path, runtime_name: str, hosts: EchoHosts,
+def test_header_rules_with_a_secret(tmp_path: Path, runtime_name: str, hosts: EchoHosts,  # noqa: F811
                                     monkeypatch: pytest.MonkeyPatch) -> None:
     srv = _server(tmp_path, runtime_name, hosts)
     for key in ("E2B_API_URL", "E2B_SANDBOX_URL"):

@@ -89,7 +89,7 @@ class Orchestrator:
         self.gone = GoneLog(store)
         self.table = SandboxTable(self.gone.find)
         self.volumes = Volumes(settings, store, runtime, self.table)
-        self.secrets = Secrets(store)
+        self.secrets = Secrets(store, settings.cluster_redis)
         self.ctx = Context(settings, store, runtime, templates, self.table, gone=self.gone, volumes=self.volumes,
                            uid_ranges=UidRanges(settings, store))
         net.configure(settings)

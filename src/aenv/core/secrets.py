@@ -9,14 +9,17 @@ API answers, sandboxes or snapshots.
 
 from __future__ import annotations
 
+import logging
 import re
 import secrets as _random
 import time
 from collections.abc import Callable
 
 from aenv.errors import InvalidRequest, NotFound
-from aenv.store.secrets import SecretLog, SecretRow
+from aenv.store.secrets import SecretLog, SecretRow, SecretRows
 from aenv.store.sqlite import Store
+
+log = logging.getLogger("aenv.secrets")
 
 ID_PREFIX = "sec_"
 MAX_NAME = 256
@@ -66,10 +69,21 @@ def check_metadata(meta: dict[str, str]) -> None:
 
 
 class Secrets:
-    """The secrets of every owner, over the store's ``secrets`` table."""
+    """The secrets of every owner: in the store's ``secrets`` table, or with ``cluster_redis`` in the
+    cluster's Redis, so that every node of the cluster lists the same secrets and its egress proxies put
+    the same values into the requests of sandboxes wherever they run."""
 
-    def __init__(self, store: Store) -> None:
-        self.log = SecretLog(store)
+    def __init__(self, store: Store, cluster_redis: str | None = None) -> None:
+        self.log: SecretRows
+        if cluster_redis:
+            from aenv.store.secrets_redis import RedisSecretLog
+
+            self.log = RedisSecretLog(cluster_redis)
+            if left := SecretLog(store).count():  # made before the node joined a cluster
+                log.warning("%d secret(s) in this node's own database are not used in cluster mode (the "
+                            "cluster's Redis holds the secrets): create them again through the API", left)
+        else:
+            self.log = SecretLog(store)
 
     def create(self, owner: str, name: str, value: str, metadata: dict[str, str] | None) -> SecretRow:
         name = canonical_name(name)

@@ -34,6 +34,7 @@ from aenv.gateway.leases import router as leases_router
 from aenv.gateway.nodes import Node, NodeSet
 from aenv.gateway.per_node import router as per_node_router
 from aenv.gateway.proxy import GatewayProxy
+from aenv.gateway.secrets import router as secrets_router
 from aenv.gateway.volumes import control as volumes_router
 from aenv.teams import Quota, TeamDirectory
 
@@ -90,6 +91,7 @@ def create_gateway_app(settings: GatewaySettings) -> Any:
 
     nodes.probe_get = probe_get  # probes over the forwarder's kept-alive connections, not an httpx request each
     gateway = Gateway(nodes, locator, forwarder)
+    gateway.shared_secrets = bool(settings.redis)  # its nodes are cluster-mode nodes of that Redis
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -125,7 +127,7 @@ def create_gateway_app(settings: GatewaySettings) -> Any:
 
     # before router: its template routes are broader, and its last route answers 501 for what it does not relay
     for extra in (volumes_router, builds_router, build_uploads_router, leases_router, per_node_router,
-                  console_read_router, console_ops_router):
+                  console_read_router, console_ops_router, secrets_router):
         api.include_router(extra)
     api.state.console_client = client
     console.install(api, "gateway")  # before router, whose last route takes every path

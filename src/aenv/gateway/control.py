@@ -20,6 +20,8 @@
   node (and leaves the shared store);
 - leases (``leases.py``) are made on every live node under one ID; a create bound to one that lands on a
   node without it (down when it was made: 400 ``reason: lease_unknown``) is tried on another node;
+- secrets (``secrets.py``): in a cluster, to any one live node (they all hold the same); over a static
+  node list, a 501;
 - what every node keeps for itself (the image cache, the webhooks' log) is asked of every node and merged
   (``per_node.py``); anything else the gateway does not relay is a 501 that says so.
 """
@@ -69,6 +71,7 @@ class Gateway:
         self.on_created: list[Callable[[str], None]] = []  # a sandbox made through this gateway (create, fork)
         self.machines = machines.SnapshotMachines()  # the machine a snapshot restores on, where known
         self.teams: TeamDirectory | None = None  # team quotas across the nodes (quotas.py); None: not checked
+        self.shared_secrets = False  # the nodes keep the secrets in one Redis (cluster mode; secrets.py)
 
     # ---- creates ----------------------------------------------------------------------------
     def place(self, exclude: set[str], template: str | None, key: str | None, pinned: Node | None = None,
@@ -443,8 +446,6 @@ async def kill_matching(request: Request) -> Response:
 @router.get("/v2/templates")
 @router.get("/templates/{rest:path}")
 @router.get("/default-templates")
-@router.api_route("/secrets", methods=ALL)  # (every node answers that it does not serve them)
-@router.api_route("/secrets/{rest:path}", methods=ALL)
 async def template_read(request: Request) -> Response:
     """A list is every live node's, merged (a template built once is on its building node, and on
     those that fetched it); a read of one template goes to a node that holds it, else one after

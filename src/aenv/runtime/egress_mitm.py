@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 import h11
 
+from aenv.errors import StoreUnavailable
 from aenv.runtime import egress_rules
 from aenv.runtime.egress_ca import EgressCa
 from aenv.runtime.egress_own import refusal
@@ -159,11 +160,16 @@ async def _requests(key: str, client: _Side, up: asyncio.StreamWriter, host: str
                     await client.write(_refused(421, "Misdirected Request", why))
                     raise ConnectionAbortedError from None
                 try:
-                    add = headers_for()
+                    add = await asyncio.to_thread(headers_for)  # a store read (cluster: Redis): off the loop
                 except UnresolvedSecret as exc:
                     log.warning("sandbox=%s egress to %s refused: the secret '%s' of its rules no longer exists",
                                 key, host, exc)
                     await client.write(_bad_gateway(f"the secret '{exc}' of this sandbox's network rules no longer exists"))
+                    raise ConnectionAbortedError from None
+                except StoreUnavailable as exc:  # cluster mode: the secrets' Redis did not answer; nothing sent
+                    log.warning("sandbox=%s egress to %s refused: %s", key, host, exc)
+                    await client.write(_refused(503, "Service Unavailable", "the secrets of this sandbox's network "
+                                                "rules cannot be read now (the cluster's store did not answer)"))
                     raise ConnectionAbortedError from None
                 upgrade = event.method == b"CONNECT" or any(n.lower() == b"upgrade" for n, _ in event.headers.raw_items())
                 raw_after = raw_after or upgrade

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from aenv.errors import Conflict
 from aenv.store.sqlite import Store
@@ -36,6 +36,20 @@ def _row(rec: Any) -> SecretRow:
     data = {k: rec[k] for k in _META}
     data["metadata"] = json.loads(data["metadata"] or "{}")
     return SecretRow(**data)
+
+
+class SecretRows(Protocol):
+    """Where secrets are kept: this node's SQLite (``SecretLog``), or in cluster mode the cluster's Redis
+    (``secrets_redis.RedisSecretLog``), which every node shares."""
+
+    def create(self, row: SecretRow, value: str) -> None: ...
+    def update(self, owner: str, secret_id: str, value: str, metadata: dict[str, str] | None,
+               at: float) -> SecretRow | None: ...  # fmt: skip
+    def get(self, owner: str, secret_id: str) -> SecretRow | None: ...
+    def by_name(self, owner: str, name: str) -> SecretRow | None: ...
+    def page(self, owner: str, after: str, limit: int) -> list[SecretRow]: ...
+    def delete(self, owner: str, secret_id: str) -> bool: ...
+    def value_of(self, secret_id: str) -> str | None: ...
 
 
 class SecretLog:
@@ -88,6 +102,9 @@ class SecretLog:
         when its owner set them)."""
         rows = self.store._query("SELECT value FROM secrets WHERE id = ?", (secret_id,))
         return str(rows[0]["value"]) if rows else None
+
+    def count(self) -> int:
+        return int(self.store._query("SELECT COUNT(*) AS n FROM secrets", ())[0]["n"])
 
 
 class CaLog:

@@ -1,6 +1,7 @@
 """Routes the newest E2B client calls, through the gateway: batch metrics asked of every live node and
-merged (a node down named, not fatal), default templates and the secrets API answered by one node,
-never the gateway's 501."""
+merged (a node down named, not fatal), default templates answered by one node; the secrets API
+answered by one node in a cluster (one that cannot be reached skipped, each write sent once), and a
+501 naming ``cluster_redis`` over a static node list, where the nodes do not share secrets."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 from aenv.gateway.control import router
 from aenv.gateway.forward import NodeUnreachable, Relayed
 from aenv.gateway.nodes import Node
+from aenv.gateway.secrets import router as secrets_router
 from tests.unit.gateway.three_nodes import answer, client
 
 
@@ -29,7 +31,7 @@ class Nodes:
             return answer(node, 200, {"sandboxes": {f"s-{node.id}": {"cpuCount": 2}}})
         if path == "/default-templates":
             return answer(node, 200, [{"templateID": "base"}])
-        return answer(node, 400, {"code": 400, "message": "the secrets API (/secrets) is not implemented"})
+        return answer(node, 201 if request.method == "POST" else 200, {"node": node.id})
 
 
 def test_batch_metrics_merge_every_live_nodes_answer() -> None:
@@ -46,9 +48,26 @@ def test_a_bad_batch_request_is_the_nodes_400() -> None:
     assert got.status_code == 400 and "sandbox_ids" in got.json()["message"]
 
 
-def test_default_templates_and_secrets_are_one_nodes_answer() -> None:
-    c = client(Nodes(), router)
-    assert c.get("/default-templates").json() == [{"templateID": "base"}]
+def test_default_templates_are_one_nodes_answer() -> None:
+    assert client(Nodes(), router).get("/default-templates").json() == [{"templateID": "base"}]
+
+
+def test_secrets_in_a_cluster_are_one_live_nodes_answer() -> None:
+    fake = Nodes()
+    c = client(fake, secrets_router)
+    c.app.state.gateway.shared_secrets = True  # type: ignore[attr-defined]
+    nodes = c.app.state.gateway.nodes.nodes  # type: ignore[attr-defined]
+    nodes["n1"].inflight = nodes["n2"].inflight = 5  # n3, the least loaded, is tried first: unreachable
+    for method, path in (("GET", "/secrets"), ("POST", "/secrets"), ("POST", "/secrets/s1"), ("DELETE", "/secrets/s1")):
+        fake.seen.clear()
+        got = c.request(method, path, json={"name": "n", "value": "v"} if method == "POST" else None)
+        assert got.status_code in (200, 201) and got.json()["node"] in ("n1", "n2"), (method, path, got.text)
+        assert [n for n, _ in fake.seen] == ["n3", got.json()["node"]]  # once, after the unreachable one
+
+
+def test_secrets_over_a_static_node_list_are_a_501_naming_cluster_redis() -> None:
+    fake = Nodes()
     for method, path in (("GET", "/secrets"), ("POST", "/secrets"), ("DELETE", "/secrets/s1")):
-        got = c.request(method, path)
-        assert got.status_code == 400 and "secrets" in got.json()["message"], (method, path, got.text)
+        got = client(fake, secrets_router).request(method, path)
+        assert got.status_code == 501 and "cluster_redis" in got.json()["message"], (method, path, got.text)
+    assert fake.seen == []

@@ -229,3 +229,23 @@ async def test_unverified_upstream_and_deleted_secret(tmp_path: Path) -> None:
         answer = await reader.read()
         writer.close()
     assert answer.startswith(b"HTTP/1.1 502") and b"secret 'k'" in answer and SECRET.encode() not in answer
+
+
+class _StoreDown(dict[str, str]):
+    """A secrets store that does not answer (cluster mode: its Redis is down)."""
+
+    def get(self, *_: Any) -> Any:  # type: ignore[override]
+        from aenv.errors import StoreUnavailable
+
+        raise StoreUnavailable("secrets: the cluster's Redis is unreachable")
+
+
+@pytest.mark.asyncio
+async def test_a_store_that_does_not_answer_refuses_the_request() -> None:
+    proxy, up, _ = await _proxy(None, False, _StoreDown())
+    async with proxy, up:
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.sockets[0].getsockname()[1])
+        writer.write(REQ)
+        answer = await reader.read()
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 503") and b"cannot be read now" in answer
