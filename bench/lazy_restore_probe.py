@@ -62,6 +62,18 @@ def lazy_daemons() -> int:
     return n
 
 
+def child_rss_mb(sids: list[str]) -> float | None:
+    """Median anonymous memory (cgroup v1 ``memory.stat`` total_rss) of the children's cgroups:
+    unlike MemAvailable, not moved by what else runs on the host."""
+    vals = []
+    for sid in sids:
+        for stat in Path("/sys/fs/cgroup/memory/aenv").glob(f"*/{sid}/memory.stat"):
+            for line in stat.read_text().splitlines():
+                if line.startswith("total_rss "):
+                    vals.append(int(line.split()[1]) / 2**20)
+    return round(statistics.median(vals), 1) if vals else None
+
+
 def load1() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
 
@@ -91,7 +103,7 @@ class Side:
         self.srv = start_server(self.tmp, "ns", env, port=PORTS[name])
         self.kw = {"api_url": self.srv.url, "sandbox_url": self.srv.url, "api_key": API_KEY}
         self.parent = Sandbox.create("base", timeout=3600, **self.kw)
-        self.parent.commands.run(HOLD_48MIB, background=True).disconnect()
+        self.parent.commands.run(HOLD_48MIB, background=True, timeout=0).disconnect()  # no 60 s default
         time.sleep(3.0)
 
     def restores(self, since: int) -> list[float]:
@@ -107,7 +119,7 @@ class Side:
         since = self.srv.log_path.stat().st_size
         m0, c0 = mem_available_mb(), busy_s()
         t0 = time.perf_counter()
-        with AenvClient(self.srv.url, self.kw["api_key"]) as client:
+        with AenvClient(self.srv.url, self.kw["api_key"], timeout=600) as client:
             res = client.fork(self.parent.sandbox_id, n, timeout=600)
         call = (time.perf_counter() - t0) * 1000
         m_call = mem_available_mb()
@@ -115,9 +127,9 @@ class Side:
         with concurrent.futures.ThreadPoolExecutor(max(1, len(kids))) as pool:
             list(pool.map(lambda s: _answer(s, self.kw), kids))
         answered = (time.perf_counter() - t0) * 1000
-        c1, m_cmd, alive = busy_s(), mem_available_mb(), lazy_daemons()
+        c1, m_cmd, alive, rss_cmd = busy_s(), mem_available_mb(), lazy_daemons(), child_rss_mb(kids)
         time.sleep(SETTLE_S)
-        m_settled, alive_settled, c2 = mem_available_mb(), lazy_daemons(), busy_s()
+        m_settled, alive_settled, c2, rss_settled = mem_available_mb(), lazy_daemons(), busy_s(), child_rss_mb(kids)
         restores = self.restores(since)
         for sid in kids:
             Sandbox.kill(sid, **self.kw)
@@ -129,6 +141,7 @@ class Side:
                 "mem_per_child_mb_after_call": round((m0 - m_call) / k, 1),
                 "mem_per_child_mb_after_cmd": round((m0 - m_cmd) / k, 1),
                 "mem_per_child_mb_settled": round((m0 - m_settled) / k, 1),
+                "child_rss_mb_at_answer": rss_cmd, "child_rss_mb_settled": rss_settled,
                 "busy_cpu_s_to_answer": round(c1 - c0, 2), "busy_cpu_s_to_settled": round(c2 - c0, 2),
                 "lazy_daemons_at_answer": alive, "lazy_daemons_settled": alive_settled, "load1": load1()}
 
@@ -136,14 +149,16 @@ class Side:
         from aenv.testing.server import stop_server
 
         stop_server(self.srv)
+        shutil.copy(self.srv.log_path, Path(tempfile.gettempdir()) / f"lazyfork-server-{self.name}.log")
         if str(self.tmp) not in Path("/proc/mounts").read_text():
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 COLS = ("side", "n", "ok", "errors", "call_ms", "all_answer_ms", "restore_ms_median", "mem_per_child_mb_after_call",
-        "mem_per_child_mb_after_cmd", "mem_per_child_mb_settled", "busy_cpu_s_to_answer",
+        "mem_per_child_mb_after_cmd", "mem_per_child_mb_settled", "child_rss_mb_at_answer", "child_rss_mb_settled",
+        "busy_cpu_s_to_answer",
         "busy_cpu_s_to_settled", "lazy_daemons_at_answer", "lazy_daemons_settled", "load1")
-SHORT = ("side", "n", "ok", "errors", "call", "answer", "restore", "MB@call", "MB@cmd", "MB@+3s", "cpu@ans", "cpu@+3s",
+SHORT = ("side", "n", "ok", "errors", "call", "answer", "restore", "MB@call", "MB@cmd", "MB@+3s", "rss@ans", "rss@+3s", "cpu@ans", "cpu@+3s",
          "lz@ans", "lz@+3s", "load1")
 
 
@@ -154,6 +169,7 @@ def main() -> None:
     sides: dict[str, Side] = {}
     rows: list[dict[str, Any]] = []
     started = time.strftime("%Y%m%d-%H%M%S")
+    OUT.mkdir(parents=True, exist_ok=True)
     try:
         for name in ("eager", "lazy"):
             sides[name] = Side(name)
@@ -161,7 +177,11 @@ def main() -> None:
             order = ("eager", "lazy") if r % 2 == 0 else ("lazy", "eager")
             for n in counts:
                 for name in order:
-                    row = sides[name].fork(n) | {"round": r}
+                    try:
+                        row = sides[name].fork(n) | {"round": r}
+                    except Exception as exc:  # noqa: BLE001 - one failed fork is a result, not the end
+                        row = dict.fromkeys(COLS) | {"side": name, "n": n, "round": r, "ok": 0,
+                                                     "errors": [f"{type(exc).__name__}: {str(exc)[:200]}"]}
                     rows.append(row)
                     print("  ".join(f"{k}={row[k]}" for k in COLS), flush=True)
     finally:
@@ -175,7 +195,8 @@ def main() -> None:
         for n in counts:
             sel = [x for x in rows if x["side"] == name and x["n"] == n]
             summary[f"{name} x{n}"] = {k: round(statistics.median(x[k] for x in sel if x[k] is not None), 1)
-                                       for k in COLS[4:] if any(x[k] is not None for x in sel)}
+                                       for k in COLS[4:] if any(x[k] is not None for x in sel)} | {
+                                           "failed_forks": sum(1 for x in sel if x["ok"] != x["n"])}
     print("\nmedians:")
     for key, med in summary.items():
         print(f"  {key}: " + ", ".join(f"{k}={v}" for k, v in med.items()))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import shutil
 import subprocess
@@ -36,6 +37,7 @@ from aenv.runtime.ns.lazypages import lazy_restore
 from aenv.runtime.ns.userns import SharedUserns, mapped_base
 from aenv.runtime.nsthread import in_private_mounts, run_in_namespace
 
+_log = logging.getLogger("aenv.runtime.ns")
 DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
 DEBUG_LOG = "agent.log"  # in /.aenv-run, with log_level = debug (sandbox.agent_argv)
@@ -272,6 +274,11 @@ def restore(exe: str, images: Path, *, lowers: list[str], upper: Path, work: Pat
     userns = _userns_for(images, userns)
     if (images / DEBUG_LOG).exists():  # keep_debug_log
         _copy_owned(images / DEBUG_LOG, run_dir / DEBUG_LOG)
+    if userns is not None and lazy:
+        # a task restored into a user namespace opens its userfaultfd there, which this kernel
+        # refuses without vm.unprivileged_userfaultfd = 1 (CAP_SYS_PTRACE in the host's namespace)
+        _log.warning("ns_fork_lazy_pages: not in a user namespace's restore; restoring every page first")
+        lazy = False
     if userns is not None:
         if on_netns is not None:
             raise ValueError("a restore in a user namespace has no fresh network namespace to hand out")
