@@ -134,6 +134,9 @@ class Settings(BaseModel):
         True,
         description="ns: let templates that run Docker inside (nested_containers, e.g. `docker`) start on this node. Such a sandbox's root holds every capability of a user namespace of its own (dockerd needs them to mount, make namespaces and set up its bridges), which widens the kernel surface it reaches (mounts of overlayfs, tmpfs, proc, sysfs and cgroups; netfilter and bridges in its own network namespace). Its egress filter stays out of its reach, in the network namespace of a router in front of it. False: such templates are refused (400) and run only on the vm runtime",
     )
+    ns_fork_lazy_pages: bool = Field(
+        False, description="ns: restore fork children and sandboxes made from full snapshots with CRIU lazy pages (userfaultfd: a `criu lazy-pages` daemon per child serves the dump's pages on first touch, then copies the rest); off: every page is read into place before the child runs (measured in bench/lazy_restore_probe.py)"
+    )
     ns_release_paused_after: float = Field(
         300.0, ge=0, description="ns: seconds a sandbox stays paused (frozen) before its processes are saved to disk with CRIU and end; resume restores them (0 = at once; needs CRIU, else it stays frozen)"
     )

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import shutil
 import subprocess
@@ -32,9 +33,11 @@ from pathlib import Path
 from aenv.agent import launch
 from aenv.runtime.base import VolumeBind
 from aenv.runtime.ns import criu, sockets
+from aenv.runtime.ns.lazypages import lazy_restore
 from aenv.runtime.ns.userns import SharedUserns, mapped_base
 from aenv.runtime.nsthread import in_private_mounts, run_in_namespace
 
+_log = logging.getLogger("aenv.runtime.ns")
 DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
 DEBUG_LOG = "agent.log"  # in /.aenv-run, with log_level = debug (sandbox.agent_argv)
@@ -255,7 +258,7 @@ def end_restore_network(pid: int) -> None:
 
 def restore(exe: str, images: Path, *, lowers: list[str], upper: Path, work: Path, merged: Path, run_dir: Path,
             tools: Path, boot_id: Path, procs_files: list[str], on_netns: Callable[[int], None] | None = None,
-            userns: SharedUserns | None = None, volumes: Sequence[VolumeBind] = ()) -> int:
+            userns: SharedUserns | None = None, volumes: Sequence[VolumeBind] = (), lazy: bool = False) -> int:
     """``criu restore`` into a fresh network namespace and the given cgroups; returns the restored
     init's host pid. The overlay is mounted on the host only while CRIU runs (the restored tree keeps
     its own copy in its mount namespace). ``on_netns``: called with a pid in the fresh network
@@ -265,31 +268,37 @@ def restore(exe: str, images: Path, *, lowers: list[str], upper: Path, work: Pat
     ``volumes``: the E2B volumes bound where the dumped ones were (the same mount points); a
     read-only one's source is bound read-only first, so its restored bind is born read-only.
     What the namespace allowed only while CRIU restored sockets is undone before this returns
-    (``end_restore_network``)."""
+    (``end_restore_network``). ``lazy``: with CRIU lazy pages (``lazypages.py``)."""
     pidfile = run_dir / "criu-restore.pid"
     log = run_dir / RESTORE_LOG
     userns = _userns_for(images, userns)
     if (images / DEBUG_LOG).exists():  # keep_debug_log
         _copy_owned(images / DEBUG_LOG, run_dir / DEBUG_LOG)
+    if userns is not None and lazy:
+        # a task restored into a user namespace opens its userfaultfd there, which this kernel
+        # refuses without vm.unprivileged_userfaultfd = 1 (CAP_SYS_PTRACE in the host's namespace)
+        _log.warning("ns_fork_lazy_pages: not in a user namespace's restore; restoring every page first")
+        lazy = False
     if userns is not None:
         if on_netns is not None:
             raise ValueError("a restore in a user namespace has no fresh network namespace to hand out")
         pid = restore_in_userns(exe, images, userns, lowers=lowers, upper=upper, work=work, merged=merged,
                                 run_dir=run_dir, tools=tools, boot_id=boot_id, procs_files=procs_files,
-                                volumes=volumes)
+                                volumes=volumes, lazy=lazy)
         end_restore_network(pid)
         return pid
     mount_overlay(criu.overlay_options(lowers, upper, work), merged)
     try:
         masked = criu.masked_here()
         read_only = [str(v.source) for v in volumes if v.read_only]
-        run_criu(criu.in_cgroups_argv(procs_files, criu.in_fresh_netns_argv(criu.restore_argv(
-            exe, images, root=merged, pidfile=pidfile, tools=tools, run_dir=run_dir, log=str(log),
-            boot_id=boot_id, masked=masked, volumes=[(v.path, str(v.source)) for v in volumes],
-            read_only_volumes=[v.path for v in volumes if v.read_only]), kdat=kdat_cache(exe),
-            read_only=criu.read_only_sources(tools, boot_id, masked, read_only), ready=on_netns is not None,
-            stand_in_route=(images / criu.OUTSIDE_TCP_MARK).exists())),
-            log, "restore", on_ready=on_netns)
+        with lazy_restore(exe, images, kdat_cache(exe), lazy, run_dir.parent.name) as lazy_work:
+            run_criu(criu.in_cgroups_argv(procs_files, criu.in_fresh_netns_argv(criu.restore_argv(
+                exe, images, root=merged, pidfile=pidfile, tools=tools, run_dir=run_dir, log=str(log),
+                boot_id=boot_id, masked=masked, volumes=[(v.path, str(v.source)) for v in volumes],
+                read_only_volumes=[v.path for v in volumes if v.read_only], lazy_work=lazy_work),
+                kdat=kdat_cache(exe), read_only=criu.read_only_sources(tools, boot_id, masked, read_only),
+                ready=on_netns is not None, stand_in_route=(images / criu.OUTSIDE_TCP_MARK).exists())),
+                log, "restore", on_ready=on_netns)
     finally:
         _libc.umount2(os.fsencode(merged), _MNT_DETACH)  # the restored tree holds its own copy
     pid = int(pidfile.read_text().strip())
@@ -341,7 +350,7 @@ def sweep_stages(base: Path = criu.KDAT_BASE, now: float | None = None) -> list[
 
 def restore_in_userns(exe: str, images: Path, userns: SharedUserns, *, lowers: list[str], upper: Path,
                       work: Path, merged: Path, run_dir: Path, tools: Path, boot_id: Path,
-                      procs_files: list[str], volumes: Sequence[VolumeBind] = ()) -> int:
+                      procs_files: list[str], volumes: Sequence[VolumeBind] = (), lazy: bool = False) -> int:
     """``restore`` of a user-namespaced sandbox's images (``dump`` marked them): CRIU makes the user
     namespace again from the dumped map and the network namespace inside it; a thread of the server
     in a private mount namespace mounts the overlay over idmapped layers and a fresh /dev
@@ -377,7 +386,10 @@ def restore_in_userns(exe: str, images: Path, userns: SharedUserns, *, lowers: l
             launch.bind(str(kdat), "/run")
 
     try:
-        run_criu(criu.in_cgroups_argv(procs_files, argv), log, "restore", mounts=mounts)
+        with lazy_restore(exe, images, kdat, lazy, run_dir.parent.name) as lazy_work:
+            if lazy_work is not None:
+                argv += ["--lazy-pages", "-W", str(lazy_work)]
+            run_criu(criu.in_cgroups_argv(procs_files, argv), log, "restore", mounts=mounts)
     finally:
         stage.rmdir()  # its mounts were in CRIU's namespace only
     return int(pidfile.read_text().strip())

@@ -395,7 +395,8 @@ def restore_argv(exe: str, images: Path, *, root: Path, pidfile: Path, tools: Pa
                  log: str = "restore.log", extra: Sequence[str] = (), boot_id: Path | None = None,
                  masked: Sequence[str] | None = None, net_external: bool = True,
                  dev: Path | None = None, volumes: Sequence[tuple[str, str]] = (),
-                 read_only_volumes: Sequence[str] = (), empty_net: bool = False) -> list[str]:
+                 read_only_volumes: Sequence[str] = (), empty_net: bool = False,
+                 lazy_work: Path | None = None) -> list[str]:
     """``criu restore`` detached into ``root`` (a fresh overlay whose upper is a copy taken at dump
     time). Each restore gets a new pid namespace, so N restores of one image run side by side.
     ``boot_id``: the new sandbox's boot id file, bound where the dumped one was. ``net_external``:
@@ -407,7 +408,10 @@ def restore_argv(exe: str, images: Path, *, root: Path, pidfile: Path, tools: Pa
     ``empty_net``: the image's network namespace is made bare (``--empty-ns net``) but for its
     loopback (``LO_UP``): a user-namespaced sandbox's holds only loopback and its filter, which the
     runtime writes again after CRIU (``Restorer.attach`` in ``restored.py``); restoring its addresses, routes,
-    rules and iptables took CRIU eight ``ip``/``iptables`` runs (~25 ms)."""
+    rules and iptables took CRIU eight ``ip``/``iptables`` runs (~25 ms). ``lazy_work``: restore
+    with ``--lazy-pages``, the pages served by the ``lazy_pages_argv`` daemon listening in that
+    directory (CRIU's work dir: its socket has a fixed name, so one directory per restore)."""
+    lazy = ["--lazy-pages", "-W", str(lazy_work)] if lazy_work is not None else []
     net = ["--inherit-fd", f"fd[{NET_FD}]:{EXT_NET}"] if net_external else []
     if empty_net:
         net += ["--empty-ns", "net"]
@@ -418,7 +422,18 @@ def restore_argv(exe: str, images: Path, *, root: Path, pidfile: Path, tools: Pa
             "--pidfile", str(pidfile), "--root", str(root), "--tcp-established", "--ext-unix-sk",
             "--file-locks", "--manage-cgroups=ignore", *_externals_restore(tools, run_dir, boot_id, masked),
             "--action-script", ro_remount_action(masked, volumes=read_only_volumes, lo_up=empty_net), *net, *_volumes_restore(volumes),
-            *extra]
+            *lazy, *extra]
+
+
+LAZY_SOCKET = "lazy-pages.socket"  # what CRIU names the lazy-pages daemon's socket in its work dir
+LAZY_LOG = "lazy-pages.log"
+
+
+def lazy_pages_argv(exe: str, images: Path, work: Path) -> list[str]:
+    """``criu lazy-pages``: the daemon that serves one ``--lazy-pages`` restore of ``images`` by
+    userfaultfd from ``work`` (its socket and log). It serves faults as they come, copies every page
+    not yet asked for once no fault came for a second, and ends when all are in place."""
+    return [exe, "lazy-pages", "-D", str(images), "-W", str(work), "-o", LAZY_LOG, "-v2"]
 
 
 def kdat_dir(exe: str, base: Path = KDAT_BASE) -> Path:

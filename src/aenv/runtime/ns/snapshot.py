@@ -471,10 +471,16 @@ class NsSnapshots:
         # another team's next create: ahead of the burst (bursts.py)
         refill_first = not live and self.bursts.busy and self.host.settings.team_burst_yield
 
+        lazy = stacked and self.host.settings.ns_fork_lazy_pages  # a snapshot's images outlive the child
+
         def prepare_and_restore() -> int:
-            return restore_into(sbx, spec, None if stacked else Path(layers[0]), snapshot / CRIU_DIR, exe, tools,
-                                on_netns, low_weight=not live and not refill_first,
-                                bursts=self.bursts if burst else None)
+            t0 = time.perf_counter()
+            pid = restore_into(sbx, spec, None if stacked else Path(layers[0]), snapshot / CRIU_DIR, exe, tools,
+                               on_netns, low_weight=not live and not refill_first,
+                               bursts=self.bursts if burst else None, lazy=lazy)
+            log.info("sandbox=%s processes restored in %.1f ms lazy=%s", spec.sandbox_id,
+                     (time.perf_counter() - t0) * 1000, lazy)
+            return pid
 
         with (self.bursts.starting(sbx.cgroup) if burst else
               self.bursts.refilling(sbx.cgroup) if refill_first else contextlib.nullcontext()):
@@ -505,12 +511,12 @@ def _restore_pool() -> concurrent.futures.ThreadPoolExecutor:
 
 def restore_into(sbx: NsSandbox, spec: SandboxSpec, upper: Path | None, images: Path, exe: str, tools: Path,
                  on_netns: Callable[[int], None] | None = None, low_weight: bool = False,
-                 bursts: BurstWeights | None = None) -> int:
+                 bursts: BurstWeights | None = None, lazy: bool = False) -> int:
     """Blocking: make ``sbx``'s directory and cgroups, copy ``upper`` in (None: an empty upper, the
     snapshot's upper is a lower of ``sbx``), restore ``images`` (``on_netns``: ``checkpoint.restore``'s); the pid.
     ``low_weight``: a pool refill; CRIU runs in the sandbox's cgroups, so giving them the pool's CPU
     weight first keeps the whole restore, not only what follows it, from slowing live sandboxes. ``bursts``:
-    one of a burst's starts, weighed as the burst should be now (``bursts.py``)."""
+    one of a burst's starts, weighed as the burst should be now (``bursts.py``). ``lazy``: CRIU lazy pages."""
     paths, cg, opts = sbx.paths, sbx.cgroup, sbx.opts
     shutil.rmtree(paths.upper, ignore_errors=True)
     if opts is not None and opts.disk is not None:  # the quota subvolume must exist before the copy lands in it
@@ -529,7 +535,7 @@ def restore_into(sbx: NsSandbox, spec: SandboxSpec, upper: Path | None, images: 
     return checkpoint.restore(exe, images, lowers=sbx.lowers, upper=paths.upper, work=paths.work,
                               merged=paths.merged, run_dir=paths.run, tools=tools, boot_id=paths.boot_id,
                               procs_files=cg.procs_files(), on_netns=on_netns,
-                              userns=opts.userns if opts is not None else None, volumes=spec.volumes)
+                              userns=opts.userns if opts is not None else None, volumes=spec.volumes, lazy=lazy)
 
 
 def _clean_capture(into: Path) -> None:
