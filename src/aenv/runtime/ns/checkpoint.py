@@ -26,6 +26,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -258,7 +259,8 @@ def end_restore_network(pid: int) -> None:
 
 def restore(exe: str, images: Path, *, lowers: list[str], upper: Path, work: Path, merged: Path, run_dir: Path,
             tools: Path, boot_id: Path, procs_files: list[str], on_netns: Callable[[int], None] | None = None,
-            userns: SharedUserns | None = None, volumes: Sequence[VolumeBind] = (), lazy: bool = False) -> int:
+            userns: SharedUserns | None = None, volumes: Sequence[VolumeBind] = (), lazy: bool = False,
+            served: list[threading.Thread] | None = None) -> int:
     """``criu restore`` into a fresh network namespace and the given cgroups; returns the restored
     init's host pid. The overlay is mounted on the host only while CRIU runs (the restored tree keeps
     its own copy in its mount namespace). ``on_netns``: called with a pid in the fresh network
@@ -268,7 +270,8 @@ def restore(exe: str, images: Path, *, lowers: list[str], upper: Path, work: Pat
     ``volumes``: the E2B volumes bound where the dumped ones were (the same mount points); a
     read-only one's source is bound read-only first, so its restored bind is born read-only.
     What the namespace allowed only while CRIU restored sockets is undone before this returns
-    (``end_restore_network``). ``lazy``: with CRIU lazy pages (``lazypages.py``)."""
+    (``end_restore_network``). ``lazy``: with CRIU lazy pages (``lazypages.py``; ``served``: its
+    daemon's reaper thread, ``lazy_restore``'s)."""
     pidfile = run_dir / "criu-restore.pid"
     log = run_dir / RESTORE_LOG
     userns = _userns_for(images, userns)
@@ -284,14 +287,14 @@ def restore(exe: str, images: Path, *, lowers: list[str], upper: Path, work: Pat
             raise ValueError("a restore in a user namespace has no fresh network namespace to hand out")
         pid = restore_in_userns(exe, images, userns, lowers=lowers, upper=upper, work=work, merged=merged,
                                 run_dir=run_dir, tools=tools, boot_id=boot_id, procs_files=procs_files,
-                                volumes=volumes, lazy=lazy)
+                                volumes=volumes, lazy=lazy, served=served)
         end_restore_network(pid)
         return pid
     mount_overlay(criu.overlay_options(lowers, upper, work), merged)
     try:
         masked = criu.masked_here()
         read_only = [str(v.source) for v in volumes if v.read_only]
-        with lazy_restore(exe, images, kdat_cache(exe), lazy, run_dir.parent.name) as lazy_work:
+        with lazy_restore(exe, images, kdat_cache(exe), lazy, run_dir.parent.name, served) as lazy_work:
             run_criu(criu.in_cgroups_argv(procs_files, criu.in_fresh_netns_argv(criu.restore_argv(
                 exe, images, root=merged, pidfile=pidfile, tools=tools, run_dir=run_dir, log=str(log),
                 boot_id=boot_id, masked=masked, volumes=[(v.path, str(v.source)) for v in volumes],
@@ -350,7 +353,8 @@ def sweep_stages(base: Path = criu.KDAT_BASE, now: float | None = None) -> list[
 
 def restore_in_userns(exe: str, images: Path, userns: SharedUserns, *, lowers: list[str], upper: Path,
                       work: Path, merged: Path, run_dir: Path, tools: Path, boot_id: Path,
-                      procs_files: list[str], volumes: Sequence[VolumeBind] = (), lazy: bool = False) -> int:
+                      procs_files: list[str], volumes: Sequence[VolumeBind] = (), lazy: bool = False,
+                      served: list[threading.Thread] | None = None) -> int:
     """``restore`` of a user-namespaced sandbox's images (``dump`` marked them): CRIU makes the user
     namespace again from the dumped map and the network namespace inside it; a thread of the server
     in a private mount namespace mounts the overlay over idmapped layers and a fresh /dev
@@ -386,7 +390,7 @@ def restore_in_userns(exe: str, images: Path, userns: SharedUserns, *, lowers: l
             launch.bind(str(kdat), "/run")
 
     try:
-        with lazy_restore(exe, images, kdat, lazy, run_dir.parent.name) as lazy_work:
+        with lazy_restore(exe, images, kdat, lazy, run_dir.parent.name, served) as lazy_work:
             if lazy_work is not None:
                 argv += ["--lazy-pages", "-W", str(lazy_work)]
             run_criu(criu.in_cgroups_argv(procs_files, argv), log, "restore", mounts=mounts)

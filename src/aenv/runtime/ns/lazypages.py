@@ -103,9 +103,13 @@ class LazyPages:
 
 
 @contextlib.contextmanager
-def lazy_restore(exe: str, images: Path, kdat: Path | None, on: bool, what: str) -> Iterator[Path | None]:
+def lazy_restore(exe: str, images: Path, kdat: Path | None, on: bool, what: str,
+                 served: list[threading.Thread] | None = None) -> Iterator[Path | None]:
     """The work dir a ``--lazy-pages`` restore of ``images`` runs in (``criu.restore_argv``'s
-    ``lazy_work``), its daemon listening there; None (``on`` false): an ordinary restore."""
+    ``lazy_work``), its daemon listening there; None (``on`` false): an ordinary restore. ``served``
+    gets the thread that waits for the daemon after a restore that succeeded: the daemon still reads
+    ``images`` until it ends, so whoever keeps them from being rewritten (``images_gate.py``) holds
+    them until that thread is done."""
     if not on:
         yield None
         return
@@ -115,4 +119,6 @@ def lazy_restore(exe: str, images: Path, kdat: Path | None, on: bool, what: str)
     except BaseException:
         daemon.abandon()
         raise
-    daemon.serve_on(what)
+    reaper = daemon.serve_on(what)
+    if served is not None:
+        served.append(reaper)

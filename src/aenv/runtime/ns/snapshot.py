@@ -42,9 +42,10 @@ import secrets
 import shutil
 import stat
 import subprocess
+import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -205,7 +206,7 @@ class NsSnapshots:
         self._start = start
         self._launch_ready = launch_ready
         self._prelaunch = prelaunch
-        self._cleanups: set[asyncio.Task[None]] = set()
+        self._cleanups: set[asyncio.Task[Any]] = set()
         # Each sandbox's latest full snapshot's CRIU images: what the next one's pages are compared to.
         self._last_images: OrderedDict[str, Path] = OrderedDict()
         self._images = ImagesGate()  # restores and the page linker take turns on a dump's images
@@ -432,7 +433,11 @@ class NsSnapshots:
     def _discard(self, path: Path) -> None:
         """Remove a set-aside root in the background (its size must not add to rollback latency);
         reconciliation removes it if the server dies first."""
-        task = asyncio.get_running_loop().create_task(asyncio.to_thread(remove_tree, path))
+        self._background(asyncio.to_thread(remove_tree, path))
+
+    def _background(self, work: Coroutine[Any, Any, object]) -> None:
+        """Run ``work`` on, kept until done (``drain`` waits for it)."""
+        task = asyncio.get_running_loop().create_task(work)
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
 
@@ -472,12 +477,13 @@ class NsSnapshots:
         refill_first = not live and self.bursts.busy and self.host.settings.team_burst_yield
 
         lazy = stacked and self.host.settings.ns_fork_lazy_pages  # a snapshot's images outlive the child
+        served: list[threading.Thread] = []  # a lazy restore's daemon, still reading the images
 
         def prepare_and_restore() -> int:
             t0 = time.perf_counter()
             pid = restore_into(sbx, spec, None if stacked else Path(layers[0]), snapshot / CRIU_DIR, exe, tools,
                                on_netns, low_weight=not live and not refill_first,
-                               bursts=self.bursts if burst else None, lazy=lazy)
+                               bursts=self.bursts if burst else None, lazy=lazy, served=served)
             log.info("sandbox=%s processes restored in %.1f ms lazy=%s", spec.sandbox_id,
                      (time.perf_counter() - t0) * 1000, lazy)
             return pid
@@ -485,8 +491,11 @@ class NsSnapshots:
         with (self.bursts.starting(sbx.cgroup) if burst else
               self.bursts.refilling(sbx.cgroup) if refill_first else contextlib.nullcontext()):
             try:
-                async with self._images.reading(snapshot / CRIU_DIR):  # its pagemaps never switched mid-restore
+                async with contextlib.AsyncExitStack() as gate:  # its pagemaps never switched mid-restore
+                    await gate.enter_async_context(self._images.reading(snapshot / CRIU_DIR))
                     pid = await outlive_cancel(loop.run_in_executor(_restore_pool(), prepare_and_restore))
+                    if served:  # ... nor while a lazy daemon still reads them
+                        self._background(_release_after(served, gate.pop_all()))
                 await self.restorer.attach(sbx, spec, pid, live=live, filtered=on_netns is not None)
             except BaseException as exc:
                 await sbx.aclose(remove_dir=None if root else spec.workdir)
@@ -511,7 +520,8 @@ def _restore_pool() -> concurrent.futures.ThreadPoolExecutor:
 
 def restore_into(sbx: NsSandbox, spec: SandboxSpec, upper: Path | None, images: Path, exe: str, tools: Path,
                  on_netns: Callable[[int], None] | None = None, low_weight: bool = False,
-                 bursts: BurstWeights | None = None, lazy: bool = False) -> int:
+                 bursts: BurstWeights | None = None, lazy: bool = False,
+                 served: list[threading.Thread] | None = None) -> int:
     """Blocking: make ``sbx``'s directory and cgroups, copy ``upper`` in (None: an empty upper, the
     snapshot's upper is a lower of ``sbx``), restore ``images`` (``on_netns``: ``checkpoint.restore``'s); the pid.
     ``low_weight``: a pool refill; CRIU runs in the sandbox's cgroups, so giving them the pool's CPU
@@ -535,7 +545,17 @@ def restore_into(sbx: NsSandbox, spec: SandboxSpec, upper: Path | None, images: 
     return checkpoint.restore(exe, images, lowers=sbx.lowers, upper=paths.upper, work=paths.work,
                               merged=paths.merged, run_dir=paths.run, tools=tools, boot_id=paths.boot_id,
                               procs_files=cg.procs_files(), on_netns=on_netns,
-                              userns=opts.userns if opts is not None else None, volumes=spec.volumes, lazy=lazy)
+                              userns=opts.userns if opts is not None else None, volumes=spec.volumes, lazy=lazy,
+                              served=served)
+
+
+async def _release_after(served: list[threading.Thread], gate: contextlib.AsyncExitStack) -> None:
+    """Let go of ``gate`` (the images' read hold) once every lazy daemon in ``served`` has ended."""
+    try:
+        for reaper in served:
+            await asyncio.to_thread(reaper.join)
+    finally:
+        await gate.aclose()
 
 
 def _clean_capture(into: Path) -> None:

@@ -65,3 +65,32 @@ def test_off_starts_nothing(tmp_path: Path, base: Path) -> None:
     with lazypages.lazy_restore("/nonexistent", tmp_path, None, False, "t") as work:
         assert work is None
     assert list(base.iterdir()) == []
+
+
+async def test_the_images_stay_held_until_the_lazy_daemon_has_ended() -> None:
+    """A lazy restore returns while its daemon still reads the dump's pages: the read hold on the images
+    (which keeps the page linker from rewriting them) is let go only once the daemon's reaper is done."""
+    import asyncio
+    import contextlib
+    import threading
+
+    from aenv.runtime.ns.images_gate import ImagesGate
+    from aenv.runtime.ns.snapshot import _release_after
+
+    gate, images = ImagesGate(), Path("/snap/criu")
+    daemon_done = threading.Event()
+    reaper = threading.Thread(target=daemon_done.wait, daemon=True)
+    reaper.start()
+    hold = contextlib.AsyncExitStack()
+    await hold.enter_async_context(gate.reading(images))
+    released = asyncio.create_task(_release_after([reaper], hold))
+
+    async def rewrite() -> None:
+        async with gate.writing(images, grace=0):
+            pass
+
+    writer = asyncio.create_task(rewrite())
+    await asyncio.sleep(0.1)
+    assert not writer.done()  # the daemon still reads: no rewrite
+    daemon_done.set()
+    await asyncio.wait_for(asyncio.gather(released, writer), 2)
