@@ -30,6 +30,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,8 +57,17 @@ class NetworkError(RuntimeError):
     pass
 
 
+_SLIRP_TTL_S = 10.0
+_slirp_seen: list[tuple[float, bool]] = []
+
+
 def slirp_available() -> bool:
-    return shutil.which("slirp4netns") is not None and shutil.which("iptables-restore") is not None
+    """Whether slirp4netns and iptables-restore are on PATH, looked up again after ``_SLIRP_TTL_S``
+    (every start asks; two ``which`` over PATH on the server's loop each time)."""
+    now = time.monotonic()
+    if not _slirp_seen or now - _slirp_seen[0][0] >= _SLIRP_TTL_S:
+        _slirp_seen[:] = [(now, shutil.which("slirp4netns") is not None and shutil.which("iptables-restore") is not None)]
+    return _slirp_seen[0][1]
 
 
 def host_ipv4_addresses() -> list[str]:

@@ -3,6 +3,8 @@ switch, what a start made while it is on gets, and that every start leaves at th
 
 from __future__ import annotations
 
+import threading
+
 from aenv.runtime.ns.bursts import BurstWeights
 
 
@@ -22,17 +24,20 @@ def test_starts_in_flight_follow_the_switch_and_leave_at_the_ordinary_weight() -
     one, two, done = _Cgroup(), _Cgroup(), _Cgroup()
     with bursts.starting(done):
         pass
-    assert done.weights == [False]
+    assert bursts.flush() and done.weights == [False]
     with bursts.starting(one), bursts.starting(two):
         bursts.weigh(one)  # made while off: nothing to do
-        assert one.weights == []
+        assert bursts.flush() and one.weights == []
         bursts.set(True)
-        assert one.weights == [True] and two.weights == [True]
+        assert bursts.flush() and one.weights == [True] and two.weights == [True]
         bursts.set(False)
-        assert one.weights == [True, False]
+        assert bursts.flush() and one.weights == [True, False]
         bursts.set(True)
+        assert bursts.flush()
+    assert bursts.flush()
     assert one.weights == [True, False, True, False] and two.weights == [True, False, True, False]
     bursts.set(False)
+    assert bursts.flush()
     assert done.weights == [False] and one.weights[-1] is False  # ended starts are no longer touched
     assert len(one.weights) == 4
 
@@ -43,12 +48,12 @@ def test_a_start_made_while_on_is_weighed_once_it_exists() -> None:
     cg = _Cgroup(exists=False)
     with bursts.starting(cg):  # registered before its cgroup is made: the switch cannot reach it yet
         bursts.set(True)
-        assert cg.weights == []
+        assert bursts.flush() and cg.weights == []
         cg.exists = True
         bursts.weigh(cg)  # made: as the burst is now
         assert cg.weights == [True]
         cg.exists = False  # the start failed and its cgroup went: leaving is quiet
-    assert cg.weights == [True]
+    assert bursts.flush() and cg.weights == [True]
 
 
 def test_a_refill_during_a_burst_goes_first_and_back_to_the_pools_weight() -> None:
@@ -60,10 +65,40 @@ def test_a_refill_during_a_burst_goes_first_and_back_to_the_pools_weight() -> No
     with bursts.starting(start):
         assert bursts.busy and not bursts.yielding
         with bursts.refilling(refill):
-            assert bursts.yielding and start.weights == [True]
+            assert bursts.flush() and bursts.yielding and start.weights == [True]
             bursts.set(True)  # core: another team's create comes meanwhile
             bursts.set(False)  # and goes: the refill still runs, the burst still yields
-            assert start.weights[-1] is True
-        assert not bursts.yielding and start.weights[-1] is False
+            assert bursts.flush() and start.weights[-1] is True
+        assert bursts.flush() and not bursts.yielding and start.weights[-1] is False
         assert refill.weights == [True]  # back to the pool's weight
-    assert start.weights[-1] is False
+    assert bursts.flush() and start.weights[-1] is False
+
+
+class _SlowCgroup(_Cgroup):
+    """A cgroup whose writes wait for ``release`` (cgroup locks held by a burst's restores)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def set_weight(self, low: bool) -> None:
+        self.entered.set()
+        self.release.wait(10)
+        super().set_weight(low)
+
+
+def test_the_switch_never_waits_for_the_writes() -> None:
+    """Core throws the switch from the server's loop, on the create it is for: the writes happen in the
+    weigher's thread, and a start that ends while a pass still counts it gets its ordinary weight last."""
+    bursts = BurstWeights()
+    slow = _SlowCgroup()
+    with bursts.starting(slow):
+        caller = threading.Thread(target=bursts.set, args=(True,))
+        caller.start()
+        caller.join(5)
+        assert not caller.is_alive()  # returned while the write is still held
+        assert slow.entered.wait(5) and slow.weights == []
+    slow.release.set()  # the pass that still counted it writes low; its leaving comes after
+    assert bursts.flush()
+    assert slow.weights == [True, False]

@@ -14,6 +14,12 @@ lowest weight it waited behind the burst for seconds, and the other team's next 
 restore (measured: team B's creates alternated 5-30 ms from the pool with 170-570 ms without). So a
 refill that begins while burst starts are in flight runs at the ordinary weight, the burst yields
 while it runs, and the entry goes back to the pool's weight once restored.
+
+The writes themselves run in a thread of their own (``_Weigher``), not in the caller's: the switch is
+thrown from the server's loop as another team's create begins and ends, and during a burst each
+``cpu.weight`` write took ~0.7 ms (cgroup locks the burst's restores hold), several per switch - on
+the very create the switch is for (py-spy of the loop during a burst of 200). The thread applies the
+latest state in order, so a start that has ended always gets its ordinary weight last.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from typing import Protocol
+
+IDLE_S = 2.0  # the weigher thread ends after this long with nothing to do (a later switch starts another)
 
 
 class Weighable(Protocol):
@@ -35,7 +43,13 @@ class BurstWeights:
         self._on = False  # core: another team has a create in flight
         self._refills = 0  # pool refills begun while burst starts were in flight, still running
         self._starting: set[Weighable] = set()
-        self._lock = threading.Lock()  # a start registers from the loop, weighs itself from a restore thread
+        # a start registers from the loop, weighs itself from a restore thread; the weigher reads both
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._pending = False  # the starts' weights are to be (re)applied
+        self._busy = False  # the weigher is applying
+        self._then: list[tuple[Weighable, bool]] = []  # single writes, after the next pass (start ended, refill done)
+        self._worker: threading.Thread | None = None
 
     @property
     def yielding(self) -> bool:
@@ -50,13 +64,45 @@ class BurstWeights:
         """Core's word: another team has a create in flight (``on``) or not."""
         with self._lock:
             self._on = on
-        self._apply()
+            self._ask()
 
-    def _apply(self) -> None:
+    def _ask(self, then: tuple[Weighable, bool] | None = None) -> None:
+        """(Lock held.) Have the weigher apply the current state to the starts in flight (no ``then``),
+        or write ``then`` after any such pass."""
+        if then is None:
+            self._pending = True
+        else:
+            self._then.append(then)
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._weigher, name="aenv-burst-weights", daemon=True)
+            self._worker.start()
+        self._wake.notify()
+
+    def _weigher(self) -> None:
+        while True:
+            with self._lock:
+                while not self._pending and not self._then:
+                    if not self._wake.wait(IDLE_S) and not self._pending and not self._then:
+                        self._worker = None
+                        return
+                starting = list(self._starting) if self._pending else []
+                low, then = self.yielding, self._then
+                self._pending, self._busy = False, True
+                self._then = []
+            try:
+                for cg in starting:
+                    _weigh(cg, low)
+                for cg, weight in then:
+                    _weigh(cg, weight)
+            finally:
+                with self._lock:
+                    self._busy = False
+                    self._wake.notify_all()
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until every switch so far is written (tests; a shutdown that must see them)."""
         with self._lock:
-            low, starting = self.yielding, list(self._starting)
-        for cg in starting:
-            _weigh(cg, low)
+            return self._wake.wait_for(lambda: not (self._pending or self._then or self._busy), timeout)
 
     @contextlib.contextmanager
     def refilling(self, cg: Weighable) -> Iterator[None]:
@@ -64,19 +110,20 @@ class BurstWeights:
         yields until it is done, and it goes back to the pool's weight."""
         with self._lock:
             self._refills += 1
-        self._apply()
+            self._ask()  # the burst yields
         try:
             yield
         finally:
             with self._lock:
                 self._refills -= 1
-            self._apply()
-            _weigh(cg, True)
+                self._ask()  # the burst may go back
+                self._ask(then=(cg, True))
 
     @contextlib.contextmanager
     def starting(self, cg: Weighable) -> Iterator[None]:
         """``cg`` is a burst start's until the block ends (the start done or failed): it follows
-        :meth:`set` meanwhile, and leaves at the ordinary weight (a live sandbox's)."""
+        :meth:`set` meanwhile, and leaves at the ordinary weight (a live sandbox's), written after any
+        pass that still counted it among the starts."""
         with self._lock:
             self._starting.add(cg)
         try:
@@ -84,10 +131,10 @@ class BurstWeights:
         finally:
             with self._lock:
                 self._starting.discard(cg)
-            _weigh(cg, False)
+                self._ask(then=(cg, False))
 
     def weigh(self, cg: Weighable) -> None:
-        """Once ``cg`` exists (its start made it): the weight it should have now."""
+        """Once ``cg`` exists (its start made it, in the restore's thread): the weight it should have now."""
         if self.yielding:
             _weigh(cg, True)
 
@@ -95,4 +142,3 @@ class BurstWeights:
 def _weigh(cg: Weighable, low: bool) -> None:
     with contextlib.suppress(OSError):  # not made yet (it is weighed once made) or already gone
         cg.set_weight(low=low)
-

@@ -46,7 +46,8 @@ def test_daemon_that_ends_is_reaped_and_its_dir_removed(tmp_path: Path, base: Pa
 
 
 def test_failed_restore_kills_the_daemon(tmp_path: Path, base: Path) -> None:
-    exe = _fake(tmp_path, f'touch "$work/{criu.LAZY_SOCKET}"; echo $$ > {tmp_path}/pid; exec sleep 60')
+    # the pid first: the daemon is killed as soon as it listens
+    exe = _fake(tmp_path, f'echo $$ > {tmp_path}/pid; touch "$work/{criu.LAZY_SOCKET}"; exec sleep 60')
     with pytest.raises(RuntimeError), lazypages.lazy_restore(exe, tmp_path, None, True, "t"):
         raise RuntimeError("criu restore failed")
     pid = int((tmp_path / "pid").read_text())
