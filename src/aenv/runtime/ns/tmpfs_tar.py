@@ -95,7 +95,7 @@ def source(real_tar: str) -> str:
 
 
 def shim_dir(base: Path) -> Path | None:
-    """A private directory under ``base`` holding only the ``tar`` program, for the front of CRIU's
+    """A directory under ``base`` (only this user may write; all may walk) holding only the ``tar`` program, for the front of CRIU's
     ``PATH`` at restore; None where it cannot be built (no compiler, static zlib or ``tar``)."""
     with _lock:
         if base not in _built:
@@ -109,13 +109,15 @@ def _build(base: Path) -> Path | None:
         return None
     text = source(os.path.realpath(real))
     top = base / f"aenv-criu-tar-{os.geteuid()}"
-    top.mkdir(mode=0o700, exist_ok=True)
-    if top.stat().st_uid != os.geteuid() or top.stat().st_mode & 0o077:
-        raise RuntimeError(f"{top} is not this user's private directory")
+    top.mkdir(mode=0o755, exist_ok=True)
+    top.chmod(0o755)  # walkable: a user-namespaced restore runs tar as the sandbox's mapped root
+    if top.stat().st_uid != os.geteuid() or top.stat().st_mode & 0o022:
+        raise RuntimeError(f"{top} is not this user's directory, or others may write to it")
     directory = top / hashlib.sha256(text.encode()).hexdigest()[:12]
     exe = directory / "tar"
     if not exe.is_file():
-        directory.mkdir(mode=0o700, exist_ok=True)
+        directory.mkdir(mode=0o755, exist_ok=True)
+        directory.chmod(0o755)
         tmp = directory / f"tar.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         if not build_static(text, tmp, ("-lz",)):
             tmp.unlink(missing_ok=True)
