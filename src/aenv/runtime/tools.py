@@ -459,8 +459,9 @@ int main(int argc, char **argv) {
 """
 
 
-def build_static(source: str, dest: Path) -> bool:
-    """Compile a small static helper if a C compiler and a static libc are available; optional."""
+def build_static(source: str, dest: Path, libs: tuple[str, ...] = ()) -> bool:
+    """Compile a small static helper if a C compiler and a static libc (and ``libs``, e.g. ``-lz``)
+    are available; optional."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return False
@@ -468,6 +469,6 @@ def build_static(source: str, dest: Path) -> bool:
         src = Path(tmp) / "helper.c"
         src.write_text(source)
         res = subprocess.run(
-            [cc, "-static", "-O2", "-s", "-o", str(dest), str(src)], capture_output=True, check=False
+            [cc, "-static", "-O2", "-s", "-o", str(dest), str(src), *libs], capture_output=True, check=False
         )
     return res.returncode == 0 and dest.is_file()

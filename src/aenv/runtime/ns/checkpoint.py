@@ -33,7 +33,7 @@ from pathlib import Path
 
 from aenv.agent import launch
 from aenv.runtime.base import VolumeBind
-from aenv.runtime.ns import criu, sockets
+from aenv.runtime.ns import criu, sockets, tmpfs_tar
 from aenv.runtime.ns.lazypages import lazy_restore
 from aenv.runtime.ns.userns import SharedUserns, mapped_base
 from aenv.runtime.nsthread import in_private_mounts, run_in_namespace
@@ -114,16 +114,18 @@ CRIU_TIMEOUT = 120.0  # s: a dump or restore still running then is stuck (a task
 
 
 def run_criu(argv: list[str], log: Path, what: str, on_ready: Callable[[int], None] | None = None,
-             mounts: Callable[[], None] | None = None) -> None:
+             mounts: Callable[[], None] | None = None, env: dict[str, str] | None = None) -> None:
     """Run CRIU (``argv``: CRIU behind its wrappers). ``on_ready``: called with the wrapper's pid once
     it prints ``criu.READY`` (its namespaces made; it waits for our go-ahead on stdin, then CRIU
     starts in the same process); if the call fails, CRIU is killed and the call's error raised.
     ``mounts``: made in a private mount namespace CRIU is spawned into (``nsthread.in_private_mounts``;
-    ``restore_in_userns``); an error there is raised as it is, CRIU never started."""
+    ``restore_in_userns``); an error there is raised as it is, CRIU never started. ``env``: CRIU's
+    environment (a restore's: ``tmpfs_tar.restore_env``), else the server's."""
     stdin = subprocess.PIPE if on_ready is not None else subprocess.DEVNULL
 
     def spawn() -> subprocess.Popen[str]:
-        return subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env)
 
     proc = spawn() if mounts is None else in_private_mounts(mounts, spawn, thread_name="aenv-criu-mounts")
     try:
@@ -301,7 +303,7 @@ def restore(exe: str, images: Path, *, lowers: list[str], upper: Path, work: Pat
                 read_only_volumes=[v.path for v in volumes if v.read_only], lazy_work=lazy_work),
                 kdat=kdat_cache(exe), read_only=criu.read_only_sources(tools, boot_id, masked, read_only),
                 ready=on_netns is not None, stand_in_route=(images / criu.OUTSIDE_TCP_MARK).exists())),
-                log, "restore", on_ready=on_netns)
+                log, "restore", on_ready=on_netns, env=tmpfs_tar.restore_env(criu.KDAT_BASE))
     finally:
         _libc.umount2(os.fsencode(merged), _MNT_DETACH)  # the restored tree holds its own copy
     pid = int(pidfile.read_text().strip())
@@ -393,7 +395,8 @@ def restore_in_userns(exe: str, images: Path, userns: SharedUserns, *, lowers: l
         with lazy_restore(exe, images, kdat, lazy, run_dir.parent.name, served) as lazy_work:
             if lazy_work is not None:
                 argv += ["--lazy-pages", "-W", str(lazy_work)]
-            run_criu(criu.in_cgroups_argv(procs_files, argv), log, "restore", mounts=mounts)
+            run_criu(criu.in_cgroups_argv(procs_files, argv), log, "restore", mounts=mounts,
+                     env=tmpfs_tar.restore_env(criu.KDAT_BASE))
     finally:
         stage.rmdir()  # its mounts were in CRIU's namespace only
     return int(pidfile.read_text().strip())

@@ -107,7 +107,7 @@ def test_restore_in_a_user_namespace_binds_the_sources_read_only_and_has_no_netn
     seen: dict[str, Any] = {}
 
     def run_criu(argv: list[str], log: Path, what: str, on_ready: object = None,
-                 mounts: Callable[[], None] | None = None) -> None:
+                 mounts: Callable[[], None] | None = None, env: dict[str, str] | None = None) -> None:
         assert mounts is not None
         seen["argv"] = argv
         mounts()  # in the private mount namespace CRIU is spawned into
