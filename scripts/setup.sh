@@ -24,6 +24,8 @@ APT_PACKAGES=(
   python3-venv ca-certificates
   # ns runtime and sandbox networking
   util-linux iproute2 iptables slirp4netns uidmap procps psmisc e2fsprogs btrfs-progs
+  # the static helpers a restore runs (criu_action, tmpfs_tar: gcc, static libc and zlib)
+  build-essential zlib1g-dev
   # images: base template, local registry for tests, cross-checks; libfuse3 for lazy images (aenv-lazyd)
   mmdebstrap docker-registry skopeo umoci busybox-static zstd libfuse3-3
   # vm runtime: QEMU, disk tools, guest kernel build
