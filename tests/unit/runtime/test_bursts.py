@@ -102,22 +102,3 @@ def test_the_switch_never_waits_for_the_writes() -> None:
     slow.release.set()  # the pass that still counted it writes low; its leaving comes after
     assert bursts.flush()
     assert slow.weights == [True, False]
-
-
-async def test_a_burst_step_waits_its_turn_but_is_never_starved() -> None:
-    """While another team's create is in flight a burst start's next step waits for its answer, at most
-    ``max_wait``: the loop goes to that create first, and a stream of other creates cannot stop the burst."""
-    import asyncio
-
-    bursts = BurstWeights()
-    await asyncio.wait_for(bursts.turn(max_wait=10), 1)  # nobody else creating: at once
-    bursts.set(True)
-    step = asyncio.create_task(bursts.turn(max_wait=10))
-    await asyncio.sleep(0.05)
-    assert not step.done()  # another team's create in flight: the burst waits
-    bursts.set(False)
-    await asyncio.wait_for(step, 1)  # answered: the burst goes on
-    bursts.set(True)
-    await asyncio.wait_for(bursts.turn(max_wait=0.05), 1)  # still on: it goes on after max_wait anyway
-    bursts.set(False)
-    assert bursts.flush()

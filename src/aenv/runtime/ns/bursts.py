@@ -24,14 +24,12 @@ latest state in order, so a start that has ended always gets its ordinary weight
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import threading
 from collections.abc import Iterator
 from typing import Protocol
 
 IDLE_S = 2.0  # the weigher thread ends after this long with nothing to do (a later switch starts another)
-TURN_MAX_S = 0.05  # the longest a burst start's step waits for another team's create (never starved)
 
 
 class Weighable(Protocol):
@@ -52,8 +50,6 @@ class BurstWeights:
         self._busy = False  # the weigher is applying
         self._then: list[tuple[Weighable, bool]] = []  # single writes, after the next pass (start ended, refill done)
         self._worker: threading.Thread | None = None
-        self._clear = asyncio.Event()  # (the loop's) no other team's create in flight
-        self._clear.set()
 
     @property
     def yielding(self) -> bool:
@@ -69,21 +65,6 @@ class BurstWeights:
         with self._lock:
             self._on = on
             self._ask()
-        if on:
-            self._clear.clear()
-        else:
-            self._clear.set()
-
-    async def turn(self, max_wait: float = TURN_MAX_S) -> None:
-        """(A burst start, on the server's loop, before a step that takes the loop or the CPU: its
-        restore, its attach.) While another team has a create in flight, wait until it is answered, at
-        most ``max_wait``. Why: the weights order the CPU, not the loop; another team's create shares the
-        loop with the burst's 200, and its every await queued behind their steps (py-spy: the loop busy
-        ~45 % of the burst; B's create 8.8 ms against 5.0 alone)."""
-        if self._clear.is_set():
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._clear.wait(), max_wait)
 
     def _ask(self, then: tuple[Weighable, bool] | None = None) -> None:
         """(Lock held.) Have the weigher apply the current state to the starts in flight (no ``then``),

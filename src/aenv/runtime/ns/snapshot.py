@@ -493,13 +493,9 @@ class NsSnapshots:
             try:
                 async with contextlib.AsyncExitStack() as gate:  # its pagemaps never switched mid-restore
                     await gate.enter_async_context(self._images.reading(snapshot / CRIU_DIR))
-                    if burst:
-                        await self.bursts.turn()
                     pid = await outlive_cancel(loop.run_in_executor(_restore_pool(), prepare_and_restore))
                     if served:  # ... nor while a lazy daemon still reads them
                         self._background(_release_after(served, gate.pop_all()))
-                if burst:
-                    await self.bursts.turn()
                 await self.restorer.attach(sbx, spec, pid, live=live, filtered=on_netns is not None)
             except BaseException as exc:
                 await sbx.aclose(remove_dir=None if root else spec.workdir)
