@@ -15,6 +15,7 @@ import os
 import select
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -112,6 +113,15 @@ class ProcRef:
         return None if start is None else cls(pid, start)
 
 
+def _kill_spawned(done: asyncio.Future[subprocess.Popen[bytes]]) -> None:
+    if done.cancelled() or done.exception() is not None:
+        return
+    proc = done.result()
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    threading.Thread(target=proc.wait, name="aenv-reap-abandoned", daemon=True).start()
+
+
 class Reaped:
     """A child process of the server that is waited for the moment it exits."""
 
@@ -132,8 +142,13 @@ class Reaped:
         """:meth:`spawn` with the fork and exec in a thread: they hold the calling thread ~1-2 ms
         (measured on the server's loop during a burst of restores, each spawning slirp4netns), which
         every other request on the loop waited out."""
-        proc = await asyncio.to_thread(
-            lambda: subprocess.Popen(list(argv), close_fds=True, start_new_session=True, **kw))  # type: ignore[call-overload]
+        spawning = asyncio.ensure_future(asyncio.to_thread(
+            lambda: subprocess.Popen(list(argv), close_fds=True, start_new_session=True, **kw)))  # type: ignore[call-overload]
+        try:
+            proc: subprocess.Popen[bytes] = await asyncio.shield(spawning)
+        except asyncio.CancelledError:  # the thread goes on: what it starts is killed, never left running
+            spawning.add_done_callback(_kill_spawned)
+            raise
         return cls(proc)
 
     @property

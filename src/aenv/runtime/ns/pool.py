@@ -118,15 +118,19 @@ class WarmPool:
         while not self._closed and len(slot.ready) < self.size:
             lacking = self.size - len(slot.ready)
             at_once = lacking if not slot.ready else 1
-            got = await asyncio.gather(*(self._one(slot) for _ in range(at_once)), return_exceptions=True)
-            fresh = [g for g in got if not isinstance(g, BaseException)]
-            errors = [g for g in got if isinstance(g, BaseException)]
+            starts = [asyncio.ensure_future(self._one(slot)) for _ in range(at_once)]
+            try:
+                await asyncio.wait(starts)
+            except asyncio.CancelledError:
+                # not gather's cancel: a start that was done would be dropped with its sandbox running
+                await self._abandon(starts)
+                raise
+            fresh = [t.result() for t in starts if not t.cancelled() and t.exception() is None]
+            errors = [t.exception() for t in starts if not t.cancelled() and t.exception() is not None]
             if self._closed:
                 await asyncio.gather(*(s.aclose() for s in fresh), return_exceptions=True)
                 return
             slot.ready.extend(fresh)
-            if any(isinstance(e, asyncio.CancelledError) for e in errors):
-                raise asyncio.CancelledError
             if errors:
                 slot.failures += 1
                 delay = min(30.0, 0.5 * 2 ** min(slot.failures, 6))
@@ -134,6 +138,16 @@ class WarmPool:
                 await asyncio.sleep(delay)
             else:
                 slot.failures = 0
+
+    @staticmethod
+    async def _abandon(starts: list[asyncio.Task[NsSandbox]]) -> None:
+        """The fill was cancelled: cancel the starts under way (each cleans up after itself), wait for
+        them, and close every sandbox one of them had already made."""
+        for t in starts:
+            t.cancel()
+        await asyncio.wait(starts)
+        made = [t.result() for t in starts if not t.cancelled() and t.exception() is None]
+        await asyncio.gather(*(s.aclose() for s in made), return_exceptions=True)
 
     async def _one(self, slot: _Slot) -> NsSandbox:
         async with self._sem:

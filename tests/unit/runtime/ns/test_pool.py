@@ -153,3 +153,30 @@ async def test_a_failed_start_in_a_parallel_refill_keeps_the_others() -> None:
     await asyncio.sleep(0.05)
     assert pool.ready_count(T, False) == 1  # the one that started is kept while the retry backs off
     await pool.aclose()
+
+
+async def test_a_fill_cancelled_midway_closes_what_it_had_made() -> None:
+    """The pool closes while an emptied pool's parallel refill runs: a start that was already done must
+    not be dropped with its sandbox running (the clean-clone run's leftover agent, envd and slirp4netns)."""
+    made: list[FakeSandbox] = []
+    slow_started = asyncio.Event()
+
+    async def factory(template: SandboxImage, net: bool, uid_slot: int) -> FakeSandbox:
+        n = len(made) + (1 if slow_started.is_set() else 0)
+        if n == 0:
+            slow_started.set()
+            await asyncio.sleep(10)  # the second start: still under way when the pool closes
+        sbx = FakeSandbox(len(made))
+        made.append(sbx)
+        return sbx
+
+    pool = WarmPool(2, factory, max_parallel=2)  # type: ignore[arg-type]
+    pool.want(T, False)
+    await asyncio.wait_for(slow_started.wait(), 1)
+    for _ in range(100):
+        if made:
+            break
+        await asyncio.sleep(0.01)
+    assert len(made) == 1 and pool.ready_count(T, False) == 0  # one done, held by the fill
+    await asyncio.wait_for(pool.aclose(), 2)
+    assert made[0].closed  # not left running
