@@ -113,6 +113,11 @@ class ProcRef:
         return None if start is None else cls(pid, start)
 
 
+def _popen(argv: Sequence[str], kw: dict[str, object]) -> subprocess.Popen[bytes]:
+    """A child of the server in a session of its own, no fd of the server's but those passed."""
+    return subprocess.Popen(list(argv), close_fds=True, start_new_session=True, **kw)  # type: ignore[call-overload,no-any-return]
+
+
 def _kill_spawned(done: asyncio.Future[subprocess.Popen[bytes]]) -> None:
     if done.cancelled() or done.exception() is not None:
         return
@@ -134,16 +139,14 @@ class Reaped:
 
     @classmethod
     def spawn(cls, argv: Sequence[str], **kw: object) -> Reaped:
-        proc = subprocess.Popen(list(argv), close_fds=True, start_new_session=True, **kw)  # type: ignore[call-overload]
-        return cls(proc)
+        return cls(_popen(argv, kw))
 
     @classmethod
     async def spawn_off_loop(cls, argv: Sequence[str], **kw: object) -> Reaped:
         """:meth:`spawn` with the fork and exec in a thread: they hold the calling thread ~1-2 ms
         (measured on the server's loop during a burst of restores, each spawning slirp4netns), which
         every other request on the loop waited out."""
-        spawning = asyncio.ensure_future(asyncio.to_thread(
-            lambda: subprocess.Popen(list(argv), close_fds=True, start_new_session=True, **kw)))  # type: ignore[call-overload]
+        spawning = asyncio.ensure_future(asyncio.to_thread(_popen, argv, kw))
         try:
             proc: subprocess.Popen[bytes] = await asyncio.shield(spawning)
         except asyncio.CancelledError:  # the thread goes on: what it starts is killed, never left running
