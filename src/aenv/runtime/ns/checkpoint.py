@@ -120,7 +120,7 @@ def run_criu(argv: list[str], log: Path, what: str, on_ready: Callable[[int], No
     starts in the same process); if the call fails, CRIU is killed and the call's error raised.
     ``mounts``: made in a private mount namespace CRIU is spawned into (``nsthread.in_private_mounts``;
     ``restore_in_userns``); an error there is raised as it is, CRIU never started. ``env``: CRIU's
-    environment (a restore's: ``tmpfs_tar.restore_env``), else the server's."""
+    environment (a dump's or a restore's: ``tmpfs_tar.criu_env``), else the server's."""
     stdin = subprocess.PIPE if on_ready is not None else subprocess.DEVNULL
 
     def spawn() -> subprocess.Popen[str]:
@@ -208,12 +208,13 @@ def dump(exe: str, init_pid: int, images: Path, *, freezer: Path | None, leave_r
         (images / USERNS_MARK).write_text(str(base))
         argv = criu.dump_argv(exe, init_pid, images, freezer=freezer, log=DUMP_LOG, leave_running=leave_running,
                               dev_external=True, volumes=volumes, empty_net=True)
-        run_criu(criu.in_kdat_cache_argv(kdat_cache(exe), argv), images / DUMP_LOG, "dump")
+        run_criu(criu.in_kdat_cache_argv(kdat_cache(exe), argv), images / DUMP_LOG, "dump",
+                 env=tmpfs_tar.criu_env(criu.KDAT_BASE))
         return
     argv = criu.dump_argv(exe, init_pid, images, freezer=freezer, log=DUMP_LOG, leave_running=leave_running,
                           volumes=volumes)
     run_criu(criu.in_netns_of_argv(init_pid, criu.in_kdat_cache_argv(kdat_cache(exe), argv)), images / DUMP_LOG,
-             "dump")
+             "dump", env=tmpfs_tar.criu_env(criu.KDAT_BASE))
 
 
 def keep_debug_log(run_dir: Path, images: Path) -> None:
@@ -303,7 +304,7 @@ def restore(exe: str, images: Path, *, lowers: list[str], upper: Path, work: Pat
                 read_only_volumes=[v.path for v in volumes if v.read_only], lazy_work=lazy_work),
                 kdat=kdat_cache(exe), read_only=criu.read_only_sources(tools, boot_id, masked, read_only),
                 ready=on_netns is not None, stand_in_route=(images / criu.OUTSIDE_TCP_MARK).exists())),
-                log, "restore", on_ready=on_netns, env=tmpfs_tar.restore_env(criu.KDAT_BASE))
+                log, "restore", on_ready=on_netns, env=tmpfs_tar.criu_env(criu.KDAT_BASE))
     finally:
         _libc.umount2(os.fsencode(merged), _MNT_DETACH)  # the restored tree holds its own copy
     pid = int(pidfile.read_text().strip())
@@ -396,7 +397,7 @@ def restore_in_userns(exe: str, images: Path, userns: SharedUserns, *, lowers: l
             if lazy_work is not None:
                 argv += ["--lazy-pages", "-W", str(lazy_work)]
             run_criu(criu.in_cgroups_argv(procs_files, argv), log, "restore", mounts=mounts,
-                     env=tmpfs_tar.restore_env(criu.KDAT_BASE))
+                     env=tmpfs_tar.criu_env(criu.KDAT_BASE))
     finally:
         stage.rmdir()  # its mounts were in CRIU's namespace only
     return int(pidfile.read_text().strip())

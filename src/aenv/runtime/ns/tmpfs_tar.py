@@ -1,12 +1,19 @@
-"""A ``tar`` that CRIU finds first on its ``PATH`` at restore, for the common empty tmpfs.
+"""A ``tar`` that CRIU finds first on its ``PATH``, for the common empty tmpfs.
 
 CRIU saves each tmpfs of the tree (a sandbox's ``/dev/shm``) as ``tar --create --gzip`` and puts it
 back with ``tar --extract --gzip ... --directory MOUNT``, the image file on stdin: an exec of ``tar``
-and of ``gzip``, ~3 ms of every fork child's and pool refill's restore, almost always to unpack an
-archive holding only the mount's root directory. This program inflates the image (at most a few
-KiB, read with ``pread`` so the offset stays put), and when it is exactly that one-directory archive
-sets the directory's mode, owner and mtime as ``tar`` would and exits; anything else (a file in it,
-another command line, stdin not a file) execs the real ``tar`` unchanged.
+and of ``gzip`` each way, ~3 ms of every fork child's and pool refill's restore and ~4 ms of every
+full snapshot's (and fork point's) frozen dump, almost always for an archive holding only the
+mount's root directory. This program does both ends of exactly that case itself:
+
+* ``--create``, CRIU's command line, of a directory holding nothing: it writes the archive GNU tar
+  writes (one ``./`` header in tar's GNU format, numeric owner, then zero blocks to one 10 KiB
+  record), gzipped with zlib. A directory with anything in it, an owner or a time too large for the
+  header's octal fields, or another command line: the real ``tar``, unchanged.
+* ``--extract``: it inflates the image (at most a few KiB, read with ``pread`` so the offset stays
+  put), and when it is exactly that one-directory archive sets the directory's mode, owner and mtime
+  as ``tar`` would and exits; anything else (a file in it, another command line, stdin not a file)
+  execs the real ``tar`` unchanged.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from pathlib import Path
 from aenv.runtime.tools import build_static
 
 _SOURCE = r"""
+#include <dirent.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <string.h>
@@ -30,7 +38,11 @@ _SOURCE = r"""
 
 #define REAL_TAR "@REAL_TAR@"
 
-static unsigned char in[8192], out[65536];
+static unsigned char in[8192], out[65536], record[10240];
+
+static const char *const CREATE[] = {"--create", "--gzip", "--no-unquote", "--no-wildcards", "--one-file-system",
+                                     "--check-links", "--preserve-permissions", "--sparse", "--numeric-owner",
+                                     "--directory"};  /* CRIU's dump: then DIR and "." */
 
 static int octal(const unsigned char *f, int n, unsigned long *v) {  /* a header's octal field */
     *v = 0;
@@ -68,8 +80,68 @@ static int only_root_dir(unsigned long *mode, unsigned long *uid, unsigned long 
     return 1;
 }
 
+/* 1 when DIR holds nothing (only "." and ".."): its mode, uid, gid and mtime in st. */
+static int empty_dir(const char *dir, struct stat *st) {
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    DIR *d = fdopendir(fd);
+    if (d == NULL) { close(fd); return 0; }
+    int empty = fstat(fd, st) == 0;
+    struct dirent *e;
+    while (empty && (e = readdir(d)) != NULL)
+        if (strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0) empty = 0;
+    closedir(d);
+    return empty;
+}
+
+static int write_all(int fd, const unsigned char *p, size_t n) {
+    while (n > 0) {
+        ssize_t w = write(fd, p, n);
+        if (w <= 0) return -1;
+        p += w; n -= (size_t)w;
+    }
+    return 0;
+}
+
+/* GNU tar's archive of an empty DIR on stdout: 0 written, 1 failed while writing, -1 not this case
+   (nothing written: the real tar then). */
+static int create_empty(const char *dir) {
+    struct stat st;
+    if (!empty_dir(dir, &st)) return -1;
+    unsigned long mode = st.st_mode & 07777, uid = st.st_uid, gid = st.st_gid;
+    if (uid > 07777777 || gid > 07777777 || st.st_mtime < 0 || (unsigned long)st.st_mtime > 077777777777UL) return -1;
+    unsigned char *h = record;  /* the rest stays zero: the end-of-archive blocks and the record's padding */
+    memcpy(h, "./", 2);
+    snprintf((char *)h + 100, 8, "%07lo", mode);
+    snprintf((char *)h + 108, 8, "%07lo", uid);
+    snprintf((char *)h + 116, 8, "%07lo", gid);
+    snprintf((char *)h + 124, 12, "%011lo", 0UL);
+    snprintf((char *)h + 136, 12, "%011lo", (unsigned long)st.st_mtime);
+    h[156] = '5';
+    memcpy(h + 257, "ustar  ", 8);  /* GNU format: "ustar", two spaces, NUL */
+    unsigned long sum = 0;
+    for (int i = 0; i < 512; i++) sum += (i >= 148 && i < 156) ? ' ' : h[i];
+    snprintf((char *)h + 148, 8, "%06lo", sum);
+    h[155] = ' ';
+    z_stream z;
+    memset(&z, 0, sizeof z);
+    if (deflateInit2(&z, Z_DEFAULT_COMPRESSION, Z_DEFLATED, 16 + MAX_WBITS, 8, Z_DEFAULT_STRATEGY) != Z_OK) return -1;
+    z.next_in = record; z.avail_in = sizeof record; z.next_out = out; z.avail_out = sizeof out;
+    int rc = deflate(&z, Z_FINISH);
+    size_t len = z.total_out;
+    deflateEnd(&z);
+    if (rc != Z_STREAM_END) return -1;
+    return write_all(1, out, len) == 0 ? 0 : 1;
+}
+
 int main(int argc, char **argv) {
     unsigned long mode, uid, gid, mtime;
+    if (argc == 13 && strcmp(argv[12], ".") == 0) {
+        int same = 1;
+        for (int i = 0; i < 10; i++) same &= strcmp(argv[i + 1], CREATE[i]) == 0;
+        int rc = same ? create_empty(argv[11]) : -1;
+        if (rc >= 0) return rc;
+    }
     if (argc == 7 && strcmp(argv[1], "--extract") == 0 && strcmp(argv[2], "--gzip") == 0
             && strcmp(argv[5], "--directory") == 0 && only_root_dir(&mode, &uid, &gid, &mtime)) {
         struct timespec t[2] = {{0, UTIME_OMIT}, {(time_t)mtime, 0}};
@@ -96,7 +168,7 @@ def source(real_tar: str) -> str:
 
 def shim_dir(base: Path) -> Path | None:
     """A directory under ``base`` (only this user may write; all may walk) holding only the ``tar`` program, for the front of CRIU's
-    ``PATH`` at restore; None where it cannot be built (no compiler, static zlib or ``tar``)."""
+    ``PATH``; None where it cannot be built (no compiler, static zlib or ``tar``)."""
     with _lock:
         if base not in _built:
             _built[base] = _build(base)
@@ -126,8 +198,8 @@ def _build(base: Path) -> Path | None:
     return directory
 
 
-def restore_env(base: Path) -> dict[str, str] | None:
-    """CRIU's environment for a restore with the program first on ``PATH`` (None: as it is)."""
+def criu_env(base: Path) -> dict[str, str] | None:
+    """CRIU's environment (a dump's or a restore's) with the program first on ``PATH`` (None: as it is)."""
     directory = shim_dir(base)
     if directory is None:
         return None
