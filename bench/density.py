@@ -110,23 +110,37 @@ def ppid(pid: int) -> int:
 
 def after_ksm(url: str, max_wait: float) -> tuple[float, int, float] | None:
     """When the server at ``url`` merges sandboxes (``/aenv/info`` ksm): wait until they are marked
-    (its ``ksm_idle_s``) and for ksmd's next two full scans (two: the first may have begun before the last sandbox came), at most ``max_wait`` s, and say
-    how long it took, how many scans ran and ksmd's CPU time meanwhile. None when the server does not
-    merge or the host has no ksmd running."""
+    (its ``ksm_idle_s``) and for ksmd's next two full scans (two: the first may have begun before the last
+    sandbox came), or until the server rests ksmd because merging settled (``ksm_rest``: after two such
+    scans of its own), at most ``max_wait`` s, and say how long it took, how many scans ran and ksmd's
+    CPU time meanwhile. None when the server does not merge or the host has no ksmd running."""
     import httpx
 
     from aenv.runtime import ksm
 
     key = os.environ.get("E2B_API_KEY", "")
-    info = httpx.get(url + "/aenv/info", headers={"X-API-KEY": key}, trust_env=False).json()
-    if not info.get("ksm", {}).get("merge") or not info["ksm"].get("running"):
+
+    def info() -> dict[str, Any]:
+        got: dict[str, Any] = httpx.get(url + "/aenv/info", headers={"X-API-KEY": key}, trust_env=False).json()
+        ksm_info: dict[str, Any] = got.get("ksm", {})
+        return ksm_info
+
+    now = info()
+    if not now.get("merge") or not (now.get("running") or now.get("resting")):
         return None
-    # sandboxes are marked mergeable only once idle this long (ksm_idle_s); then ksmd may merge them
-    time.sleep(float(info["ksm"].get("mergeIdleS") or 0.0) + 0.5)
+    # sandboxes are marked mergeable only once idle this long (ksm_idle_s); then ksmd may merge them. And
+    # a server sees new sandboxes (and wakes a resting ksmd) at its next metrics round (5 s)
+    time.sleep(float(now.get("mergeIdleS") or 0.0) + 0.5 + (5.0 if now.get("rest") else 0.0))
+    now = info()
+    rests0 = int(now.get("rests") or 0)
     scans0, cpu0, t0 = _full_scans(), ksm.ksmd_cpu_seconds() or 0.0, time.monotonic()
+    if now.get("resting"):  # settled already: the server rested it after scans of its own
+        return 0.0, 0, 0.0
     deadline = t0 + max_wait
     while _full_scans() < scans0 + 2 and time.monotonic() < deadline:
         time.sleep(0.5)
+        if int(info().get("rests") or 0) > rests0:
+            break
     return time.monotonic() - t0, _full_scans() - scans0, (ksm.ksmd_cpu_seconds() or 0.0) - cpu0
 
 

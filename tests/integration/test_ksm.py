@@ -2,7 +2,7 @@
 server's agent and envd once the sandbox is idle (``ksm_idle_s``: not while handed out and working), and a fork
 child of a marked sandbox at once (restored by CRIU, which loses the process-wide mark: the agent and
 envd set it again); a server with two API keys (two teams) marks nothing (``ksm = auto``:
-merged pages are a timing side channel between teams). What ``/aenv/info`` says matches."""
+merged pages are a timing side channel between teams). What ``/aenv/info`` says matches; ksmd rests once merging settled and scans again on a create (``ksm_rest``)."""
 
 from __future__ import annotations
 
@@ -84,6 +84,31 @@ def test_a_one_tenant_server_merges_its_sandboxes_and_their_fork_children(one_te
     assert _marks(child) == ["yes"] * 4  # its parent was marked: so is the child, with no idle wait
     metrics = httpx.get(server.url + "/metrics", trust_env=False).text
     assert "aenv_ksm_merge 1" in metrics and "aenv_ksm_merged_bytes " in metrics
+
+
+def _wait_for(srv: Server, what: str, ok: Any, within: float) -> dict[str, Any]:
+    deadline = time.monotonic() + within
+    while not ok(info := _info(srv)):
+        assert time.monotonic() < deadline, f"ksmd not {what} within {within:g} s: {info}"
+        time.sleep(0.5)
+    return info
+
+
+def test_ksmd_rests_once_merging_settled_and_scans_again_when_a_sandbox_starts(one_tenant: Server) -> None:
+    """``ksm_rest``: nothing new to merge, ksmd stops (merged pages kept); a create starts it again."""
+    from e2b import Sandbox
+
+    server = one_tenant
+    conn = {"api_url": server.url, "sandbox_url": server.url, "api_key": API_KEY}
+    Sandbox.create("base", timeout=300, **conn)  # type: ignore[arg-type]
+    # marked after IDLE_S, then two full scans seen by the 5 s metrics rounds
+    info = _wait_for(server, "resting", lambda i: i["resting"], 120)
+    assert info["rests"] >= 1 and info["running"] is False and "settled" in info["ksmd"]
+    assert Path("/sys/kernel/mm/ksm/run").read_text().strip() == "0"  # 0, never 2: merged pages stay merged
+    assert "aenv_ksm_resting 1" in httpx.get(server.url + "/metrics", trust_env=False).text
+    Sandbox.create("base", timeout=300, **conn)  # type: ignore[arg-type]
+    info = _wait_for(server, "woken by the create", lambda i: not i["resting"], 15)  # the next metrics round
+    assert info["running"] is True and Path("/sys/kernel/mm/ksm/run").read_text().strip() == "1"
 
 
 @pytest.fixture

@@ -517,8 +517,9 @@ class Orchestrator:
     async def _sampler(self) -> None:
         while True:
             await asyncio.sleep(METRICS_INTERVAL)
-            with contextlib.suppress(Exception):  # ksm_merge_below: ksmd scans only while memory is short
-                await asyncio.to_thread(self.ksm.adjust)
+            running = [sbx.id for sbx in self.table if sbx.state is SandboxState.RUNNING]
+            with contextlib.suppress(Exception):  # ksmd scans while memory is short, rests once merging settled
+                await asyncio.to_thread(self.ksm.adjust, None, running)
             for sbx in self.table:
                 if sbx.state is not SandboxState.RUNNING:
                     continue

@@ -23,7 +23,10 @@ users of the host may rely on it. Below 1, ksmd scans only while memory is short
 (``run`` = 0: merged pages stay merged) once ``MemAvailable`` is back above the share plus ``HYSTERESIS``
 (checked with the metrics sampler, ``Ksm.adjust``): merging costs creates and first commands ~3 ms
 (measured, 2 cores: pooled sandboxes merged while they waited break their pages back apart when they
-start work, and ksmd takes CPU), which buys nothing while memory is plentiful.
+start work, and ksmd takes CPU), which buys nothing while memory is plentiful. And with ``ksm_rest``
+(the default) ksmd rests once merging has settled and scans again when a sandbox starts
+(``ksm_rest.py``). Several servers on one host share the one ksmd: a server that still merges
+starts it again if another rested it.
 """
 
 from __future__ import annotations
@@ -31,11 +34,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from aenv.config import Settings
+from aenv.runtime.ksm_rest import RestPolicy
 
 log = logging.getLogger("aenv.runtime.ksm")
 
@@ -80,8 +86,8 @@ def start_ksmd(max_cpu: int, sysfs: Path = SYSFS) -> str:
         return f"unavailable: cannot set up ksmd ({exc.strerror or exc}; needs root and a writable /sys)"
 
 
-def memory_share(meminfo: Path = Path("/proc/meminfo")) -> float | None:
-    """``MemAvailable`` ÷ ``MemTotal``, or None where they cannot be read."""
+def memory_kb(meminfo: Path = Path("/proc/meminfo")) -> tuple[int, int] | None:
+    """(``MemTotal``, ``MemAvailable``) in kB, or None where they cannot be read."""
     fields: dict[str, int] = {}
     with contextlib.suppress(OSError, ValueError):
         for line in meminfo.read_text().splitlines():
@@ -90,7 +96,13 @@ def memory_share(meminfo: Path = Path("/proc/meminfo")) -> float | None:
                 fields[name] = int(rest.split()[0])
     if len(fields) < 2 or not fields["MemTotal"]:
         return None
-    return fields["MemAvailable"] / fields["MemTotal"]
+    return fields["MemTotal"], fields["MemAvailable"]
+
+
+def memory_share(meminfo: Path = Path("/proc/meminfo")) -> float | None:
+    """``MemAvailable`` ÷ ``MemTotal``, or None where they cannot be read."""
+    kb = memory_kb(meminfo)
+    return None if kb is None else kb[1] / kb[0]
 
 
 def _read_int(path: Path) -> int | None:
@@ -168,12 +180,15 @@ def prometheus(stat: dict[str, Any]) -> list[str]:
 class Ksm:
     """One server's policy and what it did to the host's ksmd."""
 
-    def __init__(self, settings: Settings, sysfs: Path = SYSFS) -> None:
+    def __init__(self, settings: Settings, sysfs: Path = SYSFS, meminfo: Path = Path("/proc/meminfo")) -> None:
         self.settings = settings
         self.decision = decide(settings)
         self.sysfs = sysfs
+        self.meminfo = meminfo
         self.ksmd: str | None = None
         self.scanning = False  # ksmd scans for this server now (ksm_merge_below)
+        self.rest = RestPolicy(settings.ksm_idle_s) if settings.ksm_rest else None
+        self.resting = False  # rested by this server: merging settled (ksm_rest)
 
     def start(self) -> None:
         """When this server's sandboxes merge, the host's ksmd runs within ``ksm_max_cpu`` (blocking),
@@ -182,14 +197,21 @@ class Ksm:
             self.adjust()
         log.info("ksm: %s%s", self.decision.reason, f"; {self.ksmd}" if self.ksmd else "")
 
-    def adjust(self, available_share: float | None = None) -> None:
+    def adjust(self, available_share: float | None = None, running: Iterable[str] | None = None,
+               now: float | None = None) -> None:
         """Start ksmd when memory is short (``MemAvailable`` below ``ksm_merge_below`` of ``MemTotal``, or
-        always at 1), pause it when it is ``HYSTERESIS`` above again. Blocking; called periodically."""
+        always at 1), pause it when it is ``HYSTERESIS`` above again; with ``ksm_rest``, rest it once
+        merging has settled and wake it when one of ``running`` (the IDs of the running sandboxes) is
+        new. Blocking; called periodically."""
         if not self.decision.merge:
+            return
+        now = time.monotonic() if now is None else now
+        started = self.rest is not None and running is not None and self.rest.note(running, now)
+        if self.resting and not self._wakes(started):
             return
         below = self.settings.ksm_merge_below
         # at 1 nothing depends on memory: /proc/meminfo is not read every sampler round
-        share = None if below >= 1 else available_share if available_share is not None else memory_share()
+        share = None if below >= 1 else available_share if available_share is not None else memory_share(self.meminfo)
         short = below >= 1 or (share is not None and share < below)
         if short and not self.scanning:
             self.ksmd = start_ksmd(self.settings.ksm_max_cpu, self.sysfs)
@@ -198,18 +220,53 @@ class Ksm:
                 log.info("ksm: MemAvailable %.0f%% of MemTotal, below %.0f%%: %s", 100 * (share or 0), 100 * below,
                          self.ksmd)
         elif self.scanning and share is not None and share > below + HYSTERESIS:
-            try:
-                (self.sysfs / "run").write_text("0")  # stop scanning; merged pages stay merged
-            except OSError as exc:
-                log.warning("ksm: cannot pause ksmd: %s", exc)
-                return
-            self.scanning = False
-            self.ksmd = f"ksmd paused (MemAvailable {100 * share:.0f}% of MemTotal, above {100 * below:.0f}%)"
-            log.info("ksm: %s", self.ksmd)
+            if self._stop():
+                self.ksmd = f"ksmd paused (MemAvailable {100 * share:.0f}% of MemTotal, above {100 * below:.0f}%)"
+                log.info("ksm: %s", self.ksmd)
+        elif self.scanning:
+            if _read_int(self.sysfs / "run") == 0:  # another server on this host rested it: ours still merge
+                self.ksmd = start_ksmd(self.settings.ksm_max_cpu, self.sysfs)
+            self._rest_if_settled(now)
+
+    def _stop(self) -> bool:
+        try:
+            (self.sysfs / "run").write_text("0")  # stop scanning; merged pages stay merged
+        except OSError as exc:
+            log.warning("ksm: cannot pause ksmd: %s", exc)
+            return False
+        self.scanning = False
+        return True
+
+    def _rest_if_settled(self, now: float) -> None:
+        if self.rest is None:
+            return
+        scans, sharing = _read_int(self.sysfs / "full_scans"), _read_int(self.sysfs / "pages_sharing")
+        if scans is None or sharing is None or not self.rest.settled(scans, sharing, now) or not self._stop():
+            return
+        kb = memory_kb(self.meminfo)
+        self.rest.rested(kb[1] if kb else None, kb[0] if kb else None)
+        self.resting = True
+        self.ksmd = f"ksmd resting ({self.rest.why}); it scans again when a sandbox starts"
+        log.info("ksm: %s", self.ksmd)
+
+    def _wakes(self, started: bool) -> bool:
+        """While resting: whether to scan again (a sandbox started, or memory crept down)."""
+        assert self.rest is not None
+        kb = memory_kb(self.meminfo)
+        crept = self.rest.crept(kb[1] if kb else None)
+        if not (started or crept):
+            return False
+        self.resting = False
+        self.rest.restart()
+        log.info("ksm: %s: ksmd scans again", "a sandbox started" if started else "MemAvailable fell since ksmd rested")
+        return True
 
     def stats(self) -> dict[str, Any]:
         return {**stats(self.decision, self.sysfs, self.ksmd), "mergeBelow": self.settings.ksm_merge_below,
-                "mergeIdleS": self.settings.ksm_idle_s}
+                "mergeIdleS": self.settings.ksm_idle_s, "rest": self.rest is not None, "resting": self.resting,
+                "rests": self.rest.rests if self.rest is not None else 0}
 
     def prometheus(self) -> list[str]:
-        return prometheus(self.stats())
+        return prometheus(self.stats()) + [
+            "# HELP aenv_ksm_resting Whether this server rested ksmd because merging settled (ksm_rest)",
+            "# TYPE aenv_ksm_resting gauge", f"aenv_ksm_resting {int(self.resting)}"]

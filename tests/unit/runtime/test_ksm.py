@@ -155,3 +155,132 @@ def test_memory_share_reads_meminfo(tmp_path: Path) -> None:
     (tmp_path / "meminfo").write_text("MemTotal:       1000 kB\nMemFree:  10 kB\nMemAvailable:    250 kB\n")
     assert ksm.memory_share(tmp_path / "meminfo") == 0.25
     assert ksm.memory_share(tmp_path / "none") is None
+
+
+# ---- ksm_rest: ksmd rests once merging settled, scans again on a start -------------------------------
+def _meminfo(tmp_path: Path, available_kb: int, total_kb: int = 1_000_000) -> Path:
+    path = tmp_path / "meminfo"
+    path.write_text(f"MemTotal: {total_kb} kB\nMemFree: 1 kB\nMemAvailable: {available_kb} kB\n")
+    return path
+
+
+def _counters(sysfs: Path, scans: int, sharing: int) -> None:
+    (sysfs / "full_scans").write_text(f"{scans}\n")
+    (sysfs / "pages_sharing").write_text(f"{sharing}\n")
+
+
+def _resting_server(tmp_path: Path, **settings: object) -> tuple[ksm.Ksm, Path]:
+    """A server merging one sandbox "a" (idle wait 5 s) whose ksmd has just rested, at t = 118."""
+    sysfs = _sysfs(tmp_path)
+    k = ksm.Ksm(Settings(state_dir=tmp_path, ksm="on", ksm_idle_s=5, **settings), sysfs,  # type: ignore[arg-type]
+                _meminfo(tmp_path, 800_000))
+    k.start()
+    k.adjust(running=["a"], now=100.0)
+    for now, scans, sharing in ((103, 9, 0), (108, 10, 1000), (113, 11, 5000), (118, 12, 5010)):
+        _counters(sysfs, scans, sharing)
+        k.adjust(running=["a"], now=now)
+    return k, sysfs
+
+
+def test_ksmd_rests_once_two_scans_after_the_last_start_merged_almost_nothing(tmp_path: Path) -> None:
+    sysfs = _sysfs(tmp_path)
+    k = ksm.Ksm(Settings(state_dir=tmp_path, ksm="on", ksm_idle_s=5), sysfs, _meminfo(tmp_path, 800_000))
+    k.start()
+    k.adjust(running=["a"], now=100.0)
+    # before "a" can be marked (5 s + the margin) nothing counts, however still the counters
+    for now, scans in ((101, 1), (103, 2), (106, 3)):
+        _counters(sysfs, scans, 0)
+        k.adjust(running=["a"], now=now)
+        assert (sysfs / "run").read_text() == "1" and not k.resting
+    _counters(sysfs, 10, 1000)
+    k.adjust(running=["a"], now=108.0)  # the first count after: two full scans from here
+    _counters(sysfs, 11, 5000)
+    k.adjust(running=["a"], now=113.0)  # one scan, and it merged 4,000 more pages
+    assert (sysfs / "run").read_text() == "1" and not k.resting
+    _counters(sysfs, 12, 5040)  # the second, +0.8 %
+    k.adjust(running=["a"], now=118.0)
+    assert (sysfs / "run").read_text() == "0" and k.resting and not k.scanning
+    assert "resting" in (k.ksmd or "") and k.stats()["rests"] == 1 and k.stats()["resting"] is True
+    assert "aenv_ksm_resting 1" in k.prometheus()
+    _counters(sysfs, 12, 5040)
+    k.adjust(running=["a"], now=200.0)  # the same sandbox, memory as it was: it rests on
+    assert (sysfs / "run").read_text() == "0" and k.resting
+
+
+def test_a_scan_that_still_merges_keeps_ksmd_scanning_up_to_four(tmp_path: Path) -> None:
+    sysfs = _sysfs(tmp_path)
+    k = ksm.Ksm(Settings(state_dir=tmp_path, ksm="on", ksm_idle_s=0), sysfs, _meminfo(tmp_path, 800_000))
+    k.start()
+    k.adjust(running=["a"], now=100.0)
+    for i in range(4):  # every scan 2 % more: the first count, then three scans
+        _counters(sysfs, i, int(1000 * 1.02**i))
+        k.adjust(running=["a"], now=105.0 + 5 * i)
+        assert (sysfs / "run").read_text() == "1" and not k.resting
+    _counters(sysfs, 4, int(1000 * 1.02**4))  # the fourth: churn that never settles is not worth a scanning ksmd
+    k.adjust(running=["a"], now=125.0)
+    assert (sysfs / "run").read_text() == "0" and k.resting and "4 full scans" in (k.ksmd or "")
+
+
+@pytest.mark.parametrize("running", [["a", "b"], ["b"]])
+def test_a_sandbox_start_wakes_a_resting_ksmd_and_settling_counts_again(tmp_path: Path, running: list[str]) -> None:
+    k, sysfs = _resting_server(tmp_path)
+    assert k.resting
+    k.adjust(running=running, now=120.0)  # a create or a fork child: an ID not running before
+    assert (sysfs / "run").read_text() == "1" and k.scanning and not k.resting
+    _counters(sysfs, 13, 5040)
+    k.adjust(running=running, now=125.0)  # before "b" can be marked: no rest
+    _counters(sysfs, 20, 5040)
+    k.adjust(running=running, now=130.0)
+    assert not k.resting  # two more scans are needed after b's wait
+    for now, scans in ((135, 21), (140, 22)):
+        _counters(sysfs, scans, 5040)
+        k.adjust(running=running, now=now)
+    assert k.resting and k.stats()["rests"] == 2
+
+
+def test_a_resumed_sandbox_counts_as_a_start(tmp_path: Path) -> None:
+    k, sysfs = _resting_server(tmp_path)
+    k.adjust(running=[], now=120.0)  # "a" paused: nothing new
+    assert k.resting
+    k.adjust(running=["a"], now=125.0)  # resumed: its processes restored, new pages
+    assert (sysfs / "run").read_text() == "1" and not k.resting
+
+
+def test_memory_that_creeps_down_while_resting_wakes_ksmd(tmp_path: Path) -> None:
+    k, sysfs = _resting_server(tmp_path)
+    _meminfo(tmp_path, 760_000)  # 4 % of MemTotal less (first commands' copy-on-write): rests on
+    k.adjust(running=["a"], now=120.0)
+    assert k.resting
+    _meminfo(tmp_path, 740_000)  # 6 % less: sandboxes idle only now, pages commands wrote
+    k.adjust(running=["a"], now=125.0)
+    assert (sysfs / "run").read_text() == "1" and k.scanning and not k.resting
+
+
+def test_another_server_that_rested_ksmd_does_not_stop_ours(tmp_path: Path) -> None:
+    sysfs = _sysfs(tmp_path)
+    k = ksm.Ksm(Settings(state_dir=tmp_path, ksm="on", ksm_idle_s=5), sysfs, _meminfo(tmp_path, 800_000))
+    k.start()
+    k.adjust(running=["a"], now=100.0)
+    (sysfs / "run").write_text("0\n")  # the host's other aenv server: its own sandboxes settled
+    k.adjust(running=["a"], now=105.0)
+    assert (sysfs / "run").read_text() == "1" and k.scanning
+
+
+def test_without_ksm_rest_ksmd_scans_on(tmp_path: Path) -> None:
+    sysfs = _sysfs(tmp_path)
+    k = ksm.Ksm(Settings(state_dir=tmp_path, ksm="on", ksm_idle_s=0, ksm_rest=False), sysfs,
+                _meminfo(tmp_path, 800_000))
+    k.start()
+    for i in range(10):
+        _counters(sysfs, i, 1000)
+        k.adjust(running=["a"], now=100.0 + 5 * i)
+    assert (sysfs / "run").read_text() == "1" and k.stats()["rest"] is False and k.stats()["rests"] == 0
+
+
+def test_a_start_while_memory_is_plentiful_leaves_a_merge_below_ksmd_paused(tmp_path: Path) -> None:
+    k, sysfs = _resting_server(tmp_path, ksm_merge_below=0.5)  # MemAvailable 80 %: ksmd is only ever paused
+    assert (sysfs / "run").read_text().strip() == "0" and not k.scanning
+    k.adjust(0.8, running=["a", "b"], now=120.0)
+    assert (sysfs / "run").read_text().strip() == "0" and not k.scanning
+    k.adjust(0.4, running=["a", "b"], now=125.0)  # memory short: scans
+    assert (sysfs / "run").read_text() == "1" and k.scanning
