@@ -357,14 +357,37 @@ def _idle(srv: Server, knobs: Knobs, rows: list[Row], notes: list[str]) -> Ramp:
             merged_pss = ns_pss(srv.state_dir, ramp.ids)[1]
             rows.append(row("scale: PSS per idle sandbox, all its processes, KSM merged", ramp.system, merged_pss,
                             unit="MB", note=f"{_merged_note(merged)}; {over(merged_pss, TARGET_PSS_MB)}"))
+        rested = _until_rested(srv.url, knobs.ksm_wait)
         runs = _in_threads(lambda s: timed(lambda: s.commands.run("true")), list(sbxs.values()), knobs.threads)
+        again = _in_threads(lambda s: timed(lambda: s.commands.run("true")), list(sbxs.values()), knobs.threads)
         rows.append(row("scale: run `true` in each sandbox at the end", ramp.system, runs,
                         note=f"`commands.run(\"true\")` in every one of the {n}, {knobs.threads} at a time, "
-                             "after the KSM wait"))
+                             f"after the KSM wait; {rested}; their first since merged: copy-on-write faults"))
+        rows.append(row("scale: run `true` in each sandbox again", ramp.system, again,
+                        note="right after the pass above, the same way"))
         notes.append(series_note(ramp.system, ramp.steps))
         return ramp
     finally:
         _kill(ramp.ids, kw, knobs.threads)
+
+
+def _until_rested(url: str, most: float) -> str:
+    """Wait (at most ``most`` s) until the server rests ksmd because merging settled (``ksm_rest``): the
+    steady state of an idle fleet, in which the commands pass is measured. Says what it found."""
+    import httpx
+
+    def ksm() -> dict[str, Any]:
+        got: dict[str, Any] = httpx.get(url + "/aenv/info", trust_env=False, timeout=30).json().get("ksm", {})
+        return got
+
+    if not ksm().get("rest"):
+        return "ksmd not rested by this server (ksm_rest off or not merging)"
+    t0 = time.monotonic()
+    while not ksm().get("resting"):
+        if time.monotonic() - t0 > most:
+            return f"ksmd still scanning after {most:.0f} s more"
+        time.sleep(2.0)
+    return f"ksmd rested by the server ({time.monotonic() - t0:.0f} s more)"
 
 
 def _server_probe(srv: Server) -> dict[str, Any]:
