@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 SETTLE_GROWTH = 0.01  # a scan that merged less than this share more pages found nothing new
 MOST_SCANS = 4  # full scans after the last start's marks, settled or not
@@ -45,7 +45,7 @@ class RestPolicy:
     rested_available_kb: int | None = None  # MemAvailable when ksmd was rested
     total_kb: int = 0
     rests: int = 0  # how often ksmd was rested (shown: a bench waits for one)
-    why: str = field(default="")
+    why: str = ""  # why it last rested, for the log and /aenv/info
 
     def note(self, running: Iterable[str], now: float) -> bool:
         """Which sandboxes run now; True when one started since the last call (an ID not running then)."""

@@ -204,17 +204,16 @@ def dump(exe: str, init_pid: int, images: Path, *, freezer: Path | None, leave_r
     if sockets.has_outside_tcp(sockets.tree_pids(init_pid)):  # read while frozen: no socket gains a peer
         (images / criu.OUTSIDE_TCP_MARK).touch()
     base = mapped_base(init_pid)
+    mounts, env = _kdat_mount(kdat_cache(exe)), tmpfs_tar.criu_env(criu.KDAT_BASE)
     if base is not None:
         (images / USERNS_MARK).write_text(str(base))
         argv = criu.dump_argv(exe, init_pid, images, freezer=freezer, log=DUMP_LOG, leave_running=leave_running,
                               dev_external=True, volumes=volumes, empty_net=True)
-        run_criu(argv, images / DUMP_LOG, "dump", mounts=_kdat_mount(kdat_cache(exe)),
-                 env=tmpfs_tar.criu_env(criu.KDAT_BASE))
+        run_criu(argv, images / DUMP_LOG, "dump", mounts=mounts, env=env)
         return
     argv = criu.dump_argv(exe, init_pid, images, freezer=freezer, log=DUMP_LOG, leave_running=leave_running,
                           volumes=volumes)
-    run_criu(criu.in_netns_of_argv(init_pid, argv), images / DUMP_LOG, "dump", mounts=_kdat_mount(kdat_cache(exe)),
-             env=tmpfs_tar.criu_env(criu.KDAT_BASE))
+    run_criu(criu.in_netns_of_argv(init_pid, argv), images / DUMP_LOG, "dump", mounts=mounts, env=env)
 
 
 def _kdat_mount(kdat: Path | None) -> Callable[[], None] | None:
@@ -395,11 +394,12 @@ def restore_in_userns(exe: str, images: Path, userns: SharedUserns, *, lowers: l
            "stage_idmapped": {n: str(v.source) for n, v in staged.items()},
            "read_only": criu.read_only_sources(stage / "tools", stage / "boot_id", masked)}
     kdat = kdat_cache(exe)
+    bind_kdat = _kdat_mount(kdat)
 
     def mounts() -> None:
         launch.restore_mounts(cfg)
-        if kdat is not None:  # what _kdat_mount does
-            launch.bind(str(kdat), "/run")
+        if bind_kdat is not None:
+            bind_kdat()
 
     try:
         with lazy_restore(exe, images, kdat, lazy, run_dir.parent.name, served) as lazy_work:
