@@ -100,11 +100,11 @@ def serve(
     if settings.tls_cert is not None and settings.tls_key is not None:
         from aenv.cli.tls_serve import run_tls
 
-        run_tls(create_app(settings), settings)  # hypercorn: HTTP/2 by ALPN, HTTP/1.1 fallback
+        run_tls(create_app(settings, freeze_startup=True), settings)  # hypercorn: HTTP/2 by ALPN, HTTP/1.1 fallback
         return
     logging.getLogger("uvicorn.error").addFilter(_DenialFilter())
     uvicorn.run(
-        create_app(settings),
+        create_app(settings, freeze_startup=True),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level.lower(),

@@ -60,7 +60,14 @@ from aenv.images import ProgressCallback
 from aenv.kinds import SnapshotMode, TemplateKind
 from aenv.mux import ByteStream, StreamRefused
 from aenv.runtime import ksm
-from aenv.runtime.base import BurstYielding, ResourceSample, Runtime, RuntimeState, SnapshotResult
+from aenv.runtime.base import (
+    BatchSampling,
+    BurstYielding,
+    ResourceSample,
+    Runtime,
+    RuntimeState,
+    SnapshotResult,
+)
 from aenv.store.gone_log import EXPIRED, KILLED, REAPED, GoneLog
 from aenv.store.sqlite import SandboxRow, SnapshotRow, Store, TemplateRow, now
 
@@ -460,11 +467,10 @@ class Orchestrator:
         if sbx.state is SandboxState.RUNNING:
             with contextlib.suppress(Exception):
                 sample = await self.runtime.metrics(sbx.id)
-                if not sbx.samples or sample.timestamp - sbx.samples[-1].timestamp >= 1.0:
+                last = sbx.samples.last_timestamp()
+                if last is None or sample.timestamp - last >= 1.0:
                     sbx.samples.append(sample)
-        lo = start if start is not None else 0.0
-        hi = end if end is not None else float("inf")
-        return [s for s in sbx.samples if lo <= s.timestamp <= hi]
+        return sbx.samples.between(start if start is not None else 0.0, end if end is not None else float("inf"))
 
     # ---- background work ------------------------------------------------------------------------
     async def _reaper(self) -> None:
@@ -520,11 +526,19 @@ class Orchestrator:
             running = [sbx.id for sbx in self.table if sbx.state is SandboxState.RUNNING]
             with contextlib.suppress(Exception):  # ksmd scans while memory is short, rests once merging settled
                 await asyncio.to_thread(self.ksm.adjust, None, running)
-            for sbx in self.table:
-                if sbx.state is not SandboxState.RUNNING:
-                    continue
-                with contextlib.suppress(Exception):
-                    sbx.samples.append(await self.runtime.metrics(sbx.id))
+            with contextlib.suppress(Exception):
+                for sandbox_id, sample in (await self._sample_all(running)).items():
+                    if (sbx := self.table.find(sandbox_id)) is not None:
+                        sbx.samples.append(sample)
+
+    async def _sample_all(self, running: list[str]) -> dict[str, ResourceSample]:
+        if isinstance(self.runtime, BatchSampling):
+            return await self.runtime.metrics_many(running)
+        out: dict[str, ResourceSample] = {}
+        for sandbox_id in running:
+            with contextlib.suppress(Exception):
+                out[sandbox_id] = await self.runtime.metrics(sandbox_id)
+        return out
 
     def stats(self) -> dict[str, Any]:
         return {"sandboxes": self.table.counts_by_state(), "starting": self.admission.starting, "waiting":

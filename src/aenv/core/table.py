@@ -22,6 +22,33 @@ from aenv.store.gone_log import Gone
 from aenv.store.sqlite import SandboxRow
 
 METRICS_HISTORY = 720  # one hour of samples at the sampler's 5 s
+SampleRow = tuple[float, int, float, int, int, int, int, int]
+
+
+class SampleHistory:
+    """A sandbox's recent resource samples, kept as plain tuples of numbers: the garbage collector
+    stops tracking such a tuple after the first collection it survives, so an hour of history on a
+    thousand sandboxes (720,000 samples) does not lengthen every full collection of the server (and
+    so the event loop's pauses), as as many objects would."""
+
+    __slots__ = ("_rows",)
+
+    def __init__(self, maxlen: int = METRICS_HISTORY) -> None:
+        self._rows: deque[SampleRow] = deque(maxlen=maxlen)
+
+    def append(self, s: ResourceSample) -> None:
+        self._rows.append((s.timestamp, s.cpu_count, s.cpu_used_pct, s.mem_used, s.mem_total, s.mem_cache,
+                           s.disk_used, s.disk_total))
+
+    def last_timestamp(self) -> float | None:
+        return self._rows[-1][0] if self._rows else None
+
+    def between(self, lo: float, hi: float) -> list[ResourceSample]:
+        """The samples taken from ``lo`` to ``hi`` (both included), oldest first."""
+        return [ResourceSample(*row) for row in self._rows if lo <= row[0] <= hi]
+
+    def __len__(self) -> int:
+        return len(self._rows)
 
 
 @dataclass
@@ -31,7 +58,7 @@ class LiveSandbox:
     row: SandboxRow
     spec: SandboxSpec
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    samples: deque[ResourceSample] = field(default_factory=lambda: deque(maxlen=METRICS_HISTORY))
+    samples: SampleHistory = field(default_factory=SampleHistory)
 
     @property
     def id(self) -> str:

@@ -31,7 +31,7 @@ import os
 import secrets
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -368,10 +368,25 @@ class NsRuntime:
         return await self.lifecycle.adopt(sandbox_id, spec, state, stopped)
 
     async def metrics(self, sandbox_id: str) -> ResourceSample:
+        return await asyncio.to_thread(self._sample, sandbox_id)
+
+    async def metrics_many(self, sandbox_ids: Sequence[str]) -> dict[str, ResourceSample]:
+        """BatchSampling: the sampler's cycle in one thread hop."""
+        return await asyncio.to_thread(self._sample_many, list(sandbox_ids))
+
+    def _sample_many(self, sandbox_ids: list[str]) -> dict[str, ResourceSample]:
+        out: dict[str, ResourceSample] = {}
+        for sandbox_id in sandbox_ids:
+            with contextlib.suppress(Exception):  # gone or between states since the list was made
+                out[sandbox_id] = self._sample(sandbox_id)
+        return out
+
+    def _sample(self, sandbox_id: str) -> ResourceSample:
+        """One sample (blocking: cgroup and quota files); off the event loop."""
         sbx = self.table.get(sandbox_id)
         spec = self.table.specs.get(sandbox_id)
-        usage = await asyncio.to_thread(sbx.cgroup.usage)
-        disk = await asyncio.to_thread(self._disk_used, sbx)
+        usage = sbx.cgroup.usage()
+        disk = self._disk_used(sbx)
         now = time.monotonic()
         cpu_count = spec.cpu_count if spec else self.settings.default_cpu_count
         pct = 0.0
