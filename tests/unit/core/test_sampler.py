@@ -11,15 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from aenv.config import Settings
 from aenv.core import orchestrator as orchestrator_module
 from aenv.core.models import CreateRequest
 from aenv.core.orchestrator import Orchestrator
 from aenv.core.table import SampleHistory
-from aenv.core.templates import TemplateCatalog
 from aenv.runtime.base import BatchSampling, ResourceSample
-from aenv.store.sqlite import Store
 from tests.fixtures.runtime import FakeRuntime
+from tests.unit.core.conftest import build_orchestrator
 
 
 def _sample(ts: float) -> ResourceSample:
@@ -71,14 +69,7 @@ class SingleRuntime(FakeRuntime):
 
 async def _sampled(tmp_path: Path, runtime: FakeRuntime, monkeypatch: pytest.MonkeyPatch) -> tuple[Orchestrator, list[str]]:
     monkeypatch.setattr(orchestrator_module, "METRICS_INTERVAL", 0.01)
-    settings = Settings(state_dir=tmp_path / "state", cache_dir=tmp_path / "cache", reaper_interval=3600,
-                        max_timeout=3600, snapshot_store="")
-    settings.state_dir.mkdir(parents=True)
-    (tmp_path / "rootfs").mkdir()
-    store = Store(settings.db_path)
-    catalog = TemplateCatalog(settings, store)
-    catalog.register(alias="base", kind="bootstrap", rootfs=tmp_path / "rootfs", template_id="base")
-    o = Orchestrator(settings, store, runtime, catalog)
+    o, store = build_orchestrator(tmp_path, runtime)
     ids = [(await o.create(CreateRequest(template="base"))).id for _ in range(3)]
     await o.pause(ids[2])  # not running: not sampled
     await o.start()
