@@ -146,7 +146,7 @@ def test_a_node_that_does_not_allow_it_answers_400_naming_the_setting(
 
 
 def test_its_root_cannot_open_the_egress_filter(docker_server: Server, pushed_images: PushedImages) -> None:
-    """The filter is the router's (``launch._behind_router``), out of reach of the sandbox's user namespace:
+    """The filter is the router's (``nested.behind_router``), out of reach of the sandbox's user namespace:
     with every firewall rule it can see flushed, the host's services stay closed but for the allowlist's
     port, from the sandbox and from its containers alike."""
     from e2b import Sandbox

@@ -461,72 +461,13 @@ CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = (
     0x00020000, 0x04000000, 0x08000000, 0x20000000, 0x40000000)
 
 
-CLONE_NEWCGROUP = 0x02000000
-
-
-def mount_nested_sys() -> None:
-    """/sys for Docker inside (the root is the working directory; the host's /proc still mounted): the
-    sandbox network's own sysfs (runc mounts one in each container it starts, which the kernel allows
-    only where a sysfs is already fully visible in the mount namespace), and under it the cgroup
-    hierarchies in a cgroup namespace rooted at the sandbox's cgroups (runc wants them mounted even
-    when, as here, it makes no cgroup of its own: the sandbox's limits bound every container)."""
-    _mkdir("sys")
-    mount("sysfs", "sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    if _libc.unshare(CLONE_NEWCGROUP) != 0:
-        _check(-1, "unshare cgroup namespace")
-    mount("tmpfs", "sys/fs/cgroup", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=755")
-    with open("/proc/self/cgroup") as fh:
-        hierarchies = [line.split(":")[1] for line in fh.read().splitlines() if line.count(":") >= 2]
-    for controllers in filter(None, hierarchies):  # "" is the unified (v2) hierarchy's line
-        target = f"sys/fs/cgroup/{controllers.replace('name=', '')}"
-        _mkdir(target)
-        options = f"none,{controllers}" if controllers.startswith("name=") else controllers
-        try:
-            mount("cgroup", target, "cgroup", MS_NOSUID | MS_NODEV | MS_NOEXEC, options)
-        except OSError:  # a hierarchy this namespace may not mount: the others are enough for runc
-            os.rmdir(target)
-
-
 def _nested() -> types.ModuleType:
-    """``nested.py``, imported only by a sandbox that runs Docker inside."""
+    """``nested.py`` (its router and its /sys), imported only by a sandbox that runs Docker inside."""
     try:
         from aenv.agent import nested
     except ImportError:  # run as ``python -I -S``: this directory is on the path (``BOOT``)
         import nested  # type: ignore[no-redef,import-not-found]
     return nested
-
-
-def _behind_router(cfg: dict, fds: list[int]) -> None:  # type: ignore[type-arg]
-    """A sandbox that runs Docker inside holds every capability of a user namespace of its own, so its
-    network namespace's firewall is its to change. This process (the sandbox's root user namespace)
-    becomes a router instead (``nested.py``): a network namespace of its own, where slirp4netns attaches
-    and the host's egress filter is installed (``net_pid``: this process), and which the sandbox cannot
-    touch: its user namespace, made by the child, is a child of ours. Forks: the child returns, in the
-    new user and network namespaces, for ``run_in_userns`` to make the sandbox's other namespaces in
-    them; this process stays behind as the router and reaps it."""
-    nested = _nested()
-    if _libc.unshare(CLONE_NEWNS | CLONE_NEWNET) != 0:
-        _check(-1, "unshare the router's namespaces")
-    loopback_up()
-    up_r, up_w = os.pipe()
-    down_r, down_w = os.pipe()
-    child = os.fork()
-    if child == 0:
-        os.close(up_r)
-        os.close(down_w)
-        nested.sandbox_side(up_w, down_r)
-        return
-    os.close(up_w)
-    os.close(down_r)
-    try:
-        nested.router_side(child, up_r, down_w)
-    except BaseException as exc:
-        report({"error": f"{type(exc).__name__}: {exc}"})
-        os.kill(child, 9)
-        os._exit(1)
-    for fd in (up_r, down_w, *fds):
-        os.close(fd)
-    _reap_forever(child, cfg.get("tools"))
 
 
 def run_in_userns(cfg: dict) -> None:  # type: ignore[type-arg]
@@ -546,8 +487,9 @@ def run_in_userns(cfg: dict) -> None:  # type: ignore[type-arg]
     os.chdir(_build_idmapped_root(cfg, userns_fd, host_uid))
     idmap.join(userns_fd)
     os.close(userns_fd)
-    if cfg.get("nested"):  # returns in the sandbox's own user namespace, behind the router
-        _behind_router(cfg, [*procs, *([boot_id] if boot_id is not None else [])])
+    nested = _nested() if cfg.get("nested") else None
+    if nested is not None:  # returns in the sandbox's own user namespace, behind the router
+        nested.behind_router(cfg, [*procs, *([boot_id] if boot_id is not None else [])])
     net = 0 if cfg.get("nested") else CLONE_NEWNET  # nested: made behind the router already
     if _libc.unshare(CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWPID | net) != 0:
         _check(-1, "unshare namespaces")
@@ -566,8 +508,8 @@ def run_in_userns(cfg: dict) -> None:  # type: ignore[type-arg]
         os.nice(int(cfg["nice"]))
     pid, start = host_identity()  # the host's /proc is still mounted beside ours
     mount_proc(".", None, nested=bool(cfg.get("nested")))
-    if cfg.get("nested"):
-        mount_nested_sys()
+    if nested is not None:
+        nested.mount_sys()
     if boot_id is not None:
         idmap.attach(boot_id, f"proc/{BOOT_ID}")
         mount("none", f"proc/{BOOT_ID}", None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)

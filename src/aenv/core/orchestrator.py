@@ -4,14 +4,9 @@ Every sandbox action takes the sandbox's lock, checks the lifecycle guard, write
 the side effect becomes visible, then calls the runtime. Checkpoints (snapshot, fork, rollback) are
 ``snapshots.py``'s flows, the snapshot repository is ``sync.py``'s and templates are
 ``template_flows.py``'s; callers (the API) only ever talk to this class. A background reaper enforces
-TTLs (kill, or pause with autoPause); a sampler keeps a short history of resource samples for
-``/metrics``. Crash recovery at start-up (``recovery.py``) re-adopts or cleans every sandbox the store
-knows and reconciles orphans.
-
-A pause keeps memory (``full``) or only the files (``filesystem``: every process ends, the resume is
-a cold start with a new boot id). The row's ``pause_mode`` says which *before* the runtime acts, and
-a resume that discards memory says ``filesystem`` first too, so recovery after a crash settles such
-a sandbox as stopped instead of mistaking its ended processes for a lost sandbox.
+TTLs (kill, or pause with autoPause); a sandbox's pause and resume transitions are ``pausing.py``'s.
+A sampler keeps a short history of resource samples for ``/metrics``. Crash recovery at start-up
+(``recovery.py``) re-adopts or cleans every sandbox the store knows and reconciles orphans.
 """
 
 from __future__ import annotations
@@ -27,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from aenv.config import Settings
-from aenv.core import bandwidth, mirrors, team_disk
+from aenv.core import bandwidth, mirrors, pausing, team_disk
 from aenv.core import network as net
 from aenv.core.admission import Admission
 from aenv.core.builds import TemplateBuilds
@@ -49,7 +44,6 @@ from aenv.core.uid_slots import UidRanges
 from aenv.core.volumes import Volumes
 from aenv.errors import (
     AenvError,
-    GuestUnresponsive,
     PortNotOpen,
     SandboxUnreachable,
     TemplateNotFound,
@@ -60,14 +54,7 @@ from aenv.images import ProgressCallback
 from aenv.kinds import SnapshotMode, TemplateKind
 from aenv.mux import ByteStream, StreamRefused
 from aenv.runtime import ksm
-from aenv.runtime.base import (
-    BatchSampling,
-    BurstYielding,
-    ResourceSample,
-    Runtime,
-    RuntimeState,
-    SnapshotResult,
-)
+from aenv.runtime.base import BatchSampling, BurstYielding, ResourceSample, Runtime, SnapshotResult
 from aenv.store.gone_log import EXPIRED, KILLED, REAPED, GoneLog
 from aenv.store.sqlite import SandboxRow, SnapshotRow, Store, TemplateRow, now
 
@@ -353,25 +340,7 @@ class Orchestrator:
             await self._pause_locked(sbx, keep_memory)
 
     async def _pause_locked(self, sbx: LiveSandbox, keep_memory: bool = True) -> None:
-        mode = SnapshotMode.FULL if keep_memory else SnapshotMode.FILESYSTEM
-        step = "pause" if keep_memory else "pause.fs"
-        sbx.row.state, sbx.row.pause_mode = SandboxState.PAUSING, mode
-        self.store.update_sandbox(sbx.id, state=sbx.row.state, pause_mode=mode)
-        try:
-            fault_point(f"{step}.stored")
-            state = await self.runtime.pause(sbx.id, keep_memory=keep_memory)
-        except BaseException:
-            sbx.row.state, sbx.row.pause_mode = SandboxState.RUNNING, None
-            self.store.update_sandbox(sbx.id, state=sbx.row.state, pause_mode=None)
-            raise
-        fault_point(f"{step}.done")
-        sbx.row.state = SandboxState.PAUSED
-        sbx.row.paused_at = now()
-        sbx.row.runtime_state = state.data
-        self.store.update_sandbox(
-            sbx.id, state=sbx.row.state, paused_at=sbx.row.paused_at, runtime_state=state.data
-        )
-        log.info("sandbox=%s paused (%s)", sbx.id, mode)
+        await pausing.pause_locked(self.ctx, sbx, keep_memory)
         self._emit("paused", sbx.row)
 
     async def connect(self, sandbox_id: str, timeout: int | None, keep_memory: bool = True,
@@ -397,32 +366,7 @@ class Orchestrator:
             return sbx, True
 
     async def _resume_locked(self, sbx: LiveSandbox, timeout: int, keep_memory: bool = True) -> None:
-        cold = not keep_memory or sbx.row.pause_mode is SnapshotMode.FILESYSTEM
-        step = "resume.cold" if cold else "resume"
-        sbx.row.state = SandboxState.RESUMING
-        if cold:  # from here on its memory is gone, whatever happens
-            sbx.row.pause_mode = SnapshotMode.FILESYSTEM
-        self.store.update_sandbox(sbx.id, state=sbx.row.state, pause_mode=sbx.row.pause_mode)
-        try:
-            fault_point(f"{step}.stored")
-            state = await self.runtime.resume(sbx.id, RuntimeState(sbx.row.runtime_state), keep_memory=not cold)
-        except BaseException:
-            sbx.row.state = SandboxState.PAUSED
-            if cold:  # the runtime may have ended its processes already: settle it as stopped
-                with contextlib.suppress(Exception):
-                    sbx.row.runtime_state = (await self.runtime.pause(sbx.id, keep_memory=False)).data
-            self.store.update_sandbox(sbx.id, state=sbx.row.state, runtime_state=sbx.row.runtime_state)
-            raise
-        fault_point(f"{step}.done")
-        sbx.row.state = SandboxState.RUNNING
-        sbx.row.paused_at = sbx.row.pause_mode = None
-        sbx.row.end_at = now() + timeout
-        sbx.row.runtime_state = state.data
-        self.store.update_sandbox(
-            sbx.id, state=sbx.row.state, paused_at=None, pause_mode=None, end_at=sbx.row.end_at,
-            runtime_state=state.data,
-        )
-        log.info("sandbox=%s resumed%s", sbx.id, " (cold start)" if cold else "")
+        await pausing.resume_locked(self.ctx, sbx, timeout, keep_memory)
         self._notify_running(sbx.id)
         self._emit("resumed", sbx.row)
 
@@ -508,16 +452,7 @@ class Orchestrator:
         async with sbx.lock:
             if sbx.state is not SandboxState.RUNNING or sbx.row.end_at > at:
                 return False
-            keep_memory = sbx.row.auto_pause_memory
-            if not keep_memory:
-                try:
-                    await self.ctx.check_guest(sbx.id)
-                except GuestUnresponsive as exc:
-                    # Its files cannot be made consistent without envd: keep everything instead of
-                    # nothing (the pause then says full, as it is).
-                    log.warning("sandbox=%s expiry pause keeps memory: %s", sbx.id, exc)
-                    keep_memory = True
-            await self._pause_locked(sbx, keep_memory)
+            await self._pause_locked(sbx, await pausing.expiry_keeps_memory(self.ctx, sbx))
             return True
 
     async def _sampler(self) -> None:

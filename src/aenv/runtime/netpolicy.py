@@ -249,7 +249,7 @@ def render(host_addrs: Iterable[str], blocked: Sequence[str], resolver: str, sli
                 nat.append(f"-A OUTPUT -p tcp -d {net} -j RETURN")
             for net in policy.deny_nets:
                 nat.append(f"-A OUTPUT -p tcp -d {net} -j REDIRECT --to-ports {proxy_port}")
-    # A nested sandbox's router (``launch._behind_router``) sends its sandbox's traffic out as its own.
+    # A nested sandbox's router (``nested.behind_router``) sends its sandbox's traffic out as its own.
     nat.append(f"-A POSTROUTING -s {NESTED_NET} -o tap0 -j MASQUERADE")
     nat.append("COMMIT")
     dns = "ACCEPT" if policy.resolver_allowed(resolver) else "REJECT"

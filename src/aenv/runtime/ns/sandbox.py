@@ -173,7 +173,7 @@ class NsSandbox:
         # forked from the zygote: CRIU cannot dump it (criu.py); unknown after a restart = assume so
         self.from_zygote = bool(opts and opts.zygote is not None)
         self.nested = bool(opts and opts.template.nested_containers)  # Docker inside (launch.py "nested")
-        # A nested sandbox's router (``launch._behind_router``): the launcher, whose network namespace
+        # A nested sandbox's router (``nested.behind_router``): the launcher, whose network namespace
         # holds the tap and the egress filter. None: those are the init's own.
         self.router: ProcRef | None = None
         # The overlay lowers this sandbox runs on (top first) and how many of them, from the top,

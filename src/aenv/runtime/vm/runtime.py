@@ -3,9 +3,10 @@
 Front door for the orchestrator. A sandbox here is a ``VmSandbox`` (``sandbox.py``: a QEMU, its run
 dir and its mux session); this class holds the host-wide facts (accelerator, guest artifacts, the
 run root and the template-RAM dir) and the parts, one job each: which sandboxes exist
-(``table.py``), templates (``template.py``), the warm and blank pools (``pool.py``), pause to disk
-(``release.py``), snapshots, fork and rollback (``snapshot.py``), restart (``reconcile.py``); the
-QEMU, disk and layer errors become aenv's in one place (``errors.py``).
+(``table.py``), templates (``template.py``), the warm and blank pools (``pool.py``), pause and
+resume (``pausing.py``), pause to disk (``release.py``), snapshots, fork and rollback
+(``snapshot.py``), restart (``reconcile.py``); the QEMU, disk and layer errors become aenv's in one
+place (``errors.py``).
 
 Create path::
 
@@ -63,6 +64,7 @@ from .errors import translated
 from .initramfs import BUSYBOX, NESTED_WORD
 from .kernel import SOURCE_TARBALL, find_kernel
 from .machine import Machine, MachineError
+from .pausing import VmPausing
 from .pool import RestorePool
 from .release import Releaser
 from .sandbox import VmSandbox, child_config, remove_dirs, run_paths
@@ -141,6 +143,8 @@ class VmRuntime:
                                      run_root=self.run_root, shm_dir=self.shm_dir,
                                      pids_limit=settings.pids_limit, start=self.start, machine=self.machine,
                                      exports=self.exports)
+        self.pausing = VmPausing(self.table, self.templates, self.release, self.exports, shm_dir=self.shm_dir,
+                                 pids_limit=settings.pids_limit, boot_timeout=boot_timeout)
         self._start_lock = asyncio.Lock()
         self._started = False
         self._flavours: dict[str, GuestArtifacts] = {}  # kernel flavour -> the artifacts it boots with
@@ -329,73 +333,12 @@ class VmRuntime:
         )
 
     async def pause(self, sandbox_id: str, keep_memory: bool = True) -> RuntimeState:
-        """``stop`` at once (vCPUs halt, memory kept); after ``vm_release_paused_after`` seconds
-        still paused, the VM is saved to disk and QEMU ends (0: before this returns).
-        ``keep_memory=False``: the guest syncs, QEMU ends, the disk stays (``coldboot.py``)."""
-        async with self.table.lock(sandbox_id):
-            rel = self.table.released.get(sandbox_id)
-            if rel is not None and (keep_memory or not rel.memory):
-                return self.table.state_of(sandbox_id)
-            if not keep_memory:
-                self.release.cancel(sandbox_id)
-                with translated(sandbox_id, "pause (files only)", after="pause"):
-                    await coldboot.stop_locked(self.table, sandbox_id)
-                return self.table.state_of(sandbox_id)
-            sbx = self.table.get(sandbox_id)
-            await self._note_held_volumes(sandbox_id, sbx)
-            with translated(sandbox_id, "pause"):
-                # Streams end, the channel stays (VmSandbox.quiesce); envd keeps processes whose
-                # client went away.
-                sbx.quiesce()
-                await sbx.machine.pause()
-                if self.release.release_after <= 0:
-                    await self.release.release_unless_kept(sandbox_id)
-            if self.release.release_after > 0:
-                self.release.schedule(sandbox_id)
-            return self.table.state_of(sandbox_id)
-
-    async def _note_held_volumes(self, sandbox_id: str, sbx: VmSandbox) -> None:
-        """Before a pause: a VM whose volumes are in use stays in RAM while paused (a release to
-        disk resumes in a new QEMU, whose export the guest could not mount again; see
-        ``VmSandbox.volume_holders``)."""
-        sbx.keep_in_ram = None
-        if not sbx.volumes or await sbx.machine.status() != "running":
-            return
-        spec = self.table.specs.get(sandbox_id)
-        try:
-            held = await sbx.volume_holders(spec.access_token if spec else None)
-        except (RuntimeFailure, MachineError, OSError, TimeoutError) as exc:
-            held = [f"the guest could not be asked: {exc}"]
-        if held:
-            sbx.keep_in_ram = f"its volumes are in use ({'; '.join(held)})"
+        """In RAM, then to disk after a while; files only: QEMU ends, the disk stays (``pausing.py``)."""
+        return await self.pausing.pause(sandbox_id, keep_memory)
 
     async def resume(self, sandbox_id: str, state: RuntimeState, keep_memory: bool = True) -> RuntimeState:
-        async with self.table.lock(sandbox_id):
-            self.release.cancel(sandbox_id)
-            rel = self.table.released.get(sandbox_id)
-            if not keep_memory or (rel is not None and not rel.memory):
-                spec = self.table.specs.get(sandbox_id)
-                if spec is None:
-                    raise StateError(f"sandbox {sandbox_id}: no spec to boot it with", sandbox_id=sandbox_id)
-                with translated(sandbox_id, "cold boot", after="boot"):
-                    await coldboot.stop_locked(self.table, sandbox_id)  # its memory, if any, is discarded
-                    sbx = await coldboot.boot_locked(self.table, self.templates, sandbox_id, spec, shm_dir=self.shm_dir,
-                                                     pids_limit=self.settings.pids_limit, timeout=self.boot_timeout,
-                                                     exports=self.exports)
-                return self.table.state(sbx, spec)
-            with translated(sandbox_id, "resume", after="resume"):
-                if sandbox_id in self.table.released:
-                    sbx = await self.release.load_locked(sandbox_id, run=True)
-                else:
-                    sbx = self.table.get(sandbox_id)
-                    await sbx.machine.resume()
-                # Clock and RNG: a HELLO on the kept session carries them (VmSandbox.refresh); a
-                # VM loaded from disk has no session yet, and its first one's HELLO does (and
-                # mounts its volumes from the new QEMU).
-                await sbx.refresh()
-                spec = self.table.specs.get(sandbox_id)
-                await sbx.check_volumes(spec.access_token if spec else None)
-            return self.table.state(sbx, self.table.specs.get(sandbox_id))
+        """From RAM or disk; without memory, a cold boot on its disk (``pausing.py``)."""
+        return await self.pausing.resume(sandbox_id, keep_memory)
 
     async def kill(self, sandbox_id: str, state: RuntimeState | None = None) -> None:
         ENFORCER.forget(sandbox_id)
