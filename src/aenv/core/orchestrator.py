@@ -145,6 +145,8 @@ class Orchestrator:
         await self.builds.aclose()
         await self.template_flows.aclose()
         await self.runtime.close()
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(self.ksm.close)
 
     async def update_network(self, sandbox_id: str, req: net.NetworkRequest, allow_internet: bool | None) -> None:
         """``PUT /sandboxes/{id}/network``: replace the sandbox's egress rules, live (``network.update``);

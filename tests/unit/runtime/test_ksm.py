@@ -284,3 +284,30 @@ def test_a_start_while_memory_is_plentiful_leaves_a_merge_below_ksmd_paused(tmp_
     assert (sysfs / "run").read_text().strip() == "0" and not k.scanning
     k.adjust(0.4, running=["a", "b"], now=125.0)  # memory short: scans
     assert (sysfs / "run").read_text() == "1" and k.scanning
+
+
+def test_a_server_that_started_ksmd_stops_it_again_when_it_closes(tmp_path: Path) -> None:
+    sysfs = _sysfs(tmp_path)
+    k = ksm.Ksm(Settings(state_dir=tmp_path, ksm="on"), sysfs)
+    k.start()
+    assert (sysfs / "run").read_text().strip() == "1"
+    k.close()
+    assert (sysfs / "run").read_text().strip() == "0"
+
+
+def test_a_ksmd_that_ran_before_the_server_runs_on_after_it(tmp_path: Path) -> None:
+    sysfs = _sysfs(tmp_path)
+    (sysfs / "run").write_text("1")
+    k = ksm.Ksm(Settings(state_dir=tmp_path, ksm="on"), sysfs)
+    k.start()
+    k.close()
+    assert (sysfs / "run").read_text().strip() == "1"
+
+
+def test_a_server_that_does_not_merge_leaves_a_running_ksmd_on_close(tmp_path: Path) -> None:
+    sysfs = _sysfs(tmp_path)
+    (sysfs / "run").write_text("1")
+    k = ksm.Ksm(Settings(state_dir=tmp_path, ksm="off"), sysfs)
+    k.start()
+    k.close()
+    assert (sysfs / "run").read_text().strip() == "1"
