@@ -295,19 +295,11 @@ def test_a_server_that_started_ksmd_stops_it_again_when_it_closes(tmp_path: Path
     assert (sysfs / "run").read_text().strip() == "0"
 
 
-def test_a_ksmd_that_ran_before_the_server_runs_on_after_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_a_ksmd_that_ran_before_the_server_runs_on_after_it(tmp_path: Path, mode: str) -> None:
     sysfs = _sysfs(tmp_path)
     (sysfs / "run").write_text("1")
-    k = ksm.Ksm(Settings(state_dir=tmp_path, ksm="on"), sysfs)
-    k.start()
-    k.close()
-    assert (sysfs / "run").read_text().strip() == "1"
-
-
-def test_a_server_that_does_not_merge_leaves_a_running_ksmd_on_close(tmp_path: Path) -> None:
-    sysfs = _sysfs(tmp_path)
-    (sysfs / "run").write_text("1")
-    k = ksm.Ksm(Settings(state_dir=tmp_path, ksm="off"), sysfs)
+    k = ksm.Ksm(Settings(state_dir=tmp_path, ksm=mode), sysfs)  # type: ignore[arg-type]
     k.start()
     k.close()
     assert (sysfs / "run").read_text().strip() == "1"
