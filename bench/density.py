@@ -110,13 +110,14 @@ def ppid(pid: int) -> int:
 
 def after_ksm(url: str, max_wait: float) -> tuple[float, int, float] | None:
     """When the server at ``url`` merges sandboxes (``/aenv/info`` ksm): wait until they are marked
-    (its ``ksm_idle_s``) and for ksmd's next two full scans (two: the first may have begun before the last
-    sandbox came), or until the server rests ksmd because merging settled (``ksm_rest``: after two such
+    (its ``ksm_idle_s``) and for ksmd's next three full scans (the one under way passes newly marked
+    processes by, the next notes their pages, the third merges what they share only with each other:
+    ``runtime/ksm_rest.py``), or until the server rests ksmd because merging settled (``ksm_rest``: after three such
     scans of its own), at most ``max_wait`` s, and say how long it took, how many scans ran and ksmd's
     CPU time meanwhile. None when the server does not merge or the host has no ksmd running."""
     import httpx
 
-    from aenv.runtime import ksm
+    from aenv.runtime import ksm, ksm_rest
 
     key = os.environ.get("E2B_API_KEY", "")
 
@@ -137,7 +138,7 @@ def after_ksm(url: str, max_wait: float) -> tuple[float, int, float] | None:
     if now.get("resting"):  # settled already: the server rested it after scans of its own
         return 0.0, 0, 0.0
     deadline = t0 + max_wait
-    while _full_scans() < scans0 + 2 and time.monotonic() < deadline:
+    while _full_scans() < scans0 + ksm_rest.LEAST_SCANS and time.monotonic() < deadline:
         time.sleep(0.5)
         if int(info().get("rests") or 0) > rests0:
             break

@@ -68,7 +68,7 @@ class Knobs:
     step: int  # made between two measurements
     forks: int  # fork children of the one parent
     docker_cap: int | None  # containers at most (None: as many as aenv reached)
-    ksm_wait: float  # seconds to wait for ksmd's two full scans
+    ksm_wait: float  # seconds to wait for ksmd's three full scans
     floor: float  # stop once MemAvailable <= floor × MemTotal
     threads: int  # creates at once
 

@@ -104,7 +104,7 @@ class Settings(BaseModel):
         "that only once memory is short"
     )
     ksm_rest: bool = Field(
-        True, description="when merging: ksmd rests (run = 0, merged pages kept) once two full scans after the last "
+        True, description="when merging: ksmd rests (run = 0, merged pages kept) once three full scans after the last "
         "sandbox start (and its ksm_idle_s) merged under 1 % more pages (four at most), and scans again on the next start or "
         "once MemAvailable has fallen 5 % of MemTotal since: while there is nothing new to merge, a scanning "
         "ksmd costs CPU and the commands' latency tail (commands.run in 400 merged sandboxes, 4 at once, 2 "

@@ -101,7 +101,7 @@ def test_ksmd_rests_once_merging_settled_and_scans_again_when_a_sandbox_starts(o
     server = one_tenant
     conn = {"api_url": server.url, "sandbox_url": server.url, "api_key": API_KEY}
     Sandbox.create("base", timeout=300, **conn)  # type: ignore[arg-type]
-    # marked after IDLE_S, then two full scans seen by the 5 s metrics rounds
+    # marked after IDLE_S, then three full scans seen by the 5 s metrics rounds
     info = _wait_for(server, "resting", lambda i: i["resting"], 120)
     assert info["rests"] >= 1 and info["running"] is False and "settled" in info["ksmd"]
     assert Path("/sys/kernel/mm/ksm/run").read_text().strip() == "0"  # 0, never 2: merged pages stay merged

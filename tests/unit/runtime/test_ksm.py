@@ -176,13 +176,13 @@ def _resting_server(tmp_path: Path, **settings: object) -> tuple[ksm.Ksm, Path]:
                 _meminfo(tmp_path, 800_000))
     k.start()
     k.adjust(running=["a"], now=100.0)
-    for now, scans, sharing in ((103, 9, 0), (108, 10, 1000), (113, 11, 5000), (118, 12, 5010)):
+    for now, scans, sharing in ((103, 9, 0), (108, 10, 1000), (111, 11, 5000), (114, 12, 5005), (118, 13, 5010)):
         _counters(sysfs, scans, sharing)
         k.adjust(running=["a"], now=now)
     return k, sysfs
 
 
-def test_ksmd_rests_once_two_scans_after_the_last_start_merged_almost_nothing(tmp_path: Path) -> None:
+def test_ksmd_rests_once_three_scans_after_the_last_start_merged_almost_nothing(tmp_path: Path) -> None:
     sysfs = _sysfs(tmp_path)
     k = ksm.Ksm(Settings(state_dir=tmp_path, ksm="on", ksm_idle_s=5), sysfs, _meminfo(tmp_path, 800_000))
     k.start()
@@ -193,12 +193,17 @@ def test_ksmd_rests_once_two_scans_after_the_last_start_merged_almost_nothing(tm
         k.adjust(running=["a"], now=now)
         assert (sysfs / "run").read_text() == "1" and not k.resting
     _counters(sysfs, 10, 1000)
-    k.adjust(running=["a"], now=108.0)  # the first count after: two full scans from here
-    _counters(sysfs, 11, 5000)
-    k.adjust(running=["a"], now=113.0)  # one scan, and it merged 4,000 more pages
+    k.adjust(running=["a"], now=108.0)  # the first count after: three full scans from here
+    _counters(sysfs, 11, 1000)
+    k.adjust(running=["a"], now=113.0)  # one scan (under way at the marks: it passed them by)
+    _counters(sysfs, 12, 1005)
+    k.adjust(running=["a"], now=118.0)  # two, +0.5 %: pages noted, too early to say it settled
     assert (sysfs / "run").read_text() == "1" and not k.resting
-    _counters(sysfs, 12, 5040)  # the second, +0.8 %
-    k.adjust(running=["a"], now=118.0)
+    _counters(sysfs, 13, 5000)
+    k.adjust(running=["a"], now=123.0)  # three, and it merged what the new ones share: still merging
+    assert (sysfs / "run").read_text() == "1" and not k.resting
+    _counters(sysfs, 14, 5040)  # the fourth, +0.8 %
+    k.adjust(running=["a"], now=128.0)
     assert (sysfs / "run").read_text() == "0" and k.resting and not k.scanning
     assert "resting" in (k.ksmd or "") and k.stats()["rests"] == 1 and k.stats()["resting"] is True
     assert "aenv_ksm_resting 1" in k.prometheus()
@@ -231,8 +236,12 @@ def test_a_sandbox_start_wakes_a_resting_ksmd_and_settling_counts_again(tmp_path
     k.adjust(running=running, now=125.0)  # before "b" can be marked: no rest
     _counters(sysfs, 20, 5040)
     k.adjust(running=running, now=130.0)
-    assert not k.resting  # two more scans are needed after b's wait
+    assert not k.resting  # three more scans are needed after b's wait
     for now, scans in ((135, 21), (140, 22)):
+        _counters(sysfs, scans, 5040)
+        k.adjust(running=running, now=now)
+    assert not k.resting
+    for now, scans in ((145, 23),):
         _counters(sysfs, scans, 5040)
         k.adjust(running=running, now=now)
     assert k.resting and k.stats()["rests"] == 2
