@@ -226,6 +226,14 @@ async def get_sandbox(sandbox_id: str, orch: Orchestrator = Depends(orchestrator
     return JSONResponse(serialize.detail(orch.get(sandbox_id)))
 
 
+@router.get("/unstable/sandboxes/{sandbox_id}/record")
+async def sandbox_record(sandbox_id: str, orch: Orchestrator = Depends(orchestrator)) -> JSONResponse:
+    """E2B's record of the sandbox's latest run. aenv holds one for a sandbox it still has (running or
+    paused: a run not ended, its data retained); of an ended one it keeps why it ended and its log
+    lines, not a record, so its ID answers the 404 ``GET /sandboxes/{id}`` gives (when and why)."""
+    return JSONResponse(serialize.record(orch.get(sandbox_id)))
+
+
 @router.delete("/sandboxes/{sandbox_id}", status_code=204)
 async def kill_sandbox(sandbox_id: str, orch: Orchestrator = Depends(orchestrator)) -> Response:
     await orch.kill(sandbox_id)

@@ -66,6 +66,20 @@ def sandbox(sbx: LiveSandbox) -> dict[str, Any]:
     return out
 
 
+def record(sbx: LiveSandbox) -> dict[str, Any]:
+    """E2B's ``SandboxRecord`` of a sandbox this server holds: its run has not ended (``stoppedAt`` null)
+    and nothing of it has passed a retention window."""
+    row = sbx.row
+    out: dict[str, Any] = {
+        "templateID": row.template_id, "sandboxID": row.id, "startedAt": iso(row.started_at),
+        "cpuCount": row.cpu_count, "memoryMB": row.memory_mb, "diskSizeMB": row.disk_mb,
+        "retentionExpired": False, "eventsRetentionExpired": False, "stoppedAt": None, "domain": DOMAIN.get(),
+    }
+    if row.alias:
+        out["alias"] = row.alias
+    return out
+
+
 def compose(result: ComposeResult) -> dict[str, Any]:
     """A compose sandbox's project: each service's state and its published ports, with the host the
     sandbox proxy serves each under (what the SDK's ``sbx.get_host(port)`` says)."""

@@ -395,6 +395,7 @@ async def batch_metrics(request: Request) -> Response:
 @router.api_route("/sandboxes/{sandbox_id}", methods=ALL)
 @router.api_route("/sandboxes/{sandbox_id}/{rest:path}", methods=ALL)
 @router.api_route("/v2/sandboxes/{sandbox_id}/{rest:path}", methods=ALL)
+@router.api_route("/unstable/sandboxes/{sandbox_id}/{rest:path}", methods=ALL)
 async def sandbox_scoped(request: Request, sandbox_id: str, rest: str = "") -> Response:
     gw = gateway(request)
     if rest in ("connect", "resume") and request.method == "POST":

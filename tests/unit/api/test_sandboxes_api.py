@@ -114,6 +114,22 @@ def test_metrics_shape(client: TestClient) -> None:
     assert client.get(f"/sandboxes/{sid}/metrics", params={"start": int(time.time()) + 100}).json() == []
 
 
+def test_record_of_a_held_sandbox_parses_as_the_clients_model_and_an_ended_one_is_unknown(client: TestClient) -> None:
+    from e2b.api.client.models.sandbox_record import SandboxRecord
+
+    sid = _create(client)["sandboxID"]
+    got = client.get(f"/unstable/sandboxes/{sid}/record")
+    assert got.status_code == 200, got.text
+    rec = SandboxRecord.from_dict(got.json())
+    assert rec.sandbox_id == sid and rec.template_id == got.json()["templateID"] and rec.cpu_count >= 1
+    assert rec.stopped_at is None and not rec.retention_expired and not rec.events_retention_expired
+    assert client.post(f"/sandboxes/{sid}/pause").status_code == 204
+    assert client.get(f"/unstable/sandboxes/{sid}/record").json()["sandboxID"] == sid  # paused: still held
+    assert client.delete(f"/sandboxes/{sid}").status_code == 204
+    _assert_error(client.get(f"/unstable/sandboxes/{sid}/record"), 404, sid)
+    _assert_error(client.get("/unstable/sandboxes/nope/record"), 404, "nope")
+
+
 def test_reaper_kills_or_pauses_expired(client: TestClient, runtime: FakeRuntime) -> None:
     killed = _create(client, timeout=1)["sandboxID"]
     paused = _create(client, timeout=1, autoPause=True)["sandboxID"]
