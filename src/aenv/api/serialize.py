@@ -66,18 +66,15 @@ def sandbox(sbx: LiveSandbox) -> dict[str, Any]:
     return out
 
 
+_RECORD_KEYS = ("templateID", "sandboxID", "alias", "startedAt", "cpuCount", "memoryMB", "diskSizeMB")
+
+
 def record(sbx: LiveSandbox) -> dict[str, Any]:
-    """E2B's ``SandboxRecord`` of a sandbox this server holds: its run has not ended (``stoppedAt`` null)
-    and nothing of it has passed a retention window."""
-    row = sbx.row
-    out: dict[str, Any] = {
-        "templateID": row.template_id, "sandboxID": row.id, "startedAt": iso(row.started_at),
-        "cpuCount": row.cpu_count, "memoryMB": row.memory_mb, "diskSizeMB": row.disk_mb,
-        "retentionExpired": False, "eventsRetentionExpired": False, "stoppedAt": None, "domain": DOMAIN.get(),
-    }
-    if row.alias:
-        out["alias"] = row.alias
-    return out
+    """E2B's ``SandboxRecord`` of a sandbox this server holds (the detail's fields it shares): its run has
+    not ended (``stoppedAt`` null) and nothing of it has passed a retention window."""
+    common = _common(sbx)
+    return {**{k: common[k] for k in _RECORD_KEYS if k in common}, "retentionExpired": False,
+            "eventsRetentionExpired": False, "stoppedAt": None, "domain": DOMAIN.get()}
 
 
 def compose(result: ComposeResult) -> dict[str, Any]:
