@@ -25,6 +25,7 @@ from aenv.runtime.base import RuntimeState, SandboxImage, SandboxSpec
 from aenv.runtime.envd_client import request
 from aenv.runtime.network import slirp_available
 from aenv.runtime.ns import NsRuntime
+from aenv.runtime.ns.cgroups import Cgroup
 from tests.fixtures.envd import run_cmd
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module")]
@@ -137,6 +138,24 @@ def traces(rt: NsRuntime, sid: str, state: RuntimeState) -> list[str]:
     return found
 
 
+def _nices(cg: Cgroup) -> set[int]:
+    """The nice of every thread of every process in ``cg``."""
+    out: set[int] = set()
+    for pid in cg.pids():
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            out.add(int(stat.rsplit(")", 1)[1].split()[16]))  # field 19: nice
+    return out
+
+
+def _cpu_weight(cg: Cgroup) -> str:
+    if cg.layout.version == 2:
+        raw, lowest, ordinary = (cg.dir("cpu") / "cpu.weight").read_text().strip(), "1", "100"
+    else:
+        raw, lowest, ordinary = (cg.dir("cpu") / "cpu.shares").read_text().strip(), "2", "1024"
+    return {lowest: "lowest", ordinary: "ordinary"}.get(raw, raw)
+
+
 # ---- tests ----------------------------------------------------------------------------------------
 
 
@@ -160,11 +179,20 @@ async def test_cold_create_health_and_clean_kill(settings: Settings, template: S
 async def test_pooled_create_runs_commands_and_sets_limits(rt: NsRuntime, settings: Settings,
                                                            template: SandboxImage) -> None:
     await rt.wait_warm(template, False)
+    pooled = next(iter(rt.pool.names()))
+    assert rt.host.layout is not None
+    pooled_cgroup = Cgroup(rt.host.layout, pooled)
+    # waiting in the pool: the lowest CPU weight, processes not niced (nothing to undo at hand-out)
+    assert _cpu_weight(pooled_cgroup) == "lowest"
+    assert _nices(pooled_cgroup) == {0}
     spec = spec_for(settings, template, cpu_count=1, memory_mb=200, pids_limit=321)
     state = await rt.create(spec)
     assert state.data["cgroup"] == spec.sandbox_id
     sbx = rt.sandbox(spec.sandbox_id)
     assert sbx.paths.root == spec.workdir / "ns"
+    if pooled not in rt.pool.names():  # this create took it: a live sandbox's weight, still no nice
+        assert _cpu_weight(sbx.cgroup) == "ordinary"
+        assert _nices(sbx.cgroup) == {0}
     if rt.host.layout and rt.host.layout.version == 1:
         assert (sbx.cgroup.dir("pids") / "pids.max").read_text().strip() == "321"
         assert int((sbx.cgroup.dir("memory") / "memory.limit_in_bytes").read_text()) == 200 * 1024 * 1024

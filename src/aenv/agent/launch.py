@@ -331,8 +331,6 @@ def enter(cfg: dict) -> None:  # type: ignore[type-arg]
     with stdio pointing inside it. The zygote calls this and then runs the agent in-process."""
     pid, start = host_identity()
     join_cgroups(cfg["cgroup_procs"])
-    if cfg.get("nice"):
-        os.nice(int(cfg["nice"]))
     root = build_root(cfg)
     hostname = cfg.get("hostname", "aenv").encode()
     _check(_libc.sethostname(hostname, len(hostname)), "sethostname")
@@ -504,8 +502,6 @@ def run_in_userns(cfg: dict) -> None:  # type: ignore[type-arg]
     for fd in procs:  # "0" = ourselves, as in join_cgroups; the fds carry the host's permission
         os.write(fd, b"0")
         os.close(fd)
-    if cfg.get("nice"):
-        os.nice(int(cfg["nice"]))
     pid, start = host_identity()  # the host's /proc is still mounted beside ours
     mount_proc(".", None, nested=bool(cfg.get("nested")))
     if nested is not None:

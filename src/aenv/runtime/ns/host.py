@@ -35,8 +35,6 @@ from aenv.uid_ranges import host_base, slot_of
 
 log = logging.getLogger("aenv.runtime.ns")
 
-POOL_NICE = 19  # pooled sandboxes (and process images being made) start at the lowest priority
-
 Start = Callable[[], Awaitable[None]]  # ``NsRuntime.start``: idempotent, before anything touches cgroups
 # ``NsRuntime._prelaunch``: (name, root, spec, template, snapshot layers) -> a sandbox under a temporary name
 Prelaunch = Callable[[str, Path, SandboxSpec, SandboxImage, tuple[str, ...]], Coroutine[Any, Any, NsSandbox]]
@@ -179,7 +177,7 @@ class NsHost:
             self.tools = await asyncio.to_thread(ensure_tools, self.settings)
 
     def opts(self, template: SandboxImage, allow_internet: bool, limits: tuple[int, int, int],
-             nice: int = 0, disk_mb: int | None = None, uid_slot: int = 0) -> LaunchOptions:
+             pooled: bool = False, disk_mb: int | None = None, uid_slot: int = 0) -> LaunchOptions:
         """The launch options of a sandbox of ``template`` on this host, in uid range ``uid_slot``."""
         assert self.tools is not None
         if allow_internet and not slirp_available():
@@ -195,16 +193,16 @@ class NsHost:
                 "allows only in a user namespace of its own; this server runs them without one (ns_userns_uid=0)",
                 template=template.template_id)
         return LaunchOptions(template=template, tools=self.tools, allow_internet=allow_internet,
-                             default_limits=limits, debug_log=self.debug_log, nice=nice, zygote=self.zygote,
+                             default_limits=limits, debug_log=self.debug_log, pooled=pooled, zygote=self.zygote,
                              disk=self.disk if self.disk.active else None, userns=self.userns_at(uid_slot),
                              disk_mb=self.settings.default_disk_mb if disk_mb is None else disk_mb,
                              mergeable=self.mergeable, merge_idle_s=self.settings.ksm_idle_s)
 
     def pool_opts(self, template: SandboxImage, allow_internet: bool, uid_slot: int = 0) -> LaunchOptions:
-        """A pool entry's (or a process image's) options: the default limits, the lowest priority."""
+        """A pool entry's (or a process image's) options: the default limits, the lowest CPU weight."""
         s = self.settings
         return self.opts(template, allow_internet, (s.default_cpu_count, s.default_memory_mb, s.pids_limit),
-                         nice=POOL_NICE, uid_slot=uid_slot)
+                         pooled=True, uid_slot=uid_slot)
 
     async def launch(self, name: str, root: Path, opts: LaunchOptions, keep_root: bool = False) -> NsSandbox:
         """Start a sandbox by exec (or the zygote) under ``name`` in ``root`` (``NsSandbox.launch``)."""

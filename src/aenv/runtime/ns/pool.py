@@ -39,6 +39,7 @@ class _Slot:
     uid_slot: int
     ready: deque[NsSandbox] = field(default_factory=deque)
     filling: asyncio.Task[None] | None = None
+    taken: asyncio.Event = field(default_factory=asyncio.Event)  # a running fill counts its lack again
     failures: int = 0
 
 
@@ -107,42 +108,57 @@ class WarmPool:
     def _refill(self, slot: _Slot) -> None:
         if slot.filling is None or slot.filling.done():
             slot.filling = asyncio.create_task(self._fill(slot), name="ns-pool-fill")
+        else:
+            slot.taken.set()
 
     async def _fill(self, slot: _Slot) -> None:
-        """Fill ``slot`` up to size. An emptied pool is refilled at once and several at a time: its
-        next create would otherwise pay a whole start (measured during another team's burst of 200:
-        a create from the pool 5-30 ms, one that found it empty 100-230 ms, because one refill after
-        another could not keep up with one create every ~0.2 s)."""
+        """Fill ``slot`` up to size, keeping its whole lack in flight (bounded by the parallel starts):
+        a take while a start is under way begins the next at once, not after it. Measured during
+        another team's burst of 200, where a restore takes 200-500 ms: one create every ~0.2 s
+        emptied a pool of two refilled one start after another, and the create that found it empty
+        paid a whole start (300-520 ms against 5-30 ms from the pool). An emptied pool is refilled
+        without the refill delay."""
         if slot.ready:
             await asyncio.sleep(self.refill_delay)
-        while not self._closed and len(slot.ready) < self.size:
-            lacking = self.size - len(slot.ready)
-            at_once = lacking if not slot.ready else 1
-            starts = [asyncio.ensure_future(self._one(slot)) for _ in range(at_once)]
-            try:
-                await asyncio.wait(starts)
-            except asyncio.CancelledError:
-                # not gather's cancel: a start that was done would be dropped with its sandbox running
-                await self._abandon(starts)
-                raise
-            fresh = [t.result() for t in starts if not t.cancelled() and t.exception() is None]
-            errors = [t.exception() for t in starts if not t.cancelled() and t.exception() is not None]
-            if self._closed:
-                await asyncio.gather(*(s.aclose() for s in fresh), return_exceptions=True)
-                return
-            slot.ready.extend(fresh)
-            if errors:
-                slot.failures += 1
-                delay = min(30.0, 0.5 * 2 ** min(slot.failures, 6))
-                log.warning("pool fill for %s failed (%s); retry in %.1fs", slot.template.template_id, errors[0], delay)
-                await asyncio.sleep(delay)
-            else:
-                slot.failures = 0
+        pending: list[asyncio.Task[NsSandbox]] = []  # in start order: the ready queue keeps it
+        try:
+            while not self._closed:
+                slot.taken.clear()
+                lacking = self.size - len(slot.ready) - len(pending)
+                pending += [asyncio.ensure_future(self._one(slot)) for _ in range(max(0, lacking))]
+                if not pending:
+                    return
+                taken = asyncio.ensure_future(slot.taken.wait())
+                try:
+                    await asyncio.wait({*pending, taken}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    taken.cancel()
+                done = [t for t in pending if t.done()]
+                pending = [t for t in pending if not t.done()]
+                fresh = [t.result() for t in done if not t.cancelled() and t.exception() is None]
+                errors = [t.exception() for t in done if not t.cancelled() and t.exception() is not None]
+                if self._closed:
+                    await asyncio.gather(*(s.aclose() for s in fresh), return_exceptions=True)
+                    break
+                slot.ready.extend(fresh)
+                if errors:
+                    slot.failures += 1
+                    delay = min(30.0, 0.5 * 2 ** min(slot.failures, 6))
+                    log.warning("pool fill for %s failed (%s); retry in %.1fs", slot.template.template_id, errors[0], delay)
+                    await asyncio.sleep(delay)
+                elif fresh:
+                    slot.failures = 0
+        finally:
+            # cancelled (the pool closes or forgets the key), or closed: not gather's cancel, which
+            # would drop a start that was done with its sandbox running
+            await self._abandon(pending)
 
     @staticmethod
     async def _abandon(starts: list[asyncio.Task[NsSandbox]]) -> None:
         """The fill was cancelled: cancel the starts under way (each cleans up after itself), wait for
         them, and close every sandbox one of them had already made."""
+        if not starts:
+            return
         for t in starts:
             t.cancel()
         await asyncio.wait(starts)

@@ -41,7 +41,7 @@ from aenv.errors import AenvError
 from aenv.runtime.base import RuntimeState, SandboxImage, SandboxSpec
 from aenv.runtime.ns import checkpoint
 from aenv.runtime.ns.disk import remove_tree
-from aenv.runtime.ns.host import POOL_NICE, NsHost
+from aenv.runtime.ns.host import NsHost
 from aenv.runtime.ns.snapshot import NsSnapshots, copy_tree
 
 if TYPE_CHECKING:
@@ -112,7 +112,7 @@ class ProcImages:
         """A pool entry restored from the template's image (no identity yet: the hand-out sends
         ``/init``), or None: no image yet (one is made in the background) or its restore failed.
         Restoring costs a fraction of an exec start's CPU, which every refill otherwise takes from
-        the live sandboxes; it runs at the pool's low CPU weight and nice, as an exec'd entry does."""
+        the live sandboxes; it runs at the pool's low CPU weight, as an exec'd entry does."""
         if not self.enabled(template):
             return None
         key = self._key(template, allow_internet, uid_slot)
@@ -132,12 +132,7 @@ class ProcImages:
             log.warning("pool: restore of the template's process image failed (%s); launching by exec", exc)
             self._drop(key)
             return None
-        try:
-            await asyncio.to_thread(sbx.reprioritize, POOL_NICE)  # (its cgroups had the pool's weight from the start)
-        except BaseException:  # cancelled (the pool closes) before the pool holds it: it ends here
-            await sbx.aclose()
-            raise
-        return sbx
+        return sbx  # (its cgroups had the pool's weight from the start)
 
     def _drop(self, key: str) -> None:
         image = self._ready.pop(key, None)

@@ -345,7 +345,6 @@ class NsRuntime:
             sbx.opts.disk.limit(sbx.paths.root, disk_mb)  # pooled at the default size
         if sbx.opts is None or sbx.opts.default_limits != limits:  # pooled at the default limits
             sbx.cgroup.set_limits(*limits)
-        sbx.reprioritize(0)
         sbx.rename(sid, root)
         assert sbx.init is not None
         identity.set_hostname(sbx.init.pid, sid)  # pooled under the placeholder name (identity.py)

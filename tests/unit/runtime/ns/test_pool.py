@@ -177,6 +177,45 @@ async def test_a_fill_cancelled_midway_closes_what_it_had_made() -> None:
         if made:
             break
         await asyncio.sleep(0.01)
-    assert len(made) == 1 and pool.ready_count(T, False) == 0  # one done, held by the fill
+    assert len(made) == 1 and pool.ready_count(T, False) == 1  # one done and ready, one under way
     await asyncio.wait_for(pool.aclose(), 2)
     assert made[0].closed  # not left running
+
+
+async def test_a_take_during_a_refill_starts_the_next_at_once() -> None:
+    """The pool keeps its whole lack in flight: a take while a refill is under way starts another
+    then, not after the first ends (during another team's burst a start takes 200-500 ms, and a
+    create every ~0.2 s emptied a pool refilled one start after another)."""
+    running, peak = 0, 0
+    release = asyncio.Event()
+    made: list[FakeSandbox] = []
+
+    async def gated(template: SandboxImage, net: bool, uid_slot: int) -> FakeSandbox:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await release.wait()
+        running -= 1
+        made.append(FakeSandbox(len(made)))
+        return made[-1]
+
+    pool = WarmPool(2, gated, max_parallel=2, refill_delay=0.0)  # type: ignore[arg-type]
+    pool.want(T, False)
+    for _ in range(100):
+        if running == 2:
+            break
+        await asyncio.sleep(0.001)
+    release.set()
+    await asyncio.wait_for(pool.wait_ready(T, False), 2)
+    release.clear()
+    assert pool.take(T, False) is not None  # one left: one refill starts, and waits on the gate
+    await asyncio.sleep(0.01)
+    assert running == 1
+    assert pool.take(T, False) is not None  # the last one, while the refill is still under way
+    await asyncio.sleep(0.01)
+    assert running == 2  # the second start began now, beside the first
+    release.set()
+    await asyncio.wait_for(pool.wait_ready(T, False), 2)
+    assert len(made) == 4
+    await pool.aclose()
+
