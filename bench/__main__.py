@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench") -> int:
     if report.scale_series(results) and not report.render_scale_chart(results, out_dir / "scale.png"):
         console.print(f"no scale.png: {report.CHART_MISSING}")
     print(md)
-    console.print(f"results in {out_dir}" + ("" if chart else f" (no chart: {report.CHART_MISSING})"))
+    console.print(f"results in {out_dir}" + ("" if chart else f" (no chart: no row had a baseline beside it, or {report.CHART_MISSING})"))
     failed = [f"{rt}/{s}" for rt, run in results["runs"].items() for s in run.get("errors", {})]
     if failed:
         console.print(f"[red]error:[/] scenarios failed: {', '.join(failed)} (details in results.json)")

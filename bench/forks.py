@@ -9,11 +9,14 @@ place: its fork copies files only, which the notes say.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import os
 import time
 import uuid
 from typing import Any
 
-from aenv.client import ApiError
+from aenv.client import AenvClient, ApiError
+from aenv.testing.server import API_KEY
 from bench import snapshots
 from bench.baselines import DockerBaseline
 from bench.context import Ctx
@@ -113,27 +116,42 @@ def _docker_fork(docker: DockerBaseline, n: int) -> float:
 
 
 def fork(ctx: Ctx) -> dict[str, Any]:
-    """Fork ×{1,4,16} until every child answers vs `docker commit` + `docker run` ×n."""
+    """Fork ×{1,4,16} until every child answers vs the commit before (``--against``) and `docker commit`
+    + `docker run` ×n, each repetition in alternating order."""
     reps = ctx.n(1, 5, vm=3)
     ours: dict[int, list[float]] = {n: [] for n in FORK_COUNTS}
     calls: dict[int, list[float]] = {n: [] for n in FORK_COUNTS}
+    before: dict[int, list[float]] = {n: [] for n in FORK_COUNTS}
+    before_calls: dict[int, list[float]] = {n: [] for n in FORK_COUNTS}
     theirs: dict[int, list[float]] = {n: [] for n in FORK_COUNTS}
-    mode = None
-    for i in range(reps):
-        for n in FORK_COUNTS:
-            order = ["aenv", "docker"] if i % 2 == 0 else ["docker", "aenv"]
-            for who in order:
-                if who == "aenv":
-                    r = snapshots.scenario_fork(ctx.client, [n], 1)[f"x{n}"]
-                    ours[n].append(r["all_answering"]["p50_ms"])
-                    calls[n].append(r["fork_call"]["p50_ms"])
-                    mode = r["mode"]
-                elif (docker := ctx.heavy_docker()) is not None:
-                    theirs[n].append(_docker_fork(docker, n))
+    mode = before_mode = None
+    with contextlib.ExitStack() as stack:
+        prev = ctx.previous
+        prev_client = (stack.enter_context(AenvClient(prev.url, os.environ.get("E2B_API_KEY", API_KEY)))
+                       if prev is not None else None)
+        for i in range(reps):
+            for n in FORK_COUNTS:
+                order = ["aenv", "previous", "docker"]
+                for who in order if i % 2 == 0 else order[::-1]:
+                    if who == "aenv":
+                        r = snapshots.scenario_fork(ctx.client, [n], 1)[f"x{n}"]
+                        ours[n].append(r["all_answering"]["p50_ms"])
+                        calls[n].append(r["fork_call"]["p50_ms"])
+                        mode = r["mode"]
+                    elif who == "previous" and prev is not None and prev_client is not None:
+                        r = snapshots.scenario_fork(prev_client, [n], 1, url=prev.url)[f"x{n}"]
+                        before[n].append(r["all_answering"]["p50_ms"])
+                        before_calls[n].append(r["fork_call"]["p50_ms"])
+                        before_mode = r["mode"]
+                    elif who == "docker" and (docker := ctx.heavy_docker()) is not None:
+                        theirs[n].append(_docker_fork(docker, n))
     rows = []
     for n in FORK_COUNTS:
         rows.append(row(f"fork ×{n} → all children answer", ctx.system, ours[n], note=f"mode {mode}"))
         rows.append(row(f"fork ×{n}: the fork call", ctx.system, calls[n]))
+        if before[n] and prev is not None:
+            rows.append(row(f"fork ×{n} → all children answer", prev.system, before[n], note=f"mode {before_mode}"))
+            rows.append(row(f"fork ×{n}: the fork call", prev.system, before_calls[n]))
         if theirs[n]:
             rows.append(row(f"fork ×{n} → all children answer", "docker", theirs[n],
                             note="`docker commit` + `docker run` ×n + exec (files only)"))

@@ -205,7 +205,7 @@ def render_chart(results: dict[str, Any], path: Path) -> bool:
     # Pairwise comparisons only (a metric with a baseline beside aenv), sub-phase rows left out.
     rows = [(f"{rt}: {r['metric'].strip()}", r["system"], r["p50"]) for rt, _, r, _ in rows_of(results)
             if r["unit"] == "ms" and r.get("p50") and not r["metric"].startswith("  ")]
-    compared = {m for m, s, _ in rows if not s.startswith("aenv")}
+    compared = {m for m, s, _ in rows if not s.startswith("aenv") or "@" in s}  # "aenv-ns@REV": --against's
     items = [it for it in rows if it[0] in compared]
     if not items:
         return False

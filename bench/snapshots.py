@@ -45,16 +45,17 @@ def _summary(values: list[float]) -> dict[str, float]:
     }
 
 
-def _answer(sandbox_id: str) -> None:
+def _answer(sandbox_id: str, url: str | None = None) -> None:
     from e2b import Sandbox
 
-    Sandbox.connect(sandbox_id).commands.run("true")
+    Sandbox.connect(sandbox_id, api_url=url, sandbox_url=url).commands.run("true")  # None: the environment's
 
 
-def scenario_fork(client: AenvClient, counts: list[int], reps: int) -> dict[str, Any]:
+def scenario_fork(client: AenvClient, counts: list[int], reps: int, url: str | None = None) -> dict[str, Any]:
+    """``url``: the server ``client`` talks to, when it is not the environment's (``--against``)."""
     from e2b import Sandbox
 
-    src = Sandbox.create("base", timeout=600)
+    src = Sandbox.create("base", timeout=600, api_url=url, sandbox_url=url)
     out: dict[str, Any] = {}
     try:
         src.commands.run("head -c 1000000 /dev/urandom > /home/user/state && true")
@@ -67,11 +68,11 @@ def scenario_fork(client: AenvClient, counts: list[int], reps: int) -> dict[str,
                 res = client.fork(src.sandbox_id, n)
                 api.append(_ms(t0))
                 with concurrent.futures.ThreadPoolExecutor(min(n, 16)) as pool:
-                    list(pool.map(_answer, res.sandbox_ids))
+                    list(pool.map(lambda sid: _answer(sid, url), res.sandbox_ids))
                 walls.append(_ms(t0))
                 mode = res.mode
                 for sid in res.sandbox_ids:
-                    Sandbox.kill(sid)
+                    Sandbox.kill(sid, api_url=url, sandbox_url=url)
             out[f"x{n}"] = {"all_answering": _summary(walls), "fork_call": _summary(api), "mode": mode}
     finally:
         src.kill()

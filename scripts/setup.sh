@@ -9,7 +9,7 @@
 #   scripts/setup.sh deps                         set up only
 #
 # Steps: system packages (apt, as root; otherwise prints the exact apt line) → .venv in the repo root →
-# the project and its test extras → the tools bundle and the `base` template rootfs (cached outside the
+# the project and its test, cluster and bench extras → the tools bundle and the `base` template rootfs (cached outside the
 # repo, in /var/cache/aenv as root or ~/.cache/aenv).
 set -euo pipefail
 
@@ -75,11 +75,13 @@ if [ ! -x .venv/bin/python ]; then
 fi
 
 stamp=.venv/.aenv-installed
-want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+# cluster: Ray (~250 MB); bench: matplotlib, so a bench run writes its charts beside its tables
+extras="test,cluster,bench"
+want="$({ cat pyproject.toml; echo "$extras"; } | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   say "installing aenv and its dependencies into .venv"
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-  .venv/bin/python -m pip install -q -e '.[test,cluster]'  # cluster: Ray, ~250 MB
+  .venv/bin/python -m pip install -q -e ".[$extras]"
   echo "$want" > "$stamp"
 fi
 
