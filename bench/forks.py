@@ -119,44 +119,40 @@ def fork(ctx: Ctx) -> dict[str, Any]:
     """Fork ×{1,4,16} until every child answers vs the commit before (``--against``) and `docker commit`
     + `docker run` ×n, each repetition in alternating order."""
     reps = ctx.n(1, 5, vm=3)
-    ours: dict[int, list[float]] = {n: [] for n in FORK_COUNTS}
-    calls: dict[int, list[float]] = {n: [] for n in FORK_COUNTS}
-    before: dict[int, list[float]] = {n: [] for n in FORK_COUNTS}
-    before_calls: dict[int, list[float]] = {n: [] for n in FORK_COUNTS}
     theirs: dict[int, list[float]] = {n: [] for n in FORK_COUNTS}
-    mode = before_mode = None
     with contextlib.ExitStack() as stack:
-        prev = ctx.previous
-        prev_client = (stack.enter_context(AenvClient(prev.url, os.environ.get("E2B_API_KEY", API_KEY)))
-                       if prev is not None else None)
+        # (row label, client, server URL for the SDK: None = the environment's) of each aenv forked
+        forkers: list[tuple[str, AenvClient, str | None]] = [(ctx.system, ctx.client, None)]
+        if (prev := ctx.previous) is not None:
+            key = os.environ.get("E2B_API_KEY", API_KEY)
+            forkers.append((prev.system, stack.enter_context(AenvClient(prev.url, key)), prev.url))
+        walls: dict[str, dict[int, list[float]]] = {system: {n: [] for n in FORK_COUNTS} for system, _, _ in forkers}
+        calls: dict[str, dict[int, list[float]]] = {system: {n: [] for n in FORK_COUNTS} for system, _, _ in forkers}
+        modes: dict[str, str | None] = {}
         for i in range(reps):
             for n in FORK_COUNTS:
-                order = ["aenv", "previous", "docker"]
+                order: list[tuple[str, AenvClient, str | None] | None] = [*forkers, None]  # None: docker
                 for who in order if i % 2 == 0 else order[::-1]:
-                    if who == "aenv":
-                        r = snapshots.scenario_fork(ctx.client, [n], 1)[f"x{n}"]
-                        ours[n].append(r["all_answering"]["p50_ms"])
-                        calls[n].append(r["fork_call"]["p50_ms"])
-                        mode = r["mode"]
-                    elif who == "previous" and prev is not None and prev_client is not None:
-                        r = snapshots.scenario_fork(prev_client, [n], 1, url=prev.url)[f"x{n}"]
-                        before[n].append(r["all_answering"]["p50_ms"])
-                        before_calls[n].append(r["fork_call"]["p50_ms"])
-                        before_mode = r["mode"]
-                    elif who == "docker" and (docker := ctx.heavy_docker()) is not None:
-                        theirs[n].append(_docker_fork(docker, n))
+                    if who is None:
+                        if (docker := ctx.heavy_docker()) is not None:
+                            theirs[n].append(_docker_fork(docker, n))
+                        continue
+                    system, client, url = who
+                    r = snapshots.scenario_fork(client, [n], 1, url=url)[f"x{n}"]
+                    walls[system][n].append(r["all_answering"]["p50_ms"])
+                    calls[system][n].append(r["fork_call"]["p50_ms"])
+                    modes[system] = r["mode"]
     rows = []
     for n in FORK_COUNTS:
-        rows.append(row(f"fork ×{n} → all children answer", ctx.system, ours[n], note=f"mode {mode}"))
-        rows.append(row(f"fork ×{n}: the fork call", ctx.system, calls[n]))
-        if before[n] and prev is not None:
-            rows.append(row(f"fork ×{n} → all children answer", prev.system, before[n], note=f"mode {before_mode}"))
-            rows.append(row(f"fork ×{n}: the fork call", prev.system, before_calls[n]))
+        for system, _, _ in forkers:
+            rows.append(row(f"fork ×{n} → all children answer", system, walls[system][n],
+                            note=f"mode {modes.get(system)}"))
+            rows.append(row(f"fork ×{n}: the fork call", system, calls[system][n]))
         if theirs[n]:
             rows.append(row(f"fork ×{n} → all children answer", "docker", theirs[n],
                             note="`docker commit` + `docker run` ×n + exec (files only)"))
     return scenario("fork a running sandbox into n children", rows,
-                    [f"aenv fork mode on {ctx.runtime}: {mode} (filesystem = files copied, processes not)"])
+                    [f"aenv fork mode on {ctx.runtime}: {modes.get(ctx.system)} (filesystem = files copied, processes not)"])
 
 
 def rollback(ctx: Ctx) -> dict[str, Any]:

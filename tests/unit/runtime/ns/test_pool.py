@@ -186,14 +186,13 @@ async def test_a_take_during_a_refill_starts_the_next_at_once() -> None:
     """The pool keeps its whole lack in flight: a take while a refill is under way starts another
     then, not after the first ends (during another team's burst a start takes 200-500 ms, and a
     create every ~0.2 s emptied a pool refilled one start after another)."""
-    running, peak = 0, 0
+    running = 0
     release = asyncio.Event()
     made: list[FakeSandbox] = []
 
     async def gated(template: SandboxImage, net: bool, uid_slot: int) -> FakeSandbox:
-        nonlocal running, peak
+        nonlocal running
         running += 1
-        peak = max(peak, running)
         await release.wait()
         running -= 1
         made.append(FakeSandbox(len(made)))
